@@ -1,0 +1,1 @@
+"""Sub-commands of the `puzzle` command line, one module each (see puzzle/cli.py)."""

@@ -1,0 +1,397 @@
+"""The architecture as data: one frozen, hashable, JSON-round-trippable spec per block kind.
+
+A block's spec is the whole truth about its shape. Modules are built from it (`puzzle.blocks`),
+costs are computed from it (`puzzle.cost`), checkpoints record it (`puzzle.hf`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Union
+
+
+class SpecError(ValueError):
+    """An architecture description that cannot describe a real block or model."""
+
+
+def _require_positive_int(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise SpecError(f"{owner}.{name} must be a positive integer, found {value!r}")
+
+
+def _require_divisible(owner: str, name: str, value: int, divisor_name: str, divisor: int) -> None:
+    if value % divisor != 0:
+        raise SpecError(
+            f"{owner}.{name} ({value}) must be divisible by {divisor_name} ({divisor})"
+        )
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    """A Mamba-2 mixer: `num_heads` heads of `head_dim` channels, SSM state `state_size` per group.
+
+    d_inner = num_heads * head_dim; B and C have `n_groups * state_size` channels each.
+    dt is clamped to [dt_clamp_min, dt_clamp_max] after softplus (None = no upper clamp), as
+    transformers does with `(config.time_step_min, inf)`.
+    """
+
+    kind: ClassVar[str] = "mamba"
+    pattern_char: ClassVar[str] = "M"
+
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int = 1
+    conv_kernel: int = 4
+    chunk_size: int = 128
+    conv_bias: bool = True
+    proj_bias: bool = False
+    dt_clamp_min: float = 0.0
+    dt_clamp_max: float | None = None
+
+    def __post_init__(self) -> None:
+        owner = "MambaSpec"
+        for name in ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel", "chunk_size"):
+            _require_positive_int(owner, name, getattr(self, name))
+        _require_divisible(owner, "num_heads", self.num_heads, "n_groups", self.n_groups)
+        if self.dt_clamp_max is not None and self.dt_clamp_max < self.dt_clamp_min:
+            raise SpecError(
+                f"{owner}.dt_clamp_max ({self.dt_clamp_max}) is below dt_clamp_min ({self.dt_clamp_min})"
+            )
+
+    @property
+    def d_inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels the causal conv runs over: x | B | C."""
+        return self.d_inner + 2 * self.n_groups * self.state_size
+
+    @property
+    def in_proj_dim(self) -> int:
+        """Rows of in_proj, in the order z | x | B | C | dt."""
+        return self.d_inner + self.conv_dim + self.num_heads
+
+    def short_name(self) -> str:
+        return f"mamba:h{self.num_heads}:p{self.head_dim}:n{self.state_size}"
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Grouped-query attention. No positional encoding unless `rope_theta` is set (Nemotron is NoPE)."""
+
+    kind: ClassVar[str] = "attention"
+    pattern_char: ClassVar[str] = "*"
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    bias: bool = False
+    rope_theta: float | None = None
+    rotary_fraction: float = 1.0
+
+    def __post_init__(self) -> None:
+        owner = "AttentionSpec"
+        for name in ("num_heads", "num_kv_heads", "head_dim"):
+            _require_positive_int(owner, name, getattr(self, name))
+        _require_divisible(owner, "num_heads", self.num_heads, "num_kv_heads", self.num_kv_heads)
+        if self.rope_theta is not None and self.rope_theta <= 0:
+            raise SpecError(f"{owner}.rope_theta must be positive or None, found {self.rope_theta!r}")
+        if not 0.0 < self.rotary_fraction <= 1.0:
+            raise SpecError(
+                f"{owner}.rotary_fraction must be in (0, 1], found {self.rotary_fraction!r}"
+            )
+
+    def short_name(self) -> str:
+        return f"attn:q{self.num_heads}:kv{self.num_kv_heads}:d{self.head_dim}"
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """Mixture of relu^2 experts with a sigmoid router (DeepSeek-V3 / Nemotron-3 style).
+
+    `expert_width` is one width for every routed expert, or a tuple with one width per expert
+    (heterogeneous widths inside one block). `shared_width` 0 means no shared expert.
+    `latent_size` None means the routed experts work on the hidden size directly.
+    """
+
+    kind: ClassVar[str] = "moe"
+    pattern_char: ClassVar[str] = "E"
+
+    num_experts: int
+    top_k: int
+    expert_width: int | tuple[int, ...]
+    shared_width: int = 0
+    latent_size: int | None = None
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+
+    def __post_init__(self) -> None:
+        owner = "MoESpec"
+        for name in ("num_experts", "top_k", "n_group", "topk_group"):
+            _require_positive_int(owner, name, getattr(self, name))
+        if isinstance(self.expert_width, (list, tuple)):
+            widths = tuple(self.expert_width)
+            if len(widths) != self.num_experts:
+                raise SpecError(
+                    f"{owner}.expert_width has {len(widths)} entries, expected one per expert "
+                    f"(num_experts={self.num_experts})"
+                )
+            for index, width in enumerate(widths):
+                _require_positive_int(owner, f"expert_width[{index}]", width)
+            object.__setattr__(self, "expert_width", widths)
+        else:
+            _require_positive_int(owner, "expert_width", self.expert_width)
+        if isinstance(self.shared_width, bool) or not isinstance(self.shared_width, int):
+            raise SpecError(f"{owner}.shared_width must be an integer >= 0, found {self.shared_width!r}")
+        if self.shared_width < 0:
+            raise SpecError(f"{owner}.shared_width must be >= 0 (0 = none), found {self.shared_width}")
+        if self.latent_size is not None:
+            _require_positive_int(owner, "latent_size", self.latent_size)
+        if self.top_k > self.num_experts:
+            raise SpecError(
+                f"{owner}.top_k ({self.top_k}) exceeds num_experts ({self.num_experts})"
+            )
+        _require_divisible(owner, "num_experts", self.num_experts, "n_group", self.n_group)
+        if self.topk_group > self.n_group:
+            raise SpecError(
+                f"{owner}.topk_group ({self.topk_group}) exceeds n_group ({self.n_group})"
+            )
+        reachable = self.topk_group * (self.num_experts // self.n_group)
+        if self.top_k > reachable:
+            raise SpecError(
+                f"{owner}.top_k ({self.top_k}) exceeds the experts reachable through "
+                f"topk_group={self.topk_group} of n_group={self.n_group} groups ({reachable})"
+            )
+
+    @property
+    def widths(self) -> tuple[int, ...]:
+        """One width per routed expert."""
+        if isinstance(self.expert_width, tuple):
+            return self.expert_width
+        return (self.expert_width,) * self.num_experts
+
+    @property
+    def is_uniform(self) -> bool:
+        return len(set(self.widths)) == 1
+
+    @property
+    def expert_input_size(self) -> int | None:
+        """Input size of the routed experts: the latent size, or None meaning the hidden size."""
+        return self.latent_size
+
+    def short_name(self) -> str:
+        widths = self.widths
+        width = str(widths[0]) if self.is_uniform else f"{round(sum(widths) / len(widths))}avg"
+        name = f"moe:e{self.num_experts}:k{self.top_k}:w{width}"
+        if self.shared_width:
+            name += f":s{self.shared_width}"
+        if self.latent_size is not None:
+            name += f":l{self.latent_size}"
+        return name
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    """A dense, non-gated MLP: down(act(up(x)))."""
+
+    kind: ClassVar[str] = "mlp"
+    pattern_char: ClassVar[str] = "-"
+    ACTIVATIONS: ClassVar[tuple[str, ...]] = ("relu2", "silu", "gelu", "relu")
+
+    width: int
+    activation: str = "relu2"
+    bias: bool = False
+
+    def __post_init__(self) -> None:
+        _require_positive_int("MLPSpec", "width", self.width)
+        if self.activation not in self.ACTIVATIONS:
+            raise SpecError(
+                f"MLPSpec.activation {self.activation!r} is not supported; "
+                f"choose one of {list(self.ACTIVATIONS)}"
+            )
+
+    def short_name(self) -> str:
+        return f"mlp:w{self.width}"
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """One hidden x hidden matrix replacing a block's mixer."""
+
+    kind: ClassVar[str] = "linear"
+    pattern_char: ClassVar[str] = "L"
+
+    bias: bool = False
+
+    def short_name(self) -> str:
+        return "linear"
+
+
+@dataclass(frozen=True)
+class NoOpSpec:
+    """A removed block: its mixer contributes zero to the residual stream."""
+
+    kind: ClassVar[str] = "noop"
+    pattern_char: ClassVar[str] = "N"
+
+    def short_name(self) -> str:
+        return "noop"
+
+
+BlockSpec = Union[MambaSpec, AttentionSpec, MoESpec, MLPSpec, LinearSpec, NoOpSpec]
+BLOCK_SPEC_TYPES: dict[str, type] = {
+    cls.kind: cls for cls in (MambaSpec, AttentionSpec, MoESpec, MLPSpec, LinearSpec, NoOpSpec)
+}
+
+
+def _finite_or_none(value: Any) -> Any:
+    # JSON has no infinity; an unbounded clamp is written as null.
+    if isinstance(value, float) and math.isinf(value):
+        return None
+    return value
+
+
+def block_to_dict(spec: BlockSpec) -> dict[str, Any]:
+    """A JSON-ready dict: {"kind": ..., every field}. Tuples become lists."""
+    out: dict[str, Any] = {"kind": spec.kind}
+    for f in dataclasses.fields(spec):
+        value = getattr(spec, f.name)
+        out[f.name] = list(value) if isinstance(value, tuple) else _finite_or_none(value)
+    return out
+
+
+def block_from_dict(data: Mapping[str, Any]) -> BlockSpec:
+    """Inverse of `block_to_dict`. Unknown kinds and unknown keys are errors."""
+    if not isinstance(data, Mapping):
+        raise SpecError(f"a block spec must be a JSON object, found {type(data).__name__}")
+    if "kind" not in data:
+        raise SpecError(f"block spec {dict(data)!r} has no 'kind'; choose one of {sorted(BLOCK_SPEC_TYPES)}")
+    kind = data["kind"]
+    if kind not in BLOCK_SPEC_TYPES:
+        raise SpecError(f"unknown block kind {kind!r}; choose one of {sorted(BLOCK_SPEC_TYPES)}")
+    cls = BLOCK_SPEC_TYPES[kind]
+    allowed = [f.name for f in dataclasses.fields(cls)]
+    fields = {key: value for key, value in data.items() if key != "kind"}
+    unknown = sorted(set(fields) - set(allowed))
+    if unknown:
+        raise SpecError(
+            f"unknown key(s) {unknown} for a {kind!r} block; allowed keys: {allowed}"
+        )
+    missing = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.name not in fields
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        raise SpecError(f"a {kind!r} block spec is missing required key(s) {missing}")
+    if isinstance(fields.get("expert_width"), list):
+        fields["expert_width"] = tuple(fields["expert_width"])
+    try:
+        return cls(**fields)
+    except TypeError as error:  # e.g. a string where a number belongs
+        raise SpecError(f"invalid {kind!r} block spec {dict(data)!r}: {error}") from error
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A whole hybrid language model: embeddings, the blocks in order, final norm, lm_head."""
+
+    vocab_size: int
+    hidden_size: int
+    blocks: tuple[BlockSpec, ...] = field(default_factory=tuple)
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        _require_positive_int("ModelSpec", "vocab_size", self.vocab_size)
+        _require_positive_int("ModelSpec", "hidden_size", self.hidden_size)
+        blocks = tuple(self.blocks)
+        for index, block in enumerate(blocks):
+            if not isinstance(block, tuple(BLOCK_SPEC_TYPES.values())):
+                raise SpecError(
+                    f"ModelSpec.blocks[{index}] is a {type(block).__name__}, expected a block spec "
+                    f"({', '.join(cls.__name__ for cls in BLOCK_SPEC_TYPES.values())})"
+                )
+        if not self.norm_eps > 0:
+            raise SpecError(f"ModelSpec.norm_eps must be positive, found {self.norm_eps!r}")
+        object.__setattr__(self, "blocks", blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def pattern(self) -> str:
+        """One character per block, NVIDIA's `hybrid_override_pattern` alphabet (+ L linear, N no-op)."""
+        return "".join(block.pattern_char for block in self.blocks)
+
+    def replace_block(self, index: int, block: BlockSpec) -> ModelSpec:
+        """A copy with block `index` replaced."""
+        blocks = list(self.blocks)
+        blocks[index] = block
+        return dataclasses.replace(self, blocks=tuple(blocks))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "norm_eps": self.norm_eps,
+            "tie_embeddings": self.tie_embeddings,
+            "blocks": [block_to_dict(block) for block in self.blocks],
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ModelSpec:
+        if not isinstance(data, Mapping):
+            raise SpecError(f"a model spec must be a JSON object, found {type(data).__name__}")
+        allowed = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(data) - set(allowed))
+        if unknown:
+            raise SpecError(f"unknown key(s) {unknown} in a model spec; allowed keys: {allowed}")
+        for required in ("vocab_size", "hidden_size", "blocks"):
+            if required not in data:
+                raise SpecError(f"a model spec is missing required key {required!r}")
+        blocks = data["blocks"]
+        if not isinstance(blocks, list):
+            raise SpecError(f"ModelSpec 'blocks' must be a list, found {type(blocks).__name__}")
+        fields = dict(data)
+        fields["blocks"] = tuple(block_from_dict(block) for block in blocks)
+        return cls(**fields)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelSpec:
+        return cls.from_dict(json.loads(text))
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A candidate for one block of the parent: (block index, spec), with a readable id."""
+
+    block_index: int
+    spec: BlockSpec
+
+    @property
+    def id(self) -> str:
+        return self.spec.short_name()
+
+    def __str__(self) -> str:
+        return f"block {self.block_index}: {self.id}"
+
+
+def blocks_of_kind(spec: ModelSpec, kinds: str | Iterable[str]) -> list[int]:
+    """Indices of the blocks whose kind is one of `kinds`."""
+    wanted = {kinds} if isinstance(kinds, str) else set(kinds)
+    return [index for index, block in enumerate(spec.blocks) if block.kind in wanted]
