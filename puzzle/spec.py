@@ -11,7 +11,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Union
+from typing import Any, ClassVar
 
 
 class SpecError(ValueError):
@@ -25,9 +25,7 @@ def _require_positive_int(owner: str, name: str, value: Any) -> None:
 
 def _require_divisible(owner: str, name: str, value: int, divisor_name: str, divisor: int) -> None:
     if value % divisor != 0:
-        raise SpecError(
-            f"{owner}.{name} ({value}) must be divisible by {divisor_name} ({divisor})"
-        )
+        raise SpecError(f"{owner}.{name} ({value}) must be divisible by {divisor_name} ({divisor})")
 
 
 @dataclass(frozen=True)
@@ -103,9 +101,7 @@ class AttentionSpec:
         if self.rope_theta is not None and self.rope_theta <= 0:
             raise SpecError(f"{owner}.rope_theta must be positive or None, found {self.rope_theta!r}")
         if not 0.0 < self.rotary_fraction <= 1.0:
-            raise SpecError(
-                f"{owner}.rotary_fraction must be in (0, 1], found {self.rotary_fraction!r}"
-            )
+            raise SpecError(f"{owner}.rotary_fraction must be in (0, 1], found {self.rotary_fraction!r}")
 
     def short_name(self) -> str:
         return f"attn:q{self.num_heads}:kv{self.num_kv_heads}:d{self.head_dim}"
@@ -156,14 +152,10 @@ class MoESpec:
         if self.latent_size is not None:
             _require_positive_int(owner, "latent_size", self.latent_size)
         if self.top_k > self.num_experts:
-            raise SpecError(
-                f"{owner}.top_k ({self.top_k}) exceeds num_experts ({self.num_experts})"
-            )
+            raise SpecError(f"{owner}.top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
         _require_divisible(owner, "num_experts", self.num_experts, "n_group", self.n_group)
         if self.topk_group > self.n_group:
-            raise SpecError(
-                f"{owner}.topk_group ({self.topk_group}) exceeds n_group ({self.n_group})"
-            )
+            raise SpecError(f"{owner}.topk_group ({self.topk_group}) exceeds n_group ({self.n_group})")
         reachable = self.topk_group * (self.num_experts // self.n_group)
         if self.top_k > reachable:
             raise SpecError(
@@ -246,7 +238,7 @@ class NoOpSpec:
         return "noop"
 
 
-BlockSpec = Union[MambaSpec, AttentionSpec, MoESpec, MLPSpec, LinearSpec, NoOpSpec]
+BlockSpec = MambaSpec | AttentionSpec | MoESpec | MLPSpec | LinearSpec | NoOpSpec
 BLOCK_SPEC_TYPES: dict[str, type] = {
     cls.kind: cls for cls in (MambaSpec, AttentionSpec, MoESpec, MLPSpec, LinearSpec, NoOpSpec)
 }
@@ -282,9 +274,7 @@ def block_from_dict(data: Mapping[str, Any]) -> BlockSpec:
     fields = {key: value for key, value in data.items() if key != "kind"}
     unknown = sorted(set(fields) - set(allowed))
     if unknown:
-        raise SpecError(
-            f"unknown key(s) {unknown} for a {kind!r} block; allowed keys: {allowed}"
-        )
+        raise SpecError(f"unknown key(s) {unknown} for a {kind!r} block; allowed keys: {allowed}")
     missing = [
         f.name
         for f in dataclasses.fields(cls)

@@ -1,0 +1,128 @@
+"""The architecture as data: round trips, hashing, and every validation error with its message."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from puzzle.spec import (
+    AttentionSpec,
+    LinearSpec,
+    MambaSpec,
+    MLPSpec,
+    ModelSpec,
+    MoESpec,
+    NoOpSpec,
+    SpecError,
+    Variant,
+    block_from_dict,
+    block_to_dict,
+    blocks_of_kind,
+)
+
+ALL_KINDS = (
+    MambaSpec(num_heads=4, head_dim=8, state_size=16, n_groups=2, chunk_size=16),
+    AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8),
+    MoESpec(num_experts=4, top_k=2, expert_width=(8, 16, 8, 4), shared_width=12, latent_size=8),
+    MoESpec(num_experts=8, top_k=3, expert_width=32, routed_scaling_factor=2.5, n_group=2, topk_group=2),
+    MLPSpec(width=64),
+    LinearSpec(),
+    NoOpSpec(),
+)
+
+
+def test_every_kind_round_trips_through_json_and_hashes() -> None:
+    spec = ModelSpec(vocab_size=100, hidden_size=32, blocks=ALL_KINDS)
+    again = ModelSpec.from_json(spec.to_json())
+    assert again == spec
+    assert hash(again) == hash(spec)
+    assert spec.pattern == "M*EE-LN"
+    assert len({spec, again}) == 1
+
+
+def test_unbounded_dt_clamp_is_written_as_null() -> None:
+    mamba = MambaSpec(num_heads=2, head_dim=4, state_size=8, dt_clamp_min=1e-3)
+    data = block_to_dict(mamba)
+    assert data["dt_clamp_max"] is None
+    json.dumps(data, allow_nan=False)  # strict JSON: no Infinity
+    assert block_from_dict(data) == mamba
+
+
+def test_expert_widths_uniform_and_heterogeneous() -> None:
+    uniform = MoESpec(num_experts=3, top_k=1, expert_width=5)
+    assert uniform.widths == (5, 5, 5) and uniform.is_uniform
+    mixed = MoESpec(num_experts=3, top_k=1, expert_width=[5, 6, 7])
+    assert mixed.expert_width == (5, 6, 7) and not mixed.is_uniform
+    assert hash(mixed) == hash(MoESpec(num_experts=3, top_k=1, expert_width=(5, 6, 7)))
+
+
+def test_derived_mamba_sizes_follow_the_checkpoint_layout() -> None:
+    # Nemotron-3-Super: in_proj [d + (d + 2GN) + nh, H] with d = 128 * 64, G = 8, N = 128.
+    mamba = MambaSpec(num_heads=128, head_dim=64, state_size=128, n_groups=8)
+    assert mamba.d_inner == 8192
+    assert mamba.conv_dim == 8192 + 2 * 8 * 128
+    assert mamba.in_proj_dim == 8192 + 8192 + 2 * 8 * 128 + 128
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: MambaSpec(num_heads=6, head_dim=8, state_size=16, n_groups=4), "divisible by n_groups"),
+        (lambda: MambaSpec(num_heads=4, head_dim=0, state_size=16), "head_dim must be a positive integer"),
+        (
+            lambda: MambaSpec(num_heads=4, head_dim=8, state_size=16, dt_clamp_min=1.0, dt_clamp_max=0.5),
+            "below dt_clamp_min",
+        ),
+        (lambda: AttentionSpec(num_heads=6, num_kv_heads=4, head_dim=8), "divisible by num_kv_heads"),
+        (lambda: MoESpec(num_experts=4, top_k=5, expert_width=8), r"top_k \(5\) exceeds num_experts \(4\)"),
+        (lambda: MoESpec(num_experts=4, top_k=2, expert_width=0), "expert_width must be a positive integer"),
+        (
+            lambda: MoESpec(num_experts=4, top_k=2, expert_width=(8, 8)),
+            "has 2 entries, expected one per expert",
+        ),
+        (lambda: MoESpec(num_experts=4, top_k=2, expert_width=(8, 8, -1, 8)), r"expert_width\[2\]"),
+        (
+            lambda: MoESpec(num_experts=4, top_k=2, expert_width=8, shared_width=-1),
+            "shared_width must be >= 0",
+        ),
+        (lambda: MoESpec(num_experts=6, top_k=2, expert_width=8, n_group=4), "divisible by n_group"),
+        (
+            lambda: MoESpec(num_experts=8, top_k=5, expert_width=8, n_group=4, topk_group=2),
+            "reachable through topk_group",
+        ),
+        (lambda: MLPSpec(width=-3), "width must be a positive integer"),
+        (lambda: MLPSpec(width=8, activation="swish9"), "activation 'swish9' is not supported"),
+        (lambda: ModelSpec(vocab_size=10, hidden_size=8, blocks=("M",)), r"blocks\[0\] is a str"),
+    ],
+)
+def test_validation_errors_name_the_problem(build, message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        build()
+
+
+def test_unknown_json_keys_and_kinds_are_errors() -> None:
+    with pytest.raises(
+        SpecError, match=r"unknown key\(s\) \['heads'\] for a 'mamba' block; allowed keys: \["
+    ):
+        block_from_dict({"kind": "mamba", "heads": 4, "head_dim": 8, "state_size": 16})
+    with pytest.raises(SpecError, match="unknown block kind 'ssm'; choose one of"):
+        block_from_dict({"kind": "ssm"})
+    with pytest.raises(SpecError, match="has no 'kind'"):
+        block_from_dict({"width": 4})
+    with pytest.raises(SpecError, match=r"missing required key\(s\) \['width'\]"):
+        block_from_dict({"kind": "mlp"})
+    with pytest.raises(SpecError, match=r"unknown key\(s\) \['layers'\] in a model spec"):
+        ModelSpec.from_dict({"vocab_size": 10, "hidden_size": 8, "blocks": [], "layers": 3})
+    with pytest.raises(SpecError, match="'blocks' must be a list"):
+        ModelSpec.from_dict({"vocab_size": 10, "hidden_size": 8, "blocks": "M*"})
+
+
+def test_replace_block_and_variant_ids() -> None:
+    spec = ModelSpec(vocab_size=100, hidden_size=32, blocks=ALL_KINDS)
+    smaller = MoESpec(num_experts=4, top_k=1, expert_width=8, shared_width=12, latent_size=8)
+    child = spec.replace_block(2, smaller)
+    assert child.blocks[2] == smaller and spec.blocks[2] == ALL_KINDS[2]
+    assert Variant(2, smaller).id == "moe:e4:k1:w8:s12:l8"
+    assert blocks_of_kind(spec, "moe") == [2, 3]
+    assert blocks_of_kind(spec, ("linear", "noop")) == [5, 6]
