@@ -15,16 +15,39 @@ from puzzle.spec import (
 
 __version__ = "0.1.0"
 
+# Exports that import torch load on first use, so `import puzzle` (the CLI, spec and cost code) stays light.
+_LAZY_EXPORTS = {
+    "load": "puzzle.hf",
+    "CheckpointError": "puzzle.hf",
+    "HybridLM": "puzzle.model",
+    "Budget": "puzzle.search_budget",
+    "ScenarioTarget": "puzzle.search_budget",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY_EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY_EXPORTS[name]), name)
+    raise AttributeError(f"module 'puzzle' has no attribute {name!r}")
+
+
 __all__ = [
     "AttentionSpec",
     "BlockSpec",
+    "Budget",
+    "CheckpointError",
+    "HybridLM",
     "LinearSpec",
     "MLPSpec",
     "MambaSpec",
     "ModelSpec",
     "MoESpec",
     "NoOpSpec",
+    "ScenarioTarget",
     "SpecError",
     "Variant",
     "__version__",
+    "load",
 ]

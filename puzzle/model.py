@@ -1,0 +1,222 @@
+"""HybridLM: embeddings -> pre-norm residual blocks (one mixer each) -> final norm -> lm_head, with caches and generate().
+
+The stack is a plain list of blocks built from a `ModelSpec`, so a heterogeneous child (pruned widths,
+linear or removed blocks) needs no special case. State-dict keys are the NemotronH hub keys without
+the `backbone.` prefix; `puzzle.hf` converts checkpoints in and out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from puzzle.blocks import build_block
+from puzzle.spec import BlockSpec, ModelSpec, NoOpSpec
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim, computed in fp32 and cast back to the input dtype (as NemotronHRMSNorm).
+
+    The weight multiplies the fp32 normalised activations before the cast, so a bf16 model rounds once.
+    """
+
+    def __init__(self, size: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., size] -> [..., size], same dtype as x."""
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class Block(nn.Module):
+    """One residual block: `x + mixer(norm(x))`. A no-op block skips the norm and returns x unchanged."""
+
+    def __init__(self, spec: BlockSpec, hidden_size: int, norm_eps: float) -> None:
+        super().__init__()
+        self.spec = spec
+        self.norm = RMSNorm(hidden_size, norm_eps)
+        self.mixer = build_block(spec, hidden_size, norm_eps)
+
+    def forward(self, x: torch.Tensor, cache: Any = None) -> torch.Tensor:
+        """x: [b, t, H] -> [b, t, H]; a cache is continued and left at the end of x."""
+        if isinstance(self.spec, NoOpSpec):
+            return x
+        # The residual stays in x's dtype; the mixer sees the norm's dtype (as NemotronHBlock).
+        return x + self.mixer(self.norm(x.to(self.norm.weight.dtype)), cache=cache)
+
+    def step(self, x: torch.Tensor, cache: Any) -> torch.Tensor:
+        """One-token decode: x [b, 1, H] -> [b, 1, H], updating `cache`."""
+        if isinstance(self.spec, NoOpSpec):
+            return x
+        return x + self.mixer.step(self.norm(x.to(self.norm.weight.dtype)), cache)
+
+
+@dataclass
+class ModelCache:
+    """Decoding state of a whole model: one cache per block (None for stateless blocks) and the tokens seen."""
+
+    blocks: list[Any]
+    position: int = 0
+
+
+@dataclass
+class ModelOutput:
+    """`logits` [b, t, V] (fp32); `hidden_states`: (embeddings output, block 0 output, ...) when asked, else None."""
+
+    logits: torch.Tensor
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    cache: ModelCache | None = None
+
+
+class HybridLM(nn.Module):
+    """A hybrid Mamba / attention / MoE / MLP language model built from a `ModelSpec`.
+
+    Attributes besides the modules: `spec`; `extra_tensors` (name -> tensor or lazy safetensors
+    reference: checkpoint tensors outside the backbone, e.g. MTP weights, written back on save);
+    `source_config` and `source_path` (the checkpoint it was loaded from, if any).
+    """
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embeddings = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(Block(block, spec.hidden_size, spec.norm_eps) for block in spec.blocks)
+        self.norm_f = RMSNorm(spec.hidden_size, spec.norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_embeddings:
+            self.lm_head.weight = self.embeddings.weight
+        self.extra_tensors: dict[str, Any] = {}
+        self.source_config: dict[str, Any] | None = None
+        self.source_path: Path | None = None
+
+    def init_cache(
+        self, batch_size: int, device: torch.device | None = None, dtype: torch.dtype | None = None
+    ) -> ModelCache:
+        """Empty caches for every block, on the model's device and dtype unless given."""
+        weight = self.embeddings.weight
+        device = weight.device if device is None else device
+        dtype = weight.dtype if dtype is None else dtype
+        return ModelCache(
+            [block.mixer.init_cache(batch_size, device=device, dtype=dtype) for block in self.layers]
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        output_hidden_states: bool = False,
+        cache: ModelCache | None = None,
+        logits_to_keep: int = 0,
+    ) -> ModelOutput:
+        """input_ids [b, t] (int64) -> ModelOutput with logits [b, t, V] in fp32.
+
+        With a cache, continue from it and leave it at the end of input_ids; one token at a time
+        goes through each mixer's `step`. `logits_to_keep` > 0 computes logits of the last
+        positions only (generation needs one).
+        """
+        x = self.embeddings(input_ids)
+        hidden: list[torch.Tensor] | None = [x] if output_hidden_states else None
+        decode = cache is not None and input_ids.shape[1] == 1 and cache.position > 0
+        for index, block in enumerate(self.layers):
+            if cache is None:
+                x = block(x)
+            elif decode:
+                x = block.step(x, cache.blocks[index])
+            else:
+                x = block(x, cache=cache.blocks[index])
+            if hidden is not None:
+                hidden.append(x)
+        if cache is not None:
+            cache.position += input_ids.shape[1]
+        if logits_to_keep > 0:
+            x = x[:, -logits_to_keep:]
+        logits = self.lm_head(self.norm_f(x)).float()
+        return ModelOutput(
+            logits=logits, hidden_states=tuple(hidden) if hidden is not None else None, cache=cache
+        )
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 20,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+        eos_token_id: int | None = None,
+    ) -> torch.Tensor:
+        """Prompt [b, t] -> prompt + up to `max_new_tokens` tokens [b, t + n].
+
+        Greedy when temperature == 0; otherwise samples from softmax(logits / temperature), restricted
+        to the `top_k` most likely tokens when given, drawing from `generator`. The prompt is
+        prefilled once; then one token per step through every mixer's `step`. Stops early once every
+        row has produced `eos_token_id`.
+        """
+        if input_ids.ndim != 2 or input_ids.shape[1] == 0:
+            raise ValueError(
+                f"input_ids must be [batch, tokens] with tokens >= 1, found shape {list(input_ids.shape)}"
+            )
+        cache = self.init_cache(input_ids.shape[0])
+        logits = self(input_ids, cache=cache, logits_to_keep=1).logits[:, -1]
+        tokens = [input_ids]
+        finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for step in range(max_new_tokens):
+            next_token = self._pick(logits, temperature, top_k, generator)
+            if eos_token_id is not None:
+                next_token = next_token.masked_fill(finished, eos_token_id)
+                finished |= next_token == eos_token_id
+            tokens.append(next_token[:, None])
+            if step + 1 == max_new_tokens or bool(finished.all()):
+                break
+            logits = self(next_token[:, None], cache=cache).logits[:, -1]
+        return torch.cat(tokens, dim=1)
+
+    @staticmethod
+    def _pick(
+        logits: torch.Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+    ) -> torch.Tensor:
+        """Next token per row from logits [b, V] -> [b]."""
+        if temperature <= 0:
+            return logits.argmax(dim=-1)
+        logits = logits / temperature
+        if top_k is not None and top_k < logits.shape[-1]:
+            threshold = logits.topk(top_k, dim=-1).values[:, -1:]
+            logits = logits.masked_fill(logits < threshold, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+    def save_pretrained(self, path: str | Path, max_shard_bytes: int | None = None) -> Path:
+        """Write a NemotronH checkpoint (config.json + safetensors) to `path`; see `puzzle.hf.save_pretrained`."""
+        from puzzle import hf  # hf imports this module
+
+        kwargs = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+        return hf.save_pretrained(self, path, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"pattern={self.spec.pattern}"
+
+
+def parameter_counts(model: HybridLM) -> dict[str, int]:
+    """Parameters per block kind (each block's norm included), plus "embeddings", "lm_head", "norm_f"; meta-safe.
+
+    A tied lm_head is counted once, under "embeddings".
+    """
+    counts: dict[str, int] = {"embeddings": model.embeddings.weight.numel()}
+    if not model.spec.tie_embeddings:
+        counts["lm_head"] = model.lm_head.weight.numel()
+    counts["norm_f"] = model.norm_f.weight.numel()
+    for block in model.layers:
+        kind = block.spec.kind
+        counts[kind] = counts.get(kind, 0) + sum(p.numel() for p in block.parameters())
+    return counts
