@@ -7,7 +7,7 @@ import importlib
 import sys
 
 # Each module defines `register(subparsers)`, which adds its sub-command and sets `func(args) -> int`.
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("puzzle.commands.search", "puzzle.commands.costs")
 
 
 def build_parser() -> argparse.ArgumentParser:

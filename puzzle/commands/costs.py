@@ -1,0 +1,220 @@
+"""`puzzle costs TARGET`: parameters, weight memory, per-request state and concurrency of a model.
+
+TARGET is a preset name (`puzzle costs nemotron3-super`), a checkpoint directory, or a config.json
+file (nemotron_h, or nemotron_h_puzzle with per-block `block_configs`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from puzzle.cost.analytic import (
+    RECIPES,
+    block_active_params,
+    block_params,
+    block_weight_bytes,
+    get_recipe,
+    kv_bytes_per_token,
+    model_active_params,
+    model_params,
+    model_weight_bytes,
+    state_bytes_per_request,
+    state_bytes_per_sequence,
+)
+from puzzle.cost.hardware import get_hardware, hardware_names
+from puzzle.cost.roofline import max_concurrent_requests
+from puzzle.presets import PRESETS, get_preset
+from puzzle.spec import ModelSpec, SpecError
+
+STATE_DTYPES = ("fp32", "bf16", "fp16", "fp8")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "costs",
+        help="parameters, weight memory, per-request state and concurrency of a model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "target", help=f"a preset ({', '.join(sorted(PRESETS))}), a checkpoint dir or a config.json"
+    )
+    parser.add_argument(
+        "--hardware", default="h100-80gb", help=f"one of {hardware_names()} (default h100-80gb)"
+    )
+    parser.add_argument("--context", type=int, default=1_000_000, help="tokens per request (default 1000000)")
+    parser.add_argument(
+        "--recipe", default="bf16", help=f"weight storage: one of {sorted(RECIPES)} (default bf16)"
+    )
+    parser.add_argument(
+        "--kv-dtype", default="bf16", choices=STATE_DTYPES, help="KV cache dtype (default bf16)"
+    )
+    parser.add_argument("--ssm-dtype", default="fp32", choices=STATE_DTYPES, help="Mamba SSM state dtype")
+    parser.add_argument(
+        "--memory-fraction", type=float, default=0.9, help="share of device memory usable (default 0.9)"
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.set_defaults(func=run)
+
+
+def load_target(target: str) -> tuple[ModelSpec, str]:
+    """(ModelSpec, what it is) for a preset name, a checkpoint directory or a config.json path."""
+    from puzzle import hf  # late: keeps `puzzle costs PRESET` free of checkpoint machinery
+
+    path = Path(target)
+    if path.is_dir():
+        return hf.spec_from_config(hf.read_config(path), str(path / hf.CONFIG_NAME)), f"checkpoint {path}"
+    if path.is_file():
+        try:
+            config = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise SpecError(f"{path} is not valid JSON: {error}") from error
+        if not isinstance(config, dict):
+            raise SpecError(f"{path} must hold a JSON object, found {type(config).__name__}")
+        model_type = config.get("model_type")
+        if model_type not in hf.SUPPORTED_MODEL_TYPES:
+            raise SpecError(
+                f"{path}: unsupported model_type {model_type!r}; supported: {list(hf.SUPPORTED_MODEL_TYPES)}"
+            )
+        return hf.spec_from_config(config, str(path)), f"config {path}"
+    if path.suffix == ".json" or "/" in target:
+        raise SpecError(f"{target} does not exist")
+    return get_preset(target), f"preset {target}"
+
+
+def compute_costs(
+    spec: ModelSpec,
+    hardware: str,
+    context: int,
+    recipe: str,
+    kv_dtype: str,
+    ssm_dtype: str = "fp32",
+    memory_fraction: float = 0.9,
+) -> dict[str, Any]:
+    """Every figure `puzzle costs` prints, as a JSON-ready dict (bytes, parameters, counts)."""
+    profile = get_hardware(hardware)
+    get_recipe(recipe)
+    if isinstance(context, bool) or not isinstance(context, int) or context <= 0:
+        raise SpecError(f"--context must be a positive number of tokens, found {context!r}")
+    if not 0 < memory_fraction <= 1:
+        raise SpecError(f"--memory-fraction must be in (0, 1], found {memory_fraction!r}")
+    H = spec.hidden_size
+    by_kind: dict[str, dict[str, Any]] = defaultdict(
+        lambda: {
+            "blocks": 0,
+            "params": 0,
+            "active_params": 0,
+            "weight_bytes": 0.0,
+            "state_bytes_per_request": 0,
+        }
+    )
+    for block in spec.blocks:
+        row = by_kind[block.kind]
+        row["blocks"] += 1
+        row["params"] += block_params(block, H)
+        row["active_params"] += block_active_params(block, H)
+        row["weight_bytes"] += block_weight_bytes(block, H, recipe)
+        row["state_bytes_per_request"] += state_bytes_per_request(block, context, kv_dtype, ssm_dtype)
+    weight_bytes = model_weight_bytes(spec, recipe)
+    embedding_bytes = weight_bytes - sum(row["weight_bytes"] for row in by_kind.values())
+    embedding_params = model_params(spec) - sum(row["params"] for row in by_kind.values())
+    by_kind["embeddings+lm_head+norm_f"] = {
+        "blocks": 0,
+        "params": embedding_params,
+        "active_params": embedding_params,
+        "weight_bytes": embedding_bytes,
+        "state_bytes_per_request": 0,
+    }
+    try:
+        concurrent: int | None = max_concurrent_requests(
+            spec, profile, context, recipe, kv_dtype, memory_fraction, ssm_dtype
+        )
+    except SpecError:
+        concurrent = None  # no per-request state: memory does not bound concurrency
+    return {
+        "pattern": spec.pattern,
+        "num_blocks": spec.num_blocks,
+        "hidden_size": H,
+        "hardware": profile.name,
+        "hardware_memory_bytes": profile.memory_bytes,
+        "memory_fraction": memory_fraction,
+        "context": context,
+        "recipe": recipe,
+        "kv_dtype": kv_dtype,
+        "ssm_dtype": ssm_dtype,
+        "total_params": model_params(spec),
+        "active_params": model_active_params(spec),
+        "weight_bytes": weight_bytes,
+        "kv_bytes_per_token": kv_bytes_per_token(spec, kv_dtype),
+        "recurrent_state_bytes_per_request": state_bytes_per_sequence(spec, ssm_dtype),
+        "state_bytes_per_request": state_bytes_per_request(spec, context, kv_dtype, ssm_dtype),
+        "max_concurrent_requests": concurrent,
+        "by_kind": dict(by_kind),
+    }
+
+
+def _bytes(value: float) -> str:
+    """A byte count in decimal units: '69.544 GB', '18.7 kB'."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if value >= scale:
+            return f"{value / scale:,.3f} {unit}"
+    return f"{value:,.0f} B"
+
+
+def format_table(costs: dict[str, Any], title: str) -> str:
+    """Markdown tables: one row per block kind, then the totals."""
+    lines = [
+        f"{title}: {costs['num_blocks']} blocks, hidden {costs['hidden_size']}",
+        f"weights {costs['recipe']}, KV {costs['kv_dtype']}, SSM state {costs['ssm_dtype']}, "
+        f"context {costs['context']:,} tokens, {costs['hardware']} x {costs['memory_fraction']:.0%} of "
+        f"{costs['hardware_memory_bytes'] / 1e9:,.1f} GB",
+        "",
+        "| part | blocks | params | active params | weights | state / request |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for kind, row in costs["by_kind"].items():
+        lines.append(
+            f"| {kind} | {row['blocks']} | {row['params']:,} | {row['active_params']:,} | "
+            f"{_bytes(row['weight_bytes'])} | {_bytes(row['state_bytes_per_request'])} |"
+        )
+    concurrent = costs["max_concurrent_requests"]
+    lines += [
+        "",
+        "| total | value |",
+        "|---|---:|",
+        f"| parameters | {costs['total_params']:,} |",
+        f"| active parameters | {costs['active_params']:,} |",
+        f"| weight memory | {_bytes(costs['weight_bytes'])} |",
+        f"| KV bytes / token | {costs['kv_bytes_per_token']:,} |",
+        f"| recurrent state bytes / request | {costs['recurrent_state_bytes_per_request']:,} |",
+        f"| state / request | {_bytes(costs['state_bytes_per_request'])} |",
+        f"| max concurrent requests | {'unbounded' if concurrent is None else concurrent} |",
+    ]
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        spec, title = load_target(args.target)
+        costs = compute_costs(
+            spec,
+            args.hardware,
+            args.context,
+            args.recipe,
+            args.kv_dtype,
+            args.ssm_dtype,
+            args.memory_fraction,
+        )
+    except (ValueError, OSError) as error:  # SpecError and hf.CheckpointError are ValueErrors
+        print(f"puzzle costs: error: {error}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps({"target": args.target, **costs}, indent=2))
+    else:
+        print(format_table(costs, title))
+    return 0

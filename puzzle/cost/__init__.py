@@ -1,0 +1,50 @@
+"""Costs of blocks and models from their specs: parameters, bytes, state, FLOPs, roofline or measured latency."""
+
+from puzzle.cost.analytic import (
+    QuantRecipe,
+    block_active_params,
+    block_params,
+    block_weight_bytes,
+    get_recipe,
+    kv_bytes_per_token,
+    model_active_params,
+    model_params,
+    model_weight_bytes,
+    state_bytes_per_request,
+    state_bytes_per_sequence,
+)
+from puzzle.cost.hardware import HardwareProfile, get_hardware
+from puzzle.cost.roofline import (
+    BlockLatency,
+    RooflineLatency,
+    Scenario,
+    block_latency,
+    max_concurrent_requests,
+    model_performance,
+    model_throughput,
+    time_to_first_token,
+)
+
+__all__ = [
+    "BlockLatency",
+    "HardwareProfile",
+    "QuantRecipe",
+    "RooflineLatency",
+    "Scenario",
+    "block_active_params",
+    "block_latency",
+    "block_params",
+    "block_weight_bytes",
+    "get_hardware",
+    "get_recipe",
+    "kv_bytes_per_token",
+    "max_concurrent_requests",
+    "model_active_params",
+    "model_params",
+    "model_performance",
+    "model_throughput",
+    "model_weight_bytes",
+    "state_bytes_per_request",
+    "state_bytes_per_sequence",
+    "time_to_first_token",
+]

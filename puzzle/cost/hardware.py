@@ -1,0 +1,219 @@
+"""Accelerator profiles for the roofline model: peak dense FLOP/s per dtype, memory bandwidth and capacity.
+
+Published datacenter GPUs, plus "this-machine": the current CPU, calibrated once per process by a
+short measurement (fp32 matmul rate, copy bandwidth, per-op dispatch overhead; well under 2 s).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+from puzzle.spec import SpecError
+
+TERA = 1e12
+MIB = 1024**2
+FEW_ROWS = 16  # matmuls with at most this many rows use HardwareProfile.few_rows_flops
+
+# A compute dtype the hardware lacks runs at the rate of the next one up (nvfp4 on Hopper runs as fp8).
+_FALLBACK = {"nvfp4": "fp8", "fp8": "bf16", "fp16": "bf16", "bf16": "fp32"}
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One device: `peak_flops` is ((dtype, dense FLOP/s), ...); bandwidth in bytes/s; memory in bytes.
+
+    `op_overhead_s` is the fixed cost of dispatching one op. `eager` says which implementation the
+    profile times: True = puzzle.blocks' plain-torch path, op by op (this machine); False = a serving
+    engine's fused kernels (grouped-GEMM MoE, fused scan), a handful of kernels per block, each
+    costing about a microsecond when replayed from CUDA graphs. `few_rows_flops`, when set, is the
+    matmul rate for products with at most FEW_ROWS rows (decode of a small batch), which CPU BLAS
+    runs far below its square-matrix rate; None means the peak applies at every size.
+    """
+
+    name: str
+    peak_flops: tuple[tuple[str, float], ...]
+    memory_bandwidth: float
+    memory_bytes: int
+    op_overhead_s: float = 0.0
+    eager: bool = False
+    few_rows_flops: float | None = None
+    source: str = ""
+
+    def matmul_flops_per_s(self, dtype: str = "bf16", rows: int | None = None) -> float:
+        """FLOP/s of a matmul with `rows` rows (tokens); the few-rows rate where the profile has one."""
+        if self.few_rows_flops is not None and rows is not None and rows <= FEW_ROWS:
+            return self.few_rows_flops
+        return self.flops_per_s(dtype)
+
+    def flops_per_s(self, dtype: str = "bf16") -> float:
+        """Peak dense FLOP/s for matmuls in `dtype`, falling back to wider dtypes the device has."""
+        rates = dict(self.peak_flops)
+        current = dtype
+        while current not in rates:
+            if current not in _FALLBACK:
+                raise SpecError(
+                    f"hardware {self.name!r} has no FLOP rate for {dtype!r}; it has {sorted(rates)}"
+                )
+            current = _FALLBACK[current]
+        return rates[current]
+
+
+# Sources: NVIDIA datasheets (dense, i.e. without 2:4 sparsity; "fp32" is the TF32 tensor-core rate).
+# Capacities are what nvidia-smi reports as total memory, in MiB, since that is what an engine can
+# allocate from (B200: the DGX B200 datasheet's 1,440 GB / 8).
+PROFILES: dict[str, HardwareProfile] = {
+    "h100-80gb": HardwareProfile(
+        name="h100-80gb",
+        # H100 SXM5 datasheet: FP8 3,958 / BF16 1,979 / TF32 989 TFLOPS *with sparsity*; halved here.
+        peak_flops=(("fp8", 1978.9 * TERA), ("bf16", 989.4 * TERA), ("fp32", 494.7 * TERA)),
+        memory_bandwidth=3.35e12,  # HBM3, 3.35 TB/s
+        memory_bytes=81559 * MIB,  # nvidia-smi on H100 80GB HBM3
+        op_overhead_s=1e-6,
+        source="NVIDIA H100 Tensor Core GPU datasheet (SXM5)",
+    ),
+    "h200-141gb": HardwareProfile(
+        name="h200-141gb",
+        # Same compute as H100 SXM; more and faster memory.
+        peak_flops=(("fp8", 1978.9 * TERA), ("bf16", 989.4 * TERA), ("fp32", 494.7 * TERA)),
+        memory_bandwidth=4.8e12,  # HBM3e, 4.8 TB/s
+        memory_bytes=143771 * MIB,  # nvidia-smi on H200 141GB
+        op_overhead_s=1e-6,
+        source="NVIDIA H200 Tensor Core GPU datasheet (SXM)",
+    ),
+    "b200": HardwareProfile(
+        name="b200",
+        # HGX B200 per GPU: FP4 9 PF / FP8 4.5 PF / BF16 2.25 PF / TF32 1.1 PF dense (18/9/4.5/2.2 sparse).
+        peak_flops=(
+            ("nvfp4", 9000 * TERA),
+            ("fp8", 4500 * TERA),
+            ("bf16", 2250 * TERA),
+            ("fp32", 1100 * TERA),
+        ),
+        memory_bandwidth=8.0e12,  # HBM3e, 8 TB/s
+        memory_bytes=180 * 10**9,  # DGX B200: 1,440 GB over 8 GPUs
+        op_overhead_s=1e-6,
+        source="NVIDIA HGX B200 / DGX B200 datasheets",
+    ),
+    "a100-80gb": HardwareProfile(
+        name="a100-80gb",
+        # A100 SXM4: BF16 312 TFLOPS, TF32 156 TFLOPS dense; no fp8 tensor cores (fp8 weights run as bf16).
+        peak_flops=(("bf16", 312 * TERA), ("fp32", 156 * TERA)),
+        memory_bandwidth=2.039e12,  # HBM2e, 2,039 GB/s
+        memory_bytes=81920 * MIB,  # nvidia-smi on A100-SXM4-80GB
+        op_overhead_s=1e-6,
+        source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)",
+    ),
+}
+
+ALIASES: dict[str, str] = {
+    "h100": "h100-80gb",
+    "h100-sxm": "h100-80gb",
+    "h100-sxm-80gb": "h100-80gb",
+    "h200": "h200-141gb",
+    "h200-sxm": "h200-141gb",
+    "b200-180gb": "b200",
+    "a100": "a100-80gb",
+    "a100-sxm-80gb": "a100-80gb",
+    "cpu": "this-machine",
+    "local": "this-machine",
+    "this_machine": "this-machine",
+}
+
+
+def _median_seconds(fn, repeats: int, warmup: int = 2) -> float:
+    """Median seconds of `repeats` calls after `warmup` untimed ones (the statistic measure.py uses too)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _physical_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+@functools.lru_cache(maxsize=1)
+def calibrate_this_machine() -> HardwareProfile:
+    """Measure this process's CPU as the CPU reference path sees it (cached per process, ~0.3 s).
+
+    Each figure is a median of timed calls after warm-up, the statistic `measure.py` reports, so that
+    on a CPU shared with other processes prediction and measurement see the same load. Sized for
+    the small models the CPU runs: the matmul rate is that of 512^3 fp32 products (CPU BLAS
+    efficiency depends on size: larger products run faster, smaller ones slower), the few-rows rate
+    that of a [4, 512] x [512, 2048] product (decode-sized); the bandwidth is a 4 MiB tensor copied
+    into another (8 MiB moved, cache-resident like a small block's weights; DRAM streaming is
+    slower); the per-op overhead is the time per op of a chain of tiny nn.Linear / ReLU modules
+    (Python, module call and dispatch costs included). One rate serves every dtype: the CPU
+    reference path runs fp32. Uses the process's torch thread count.
+    """
+    import torch
+    from torch import nn
+
+    with torch.inference_mode():
+        n = 512
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        out = torch.empty(n, n)
+        # A sample is several products back to back, so that it spans as long as a small model's prefill
+        # and is time-sliced by other processes as much.
+        products = 8
+
+        def matmuls() -> None:
+            for _ in range(products):
+                torch.mm(a, b, out=out)
+
+        matmul_s = _median_seconds(matmuls, 5) / products
+        matmul_flops = 2.0 * n**3 / matmul_s
+
+        rows = torch.randn(4, n)
+        weight = torch.randn(4 * n, n)  # 4 MiB, like a small block's projection
+        few_rows_s = _median_seconds(lambda: torch.nn.functional.linear(rows, weight), 9)
+        few_rows_flops = 2.0 * rows.shape[0] * weight.numel() / few_rows_s
+
+        src = torch.ones(MIB)  # 4 MiB of fp32
+        dst = torch.empty_like(src)
+        copy_s = _median_seconds(lambda: dst.copy_(src), 9)
+        bandwidth = 2.0 * src.numel() * src.element_size() / copy_s
+
+        layers = 10
+        chain = nn.Sequential(*[module for _ in range(layers) for module in (nn.Linear(16, 16), nn.ReLU())])
+        tiny = torch.randn(2, 16)
+        overhead_s = _median_seconds(lambda: chain(tiny), 15) / (2 * layers)
+
+    return HardwareProfile(
+        name="this-machine",
+        peak_flops=(("fp32", matmul_flops),),
+        memory_bandwidth=bandwidth,
+        memory_bytes=_physical_memory_bytes(),
+        op_overhead_s=overhead_s,
+        eager=True,
+        few_rows_flops=few_rows_flops,
+        source=f"calibrated in-process ({torch.get_num_threads()} torch threads)",
+    )
+
+
+def hardware_names() -> list[str]:
+    """Names `get_hardware` accepts (aliases excluded)."""
+    return [*sorted(PROFILES), "this-machine"]
+
+
+def get_hardware(name: str | HardwareProfile) -> HardwareProfile:
+    """A profile by name ("h100-80gb", "h200-141gb", "b200", "a100-80gb", "this-machine"); profiles pass through."""
+    if isinstance(name, HardwareProfile):
+        return name
+    key = ALIASES.get(name.strip().lower(), name.strip().lower())
+    if key == "this-machine":
+        return calibrate_this_machine()
+    if key not in PROFILES:
+        raise SpecError(f"unknown hardware {name!r}; choose one of {hardware_names()}")
+    return PROFILES[key]

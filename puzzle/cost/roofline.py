@@ -1,0 +1,432 @@
+"""Roofline latency of blocks and models in a serving scenario, model throughput, TTFT and memory-bound concurrency.
+
+A block's time is max(FLOPs / peak FLOP/s, bytes moved / bandwidth) plus a fixed dispatch overhead
+per kernel. Bytes moved count the weights a step reads (for an MoE block only the experts the batch's
+tokens touch, expected under uniform routing), the KV cache and recurrent state read and written, and
+the activations written and read back between kernels. Two implementations are modelled, chosen by
+the hardware profile: a serving engine's fused kernels (GPU profiles: a handful of kernels per block,
+activations overlapped) and puzzle.blocks' eager plain-torch path (the calibrated CPU profile: counted
+ops, elementwise traffic serial, small-batch matmuls at their own measured rate). Everything is
+computed from the spec (`puzzle.cost.analytic`); nothing here runs a model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import lru_cache
+
+from puzzle.cost.analytic import (
+    QuantRecipe,
+    block_weight_bytes,
+    decode_flops_per_token,
+    dtype_bytes,
+    expected_distinct_experts,
+    get_recipe,
+    kv_bytes_per_token,
+    lm_head_flops_per_token,
+    model_weight_bytes,
+    prefill_flops_per_token,
+    routed_expert_bytes,
+    state_bytes_per_request,
+    state_bytes_per_sequence,
+    tensor_bytes,
+)
+from puzzle.cost.hardware import HardwareProfile, get_hardware
+from puzzle.spec import (
+    AttentionSpec,
+    BlockSpec,
+    LinearSpec,
+    MambaSpec,
+    MLPSpec,
+    ModelSpec,
+    MoESpec,
+    NoOpSpec,
+    SpecError,
+)
+
+COMPUTE_DTYPES = ("fp32", "bf16", "fp16", "fp8", "nvfp4")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A serving workload: `batch_size` concurrent requests of `prompt_tokens` in and `generated_tokens` out.
+
+    `recipe` is the weights' storage (see analytic.RECIPES); `compute_dtype` the matmul precision
+    (e.g. "fp8" for W8A8 GEMMs, "nvfp4" on Blackwell); `activation_dtype` the dtype activations are
+    stored in between kernels; `kv_dtype`, `ssm_dtype`, `conv_dtype` the per-request state.
+    """
+
+    batch_size: int
+    prompt_tokens: int
+    generated_tokens: int
+    recipe: str = "bf16"
+    kv_dtype: str = "bf16"
+    ssm_dtype: str = "fp32"
+    conv_dtype: str = "bf16"
+    activation_dtype: str = "bf16"
+    compute_dtype: str = "bf16"
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for field_name in ("batch_size", "prompt_tokens", "generated_tokens"):
+            value = getattr(self, field_name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise SpecError(f"Scenario.{field_name} must be a positive integer, found {value!r}")
+        get_recipe(self.recipe)
+        for field_name in ("kv_dtype", "ssm_dtype", "conv_dtype", "activation_dtype"):
+            dtype_bytes(getattr(self, field_name))
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise SpecError(
+                f"Scenario.compute_dtype {self.compute_dtype!r} is unknown; choose one of {list(COMPUTE_DTYPES)}"
+            )
+
+    @property
+    def decode_context(self) -> float:
+        """Mean context (keys, the new token included) over the decode steps: prompt + (generated + 1) / 2."""
+        return self.prompt_tokens + (self.generated_tokens + 1) / 2
+
+
+@dataclass(frozen=True)
+class BlockWork:
+    """Hardware-independent work of one phase for the whole batch.
+
+    `bytes`: weights, KV cache and recurrent state moved; `activation_bytes`: activations written
+    and read back between ops; `ops`: dispatched ops (or kernels).
+    """
+
+    flops: float
+    bytes: float
+    activation_bytes: float
+    ops: float
+    rows: int | None = None  # tokens per matmul (batch x tokens); None = large
+
+
+@dataclass(frozen=True)
+class BlockLatency:
+    """Seconds for the whole batch: the prefill of every prompt, and one decode step (mean over the generation)."""
+
+    prefill_s: float
+    decode_step_s: float
+
+
+# ---------------------------------------------------------------------------------------------------
+# Bytes and ops
+
+
+def _activation_elements_per_token(spec: BlockSpec, hidden_size: int) -> float:
+    """Activation elements one token writes and reads back between kernels in this block (norm included).
+
+    An estimate for an unfused implementation (every op's inputs and outputs go through memory);
+    fused GPU kernels move less, but there the activations are small next to the weights or the
+    time is compute-bound anyway.
+    """
+    H = hidden_size
+    elements = 8.0 * H + 3.0 * H  # pre-norm (fp32 RMSNorm: four passes over x), residual add
+    if isinstance(spec, MambaSpec):
+        d, conv = spec.d_inner, spec.conv_dim
+        elements += H + spec.in_proj_dim  # in_proj
+        elements += (spec.conv_kernel + 2) * conv + 2 * conv  # conv taps, bias, SiLU
+        elements += 3 * d + 5 * d  # D skip, gated group norm
+        elements += d + H  # out_proj
+    elif isinstance(spec, AttentionSpec):
+        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        elements += H + q + 2 * kv  # q/k/v projections
+        elements += 2 * q  # attention reads q, writes its output
+        elements += q + H  # o_proj
+    elif isinstance(spec, MoESpec):
+        E, k = spec.num_experts, spec.top_k
+        L = spec.latent_size if spec.latent_size is not None else H
+        width = sum(spec.widths) / E
+        elements += H + 3 * E  # router logits, sigmoid, top-k
+        if spec.latent_size is not None:
+            elements += 2 * (H + L)  # fc1, fc2
+        elements += 2 * k * L  # gather to experts, weighted scatter back
+        elements += k * (L + 4 * width + L)  # up, relu^2, down
+        if spec.shared_width:
+            elements += 2 * H + 4 * spec.shared_width + H  # shared expert and the sum
+    elif isinstance(spec, MLPSpec):
+        elements += 2 * H + 4 * spec.width
+    elif isinstance(spec, LinearSpec):
+        elements += 2 * H
+    return elements
+
+
+def _scan_intermediate_bytes_per_token(spec: MambaSpec, prompt_tokens: int) -> float:
+    """fp32 traffic of the chunked scan per token: decay matrix passes per head, C.B per group, outputs."""
+    chunk = min(spec.chunk_size, prompt_tokens)
+    return 4.0 * (4 * spec.num_heads * chunk + 2 * spec.n_groups * chunk + 6 * spec.d_inner)
+
+
+def _weight_bytes_touched(spec: BlockSpec, hidden_size: int, recipe: QuantRecipe, tokens: int) -> float:
+    """Weight bytes `tokens` tokens read: all of them, except only the expected touched experts of an MoE."""
+    total = block_weight_bytes(spec, hidden_size, recipe)
+    if not isinstance(spec, MoESpec):
+        return total
+    experts = routed_expert_bytes(spec, hidden_size, recipe)
+    touched = expected_distinct_experts(spec.num_experts, spec.top_k, tokens)
+    return total - sum(experts) + touched * sum(experts) / len(experts)
+
+
+def eager_op_count(spec: BlockSpec, batch_size: int, tokens: int, decode: bool) -> float:
+    """Ops dispatched by one call of `puzzle.model.Block` on the plain-torch path (norm and residual included).
+
+    Counted with a TorchDispatchMode on that implementation (views included): the fp32 RMSNorm and
+    the residual add 11; mixers: Mamba 72 + 70 per scan chunk for a prefill (the scan loops over
+    chunks), 67 for a step; attention 25 / 28; MoE ~31 + 5 per expert that receives tokens (+7 with
+    latent and shared); MLP 4; Linear 1. tests/test_cost_roofline.py checks these against the code. A no-op block runs nothing. These only matter where dispatch overhead is large
+    (eager on a CPU); a GPU server's CUDA graphs make it ~1 us per kernel.
+    """
+    if isinstance(spec, NoOpSpec):
+        return 0.0
+    norm_and_residual = 11.0
+    if isinstance(spec, MambaSpec):
+        ops = 67.0 if decode else 72.0 + 70.0 * math.ceil(tokens / spec.chunk_size)
+    elif isinstance(spec, AttentionSpec):
+        ops = 28.0 if decode else 25.0
+    elif isinstance(spec, MoESpec):
+        touched = expected_distinct_experts(spec.num_experts, spec.top_k, batch_size * tokens)
+        extra = (4.0 if spec.latent_size is not None else 0.0) + (3.0 if spec.shared_width else 0.0)
+        ops = 31.0 + 5.0 * touched + extra
+    elif isinstance(spec, MLPSpec):
+        ops = 4.0
+    else:  # LinearSpec
+        ops = 1.0
+    return ops + norm_and_residual
+
+
+NO_WORK = BlockWork(0.0, 0.0, 0.0, 0.0)  # a removed block: the model skips it entirely
+
+
+def fused_kernel_count(spec: BlockSpec) -> float:
+    """Kernels per block call in a serving engine (norm, projections, fused conv / scan / attention, grouped GEMMs)."""
+    norm_and_residual = 2.0
+    if isinstance(spec, MambaSpec):
+        kernels = 5.0  # in_proj, conv, scan (or state update), gated norm, out_proj
+    elif isinstance(spec, AttentionSpec):
+        kernels = 4.0  # fused qkv, attention, o_proj, cache write
+    elif isinstance(spec, MoESpec):
+        # router, top-k, permute, two grouped GEMMs, un-permute; latent fc1 / fc2; shared up / down
+        kernels = 6.0 + (2.0 if spec.latent_size is not None else 0.0) + (2.0 if spec.shared_width else 0.0)
+    elif isinstance(spec, MLPSpec):
+        kernels = 3.0
+    elif isinstance(spec, NoOpSpec):
+        return 0.0
+    else:
+        kernels = 1.0
+    return kernels + norm_and_residual
+
+
+def _op_count(spec: BlockSpec, batch_size: int, tokens: int, decode: bool, eager: bool) -> float:
+    return eager_op_count(spec, batch_size, tokens, decode) if eager else fused_kernel_count(spec)
+
+
+def prefill_work(spec: BlockSpec, hidden_size: int, scenario: Scenario, eager: bool = False) -> BlockWork:
+    """Work of one block prefilling every prompt of the batch (B x prompt_tokens tokens)."""
+    if isinstance(spec, NoOpSpec):
+        return NO_WORK
+    B, T = scenario.batch_size, scenario.prompt_tokens
+    tokens = B * T
+    recipe = get_recipe(scenario.recipe)
+    flops = tokens * prefill_flops_per_token(spec, hidden_size, T)
+    moved = _weight_bytes_touched(spec, hidden_size, recipe, tokens)
+    activations = (
+        tokens * _activation_elements_per_token(spec, hidden_size) * dtype_bytes(scenario.activation_dtype)
+    )
+    # KV written once and read once by a flash-style kernel; recurrent state written at the end.
+    moved += 2.0 * tokens * kv_bytes_per_token(spec, scenario.kv_dtype)
+    moved += B * state_bytes_per_sequence(spec, scenario.ssm_dtype, scenario.conv_dtype)
+    if isinstance(spec, MambaSpec):
+        activations += tokens * _scan_intermediate_bytes_per_token(spec, T)
+    return BlockWork(flops, moved, activations, _op_count(spec, B, T, decode=False, eager=eager), rows=tokens)
+
+
+def decode_work(spec: BlockSpec, hidden_size: int, scenario: Scenario, eager: bool = False) -> BlockWork:
+    """Work of one decode step of the whole batch at the scenario's mean decode context."""
+    if isinstance(spec, NoOpSpec):
+        return NO_WORK
+    B = scenario.batch_size
+    context = scenario.decode_context
+    recipe = get_recipe(scenario.recipe)
+    flops = B * decode_flops_per_token(spec, hidden_size, context)
+    moved = _weight_bytes_touched(spec, hidden_size, recipe, B)
+    activations = (
+        B * _activation_elements_per_token(spec, hidden_size) * dtype_bytes(scenario.activation_dtype)
+    )
+    kv = kv_bytes_per_token(spec, scenario.kv_dtype)
+    moved += B * (context * kv + kv)  # read the cache, append the new token
+    moved += 2.0 * B * state_bytes_per_sequence(spec, scenario.ssm_dtype, scenario.conv_dtype)  # read + write
+    return BlockWork(flops, moved, activations, _op_count(spec, B, 1, decode=True, eager=eager), rows=B)
+
+
+def roofline_seconds(work: BlockWork, hardware: HardwareProfile, compute_dtype: str = "bf16") -> float:
+    """max(FLOPs / peak, bytes / bandwidth) + ops x dispatch overhead.
+
+    Fused kernels (GPU profiles) overlap activation traffic with the rest: it joins `bytes`. Eager
+    ops (hardware.eager) run one after another and the elementwise ones are memory-bound, so there
+    the activation traffic is added after the max.
+    """
+    compute = work.flops / hardware.matmul_flops_per_s(compute_dtype, work.rows)
+    bandwidth = hardware.memory_bandwidth
+    if hardware.eager:
+        return (
+            max(compute, work.bytes / bandwidth)
+            + work.activation_bytes / bandwidth
+            + work.ops * hardware.op_overhead_s
+        )
+    return max(compute, (work.bytes + work.activation_bytes) / bandwidth) + work.ops * hardware.op_overhead_s
+
+
+def block_latency(
+    spec: BlockSpec, hidden_size: int, scenario: Scenario, hardware: str | HardwareProfile
+) -> BlockLatency:
+    """Predicted prefill and decode-step seconds of one block (pre-norm, mixer, residual) for the whole batch."""
+    return _block_latency_cached(spec, hidden_size, scenario, get_hardware(hardware))
+
+
+@lru_cache(maxsize=65536)
+def _block_latency_cached(
+    spec: BlockSpec, hidden_size: int, scenario: Scenario, hardware: HardwareProfile
+) -> BlockLatency:
+    dtype, eager = scenario.compute_dtype, hardware.eager
+    return BlockLatency(
+        prefill_s=roofline_seconds(prefill_work(spec, hidden_size, scenario, eager), hardware, dtype),
+        decode_step_s=roofline_seconds(decode_work(spec, hidden_size, scenario, eager), hardware, dtype),
+    )
+
+
+class RooflineLatency:
+    """Block latency source `(spec, hidden_size, scenario) -> BlockLatency` predicted for `hardware`."""
+
+    def __init__(self, hardware: str | HardwareProfile) -> None:
+        self.hardware = get_hardware(hardware)
+
+    def __call__(self, spec: BlockSpec, hidden_size: int, scenario: Scenario) -> BlockLatency:
+        return block_latency(spec, hidden_size, scenario, self.hardware)
+
+
+LatencyFn = Callable[[BlockSpec, int, Scenario], BlockLatency]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Whole models
+
+
+@dataclass(frozen=True)
+class ModelPerformance:
+    """A whole model in a scenario. Times in seconds for the whole batch; rates in tokens per second."""
+
+    prefill_s: float  # time to first token of every request in the batch
+    decode_step_s: float  # one step of the batch, mean over the generation
+    total_s: float  # prefill + generated_tokens x decode step
+    output_tokens_per_s: float  # batch x generated / total
+    total_tokens_per_s: float  # batch x (prompt + generated) / total
+    per_user_tokens_per_s: float  # 1 / decode step
+
+
+def _embedding_and_head_seconds(
+    model_spec: ModelSpec, scenario: Scenario, hardware: HardwareProfile
+) -> tuple[float, float]:
+    """(prefill, decode step) seconds of the embedding lookup, final norm and lm_head (logits of the last token)."""
+    H, V, B = model_spec.hidden_size, model_spec.vocab_size, scenario.batch_size
+    recipe = get_recipe(scenario.recipe)
+    act = dtype_bytes(scenario.activation_dtype)
+    head_bytes = tensor_bytes(
+        (V, H), recipe.format_of("embedding" if model_spec.tie_embeddings else "lm_head")
+    )
+    head_flops = lm_head_flops_per_token(model_spec)
+
+    embedding_value_bytes = tensor_bytes((V, H), recipe.format_of("embedding")) / (V * H)
+    ops = 12.0 if hardware.eager else 3.0  # lookup, final norm, lm_head (eager: the norm's fp32 passes)
+
+    def phase(tokens: int) -> BlockWork:
+        lookup = tokens * H * (embedding_value_bytes + act)  # gathered rows in, activations out
+        # Final norm and logits for the last token of each sequence: lm_head weights, B x (H + V) activations.
+        moved = lookup + head_bytes + B * (2 * H + V) * act
+        return BlockWork(B * head_flops, moved, activation_bytes=0.0, ops=ops, rows=B)
+
+    dtype = scenario.compute_dtype
+    prefill = roofline_seconds(phase(B * scenario.prompt_tokens), hardware, dtype)
+    return prefill, roofline_seconds(phase(B), hardware, dtype)
+
+
+def model_performance(
+    model_spec: ModelSpec,
+    scenario: Scenario,
+    hardware: str | HardwareProfile,
+    latency_fn: LatencyFn | None = None,
+) -> ModelPerformance:
+    """Prefill, decode step, throughput of a model; blocks timed by `latency_fn` (default: the roofline)."""
+    hardware = get_hardware(hardware)
+    latency_fn = latency_fn or RooflineLatency(hardware)
+    H = model_spec.hidden_size
+    prefill, step = _embedding_and_head_seconds(model_spec, scenario, hardware)
+    cache: dict[BlockSpec, BlockLatency] = {}
+    for block in model_spec.blocks:
+        if block not in cache:
+            cache[block] = latency_fn(block, H, scenario)
+        prefill += cache[block].prefill_s
+        step += cache[block].decode_step_s
+    total = prefill + scenario.generated_tokens * step
+    B = scenario.batch_size
+    return ModelPerformance(
+        prefill_s=prefill,
+        decode_step_s=step,
+        total_s=total,
+        output_tokens_per_s=B * scenario.generated_tokens / total,
+        total_tokens_per_s=B * (scenario.prompt_tokens + scenario.generated_tokens) / total,
+        per_user_tokens_per_s=1.0 / step,
+    )
+
+
+def model_throughput(
+    model_spec: ModelSpec,
+    scenario: Scenario,
+    hardware: str | HardwareProfile,
+    latency_fn: LatencyFn | None = None,
+) -> float:
+    """Generated tokens per second of the whole batch, prefill included: B x generated / (prefill + generated x step)."""
+    return model_performance(model_spec, scenario, hardware, latency_fn).output_tokens_per_s
+
+
+def time_to_first_token(
+    model_spec: ModelSpec,
+    scenario: Scenario,
+    hardware: str | HardwareProfile,
+    latency_fn: LatencyFn | None = None,
+) -> float:
+    """Seconds until every request of the batch has its first token (the batched prefill)."""
+    return model_performance(model_spec, scenario, hardware, latency_fn).prefill_s
+
+
+def max_concurrent_requests(
+    spec: ModelSpec,
+    hardware: str | HardwareProfile,
+    context_len: int,
+    recipe: str | QuantRecipe = "bf16",
+    kv_dtype: str = "bf16",
+    memory_fraction: float = 0.9,
+    ssm_dtype: str = "fp32",
+    conv_dtype: str = "bf16",
+    reserved_bytes: float = 0.0,
+) -> int:
+    """How many requests of `context_len` tokens fit in memory beside the weights (0 if the weights don't fit).
+
+    floor((memory_fraction x capacity - weight bytes - reserved_bytes) / state bytes per request), where a
+    request holds KV for every token and one recurrent state per Mamba block. `memory_fraction` is
+    the share of the device an engine may use (vLLM's gpu_memory_utilization, default 0.9);
+    `reserved_bytes` covers activations / workspace if known.
+    """
+    hardware = get_hardware(hardware)
+    if not 0 < memory_fraction <= 1:
+        raise SpecError(f"memory_fraction must be in (0, 1], found {memory_fraction!r}")
+    if isinstance(context_len, bool) or not isinstance(context_len, int) or context_len <= 0:
+        raise SpecError(f"context_len must be a positive integer, found {context_len!r}")
+    per_request = state_bytes_per_request(spec, context_len, kv_dtype, ssm_dtype, conv_dtype)
+    if per_request <= 0:
+        raise SpecError(
+            "the model keeps no per-request state (no attention or Mamba block): memory does not bound it"
+        )
+    free = memory_fraction * hardware.memory_bytes - model_weight_bytes(spec, recipe) - reserved_bytes
+    return max(0, math.floor(free / per_request))
