@@ -1,4 +1,4 @@
-"""Quickstart: load a NemotronH checkpoint with puzzle, check it against transformers, look at it, generate.
+"""Quickstart: load a NemotronH checkpoint with puzzle, check it against transformers, cost it, generate.
 
 A tiny random parent stands in for a real one (nothing is downloaded); the same calls load
 NVIDIA-Nemotron-3-Nano-30B-A3B from its directory. Runs in seconds on a CPU:
@@ -16,6 +16,12 @@ from transformers import NemotronHConfig, NemotronHForCausalLM
 from transformers.utils import logging as hf_logging
 
 import puzzle
+from puzzle.cost.analytic import (
+    model_active_params,
+    model_params,
+    model_weight_bytes,
+    state_bytes_per_request,
+)
 from puzzle.model import parameter_counts
 
 hf_logging.set_verbosity_error()  # silence "falling back to the PyTorch implementation" on CPU
@@ -65,6 +71,18 @@ def main() -> None:
         for kind, count in parameter_counts(model).items():
             print(f"  {kind:<10} {count:>10,} parameters")
         print(f"  {'total':<10} {sum(p.numel() for p in model.parameters()):>10,}")
+
+        # The analytic cost model works from the spec alone (no weights), the same numbers for a 120B parent.
+        spec = model.spec
+        print("costs from the spec alone:")
+        print(
+            f"  parameters        {model_params(spec):>12,}  (active per token {model_active_params(spec):,})"
+        )
+        print(f"  weights bf16      {model_weight_bytes(spec, 'bf16'):>12,.0f} bytes")
+        print(f"  weights nvfp4     {model_weight_bytes(spec, 'nvfp4'):>12,.0f} bytes")
+        print(
+            f"  state / request   {state_bytes_per_request(spec, context_len=4096):>12,} bytes at 4096 tokens"
+        )
 
         prompt = ids[:1, :8]
         generated = model.generate(prompt, max_new_tokens=12)
