@@ -1,0 +1,600 @@
+"""Activation importance of every prunable axis of a parent, measured with forward hooks on calibration tokens.
+
+One streaming collector per mixer kind keeps running sums (memory independent of the number of tokens)
+and turns them into score tensors, each with the contract **one value per unit of the axis, higher = more
+important (keep first)**. Wherever it can be measured exactly, a unit's score is the energy of its
+contribution to the block output, E_t ||contribution_t||^2 (mean over calibration tokens), which is
+the squared error (the BLD loss, unnormalised) that removing that unit alone adds. Scores are non-negative;
+channel scores of different experts of one block are in the same units and comparable.
+
+Scores per block kind (`BlockImportance.scores` keys; G groups, N state, nh heads, P head_dim, d = nh*P):
+
+- mamba: ``head`` [nh] (E||W_h u_h||^2 with W_h the head's out_proj columns, u = out_proj input, from
+  per-head second moments [nh, P, P]; heads are ranked within their group), ``channel`` [nh, P]
+  (E[u_c^2] * ||out_proj[:, c]||^2), ``state`` [G, N] (an approximation of the same energy, below),
+  ``norm_q`` [d] (auxiliary, not a score: E[(v_c / rms_group(v))^2] of the gated-norm input v, used to
+  rescale the norm weights when a group loses channels).
+- attention: ``q_head`` [nq], ``kv_group`` [nkv]: the energy E||W_o[:, S] u_S||^2 of the output contributed
+  by the head's / the group's channels S (u = o_proj input), i.e. exactly the squared error of removing
+  that head or group alone. From per-group second moments of u ([nkv, r*hd, r*hd], r = nq / nkv),
+  so cross terms between the heads of a group are included.
+- moe: ``expert`` [E] (mean over all tokens of ||w * expert output||^2, w the routing weight, 0 where
+  not routed: the error of dropping the expert without re-routing its tokens), ``expert_frequency`` [E]
+  (fraction of tokens routed to the expert; informative only), ``expert_channel.{j}`` [I_j] (mean over
+  all tokens of (w * a_c)^2 * ||down_j[:, c]||^2, a the expert's activation), ``shared_channel`` [S]
+  (E[a_c^2] * ||down[:, c]||^2); the expert scores are measured in the latent space when the MoE is
+  latent (fc2 is shared by all experts). Latent MoE only: ``latent`` [L] (geometric mean of the input side,
+  mean |fc1 output_l| x routing-weighted norm of the experts' up columns l, and the output side, mean
+  |fc2 input_l| x ||fc2[:, l]||), plus ``latent_in_cov`` / ``latent_out_cov`` [L, L] (auxiliary: E[h h^T] of
+  the fc1 output and E[r r^T] of the fc2 input, from which `init_child` builds PCA projections, better than
+  selecting latent dims because the latent basis is not axis-aligned).
+- mlp: ``channel`` [I] (E[a_c^2] * ||down_proj[:, c]||^2).
+- every kind, when ``linear_fit``: ``lin_xtx`` [H, H], ``lin_xty`` [H, H], ``lin_xsum`` [H], ``lin_ysum`` [H],
+  ``lin_count`` [] (fp64 sums of mixer input x and output y over every k-th token, and how many tokens):
+  the normal equations of a least-squares linear replacement of the mixer (`puzzle.prune.init`).
+
+The Mamba SSM-state score. Channel n of group g contributes y^(n)_t[h, :] = C_t[g, n] * s_t[h, :, n] to the
+scan output of every head h in g, where s_t[h, :, n] = a_t[h] s_{t-1}[h, :, n] + dt_t[h] B_t[g, n] x_t[h, :] and
+a = exp(dt * A). Pruning n removes exactly this term, so its energy E_t ||y^(n)_t||^2 is the error the
+child makes. Materialising s_t per n is a second scan; instead we use the stationary approximation of that
+recursion (inputs uncorrelated across time, read-out independent of the state):
+``state[g, n] = E[C_n^2] * sum_{h in g} E[dt_h^2 ||x_h||^2 B_n^2] * min(1 / (1 - E[a_h^2]), T)``,
+i.e. how strongly channel n is read out times how much energy is written into it, with the
+geometric memory of each head capped at the sequence length T. It costs one [tokens, nh] x [tokens, G*N]
+product per batch (a few % of in_proj) and needs only the in_proj output (conv and activations are
+recomputed from it, so the mixer's scan is not touched). The same n is scored once for B and C because it
+is removed from both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from puzzle.spec import AttentionSpec, MambaSpec, MoESpec
+
+FORMAT_VERSION = 1
+SCORES_FILE = "importance.safetensors"
+MANIFEST_FILE = "importance.json"
+# The latent second moments (for PCA, [L, L] each) use 1 token in 4: a PCA basis needs far fewer tokens.
+_COV_EVERY = 4
+LINEAR_FIT_KEYS = ("lin_xtx", "lin_xty", "lin_xsum", "lin_ysum", "lin_count")
+
+
+@dataclass
+class BlockImportance:
+    """Importance scores of one block: `scores[name]` is a CPU tensor (contract in the module docstring).
+
+    `kind` is the block kind the scores were measured on; `tokens` how many tokens they average over.
+    """
+
+    kind: str
+    scores: dict[str, torch.Tensor]
+    tokens: int
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.scores:
+            raise KeyError(
+                f"no {name!r} importance for this {self.kind} block; present: {sorted(self.scores)}"
+            )
+        return self.scores[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.scores
+
+    def replace(self, scores: Mapping[str, torch.Tensor]) -> BlockImportance:
+        """A copy with some score tensors replaced (e.g. random scores for a baseline)."""
+        return BlockImportance(self.kind, {**self.scores, **scores}, self.tokens)
+
+    @property
+    def has_linear_fit(self) -> bool:
+        return all(key in self.scores for key in LINEAR_FIT_KEYS)
+
+
+@dataclass
+class ModelImportance:
+    """Importance of every measured block of a parent: `blocks[i]` for block i, `parent` its fingerprint."""
+
+    blocks: dict[int, BlockImportance]
+    tokens: int
+    parent: str
+    linear_fit: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __getitem__(self, index: int) -> BlockImportance:
+        if index not in self.blocks:
+            raise KeyError(f"no importance for block {index}; measured blocks: {sorted(self.blocks)}")
+        return self.blocks[index]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Collectors: one per mixer kind. Each registers hooks on its mixer, keeps fp64 sums, and finalises scores.
+
+
+def _column_norms(weight: torch.Tensor) -> torch.Tensor:
+    """||W[:, c]|| for W [out, in] -> [in], fp32 on CPU."""
+    return weight.detach().float().norm(dim=0).cpu()
+
+
+class _Collector:
+    """Base: owns hook handles and the token count."""
+
+    def __init__(self, mixer: nn.Module, hidden_size: int, fit_every: int) -> None:
+        self.mixer = mixer
+        self.spec = mixer.spec
+        self.tokens = 0
+        self.handles: list[Any] = []
+        self.generator = torch.Generator().manual_seed(0)
+        self.fit_every = fit_every
+        self.sums: dict[str, torch.Tensor] = {}
+        if fit_every > 0:
+            self.handles.append(mixer.register_forward_hook(self._fit_hook))
+
+    def _add(self, name: str, value: torch.Tensor) -> None:
+        value = value.detach().to(torch.float64)
+        if name in self.sums:
+            self.sums[name] += value
+        else:
+            self.sums[name] = value.clone()
+
+    def _fit_hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        # Every `fit_every`-th token only: the normal equations cost 4 H^2 flops per token, as much as a
+        # sizeable part of the block itself, and H^2 unknowns are well determined by far fewer tokens.
+        rows = self._sample(args[0].numel() // args[0].shape[-1], self.fit_every, args[0].device)
+        x = args[0].detach().reshape(-1, args[0].shape[-1])[rows].float()
+        y = output.detach().reshape(-1, output.shape[-1])[rows].float()
+        self._add("lin_count", torch.tensor(float(x.shape[0])))
+        self._add("lin_xtx", x.T @ x)
+        self._add("lin_xty", x.T @ y)
+        self._add("lin_xsum", x.sum(0))
+        self._add("lin_ysum", y.sum(0))
+
+    def _sample(self, n: int, every: int, device: torch.device) -> torch.Tensor | slice:
+        """Rows for a 1-in-`every` subsample of n tokens: random (seeded) so that no position in the sequence
+        is favoured (a fixed stride would see the same positions of every sequence)."""
+        if every == 1:
+            return slice(None)
+        picked = torch.randperm(n, generator=self.generator)[: max(1, n // every)]
+        return picked.to(device)
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def finalize(self) -> BlockImportance:
+        scores = self._scores()
+        for key in LINEAR_FIT_KEYS:
+            if key in self.sums:
+                scores[key] = self.sums[key].cpu()  # fp64 sums, not means: the solve is scale-free
+        return BlockImportance(self.spec.kind, scores, self.tokens)
+
+    def _scores(self) -> dict[str, torch.Tensor]:
+        return {}
+
+    def _mean(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        if name not in self.sums or self.tokens == 0:
+            return torch.zeros(shape, dtype=torch.float32)
+        return (self.sums[name] / self.tokens).float().cpu()
+
+
+class _MLPCollector(_Collector):
+    def __init__(self, mixer: nn.Module, hidden_size: int, fit_every: int) -> None:
+        super().__init__(mixer, hidden_size, fit_every)
+        self.handles.append(mixer.down_proj.register_forward_pre_hook(self._down_hook))
+
+    def _down_hook(self, module: nn.Module, args: tuple) -> None:
+        a = args[0].detach()
+        self.tokens += a.numel() // a.shape[-1]
+        self._add("sq", a.float().square().reshape(-1, a.shape[-1]).sum(0))
+
+    def _scores(self) -> dict[str, torch.Tensor]:
+        width = self.spec.width
+        return {"channel": self._mean("sq", (width,)) * _column_norms(self.mixer.down_proj.weight).square()}
+
+
+class _AttentionCollector(_Collector):
+    def __init__(self, mixer: nn.Module, hidden_size: int, fit_every: int) -> None:
+        super().__init__(mixer, hidden_size, fit_every)
+        self.handles.append(mixer.o_proj.register_forward_pre_hook(self._o_hook))
+
+    def _o_hook(self, module: nn.Module, args: tuple) -> None:
+        spec: AttentionSpec = self.spec
+        u = args[0].detach().float().reshape(-1, spec.num_kv_heads, args[0].shape[-1] // spec.num_kv_heads)
+        self.tokens += u.shape[0]
+        self._add("cov", torch.einsum("tgi,tgj->gij", u, u))
+
+    def _scores(self) -> dict[str, torch.Tensor]:
+        spec: AttentionSpec = self.spec
+        nkv, r, hd = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads, spec.head_dim
+        cov = self._mean("cov", (nkv, r * hd, r * hd)).double()  # E[u_g u_g^T] per group
+        weight = self.mixer.o_proj.weight.detach().double().cpu().view(-1, nkv, r * hd)
+        gram = torch.einsum("hgi,hgj->gij", weight, weight)  # W_g^T W_g
+        energy = gram * cov  # summed over a block: E||W_S u_S||^2 of that block of channels
+        kv_group = energy.sum((1, 2))
+        q_head = torch.stack(
+            [energy[:, i * hd : (i + 1) * hd, i * hd : (i + 1) * hd].sum((1, 2)) for i in range(r)], dim=1
+        ).reshape(-1)
+        return {"q_head": q_head.float(), "kv_group": kv_group.float()}
+
+
+class _MambaCollector(_Collector):
+    def __init__(self, mixer: nn.Module, hidden_size: int, fit_every: int) -> None:
+        super().__init__(mixer, hidden_size, fit_every)
+        self.max_len = 0
+        self.handles.append(mixer.in_proj.register_forward_hook(self._in_hook))
+        self.handles.append(mixer.out_proj.register_forward_pre_hook(self._out_hook))
+
+    def _in_hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        spec: MambaSpec = self.spec
+        mixer = self.mixer
+        d, nh, G, N = spec.d_inner, spec.num_heads, spec.n_groups, spec.state_size
+        proj = output.detach().float()  # [b, t, in_proj_dim]
+        b, t, _ = proj.shape
+        self.max_len = max(self.max_len, t)
+        # Recompute the causal depthwise conv + SiLU over x|B|C (cheap: K taps per channel).
+        xbc = proj[..., d : d + spec.conv_dim].transpose(1, 2)
+        weight = mixer.conv1d.weight.detach().float()
+        bias = mixer.conv1d.bias.detach().float() if mixer.conv1d.bias is not None else None
+        xbc = F.conv1d(F.pad(xbc, (spec.conv_kernel - 1, 0)), weight, bias, groups=spec.conv_dim)
+        xbc = F.silu(xbc).transpose(1, 2).reshape(b * t, spec.conv_dim)
+        x = xbc[:, :d].view(-1, nh, spec.head_dim)
+        B = xbc[:, d : d + G * N].view(-1, G, N)
+        C = xbc[:, d + G * N :].view(-1, G, N)
+        dt = F.softplus(proj[..., -nh:].reshape(-1, nh) + mixer.dt_bias.detach().float())
+        dt = dt.clamp(min=spec.dt_clamp_min, max=spec.dt_clamp_max)
+        A = -torch.exp(mixer.A_log.detach().float())
+        write = (dt.square() * x.square().sum(-1)).view(-1, G, nh // G)  # [T, G, heads per group]
+        self._add("write", torch.einsum("tgh,tgn->ghn", write, B.square()))
+        self._add("read", C.square().sum(0))
+        self._add("decay2", torch.exp(2.0 * dt * A).sum(0))
+
+    def _out_hook(self, module: nn.Module, args: tuple) -> None:
+        u = args[0].detach().float()
+        u = u.reshape(-1, u.shape[-1])
+        self.tokens += u.shape[0]
+        self._add("sq", u.square().sum(0))
+        heads = u.view(-1, self.spec.num_heads, self.spec.head_dim)
+        self._add("cov", torch.einsum("thi,thj->hij", heads, heads))
+
+    def _scores(self) -> dict[str, torch.Tensor]:
+        spec: MambaSpec = self.spec
+        nh, P, G, N = spec.num_heads, spec.head_dim, spec.n_groups, spec.state_size
+        weight = self.mixer.out_proj.weight.detach().double().cpu().view(-1, nh, P)
+        channel = (self._mean("sq", (nh * P,)) * _column_norms(self.mixer.out_proj.weight).square()).view(
+            nh, P
+        )
+        gram = torch.einsum("khi,khj->hij", weight, weight)  # W_h^T W_h per head
+        head = (gram * self._mean("cov", (nh, P, P)).double()).sum((1, 2)).float()
+        norm_weight = self.mixer.norm.weight.detach().float().cpu()
+        safe = torch.where(norm_weight.abs() > 1e-12, norm_weight, torch.ones_like(norm_weight))
+        norm_q = self._mean("sq", (nh * P,)) / safe.square()
+        # Memory of each head: 1 / (1 - E[a^2]) for an AR(1) state, capped at the longest sequence seen.
+        decay2 = self._mean("decay2", (nh,)).double()
+        horizon = (1.0 / (1.0 - decay2).clamp(min=1e-12)).clamp(max=max(self.max_len, 1))
+        write = self._mean("write", (G, nh // G, N)).double()
+        read = self._mean("read", (G, N)).double()
+        state = read * (write * horizon.view(G, nh // G, 1)).sum(1)
+        return {"head": head, "channel": channel, "state": state.float(), "norm_q": norm_q}
+
+
+class _MoECollector(_Collector):
+    """Relies on `MoEMixer`: `gate(x)` returns (weights [n, k], indices [n, k]) and `dispatch` feeds each
+    expert its (token, slot) pairs in stable expert order, which lets us pair expert rows with routing
+    weights exactly."""
+
+    def __init__(self, mixer: nn.Module, hidden_size: int, fit_every: int) -> None:
+        super().__init__(mixer, hidden_size, fit_every)
+        self.pending: dict[int, torch.Tensor] = {}
+        self.handles.append(mixer.gate.register_forward_hook(self._gate_hook))
+        for index, expert in enumerate(mixer.experts):
+            self.handles.append(expert.down_proj.register_forward_hook(self._make_expert_hook(index)))
+        if self.spec.shared_width > 0:
+            self.handles.append(mixer.shared_experts.down_proj.register_forward_pre_hook(self._shared_hook))
+        if self.spec.latent_size is not None:
+            self.handles.append(mixer.fc2_latent_proj.register_forward_pre_hook(self._latent_hook))
+            self.handles.append(mixer.fc1_latent_proj.register_forward_hook(self._latent_in_hook))
+
+    def _gate_hook(self, module: nn.Module, args: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
+        weights, indices = output
+        self.tokens += indices.shape[0]
+        num_experts = self.spec.num_experts
+        flat_expert = indices.reshape(-1)
+        flat_weight = weights.detach().reshape(-1).float()
+        self._add("count", torch.bincount(flat_expert, minlength=num_experts))
+        # The routing weights of each expert's rows, in the order dispatch feeds them (stable by expert).
+        order = torch.argsort(flat_expert, stable=True)
+        counts = torch.bincount(flat_expert, minlength=num_experts).tolist()
+        self.pending = dict(enumerate(torch.split(flat_weight[order], counts)))
+
+    def _make_expert_hook(self, index: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            a = args[0].detach().float()
+            weight = self.pending.get(index)
+            if weight is None or weight.shape[0] != a.shape[0]:
+                raise RuntimeError(
+                    f"MoE importance: expert {index} received {a.shape[0]} rows but the router sent "
+                    f"{None if weight is None else weight.shape[0]}; the mixer's dispatch order changed"
+                )
+            self._add(f"act.{index}", (a * weight[:, None]).square().sum(0))
+            self._add(f"out.{index}", (output.detach().float().square().sum(-1) * weight.square()).sum())
+
+        return hook
+
+    def _shared_hook(self, module: nn.Module, args: tuple) -> None:
+        a = args[0].detach().float()
+        self._add("shared", a.square().reshape(-1, a.shape[-1]).sum(0))
+
+    def _latent_hook(self, module: nn.Module, args: tuple) -> None:
+        r = args[0].detach().float().reshape(-1, args[0].shape[-1])
+        self._add("latent", r.abs().sum(0))
+        sample = r[self._sample(r.shape[0], _COV_EVERY, r.device)]
+        self._add("cov_count", torch.tensor(float(sample.shape[0])))
+        self._add("latent_out_cov", sample.T @ sample)
+
+    def _latent_in_hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        h = output.detach().float().reshape(-1, output.shape[-1])
+        self._add("latent_in", h.abs().sum(0))
+        sample = h[self._sample(h.shape[0], _COV_EVERY, h.device)]
+        self._add("latent_in_cov", sample.T @ sample)
+
+    def _scores(self) -> dict[str, torch.Tensor]:
+        spec: MoESpec = self.spec
+        mixer = self.mixer
+        scores = {
+            "expert": torch.stack([self._mean(f"out.{j}", ()) for j in range(spec.num_experts)]).reshape(
+                spec.num_experts
+            ),
+            "expert_frequency": self._mean("count", (spec.num_experts,)),
+        }
+        for j, expert in enumerate(mixer.experts):
+            # Column norms in the expert's own (latent) space: fc2 is shared by every expert.
+            scores[f"expert_channel.{j}"] = (
+                self._mean(f"act.{j}", (spec.widths[j],)) * _column_norms(expert.down_proj.weight).square()
+            )  # energy per channel
+        if spec.shared_width > 0:
+            scores["shared_channel"] = (
+                self._mean("shared", (spec.shared_width,))
+                * _column_norms(mixer.shared_experts.down_proj.weight).square()
+            )
+        if spec.latent_size is not None:
+            # A latent dim is read by every expert's up_proj and written by fc2: the geometric mean of its
+            # input-side (mean |fc1_l| x routing-frequency-weighted norm of up columns l) and output-side
+            # (mean |fc2 input_l| x ||fc2[:, l]||) contributions.
+            out_side = self._mean("latent", (spec.latent_size,)) * _column_norms(mixer.fc2_latent_proj.weight)
+            frequency = scores["expert_frequency"]
+            up_sq = sum(
+                f * _column_norms(e.up_proj.weight).square() for f, e in zip(frequency, mixer.experts)
+            )
+            in_side = self._mean("latent_in", (spec.latent_size,)) * up_sq.sqrt()
+            scores["latent"] = (out_side * in_side).sqrt()
+            L = spec.latent_size
+            count = float(self.sums.get("cov_count", torch.tensor(0.0))) or 1.0
+            for name in ("latent_in_cov", "latent_out_cov"):
+                scores[name] = (
+                    (self.sums[name] / count).float().cpu() if name in self.sums else torch.zeros(L, L)
+                )
+        return scores
+
+
+class _StatelessCollector(_Collector):
+    """Linear and no-op mixers have no axis to prune; only the token count (and a linear fit if asked)."""
+
+    def __init__(self, mixer: nn.Module, hidden_size: int, fit_every: int) -> None:
+        super().__init__(mixer, hidden_size, fit_every)
+        self.handles.append(mixer.register_forward_pre_hook(self._count_hook))
+
+    def _count_hook(self, module: nn.Module, args: tuple) -> None:
+        self.tokens += args[0].numel() // args[0].shape[-1]
+
+
+_COLLECTORS: dict[str, type[_Collector]] = {
+    "mamba": _MambaCollector,
+    "attention": _AttentionCollector,
+    "moe": _MoECollector,
+    "mlp": _MLPCollector,
+    "linear": _StatelessCollector,
+    "noop": _StatelessCollector,
+}
+
+
+def _make_collector(mixer: nn.Module, hidden_size: int, fit_every: int) -> _Collector:
+    kind = mixer.spec.kind
+    # A no-op block never calls its mixer (the model skips it), so there is nothing to fit.
+    return _COLLECTORS[kind](mixer, hidden_size, fit_every if kind != "noop" else 0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public entry points.
+
+
+def _fit_every(linear_fit: bool, every: int) -> int:
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"linear_fit_every must be a positive integer, found {every!r}")
+    return every if linear_fit else 0
+
+
+@torch.no_grad()
+def collect_block_importance(
+    mixer: nn.Module, inputs: Iterable[torch.Tensor], *, linear_fit: bool = True, linear_fit_every: int = 8
+) -> BlockImportance:
+    """Importance of one mixer from its inputs (each [b, t, H], the normed block input).
+
+    `linear_fit`: also accumulate the least-squares sums, over every `linear_fit_every`-th token.
+    """
+    hidden_size = None
+    collector = None
+    try:
+        for x in inputs:
+            if collector is None:
+                hidden_size = x.shape[-1]
+                collector = _make_collector(mixer, hidden_size, _fit_every(linear_fit, linear_fit_every))
+            mixer(x)
+    finally:
+        if collector is not None:
+            collector.remove()
+    if collector is None:
+        raise ValueError("collect_block_importance: `inputs` yielded no tensors")
+    return collector.finalize()
+
+
+@torch.no_grad()
+def collect_importance(
+    model: nn.Module,
+    batches: Iterable[torch.Tensor],
+    *,
+    linear_fit: bool = True,
+    linear_fit_every: int = 8,
+    layers: Iterable[int] | None = None,
+) -> ModelImportance:
+    """Run the parent (`HybridLM`) over `batches` of token ids [b, t] and score every block in `layers`.
+
+    Memory is independent of the number of tokens (running sums only); the forward is the model's own.
+    `linear_fit`: also accumulate the least-squares sums of every block (for linear replacements), over
+    every `linear_fit_every`-th token (1 = all; the sums cost 4 H^2 flops per token and block).
+    """
+    indices = list(range(len(model.layers))) if layers is None else list(layers)
+    hidden = model.spec.hidden_size
+    fit_every = _fit_every(linear_fit, linear_fit_every)
+    collectors = {i: _make_collector(model.layers[i].mixer, hidden, fit_every) for i in indices}
+    tokens = 0
+    try:
+        for input_ids in batches:
+            model(input_ids)
+            tokens += input_ids.numel()
+    finally:
+        for collector in collectors.values():
+            collector.remove()
+    if tokens == 0:
+        raise ValueError("collect_importance: `batches` yielded no tokens")
+    blocks = {i: collector.finalize() for i, collector in collectors.items()}
+    extra = {"linear_fit_every": linear_fit_every} if linear_fit else {}
+    return ModelImportance(blocks, tokens, parent_fingerprint(model), linear_fit, extra)
+
+
+def parent_fingerprint(model: nn.Module) -> str:
+    """sha256 of the model spec and of a sample of every weight: enough to tell two parents apart cheaply.
+
+    Per tensor: its name, shape, first 64 values and 64 values at an even stride (a full hash would
+    read every weight of a 120B model; this reads a few hundred bytes per tensor).
+    """
+    digest = hashlib.sha256(model.spec.to_json(indent=None).encode())
+    for name, tensor in model.state_dict().items():
+        flat = tensor.detach().reshape(-1)
+        stride = max(1, flat.numel() // 64)
+        sample = torch.cat([flat[:64], flat[::stride][:64]]).float().cpu().contiguous()
+        digest.update(name.encode())
+        digest.update(str(tuple(tensor.shape)).encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _write_atomic(directory: Path, name: str, writer: Callable[[str], None]) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=directory)
+    os.close(fd)
+    try:
+        writer(tmp)
+        os.replace(tmp, directory / name)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def save_importance(importance: ModelImportance, directory: str | Path) -> Path:
+    """Write `importance.safetensors` (keys `layers.{i}.{score}`) and `importance.json` atomically."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        f"layers.{i}.{name}": value.contiguous()
+        for i, block in importance.blocks.items()
+        for name, value in block.scores.items()
+    }
+    manifest = {
+        "format": FORMAT_VERSION,
+        "parent": importance.parent,
+        "tokens": importance.tokens,
+        "linear_fit": importance.linear_fit,
+        "blocks": {str(i): {"kind": b.kind, "tokens": b.tokens} for i, b in importance.blocks.items()},
+        **importance.extra,
+    }
+    _write_atomic(directory, SCORES_FILE, lambda path: save_file(tensors, path))
+
+    def write_manifest(path: str) -> None:
+        Path(path).write_text(json.dumps(manifest, indent=2))
+
+    # The manifest goes last: its presence means the scores next to it are complete.
+    _write_atomic(directory, MANIFEST_FILE, write_manifest)
+    return directory / MANIFEST_FILE
+
+
+def load_importance(directory: str | Path) -> ModelImportance:
+    """Read what `save_importance` wrote; a missing or malformed file is an error naming it."""
+    directory = Path(directory)
+    manifest_path, scores_path = directory / MANIFEST_FILE, directory / SCORES_FILE
+    for path in (manifest_path, scores_path):
+        if not path.is_file():
+            raise FileNotFoundError(f"importance file {path} does not exist")
+    manifest = json.loads(manifest_path.read_text())
+    if manifest.get("format") != FORMAT_VERSION:
+        raise ValueError(f"{manifest_path}: format {manifest.get('format')!r}, expected {FORMAT_VERSION}")
+    tensors = load_file(str(scores_path))
+    blocks: dict[int, BlockImportance] = {}
+    for key, info in manifest["blocks"].items():
+        prefix = f"layers.{key}."
+        scores = {name[len(prefix) :]: value for name, value in tensors.items() if name.startswith(prefix)}
+        blocks[int(key)] = BlockImportance(info["kind"], scores, int(info["tokens"]))
+    known = {"format", "parent", "tokens", "linear_fit", "blocks"}
+    extra = {key: value for key, value in manifest.items() if key not in known}
+    return ModelImportance(
+        blocks, int(manifest["tokens"]), manifest["parent"], bool(manifest["linear_fit"]), extra
+    )
+
+
+def _matches(manifest: Mapping[str, Any], parent: str, linear_fit: bool, tokens: int | None) -> bool:
+    if manifest.get("format") != FORMAT_VERSION or manifest.get("parent") != parent:
+        return False
+    if linear_fit and not manifest.get("linear_fit"):
+        return False
+    return tokens is None or manifest.get("tokens") == tokens
+
+
+def importance_for(
+    model: nn.Module,
+    batches: Callable[[], Iterable[torch.Tensor]] | Iterable[torch.Tensor],
+    directory: str | Path,
+    *,
+    linear_fit: bool = True,
+    tokens: int | None = None,
+) -> tuple[ModelImportance, bool]:
+    """Load the importance saved in `directory` if it was measured on this parent, else measure and save it.
+
+    Matching means: same format, same `parent_fingerprint`, a linear fit present if asked, and (if
+    `tokens` is given) the same number of calibration tokens. `batches` may be a zero-argument callable
+    so that no data is read when the scores are reused. Returns (importance, reused).
+    """
+    directory = Path(directory)
+    parent = parent_fingerprint(model)
+    manifest_path = directory / MANIFEST_FILE
+    if manifest_path.is_file():
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except json.JSONDecodeError:
+            manifest = {}
+        if _matches(manifest, parent, linear_fit, tokens):
+            return load_importance(directory), True
+    stream = batches() if callable(batches) else batches
+    importance = collect_importance(model, stream, linear_fit=linear_fit)
+    save_importance(importance, directory)
+    return importance, False
