@@ -1,0 +1,128 @@
+"""Budget syntax: `KEY<=VALUE`, `KEY>=VALUE`, `LO<=KEY<=HI`, with VALUE absolute (`7e9`, `70G`) or relative (`0.6x`).
+
+A relative value is a factor of the parent's total for that key (the sum over the first variant of every
+block plus the fixed part). The same syntax is used wherever the command line takes a budget.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+class BudgetError(ValueError):
+    """A budget that cannot be parsed or that contradicts another one."""
+
+
+@dataclass(frozen=True)
+class Relative:
+    """A bound given as a factor of the parent's total, e.g. `0.6x`."""
+
+    factor: float
+
+    def resolve(self, parent_total: float) -> float:
+        return self.factor * parent_total
+
+    def __str__(self) -> str:
+        return f"{self.factor:g}x"
+
+
+Value = float | Relative
+
+# Decimal suffixes people write for parameter counts and bytes ("70G", "2.5B" = 2.5e9).
+_SUFFIXES = {"k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "B": 1e9, "T": 1e12}
+_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+
+
+def parse_value(text: str) -> Value:
+    """`'0.6x'` -> Relative(0.6); `'7e9'`, `'70G'`, `'2.5B'` -> float."""
+    raw = text.strip()
+    match = re.fullmatch(rf"({_NUMBER})\s*([xX]|[kKMGBT])?", raw)
+    if match is None:
+        raise BudgetError(
+            f"cannot read budget value {text!r}: expected a number such as 32000, 7e9, 70G, or a "
+            f"factor of the parent such as 0.6x"
+        )
+    number = float(match.group(1))
+    suffix = match.group(2)
+    if suffix in ("x", "X"):
+        if number <= 0:
+            raise BudgetError(f"relative budget value {text!r} must be a positive factor")
+        return Relative(number)
+    return number * _SUFFIXES[suffix] if suffix else number
+
+
+def format_value(value: Value | None) -> str:
+    return "" if value is None else str(value) if isinstance(value, Relative) else f"{value:g}"
+
+
+@dataclass(frozen=True)
+class Limit:
+    """Bounds on one summed cost: `lower <= sum <= upper` (either may be None)."""
+
+    key: str
+    upper: Value | None = None
+    lower: Value | None = None
+
+    def __post_init__(self) -> None:
+        if not self.key:
+            raise BudgetError("a budget needs a key, e.g. 'stats.memory_mib<=70000'")
+        if self.upper is None and self.lower is None:
+            raise BudgetError(f"budget on {self.key!r} has neither an upper nor a lower bound")
+
+    def __str__(self) -> str:
+        if self.upper is not None and self.lower is not None:
+            return f"{format_value(self.lower)}<={self.key}<={format_value(self.upper)}"
+        if self.upper is not None:
+            return f"{self.key}<={format_value(self.upper)}"
+        return f"{self.key}>={format_value(self.lower)}"
+
+    def resolved(self, parent_total: float) -> tuple[float | None, float | None]:
+        """(lower, upper) as absolute numbers, relative values taken against `parent_total`."""
+
+        def absolute(value: Value | None) -> float | None:
+            if value is None:
+                return None
+            return value.resolve(parent_total) if isinstance(value, Relative) else float(value)
+
+        return absolute(self.lower), absolute(self.upper)
+
+
+def parse_limit(text: str) -> Limit:
+    """Parse `KEY<=V`, `KEY>=V`, `V>=KEY`... or `LO<=KEY<=HI` into a Limit."""
+    parts = re.split(r"(<=|>=)", text.replace(" ", ""))
+    if len(parts) == 3:
+        left, op, right = parts
+        left_is_key = re.fullmatch(rf"{_NUMBER}[xXkKMGBT]?", left) is None
+        key, value_text = (left, right) if left_is_key else (right, left)
+        if not left_is_key:  # `V<=KEY` reads as KEY>=V
+            op = "<=" if op == ">=" else ">="
+        value = parse_value(value_text)
+        return Limit(key, upper=value) if op == "<=" else Limit(key, lower=value)
+    if len(parts) == 5 and parts[1] == parts[3]:
+        low_text, _, key, _, high_text = parts if parts[1] == "<=" else parts[::-1]
+        return Limit(key, upper=parse_value(high_text), lower=parse_value(low_text))
+    raise BudgetError(
+        f"cannot read budget {text!r}: expected KEY<=VALUE, KEY>=VALUE or LOW<=KEY<=HIGH "
+        f"(VALUE absolute like 32000 or relative to the parent like 0.6x)"
+    )
+
+
+def merge_limits(limits: Iterable[Limit]) -> list[Limit]:
+    """One Limit per key (`a<=5` and `a>=2` become `2<=a<=5`), in first-seen order."""
+    merged: dict[str, Limit] = {}
+    for limit in limits:
+        previous = merged.get(limit.key)
+        if previous is None:
+            merged[limit.key] = limit
+            continue
+        for side in ("upper", "lower"):
+            if getattr(previous, side) is not None and getattr(limit, side) is not None:
+                raise BudgetError(f"two {side} bounds given for {limit.key!r}: {previous} and {limit}")
+        merged[limit.key] = Limit(
+            limit.key,
+            upper=previous.upper if previous.upper is not None else limit.upper,
+            lower=previous.lower if previous.lower is not None else limit.lower,
+        )
+    return list(merged.values())

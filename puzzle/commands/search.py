@@ -1,0 +1,166 @@
+"""`puzzle search`: solve the architecture MIP on a block library file (NVlabs Puzzle or puzzletron format)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from puzzle.budget import BudgetError, merge_limits, parse_limit
+from puzzle.search import InfeasibleError, Rules, SearchError, Solution, SolverOptions, search_k
+from puzzle.search_frontier import parse_sweep, sweep, write_frontier
+from puzzle.search_library import load_library
+
+EXIT_INFEASIBLE = 2
+
+
+def register(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "search",
+        help="choose one variant per block under budgets (the Puzzle MIP)",
+        description=(
+            "Choose one variant per block to optimise the summed objective under budgets. Budgets are "
+            "KEY<=VALUE, KEY>=VALUE or LOW<=KEY<=HIGH on dotted keys into each variant; VALUE is absolute "
+            "(32000, 70G) or relative to the parent, the first variant of every block (0.6x). "
+            "Exit code 2 when no architecture meets the budgets."
+        ),
+    )
+    parser.add_argument(
+        "--library",
+        required=True,
+        help="block library JSON (NVlabs block_library.json or "
+        "puzzletron replacement_metrics_and_stats.json)",
+    )
+    parser.add_argument(
+        "--objective", default="metrics.kl_div", help="dotted key of the score (default metrics.kl_div)"
+    )
+    parser.add_argument(
+        "--maximize", action="store_true", help="maximise the objective (accuracy-like scores)"
+    )
+    parser.add_argument(
+        "--budget", action="append", default=[], metavar="KEY<=VALUE", help="a budget (repeatable)"
+    )
+    parser.add_argument(
+        "--fixed",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a cost outside the blocks (embeddings, lm_head) added to KEY's total (repeatable)",
+    )
+    parser.add_argument(
+        "--keep-block",
+        action="append",
+        default=[],
+        metavar="LAYER",
+        help="hold this layer at its parent (first) variant (repeatable)",
+    )
+    parser.add_argument(
+        "--same",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="every chosen variant that has KEY has the same value of it, e.g. an SSM state "
+        "size (repeatable; missing or null = free)",
+    )
+    parser.add_argument(
+        "--solutions", type=int, default=1, metavar="K", help="the K best distinct architectures"
+    )
+    parser.add_argument(
+        "--min-diff",
+        type=int,
+        default=1,
+        metavar="D",
+        help="each further solution differs from every earlier one in >= D blocks",
+    )
+    parser.add_argument(
+        "--sweep", metavar="KEY=v1,v2,...", help="solve once per bound on KEY (KEY>=... for lower bounds)"
+    )
+    parser.add_argument(
+        "--frontier", metavar="PREFIX", help="with --sweep: write PREFIX.csv, PREFIX.json, PREFIX.png"
+    )
+    parser.add_argument("--solver", choices=["auto", "highs", "cbc"], default="auto")
+    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS", help="per solve")
+    parser.add_argument("--gap", type=float, default=1e-6, help="relative optimality gap (default 1e-6)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.set_defaults(func=run)
+
+
+def _fixed(items: list[str]) -> dict[str, float]:
+    fixed: dict[str, float] = {}
+    for item in items:
+        key, separator, value = item.partition("=")
+        try:
+            fixed[key.strip()] = float(value)
+        except ValueError:
+            separator = ""
+        if not separator or not key.strip():
+            raise BudgetError(f"cannot read --fixed {item!r}: expected KEY=NUMBER")
+    return fixed
+
+
+def _print_solution(solution: Solution, objective: str, out) -> None:
+    width = max(len(block) for block in solution.names)
+    for block, variant in solution.names.items():
+        print(f"  {block:<{width}}  {variant}", file=out)
+    gap = "n/a" if solution.gap is None else f"{solution.gap:.2g}"
+    print(
+        f"{objective} = {solution.objective:.6g}   status {solution.status}, gap {gap}, {solution.solver}, "
+        f"{solution.seconds:.2f} s, {solution.presolve_dropped} dominated variants dropped",
+        file=out,
+    )
+    for key, value in solution.totals.items():
+        print(f"  {key} = {value:.6g}", file=out)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        limits = merge_limits(parse_limit(text) for text in args.budget)
+        swept = parse_sweep(args.sweep) if args.sweep else None
+        keys = [limit.key for limit in limits] + ([swept[0]] if swept else [])
+        table = load_library(args.library, args.objective, keys, args.maximize, args.same, _fixed(args.fixed))
+        rules = Rules(same_attributes=tuple(args.same), keep_blocks=tuple(args.keep_block))
+        options = SolverOptions(args.solver, args.time_limit, args.gap)
+        if swept:
+            key, side, values = swept
+            points = sweep(table, limits, key, side, values, rules, options)
+            if args.frontier:
+                for path in write_frontier(points, key, args.frontier, args.objective):
+                    print(f"wrote {path}", file=sys.stderr)
+            if args.json:
+                print(json.dumps([point.to_json() for point in points], indent=2))
+            else:
+                for point in points:
+                    mark = "*" if point.on_frontier else " "
+                    if point.solution is None:
+                        print(f"{mark} {point.limit}: infeasible: {point.error}")
+                    else:
+                        print(
+                            f"{mark} {point.limit}: {args.objective} = {point.solution.objective:.6g}, "
+                            f"{key} = {point.solution.totals[key]:.6g} ({point.solution.status})"
+                        )
+            return 0 if any(point.solution is not None for point in points) else EXIT_INFEASIBLE
+        solutions = search_k(table, limits, rules, options, args.solutions, args.min_diff)
+    except InfeasibleError as error:
+        if args.json:
+            print(
+                json.dumps(
+                    {"status": "infeasible", "error": str(error), "budget": error.budget, "best": error.best}
+                )
+            )
+        print(f"puzzle search: infeasible: {error}", file=sys.stderr)
+        return EXIT_INFEASIBLE
+    except (SearchError, BudgetError) as error:
+        print(f"puzzle search: error: {error}", file=sys.stderr)
+        return 1
+    if args.json:
+        payload = [s.to_json() for s in solutions]
+        print(json.dumps(payload[0] if args.solutions == 1 else payload, indent=2))
+        return 0
+    for index, solution in enumerate(solutions):
+        if len(solutions) > 1:
+            print(f"solution {index + 1}:")
+        _print_solution(solution, args.objective, sys.stdout)
+    if len(solutions) < args.solutions:
+        print(f"only {len(solutions)} architectures differ in >= {args.min_diff} blocks", file=sys.stderr)
+    return 0

@@ -1,0 +1,251 @@
+"""Solver back ends for the search MIP: the LP relaxation (HiGHS directly) and MIPs through PuLP (HiGHS or CBC).
+
+A model is a minimisation objective over columns and a list of rows `lower <= sum coefs x[cols] <= upper`;
+every function solves it restricted to a subset of the columns (the others are held at 0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pulp
+
+try:  # HiGHS is the default solver; CBC (bundled with PuLP) is the fallback.
+    import highspy
+except ImportError:  # pragma: no cover - exercised only where highspy is absent
+    highspy = None
+
+
+@dataclass
+class Row:
+    """One linear row over columns (flat variant indices, or rule binaries numbered from N)."""
+
+    cols: np.ndarray
+    coefs: np.ndarray
+    lower: float
+    upper: float
+    label: str
+
+
+@dataclass
+class RowModel:
+    """minimise objective . x subject to rows, x in [0, 1] (binary in a MIP)."""
+
+    objective: np.ndarray  # [columns]
+    rows: list[Row]
+
+
+@dataclass
+class BackendResult:
+    """What a back end returns; `values` and `reduced_costs` follow the order of the columns it was given."""
+
+    status: str  # "optimal" | "time_limit" | "infeasible" | "error"
+    objective: float | None = None
+    values: np.ndarray | None = None  # per column of the solved subset
+    reduced_costs: np.ndarray | None = None
+    gap: float | None = None
+
+
+_BANNER_SILENCED = False
+
+
+def new_highs() -> Any:
+    """A silent highspy.Highs. The first one in a process prints a banner to fd 1 from C; keep stdout clean."""
+    global _BANNER_SILENCED
+    if not _BANNER_SILENCED:
+        _BANNER_SILENCED = True
+        with contextlib.suppress(OSError):
+            saved = os.dup(1)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            try:
+                os.dup2(devnull, 1)
+                solver = highspy.Highs()
+            finally:
+                os.dup2(saved, 1)
+                os.close(saved)
+                os.close(devnull)
+            solver.setOptionValue("output_flag", False)
+            return solver
+    solver = highspy.Highs()
+    solver.setOptionValue("output_flag", False)
+    return solver
+
+
+def _csc(
+    problem: RowModel, columns: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The constraint matrix restricted to `columns` (sorted global ids), column-wise, plus row bounds."""
+    position = -np.ones(len(problem.objective), dtype=np.int64)
+    position[columns] = np.arange(len(columns))
+    row_ids, col_ids, values = [], [], []
+    for index, row in enumerate(problem.rows):
+        keep = position[row.cols] >= 0
+        keep &= row.coefs != 0
+        row_ids.append(np.full(int(keep.sum()), index))
+        col_ids.append(position[row.cols[keep]])
+        values.append(row.coefs[keep])
+    rows = np.concatenate(row_ids)
+    cols = np.concatenate(col_ids)
+    vals = np.concatenate(values)
+    order = np.lexsort((rows, cols))
+    starts = np.searchsorted(cols[order], np.arange(len(columns) + 1))
+    lower = np.array([row.lower for row in problem.rows])
+    upper = np.array([row.upper for row in problem.rows])
+    return starts, rows[order], vals[order], lower, upper
+
+
+class LPSession:
+    """The LP relaxation on `columns` held in one HiGHS instance, so that bound changes re-solve warm
+    (a few simplex iterations each). Used for diving (an incumbent) and probing (fixing columns)."""
+
+    def __init__(self, problem: RowModel, columns: np.ndarray, deadline: float | None = None) -> None:
+        starts, index, value, row_lower, row_upper = _csc(problem, columns)
+        lp = highspy.HighsLp()
+        lp.num_col_ = len(columns)
+        lp.num_row_ = len(problem.rows)
+        lp.col_cost_ = problem.objective[columns]
+        lp.col_lower_ = np.zeros(len(columns))
+        lp.col_upper_ = np.ones(len(columns))
+        inf = highspy.kHighsInf
+        lp.row_lower_ = np.where(np.isfinite(row_lower), row_lower, -inf)
+        lp.row_upper_ = np.where(np.isfinite(row_upper), row_upper, inf)
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+        lp.a_matrix_.start_ = starts
+        lp.a_matrix_.index_ = index
+        lp.a_matrix_.value_ = value
+        self.columns = columns
+        self.deadline = deadline
+        self.solver = new_highs()
+        self.solver.passModel(lp)
+
+    def set_bounds(self, column: int, lower: float, upper: float) -> None:
+        """Bounds of the session's column `column` (a position in `columns`)."""
+        self.solver.changeColBounds(int(column), float(lower), float(upper))
+
+    def solve(self) -> BackendResult:
+        if self.deadline is not None:
+            self.solver.setOptionValue("time_limit", max(0.01, self.deadline - time.perf_counter()))
+        self.solver.run()
+        status = self.solver.getModelStatus()
+        if status == highspy.HighsModelStatus.kInfeasible:
+            return BackendResult("infeasible")
+        if status != highspy.HighsModelStatus.kOptimal:
+            return BackendResult("error")
+        solution = self.solver.getSolution()
+        return BackendResult(
+            "optimal",
+            self.solver.getInfo().objective_function_value,
+            np.array(solution.col_value),
+            np.array(solution.col_dual),
+        )
+
+
+def _lp_highs(problem: RowModel, columns: np.ndarray, deadline: float | None) -> BackendResult:
+    return LPSession(problem, columns, deadline).solve()
+
+
+def _pulp_model(
+    problem: RowModel, columns: np.ndarray, integer: bool
+) -> tuple[pulp.LpProblem, list[pulp.LpVariable]]:
+    model = pulp.LpProblem("puzzle_search", pulp.LpMinimize)
+    category = pulp.LpBinary if integer else pulp.LpContinuous
+    variables = [model.add_variable(f"x{column}", 0, 1, category) for column in columns]
+    position = -np.ones(len(problem.objective), dtype=np.int64)
+    position[columns] = np.arange(len(columns))
+    model += pulp.LpAffineExpression(
+        [
+            (variables[i], float(problem.objective[column]))
+            for i, column in enumerate(columns)
+            if problem.objective[column] != 0
+        ]
+    )
+    for number, row in enumerate(problem.rows):
+        keep = (position[row.cols] >= 0) & (row.coefs != 0)
+        if not keep.any():
+            if row.lower <= 0.0 <= row.upper:
+                continue  # an empty row that holds
+            # An empty row that fails: keep it, on a variable pinned to 0, so the solver reports infeasible.
+            keep_var = model.add_variable(f"zero{number}", 0, 0)
+            expression = pulp.LpAffineExpression([(keep_var, 1.0)])
+        else:
+            expression = pulp.LpAffineExpression(
+                [(variables[p], float(c)) for p, c in zip(position[row.cols[keep]], row.coefs[keep])]
+            )
+        if row.lower == row.upper:
+            model += (expression == row.lower, f"r{number}")
+            continue
+        if math.isfinite(row.upper):
+            model += (expression <= row.upper, f"r{number}u")
+        if math.isfinite(row.lower):
+            model += (expression >= row.lower, f"r{number}l")
+    return model, variables
+
+
+def _pulp_solver(name: str, integer: bool, gap_rel: float, time_limit: float | None) -> Any:
+    if name == "highs":
+        return pulp.HiGHS(msg=False, mip=integer, gapRel=gap_rel, timeLimit=time_limit)
+    with (
+        warnings.catch_warnings()
+    ):  # PuLP 3 deprecates its bundled CBC; it stays the no-extra-install fallback
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return pulp.PULP_CBC_CMD(
+            msg=False,
+            mip=integer,
+            gapRel=gap_rel,
+            timeLimit=None if time_limit is None else max(1, math.ceil(time_limit)),
+        )
+
+
+def solve_with_pulp(
+    problem: RowModel,
+    columns: np.ndarray,
+    integer: bool,
+    solver_name: str,
+    gap_rel: float,
+    deadline: float | None,
+) -> BackendResult:
+    """Solve the (sub)problem on `columns` through PuLP; LP gives reduced costs, MIP gives the gap."""
+    if solver_name == "highs":
+        new_highs()  # silence the banner before PuLP constructs its own Highs
+    model, variables = _pulp_model(problem, columns, integer)
+    time_limit = None if deadline is None else max(0.05, deadline - time.perf_counter())
+    solver = _pulp_solver(solver_name, integer, gap_rel, time_limit)
+    model.solve(solver)
+    values = np.array([variable.varValue if variable.varValue is not None else 0.0 for variable in variables])
+    status = pulp.LpStatus[model.status]
+    has_solution = model.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    if status == "Infeasible" or (not has_solution and status != "Optimal"):
+        timed_out = deadline is not None and time.perf_counter() >= deadline - 0.05
+        return BackendResult("time_limit" if timed_out and status != "Infeasible" else "infeasible")
+    objective = float(problem.objective[columns] @ values)
+    result = BackendResult(
+        "optimal" if model.sol_status == pulp.LpSolutionOptimal else "time_limit", objective, values
+    )
+    if not integer:
+        result.reduced_costs = np.array(
+            [variable.dj if variable.dj is not None else 0.0 for variable in variables]
+        )
+    elif solver_name == "highs":
+        info = model.solverModel.getInfo()
+        result.gap = float(info.mip_gap) if math.isfinite(info.mip_gap) else None
+        if result.status == "optimal" and result.gap is not None and result.gap > gap_rel * 1.0001 + 1e-12:
+            result.status = "time_limit"
+    else:
+        # CBC does not hand its final bound to PuLP; "optimal" means within the requested gap_rel.
+        result.gap = gap_rel if result.status == "optimal" else None
+    return result
+
+
+def solve_lp(
+    problem: RowModel, columns: np.ndarray, solver_name: str, deadline: float | None
+) -> BackendResult:
+    if highspy is not None:
+        return _lp_highs(problem, columns, deadline)
+    return solve_with_pulp(problem, columns, False, solver_name, 0.0, deadline)

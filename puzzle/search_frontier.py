@@ -1,0 +1,171 @@
+"""Budget sweeps: solve the search once per budget value and write the Pareto frontier (CSV, JSON, PNG)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from puzzle.budget import BudgetError, Limit, Value, merge_limits, parse_value
+from puzzle.search import InfeasibleError, Rules, Solution, SolverOptions, Table, search
+
+
+@dataclass
+class SweepPoint:
+    """One budget of a sweep and what it gave: a solution, or the reason there is none."""
+
+    limit: Limit
+    solution: Solution | None
+    error: str | None = None
+    on_frontier: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        if self.solution is None:
+            return {"budget": str(self.limit), "status": "infeasible", "error": self.error}
+        return {"budget": str(self.limit), "on_frontier": self.on_frontier, **self.solution.to_json()}
+
+
+def parse_sweep(text: str) -> tuple[str, str, list[Value]]:
+    """`KEY=v1,v2` or `KEY<=v1,v2` (upper bounds) or `KEY>=v1,v2` (lower bounds) -> (key, side, values)."""
+    for separator, side in (("<=", "upper"), (">=", "lower"), ("=", "upper")):
+        if separator in text:
+            key, _, values = text.partition(separator)
+            items = [item for item in values.split(",") if item.strip()]
+            if key.strip() and items:
+                return key.strip(), side, [parse_value(item) for item in items]
+    raise BudgetError(f"cannot read sweep {text!r}: expected KEY=v1,v2,... (values absolute or like 0.6x)")
+
+
+def sweep(
+    table: Table,
+    limits: Sequence[Limit],
+    key: str,
+    side: str,
+    values: Sequence[Value],
+    rules: Rules | None = None,
+    options: SolverOptions | None = None,
+) -> list[SweepPoint]:
+    """Solve once per value of the swept bound (other limits kept; one on the same side of `key` replaced)."""
+    points = []
+    for value in values:
+        swept = Limit(key, upper=value) if side == "upper" else Limit(key, lower=value)
+        others = [limit for limit in limits if limit.key != key]
+        same_key = [limit for limit in limits if limit.key == key]
+        kept = [
+            Limit(
+                key,
+                upper=limit.upper if side == "lower" else None,
+                lower=limit.lower if side == "upper" else None,
+            )
+            for limit in same_key
+            if (limit.upper if side == "lower" else limit.lower) is not None
+        ]
+        combined = merge_limits([*others, *kept, swept])
+        try:
+            points.append(
+                SweepPoint(swept, search(table, combined, rules or Rules(), options or SolverOptions()))
+            )
+        except InfeasibleError as error:
+            points.append(SweepPoint(swept, None, str(error)))
+    mark_frontier(points, key, table.maximize)
+    return points
+
+
+def mark_frontier(points: Sequence[SweepPoint], key: str, maximize: bool) -> None:
+    """A point is on the frontier when no other has a cost (`key` total) no higher and an objective no
+    worse, one of them strictly."""
+    solved = [point for point in points if point.solution is not None]
+    for point in solved:
+        cost, value = point.solution.totals[key], point.solution.objective
+        point.on_frontier = True
+        for other in solved:
+            other_cost, other_value = other.solution.totals[key], other.solution.objective
+            no_worse = other_cost <= cost and (other_value >= value if maximize else other_value <= value)
+            strictly = other_cost < cost or other_value != value
+            if no_worse and strictly:
+                point.on_frontier = False
+                break
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def write_frontier(
+    points: Sequence[SweepPoint], key: str, prefix: str | Path, objective_name: str = "objective"
+) -> list[Path]:
+    """PREFIX.csv and PREFIX.json (budget, objective, status, every cost, architecture) and, when
+    matplotlib is installed, PREFIX.png (objective against the swept cost, frontier joined). Returns
+    the paths written."""
+    prefix = Path(prefix)
+    cost_keys = sorted({k for point in points if point.solution for k in point.solution.totals})
+    buffer = io.StringIO()
+    writer = csv.writer(buffer)
+    writer.writerow(["budget", "status", objective_name, "gap", "on_frontier", *cost_keys, "architecture"])
+    for point in points:
+        solution = point.solution
+        if solution is None:
+            writer.writerow([str(point.limit), "infeasible", "", "", False, *[""] * len(cost_keys), ""])
+            continue
+        writer.writerow(
+            [
+                str(point.limit),
+                solution.status,
+                repr(solution.objective),
+                "" if solution.gap is None else repr(solution.gap),
+                point.on_frontier,
+                *[repr(solution.totals.get(k, "")) for k in cost_keys],
+                json.dumps(solution.names),
+            ]
+        )
+    written = [Path(f"{prefix}.csv"), Path(f"{prefix}.json")]
+    _atomic_write(written[0], buffer.getvalue().encode())
+    _atomic_write(written[1], json.dumps([p.to_json() for p in points], indent=2).encode())
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # plotting is an optional extra
+        return written
+    solved = [p for p in points if p.solution is not None]
+    figure, axis = plt.subplots(figsize=(6, 4))
+    axis.scatter(
+        [p.solution.totals[key] for p in solved],
+        [p.solution.objective for p in solved],
+        color="grey",
+        label="solutions",
+    )
+    frontier = sorted((p for p in solved if p.on_frontier), key=lambda p: p.solution.totals[key])
+    axis.plot(
+        [p.solution.totals[key] for p in frontier],
+        [p.solution.objective for p in frontier],
+        "o-",
+        color="tab:blue",
+        label="Pareto frontier",
+    )
+    axis.set_xlabel(key)
+    axis.set_ylabel(objective_name)
+    axis.legend()
+    axis.grid(alpha=0.3)
+    figure.tight_layout()
+    image = io.BytesIO()
+    figure.savefig(image, format="png", dpi=120)
+    plt.close(figure)
+    written.append(Path(f"{prefix}.png"))
+    _atomic_write(written[2], image.getvalue())
+    return written

@@ -1,0 +1,141 @@
+"""Deployment budgets through the cost model: the MIP's answer equals enumeration with whole-model cost functions."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import numpy as np
+import pytest
+
+from puzzle.budget import Relative
+from puzzle.cost import (
+    Scenario,
+    max_concurrent_requests,
+    model_active_params,
+    model_params,
+    model_performance,
+    model_weight_bytes,
+)
+from puzzle.presets.tiny import tiny_hybrid
+from puzzle.search import InfeasibleError, search
+from puzzle.search_budget import Budget, ScenarioTarget, choices_to_spec, spec_table
+from puzzle.spec import LinearSpec, MambaSpec, MLPSpec, MoESpec, NoOpSpec, SpecError
+
+HARDWARE = "h100"
+CHAT = Scenario(batch_size=8, prompt_tokens=512, generated_tokens=256, name="chat")
+LONG = Scenario(batch_size=2, prompt_tokens=8192, generated_tokens=64, name="long")
+CONTEXT = 100_000
+
+
+def _variants(parent):
+    """Three candidates per block of the tiny hybrid `M*EM-E`, parent first."""
+    variants = []
+    for block in parent.blocks:
+        if isinstance(block, MambaSpec):
+            options = [block, dataclasses.replace(block, state_size=8), NoOpSpec()]
+        elif isinstance(block, MoESpec):
+            options = [block, dataclasses.replace(block, top_k=1), NoOpSpec()]
+        elif isinstance(block, MLPSpec):
+            options = [block, MLPSpec(width=block.width // 2), NoOpSpec()]
+        else:
+            options = [block, dataclasses.replace(block, num_kv_heads=1), LinearSpec()]
+        variants.append(options)
+    return variants
+
+
+def _concurrency(spec) -> float:
+    try:
+        return max_concurrent_requests(spec, HARDWARE, CONTEXT)
+    except SpecError:  # no per-request state at all: memory does not bound the batch
+        return float("inf")
+
+
+def test_budget_equals_enumeration_with_model_functions():
+    parent = tiny_hybrid(hidden_size=64)
+    variants = _variants(parent)
+    rng = np.random.default_rng(0)
+    scores = [[0.0, *rng.uniform(0.1, 1.0, len(options) - 1)] for options in variants]
+    parent_chat = model_performance(parent, CHAT, HARDWARE)
+    required_requests = int(_concurrency(parent) * 1.15)
+    budget = Budget(
+        params=Relative(0.8),
+        active_params=0.9 * model_active_params(parent),
+        memory_bytes=Relative(0.95),
+        memory_scenario=LONG,
+        min_concurrent_requests=required_requests,
+        context_len=CONTEXT,
+        hardware=HARDWARE,
+        scenarios=(
+            ScenarioTarget(CHAT, min_tokens_per_s=Relative(1.1)),
+            ScenarioTarget(LONG, max_ttft_s=Relative(0.97)),
+        ),
+    )
+    problem = spec_table(parent, variants, scores, budget)
+    solution = search(problem.table, problem.limits, problem.rules)
+
+    def memory(spec) -> float:
+        from puzzle.cost import state_bytes_per_request
+
+        state = state_bytes_per_request(spec, LONG.prompt_tokens + LONG.generated_tokens)
+        return model_weight_bytes(spec) + LONG.batch_size * state
+
+    parent_long = model_performance(parent, LONG, HARDWARE)
+    best, best_choices = np.inf, None
+    for choices in itertools.product(*[range(len(options)) for options in variants]):
+        child = choices_to_spec(parent, variants, choices)
+        states = {b.state_size for b in child.blocks if isinstance(b, MambaSpec)}
+        if len(states) > 1:
+            continue
+        if model_params(child) > 0.8 * model_params(parent):
+            continue
+        if model_active_params(child) > 0.9 * model_active_params(parent):
+            continue
+        if memory(child) > 0.95 * memory(parent):
+            continue
+        if _concurrency(child) < required_requests:
+            continue
+        if (
+            model_performance(child, CHAT, HARDWARE).output_tokens_per_s
+            < 1.1 * parent_chat.output_tokens_per_s
+        ):
+            continue
+        if model_performance(child, LONG, HARDWARE).prefill_s > 0.97 * parent_long.prefill_s:
+            continue
+        score = sum(scores[i][c] for i, c in enumerate(choices))
+        if score < best:
+            best, best_choices = score, choices
+    assert best_choices is not None, "the budget should leave some architecture"
+    assert solution.objective == pytest.approx(best, abs=1e-12)
+
+    child = choices_to_spec(parent, variants, solution.choices)
+    totals = solution.totals
+    assert totals["params"] == pytest.approx(model_params(child))
+    assert totals["active_params"] == pytest.approx(model_active_params(child))
+    assert totals["seconds[chat]"] == pytest.approx(
+        model_performance(child, CHAT, HARDWARE).total_s, rel=1e-9
+    )
+    assert totals["prefill_seconds[long]"] == pytest.approx(
+        model_performance(child, LONG, HARDWARE).prefill_s, rel=1e-9
+    )
+    assert _concurrency(child) >= required_requests
+
+
+def test_throughput_target_out_of_reach_is_named():
+    parent = tiny_hybrid(hidden_size=64)
+    variants = _variants(parent)
+    scores = [[0.0] + [1.0] * (len(options) - 1) for options in variants]
+    budget = Budget(hardware=HARDWARE, scenarios=(ScenarioTarget(CHAT, min_tokens_per_s=Relative(50.0)),))
+    problem = spec_table(parent, variants, scores, budget)
+    with pytest.raises(InfeasibleError) as caught:
+        search(problem.table, problem.limits, problem.rules)
+    assert caught.value.budget == "seconds[chat]<=0.02x"
+    fastest = min(
+        model_performance(choices_to_spec(parent, variants, c), CHAT, HARDWARE).total_s
+        for c in itertools.product(*[range(len(o)) for o in variants])
+        if len(
+            {b.state_size for b in choices_to_spec(parent, variants, c).blocks if isinstance(b, MambaSpec)}
+        )
+        <= 1
+    )
+    assert caught.value.best == pytest.approx(fastest, rel=1e-9)

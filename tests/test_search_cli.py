@@ -1,0 +1,289 @@
+"""`puzzle search` on synthetic libraries in NVIDIA's formats (NVlabs block_library.json, puzzletron replacements)."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from puzzle.cli import main
+
+WIDTHS = (1.0, 0.75, 0.5, 0.25)
+
+
+def _library(num_layers: int = 5, seed: int = 0) -> dict:
+    """An NVlabs-shaped library: per layer, variants from the parent (first) down to 25% width."""
+    rng = np.random.default_rng(seed)
+    library = {}
+    for layer in range(num_layers):
+        variants = {}
+        for width in WIDTHS:
+            name = f"attention = 8 kv heads\t&&\tffn = intermediate size (parent * {int(width * 100)}%)"
+            variants[name] = {
+                "stats": {
+                    "memory_mib": round(400 + 1000 * width * rng.uniform(0.9, 1.1), 3),
+                    "runtime_ms": round(200 + 600 * width**0.9 * rng.uniform(0.9, 1.1), 3),
+                    "num_params": int(1e8 + 7e8 * width),
+                    "state_size": 128 if width >= 0.5 else 64,
+                },
+                "metrics": {
+                    "kl_div": 0.0 if width == 1.0 else round(float(rng.uniform(0.2, 1.0) * (1 - width)), 5),
+                    "lm_loss": 1.6 + (1 - width) * 0.01,
+                },
+            }
+        library[f"layer_{layer}"] = variants
+    return library
+
+
+@pytest.fixture
+def library_file(tmp_path: Path) -> tuple[Path, dict]:
+    library = _library()
+    path = tmp_path / "block_library.json"
+    path.write_text(json.dumps(library, indent=1))
+    return path, library
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["search", *argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _brute(library: dict, budgets: dict[str, float]) -> float:
+    layers = list(library)
+    best = np.inf
+    for combo in itertools.product(*[list(library[layer].values()) for layer in layers]):
+        if all(sum(v["stats"][key.split(".")[1]] for v in combo) <= bound for key, bound in budgets.items()):
+            best = min(best, sum(v["metrics"]["kl_div"] for v in combo))
+    return best
+
+
+def _parent_total(library: dict, stat: str) -> float:
+    return sum(next(iter(variants.values()))["stats"][stat] for variants in library.values())
+
+
+def test_json_shape_and_optimum(capsys, library_file):
+    path, library = library_file
+    budget = 0.7 * _parent_total(library, "memory_mib")
+    code, out, _ = _run(capsys, "--library", str(path), "--budget", f"stats.memory_mib<={budget}", "--json")
+    assert code == 0
+    result = json.loads(out)
+    assert set(result) >= {"objective", "status", "gap", "solver", "seconds", "choices", "totals"}
+    assert result["status"] == "optimal"
+    assert list(result["choices"]) == list(library)
+    chosen = [library[layer][name] for layer, name in result["choices"].items()]
+    assert result["objective"] == pytest.approx(sum(v["metrics"]["kl_div"] for v in chosen))
+    assert result["totals"]["stats.memory_mib"] == pytest.approx(
+        sum(v["stats"]["memory_mib"] for v in chosen)
+    )
+    assert result["totals"]["stats.memory_mib"] <= budget
+    assert result["objective"] == pytest.approx(_brute(library, {"stats.memory_mib": budget}), abs=1e-9)
+
+
+def test_relative_budgets_equal_absolute(capsys, library_file):
+    path, library = library_file
+    memory, runtime = _parent_total(library, "memory_mib"), _parent_total(library, "runtime_ms")
+    relative = _run(
+        capsys,
+        "--library",
+        str(path),
+        "--budget",
+        "stats.memory_mib<=0.6x",
+        "--budget",
+        "stats.runtime_ms<=0.8x",
+        "--json",
+    )
+    absolute = _run(
+        capsys,
+        "--library",
+        str(path),
+        "--budget",
+        f"stats.memory_mib<={0.6 * memory}",
+        "--budget",
+        f"stats.runtime_ms<={0.8 * runtime}",
+        "--json",
+    )
+    assert relative[0] == absolute[0] == 0
+    rel, ab = json.loads(relative[1]), json.loads(absolute[1])
+    assert rel["choices"] == ab["choices"]
+    assert rel["totals"]["stats.memory_mib"] <= 0.6 * memory + 1e-9
+    expected = _brute(library, {"stats.memory_mib": 0.6 * memory, "stats.runtime_ms": 0.8 * runtime})
+    assert rel["objective"] == pytest.approx(expected, abs=1e-9)
+
+
+def test_infeasible_budget_exit_code_2_names_budget(capsys, library_file):
+    path, library = library_file
+    smallest = sum(min(v["stats"]["memory_mib"] for v in variants.values()) for variants in library.values())
+    code, out, err = _run(
+        capsys,
+        "--library",
+        str(path),
+        "--budget",
+        "stats.memory_mib<=1000",
+        "--budget",
+        "stats.runtime_ms<=0.9x",
+        "--json",
+    )
+    assert code == 2
+    assert "stats.memory_mib<=1000" in err
+    payload = json.loads(out)
+    assert payload["status"] == "infeasible"
+    assert payload["budget"] == "stats.memory_mib<=1000"
+    assert payload["best"] == pytest.approx(smallest)
+
+
+def test_k_best_with_diversity(capsys, library_file):
+    path, _ = library_file
+    code, out, _ = _run(
+        capsys,
+        "--library",
+        str(path),
+        "--budget",
+        "stats.memory_mib<=0.7x",
+        "--solutions",
+        "3",
+        "--min-diff",
+        "2",
+        "--json",
+    )
+    assert code == 0
+    results = json.loads(out)
+    assert len(results) == 3
+    objectives = [r["objective"] for r in results]
+    assert objectives == sorted(objectives)
+    for a, b in itertools.combinations(results, 2):
+        assert sum(a["choices"][k] != b["choices"][k] for k in a["choices"]) >= 2
+
+
+def test_same_rule_and_keep_block(capsys, library_file):
+    path, library = library_file
+    code, out, _ = _run(
+        capsys,
+        "--library",
+        str(path),
+        "--budget",
+        "stats.memory_mib<=0.75x",
+        "--same",
+        "stats.state_size",
+        "--keep-block",
+        "layer_2",
+        "--json",
+    )
+    assert code == 0
+    result = json.loads(out)
+    states = {library[layer][name]["stats"]["state_size"] for layer, name in result["choices"].items()}
+    assert len(states) == 1
+    assert result["choices"]["layer_2"] == next(iter(library["layer_2"]))
+
+
+def test_sweep_writes_frontier(capsys, library_file, tmp_path):
+    path, _ = library_file
+    prefix = tmp_path / "out" / "frontier"
+    code, out, _ = _run(
+        capsys,
+        "--library",
+        str(path),
+        "--sweep",
+        "stats.memory_mib=0.5x,0.6x,0.8x,1.0x,0.1x",
+        "--frontier",
+        str(prefix),
+        "--json",
+    )
+    assert code == 0
+    points = json.loads(out)
+    assert [p["budget"] for p in points] == [
+        f"stats.memory_mib<={v}x" for v in ("0.5", "0.6", "0.8", "1", "0.1")
+    ]
+    assert points[-1]["status"] == "infeasible"
+    objectives = [p["objective"] for p in points[:4]]
+    assert objectives == sorted(objectives, reverse=True)  # more memory, lower KL
+    rows = list(csv.DictReader(prefix.with_suffix(".csv").open()))
+    assert len(rows) == 5 and "stats.runtime_ms" in rows[0] and "architecture" in rows[0]
+    assert json.loads(prefix.with_suffix(".json").read_text())[0]["budget"] == points[0]["budget"]
+    assert prefix.with_suffix(".png").stat().st_size > 1000
+
+
+def test_puzzletron_replacements_match_nvlabs(capsys, library_file, tmp_path):
+    path, library = library_file
+    replacements = {}
+    for layer_index, variants in enumerate(library.values()):
+        for variant_index, (name, variant) in enumerate(reversed(list(variants.items()))):
+            replacements[f"replacement_{len(replacements)}"] = {
+                **variant,
+                "block_config": {"attention": {"no_op": False}, "ffn": {"intermediate_size": 1000}},
+                "block_repr": name,
+                "parent_layer_indices": [layer_index],
+                "is_teacher": variant_index == len(variants) - 1,  # listed last, must still be the parent
+            }
+    other = tmp_path / "replacement_metrics_and_stats.json"
+    other.write_text(json.dumps(replacements))
+    nvlabs = json.loads(
+        _run(capsys, "--library", str(path), "--budget", "stats.runtime_ms<=0.7x", "--json")[1]
+    )
+    code, out, _ = _run(capsys, "--library", str(other), "--budget", "stats.runtime_ms<=0.7x", "--json")
+    assert code == 0
+    puzzletron = json.loads(out)
+    assert puzzletron["objective"] == pytest.approx(nvlabs["objective"])
+    assert list(puzzletron["choices"].values()) == list(nvlabs["choices"].values())
+
+    replacements["replacement_0"]["parent_layer_indices"] = [0, 1]
+    other.write_text(json.dumps(replacements))
+    code, _, err = _run(capsys, "--library", str(other), "--budget", "stats.runtime_ms<=0.7x")
+    assert code == 1 and "spans parent layers [0, 1]" in err
+
+
+def test_bad_input_names_the_key(capsys, library_file, tmp_path):
+    path, library = library_file
+    del library["layer_3"][next(iter(library["layer_3"]))]["stats"]["runtime_ms"]
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps(library))
+    code, _, err = _run(capsys, "--library", str(broken), "--budget", "stats.runtime_ms<=0.7x")
+    assert code == 1
+    assert "layer 'layer_3'" in err and "'stats.runtime_ms'" in err
+    code, _, err = _run(capsys, "--library", str(path), "--budget", "stats.memory_mib<0.7x")
+    assert code == 1 and "cannot read budget" in err
+
+
+def test_command_line_end_to_end(library_file):
+    """The installed entry point: clean JSON on stdout (no solver banner) and exit code 2."""
+    path, _ = library_file
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "puzzle",
+            "search",
+            "--library",
+            str(path),
+            "--budget",
+            "stats.memory_mib<=0.7x",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["status"] == "optimal"
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "puzzle",
+            "search",
+            "--library",
+            str(path),
+            "--budget",
+            "stats.memory_mib<=10",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode == 2 and "stats.memory_mib<=10" in bad.stderr

@@ -1,0 +1,222 @@
+"""The search MIP against brute-force enumeration on random small instances (the oracle is exhaustive)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from puzzle.budget import Limit, Relative, merge_limits, parse_limit, parse_value
+from puzzle.search import Choice, InfeasibleError, Rules, SearchError, SolverOptions, Table, search, search_k
+
+COST_KEYS = ("memory", "runtime", "params")
+
+
+@st.composite
+def instances(draw):
+    num_blocks = draw(st.integers(1, 6))
+    blocks = {}
+    for block in range(num_blocks):
+        choices = []
+        for variant in range(draw(st.integers(1, 4))):
+            costs = {key: draw(st.integers(0, 20)) for key in COST_KEYS}
+            state = draw(st.sampled_from([None, 64, 128]))
+            choices.append(Choice(f"v{variant}", draw(st.integers(0, 30)) / 4, costs, {"state_size": state}))
+        blocks[f"block_{block}"] = choices
+    fixed = {"memory": draw(st.integers(0, 5))}
+    table = Table.from_choices(blocks, fixed=fixed, maximize=draw(st.booleans()))
+    limits = []
+    for key in draw(st.permutations(COST_KEYS))[: draw(st.integers(1, 3))]:
+        parent = table.parent_total(key)
+        kind = draw(st.sampled_from(["upper", "upper", "relative", "lower", "both"]))
+        value = draw(st.integers(0, int(parent) + 10))
+        if kind == "upper":
+            limits.append(Limit(key, upper=float(value)))
+        elif kind == "relative":
+            limits.append(Limit(key, upper=Relative(draw(st.sampled_from([0.3, 0.5, 0.8, 1.0])))))
+        elif kind == "lower":
+            limits.append(Limit(key, lower=float(value)))
+        else:
+            limits.append(Limit(key, lower=float(value), upper=float(value + draw(st.integers(0, 15)))))
+    rules = Rules(shared_state_size=draw(st.booleans()))
+    k = draw(st.integers(1, 3))
+    min_diff = draw(st.integers(1, 2))
+    options = SolverOptions(gap_rel=0.0, heuristics=draw(st.booleans()))
+    return table, limits, rules, k, min_diff, options
+
+
+def _all_choices(table: Table):
+    return itertools.product(*[range(len(names)) for names in table.variant_names])
+
+
+def _meets_rules(table: Table, choices, rules: Rules) -> bool:
+    rows = table.offsets[:-1] + np.asarray(choices)
+    if rules.shared_state_size:
+        states = {table.attrs["state_size"][row] for row in rows} - {None}
+        return len(states) <= 1
+    return True
+
+
+def _meets(table: Table, choices, limits) -> bool:
+    totals = table.totals(choices)
+    for limit in limits:
+        lower, upper = limit.resolved(table.parent_total(limit.key))
+        if upper is not None and totals[limit.key] > upper + 1e-9:
+            return False
+        if lower is not None and totals[limit.key] < lower - 1e-9:
+            return False
+    return True
+
+
+def _objective(table: Table, choices) -> float:
+    return float(table.score[table.offsets[:-1] + np.asarray(choices)].sum())
+
+
+def _best(values, maximize: bool):
+    return max(values) if maximize else min(values)
+
+
+def _expected_binding(table: Table, limits, rules: Rules):
+    """(budget name, best value) that the diagnosis must report, by enumeration; budget None = rules."""
+    ruled = [c for c in _all_choices(table) if _meets_rules(table, c, rules)]
+    if not ruled:
+        return None, None
+    for together in (False, True):
+        for index, limit in enumerate(limits):
+            others = [other for j, other in enumerate(limits) if j != index] if together else []
+            pool = [c for c in ruled if _meets(table, c, others)]
+            if not pool:
+                continue
+            values = [table.totals(c)[limit.key] for c in pool]
+            lower, upper = limit.resolved(table.parent_total(limit.key))
+            if upper is not None and min(values) > upper + 1e-9:
+                return str(limit), min(values)
+            if lower is not None and max(values) < lower - 1e-9:
+                return str(limit), max(values)
+    return "together", None
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+def test_mip_equals_brute_force(instance):
+    table, limits, rules, k, min_diff, options = instance
+    feasible = [c for c in _all_choices(table) if _meets_rules(table, c, rules) and _meets(table, c, limits)]
+    if not feasible:
+        expected_budget, expected_best = _expected_binding(table, limits, rules)
+        event(f"infeasible: {'rules' if expected_budget is None else expected_budget.split('<')[0][:8]}")
+        with pytest.raises(InfeasibleError) as caught:
+            search_k(table, limits, rules, options, k=k, min_diff=min_diff)
+        if expected_budget == "together":
+            assert caught.value.budget is None
+        else:
+            assert caught.value.budget == expected_budget
+            if expected_best is not None:
+                assert caught.value.best == pytest.approx(expected_best, abs=1e-6)
+        return
+
+    solutions = search_k(table, limits, rules, options, k=k, min_diff=min_diff)
+    event(f"feasible, {len(solutions)} of k={k}, shared state {rules.shared_state_size}")
+    earlier: list[tuple[int, ...]] = []
+    for solution in solutions:
+        # Each solution is the best of those differing from every earlier one in >= min_diff blocks.
+        pool = [c for c in feasible if all(sum(a != b for a, b in zip(c, e)) >= min_diff for e in earlier)]
+        assert pool, "the MIP found a solution where enumeration finds none"
+        best = _best([_objective(table, c) for c in pool], table.maximize)
+        assert solution.objective == pytest.approx(best, abs=1e-6)
+        assert solution.choices in pool  # every budget and rule holds, diversity too
+        assert solution.status == "optimal"
+        assert solution.totals == pytest.approx(table.totals(solution.choices))
+        earlier.append(solution.choices)
+    # Fewer than k only when enumeration has no further distinct architecture.
+    if len(solutions) < k:
+        assert not [
+            c for c in feasible if all(sum(a != b for a, b in zip(c, e)) >= min_diff for e in earlier)
+        ]
+
+
+def _correlated_table(num_blocks: int, num_variants: int, seed: int = 0) -> Table:
+    """Costs grow with a variant's size, scores fall with it, like a real library."""
+    rng = np.random.default_rng(seed)
+    size = rng.uniform(0.05, 1.0, (num_blocks, num_variants))
+    size[:, 0] = 1.0  # the parent is the largest
+    score = np.clip(0.05 * (1 - size) ** 2 * rng.uniform(0.5, 1.5, size.shape), 0, None)
+    score[:, 0] = 0.0
+    costs = {
+        "memory": (size * rng.uniform(0.9, 1.1, size.shape)).ravel(),
+        "runtime": (size**0.8 * rng.uniform(0.9, 1.1, size.shape)).ravel(),
+        "params": (size * rng.uniform(0.95, 1.05, size.shape)).ravel(),
+    }
+    return Table(
+        block_names=tuple(f"block_{b}" for b in range(num_blocks)),
+        variant_names=tuple(tuple(f"v{v}" for v in range(num_variants)) for _ in range(num_blocks)),
+        score=score.ravel(),
+        costs=costs,
+    )
+
+
+@pytest.mark.parametrize(
+    ("solver", "heuristics"), [("highs", True), ("highs", False), ("cbc", True), ("cbc", False)]
+)
+def test_fast_path_matches_plain_model(solver, heuristics):
+    """Presolve + reduced-cost fixing (+ diving, local search, probing) give the plain model's optimum."""
+    table = _correlated_table(12, 30, seed=3)
+    limits = [
+        Limit("memory", upper=Relative(0.6)),
+        Limit("runtime", upper=Relative(0.7)),
+        Limit("params", upper=Relative(0.65)),
+    ]
+    fast = search(table, limits, options=SolverOptions(solver=solver, heuristics=heuristics))
+    plain = search(table, limits, options=SolverOptions(solver=solver, presolve=False, fixing=False))
+    assert fast.status == plain.status == "optimal"
+    assert fast.objective == pytest.approx(plain.objective, rel=1e-5, abs=1e-9)
+    assert fast.presolve_dropped > 0
+    assert fast.free_variables < table.num_variants - fast.presolve_dropped
+
+
+def test_rules_keep_min_attention_and_same_top_k():
+    kinds = ["attention", "noop"]
+    blocks = {
+        f"b{i}": [
+            Choice("parent", 0.0, {"mem": 10.0}, {"kind": kinds[i % 2], "top_k": 8}),
+            Choice("small", 1.0 + i, {"mem": 4.0}, {"kind": kinds[i % 2], "top_k": 4}),
+            Choice("noop", 0.5 + i, {"mem": 0.0}, {"kind": "noop"}),
+        ]
+        for i in range(4)
+    }
+    table = Table.from_choices(blocks)
+    limits = [parse_limit("mem<=20")]
+    base = search(table, limits)
+    assert base.totals["mem"] <= 20
+    kept = search(table, limits, Rules(keep_blocks=("b3",)))
+    assert kept.names["b3"] == "parent"
+    attention = search(table, limits, Rules(min_attention_blocks=2))
+    rows = table.offsets[:-1] + np.array(attention.choices)
+    assert sum(table.attrs["kind"][r] == "attention" for r in rows) >= 2
+    same = search(table, [parse_limit("mem<=24")], Rules(same_top_k=True))
+    ks = {table.attrs["top_k"][r] for r in table.offsets[:-1] + np.array(same.choices)} - {None}
+    assert len(ks) <= 1
+    with pytest.raises(InfeasibleError) as caught:
+        search(table, limits, Rules(keep_blocks=(0, 1, 2)))
+    assert caught.value.budget == "mem<=20"
+    assert caught.value.best == pytest.approx(30.0)
+
+
+def test_budget_syntax():
+    assert parse_value("0.6x") == Relative(0.6)
+    assert parse_value("70G") == 70e9
+    assert parse_limit("stats.memory_mib<=70000") == Limit("stats.memory_mib", upper=70000.0)
+    assert parse_limit("a>=0.5x") == Limit("a", lower=Relative(0.5))
+    assert parse_limit("10<=a<=0.9x") == Limit("a", upper=Relative(0.9), lower=10.0)
+    assert parse_limit("5>=a") == Limit("a", upper=5.0)
+    assert merge_limits([parse_limit("a<=5"), parse_limit("a>=2")]) == [Limit("a", upper=5.0, lower=2.0)]
+    assert str(Limit("a", upper=5.0, lower=2.0)) == "2<=a<=5"
+    for bad in ("a<5", "a<=five", "<=3"):
+        with pytest.raises(ValueError, match="budget"):
+            parse_limit(bad)
+    with pytest.raises(SearchError, match="no cost 'nope'"):
+        search(_correlated_table(2, 2), [Limit("nope", upper=1.0)])
+    assert math.isclose(_correlated_table(3, 2).parent_total("params"), 3 * 1.0, rel_tol=0.1)
