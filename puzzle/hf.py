@@ -204,6 +204,12 @@ def read_config(path: str | Path) -> dict[str, Any]:
     config_path = path / CONFIG_NAME
     if not config_path.is_file():
         raise CheckpointError(f"{path} has no {CONFIG_NAME}; is it a Hugging Face checkpoint directory?")
+    return read_config_file(config_path)
+
+
+def read_config_file(config_path: str | Path) -> dict[str, Any]:
+    """A config.json file (inside a checkpoint or alone), checked to be a supported NemotronH model_type."""
+    config_path = Path(config_path)
     try:
         config = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import csv
 import io
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from puzzle.budget import BudgetError, Limit, Value, merge_limits, parse_value
+from puzzle.files import atomic_write_bytes
 from puzzle.search import InfeasibleError, Rules, Solution, SolverOptions, Table, search
 
 
@@ -93,18 +92,6 @@ def mark_frontier(points: Sequence[SweepPoint], key: str, maximize: bool) -> Non
                 break
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(data)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
 def write_frontier(
     points: Sequence[SweepPoint], key: str, prefix: str | Path, objective_name: str = "objective"
 ) -> list[Path]:
@@ -133,8 +120,8 @@ def write_frontier(
             ]
         )
     written = [Path(f"{prefix}.csv"), Path(f"{prefix}.json")]
-    _atomic_write(written[0], buffer.getvalue().encode())
-    _atomic_write(written[1], json.dumps([p.to_json() for p in points], indent=2).encode())
+    atomic_write_bytes(written[0], buffer.getvalue().encode())
+    atomic_write_bytes(written[1], json.dumps([p.to_json() for p in points], indent=2).encode())
     try:
         import matplotlib
 
@@ -167,5 +154,5 @@ def write_frontier(
     figure.savefig(image, format="png", dpi=120)
     plt.close(figure)
     written.append(Path(f"{prefix}.png"))
-    _atomic_write(written[2], image.getvalue())
+    atomic_write_bytes(written[2], image.getvalue())
     return written

@@ -70,17 +70,7 @@ def load_target(target: str) -> tuple[ModelSpec, str]:
     if path.is_dir():
         return hf.spec_from_config(hf.read_config(path), str(path / hf.CONFIG_NAME)), f"checkpoint {path}"
     if path.is_file():
-        try:
-            config = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise SpecError(f"{path} is not valid JSON: {error}") from error
-        if not isinstance(config, dict):
-            raise SpecError(f"{path} must hold a JSON object, found {type(config).__name__}")
-        model_type = config.get("model_type")
-        if model_type not in hf.SUPPORTED_MODEL_TYPES:
-            raise SpecError(
-                f"{path}: unsupported model_type {model_type!r}; supported: {list(hf.SUPPORTED_MODEL_TYPES)}"
-            )
+        config = hf.read_config_file(path)
         return hf.spec_from_config(config, str(path)), f"config {path}"
     if path.suffix == ".json" or "/" in target:
         raise SpecError(f"{target} does not exist")

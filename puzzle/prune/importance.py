@@ -50,8 +50,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,6 +60,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from puzzle.files import atomic_write
 from puzzle.spec import AttentionSpec, MambaSpec, MoESpec
 
 FORMAT_VERSION = 1
@@ -500,18 +499,6 @@ def parent_fingerprint(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
-def _write_atomic(directory: Path, name: str, writer: Callable[[str], None]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=directory)
-    os.close(fd)
-    try:
-        writer(tmp)
-        os.replace(tmp, directory / name)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def save_importance(importance: ModelImportance, directory: str | Path) -> Path:
     """Write `importance.safetensors` (keys `layers.{i}.{score}`) and `importance.json` atomically."""
     directory = Path(directory)
@@ -529,13 +516,13 @@ def save_importance(importance: ModelImportance, directory: str | Path) -> Path:
         "blocks": {str(i): {"kind": b.kind, "tokens": b.tokens} for i, b in importance.blocks.items()},
         **importance.extra,
     }
-    _write_atomic(directory, SCORES_FILE, lambda path: save_file(tensors, path))
+    atomic_write(directory / SCORES_FILE, lambda path: save_file(tensors, path))
 
     def write_manifest(path: str) -> None:
         Path(path).write_text(json.dumps(manifest, indent=2))
 
     # The manifest goes last: its presence means the scores next to it are complete.
-    _write_atomic(directory, MANIFEST_FILE, write_manifest)
+    atomic_write(directory / MANIFEST_FILE, write_manifest)
     return directory / MANIFEST_FILE
 
 
