@@ -2,7 +2,9 @@
 
 Reading accepts what NVIDIA and transformers write: `model_type` nemotron_h (one shape per block
 kind, `hybrid_override_pattern` or `layers_block_type`, old field aliases) and nemotron_h_puzzle
-(per-block `block_configs` whose fields override the global ones); weights under `backbone.` or
+(per-block `block_configs` whose fields override the global ones; a null field in an entry
+inherits the global, as in vLLM; `num_hidden_layers` may be null; MTP fields such as
+`mtp_block_configs` are carried, not parsed); weights under `backbone.` or
 `model.`, per-expert or fused 3-D expert tensors, `embeddings` or `embedding`. Tensors are read
 lazily from memory-mapped safetensors, one at a time, into a model built on the meta device.
 
@@ -288,7 +290,11 @@ def _block_fields_in(config: Mapping[str, Any], index: int, kind: str, where: st
                 f"{where}: block {index} is {kind!r} in the layer layout but block_configs[{index}] "
                 f"says {entry['block_type']!r}"
             )
-        fields.update({key: value for key, value in entry.items() if key != "block_type"})
+        # A null field inherits the global value, as vLLM's NemotronHPuzzleConfig reads it: block
+        # configs serialised from per-block dataclasses list unset fields as null.
+        fields.update(
+            {key: value for key, value in entry.items() if key != "block_type" and value is not None}
+        )
     return fields
 
 
@@ -524,6 +530,12 @@ def config_from_spec(
     config["model_type"] = "nemotron_h_puzzle"
     config["architectures"] = ["NemotronHPuzzleForCausalLM"]
     config["layers_block_type"] = kinds
+    # A null in an entry means "inherit" (see _block_fields_in), so a block whose field is None (no
+    # latent projection, no dt clamp) makes the global None and the other blocks state their values.
+    for block in spec.blocks:
+        for key, value in block_config_fields(block).items():
+            if value is None and config.get(key, DEFAULTS.get(key)) is not None:
+                config[key] = None
     block_configs = []
     for block in spec.blocks:
         entry: dict[str, Any] = {"block_type": block.kind}

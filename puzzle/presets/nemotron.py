@@ -15,6 +15,22 @@ SUPER_PATTERN = "MEMEMEM*EMEMEMEM*EMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEMEMEMEM*EMEM
 NANO_PATTERN = "MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME"
 H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
 NANO_9B_V2_PATTERN = "M-M-M-MM-M-M-M*-M-M-M*-M-M-M-M*-M-M-M-M*-M-MM-M-M-M-M-M-"
+# Every published config.json has time_step_min 0.001, which transformers applies as the lower clamp of
+# dt after softplus (time_step_limit = (time_step_min, inf)).
+DT_MIN = 0.001
+
+
+def nemotron_mamba(num_heads: int, head_dim: int) -> MambaSpec:
+    """A Mamba-2 mixer as every NVIDIA Nemotron-H / Nemotron-3 config has it: state 128, 8 groups, conv 4."""
+    return MambaSpec(
+        num_heads=num_heads,
+        head_dim=head_dim,
+        state_size=128,
+        n_groups=8,
+        conv_kernel=4,
+        chunk_size=128,
+        dt_clamp_min=DT_MIN,
+    )
 
 
 def from_pattern(
@@ -35,9 +51,7 @@ def nemotron3_super() -> ModelSpec:
         SUPER_PATTERN,
         4096,
         {
-            "M": MambaSpec(
-                num_heads=128, head_dim=64, state_size=128, n_groups=8, conv_kernel=4, chunk_size=128
-            ),
+            "M": nemotron_mamba(128, 64),
             "*": AttentionSpec(num_heads=32, num_kv_heads=2, head_dim=128),
             "E": MoESpec(
                 num_experts=512,
@@ -57,9 +71,7 @@ def nemotron3_nano() -> ModelSpec:
         NANO_PATTERN,
         2688,
         {
-            "M": MambaSpec(
-                num_heads=64, head_dim=64, state_size=128, n_groups=8, conv_kernel=4, chunk_size=128
-            ),
+            "M": nemotron_mamba(64, 64),
             "*": AttentionSpec(num_heads=32, num_kv_heads=2, head_dim=128),
             "E": MoESpec(
                 num_experts=128, top_k=6, expert_width=1856, shared_width=3712, routed_scaling_factor=2.5
@@ -74,9 +86,7 @@ def nemotron_h_8b() -> ModelSpec:
         H_8B_PATTERN,
         4096,
         {
-            "M": MambaSpec(
-                num_heads=128, head_dim=64, state_size=128, n_groups=8, conv_kernel=4, chunk_size=128
-            ),
+            "M": nemotron_mamba(128, 64),
             "*": AttentionSpec(num_heads=32, num_kv_heads=8, head_dim=128),
             "-": MLPSpec(width=21504),
         },
@@ -89,9 +99,7 @@ def nemotron_nano_9b_v2() -> ModelSpec:
         NANO_9B_V2_PATTERN,
         4480,
         {
-            "M": MambaSpec(
-                num_heads=128, head_dim=80, state_size=128, n_groups=8, conv_kernel=4, chunk_size=128
-            ),
+            "M": nemotron_mamba(128, 80),
             "*": AttentionSpec(num_heads=40, num_kv_heads=8, head_dim=128),
             "-": MLPSpec(width=15680),
         },
