@@ -60,6 +60,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from puzzle import dist
 from puzzle.files import atomic_write
 from puzzle.spec import AttentionSpec, MambaSpec, MoESpec
 
@@ -159,6 +160,31 @@ class _Collector:
         self._add("lin_xsum", x.sum(0))
         self._add("lin_ysum", y.sum(0))
 
+    def start_batch(self, index: int) -> None:
+        """Seed the token subsample from the batch's global index: the sample, and so the sums, are then the
+        same however the batches are sharded over ranks."""
+        self.generator.manual_seed(index)
+
+    def rank_state(self) -> dict[str, Any]:
+        """What the other ranks need to merge with this one: the token count and the shapes of the sums."""
+        return {
+            "tokens": self.tokens,
+            "sums": {name: (tuple(v.shape), v.dtype) for name, v in self.sums.items()},
+        }
+
+    def merge_ranks(self, states: list[dict[str, Any]]) -> None:
+        """Make the accumulators those of all ranks together; `states` holds every rank's `rank_state()`.
+
+        A rank may lack a sum that another has (an expert none of its tokens were routed to, a rank with no
+        batches): it joins the reduction with zeros. At world size 1 this changes nothing.
+        """
+        self.tokens = sum(state["tokens"] for state in states)
+        for state in states:
+            for name, (shape, dtype) in state["sums"].items():
+                if name not in self.sums:
+                    self.sums[name] = torch.zeros(shape, dtype=dtype)
+        dist.all_reduce_sum_(self.sums)
+
     def _sample(self, n: int, every: int, device: torch.device) -> torch.Tensor | slice:
         """Rows for a 1-in-`every` subsample of n tokens: random (seeded) so that no position in the sequence
         is favoured (a fixed stride would see the same positions of every sequence)."""
@@ -234,6 +260,13 @@ class _MambaCollector(_Collector):
         self.max_len = 0
         self.handles.append(mixer.in_proj.register_forward_hook(self._in_hook))
         self.handles.append(mixer.out_proj.register_forward_pre_hook(self._out_hook))
+
+    def rank_state(self) -> dict[str, Any]:
+        return {**super().rank_state(), "max_len": self.max_len}
+
+    def merge_ranks(self, states: list[dict[str, Any]]) -> None:
+        super().merge_ranks(states)
+        self.max_len = max(state["max_len"] for state in states)
 
     def _in_hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         spec: MambaSpec = self.spec
@@ -462,6 +495,10 @@ def collect_importance(
     Memory is independent of the number of tokens (running sums only); the forward is the model's own.
     `linear_fit`: also accumulate the least-squares sums of every block (for linear replacements), over
     every `linear_fit_every`-th token (1 = all; the sums cost 4 H^2 flops per token and block).
+
+    Under torch.distributed every rank passes the same `batches` and runs only its round-robin share
+    (`puzzle.dist.shard`); the sums are then added over ranks, so every rank returns the scores of all
+    batches (equal to a single-process run up to float summation order) and `tokens` is the global count.
     """
     indices = list(range(len(model.layers))) if layers is None else list(layers)
     hidden = model.spec.hidden_size
@@ -469,12 +506,19 @@ def collect_importance(
     collectors = {i: _make_collector(model.layers[i].mixer, hidden, fit_every) for i in indices}
     tokens = 0
     try:
-        for input_ids in batches:
+        for index, input_ids in dist.shard(enumerate(batches)):
+            for collector in collectors.values():
+                collector.start_batch(index)
             model(input_ids)
             tokens += input_ids.numel()
     finally:
         for collector in collectors.values():
             collector.remove()
+    # Merge the ranks' running sums before any score is computed (scores are not additive, sums are).
+    states = dist.all_gather_object((tokens, {i: c.rank_state() for i, c in collectors.items()}))
+    tokens = sum(rank_tokens for rank_tokens, _ in states)
+    for i, collector in collectors.items():
+        collector.merge_ranks([blocks[i] for _, blocks in states])
     if tokens == 0:
         raise ValueError("collect_importance: `batches` yielded no tokens")
     blocks = {i: collector.finalize() for i, collector in collectors.items()}
@@ -549,14 +593,6 @@ def load_importance(directory: str | Path) -> ModelImportance:
     )
 
 
-def _matches(manifest: Mapping[str, Any], parent: str, linear_fit: bool, tokens: int | None) -> bool:
-    if manifest.get("format") != FORMAT_VERSION or manifest.get("parent") != parent:
-        return False
-    if linear_fit and not manifest.get("linear_fit"):
-        return False
-    return tokens is None or manifest.get("tokens") == tokens
-
-
 def importance_for(
     model: nn.Module,
     batches: Callable[[], Iterable[torch.Tensor]] | Iterable[torch.Tensor],
@@ -570,18 +606,39 @@ def importance_for(
     Matching means: same format, same `parent_fingerprint`, a linear fit present if asked, and (if
     `tokens` is given) the same number of calibration tokens. `batches` may be a zero-argument callable
     so that no data is read when the scores are reused. Returns (importance, reused).
+
+    Under torch.distributed every rank calls this with the same arguments: rank 0 decides whether to reuse,
+    the ranks measure their shares of `batches` together (`collect_importance`), rank 0 writes the files
+    and the others then load them, so that every rank holds bit-identical scores. `directory` must be on a
+    filesystem every rank sees.
     """
     directory = Path(directory)
     parent = parent_fingerprint(model)
-    manifest_path = directory / MANIFEST_FILE
-    if manifest_path.is_file():
-        try:
-            manifest = json.loads(manifest_path.read_text())
-        except json.JSONDecodeError:
-            manifest = {}
-        if _matches(manifest, parent, linear_fit, tokens):
-            return load_importance(directory), True
+    # Rank 0 alone reads the manifest, so that all ranks take the same branch.
+    reuse = dist.broadcast_object(dist.is_main() and _saved_matches(directory, parent, linear_fit, tokens))
+    if reuse:
+        return load_importance(directory), True
     stream = batches() if callable(batches) else batches
     importance = collect_importance(model, stream, linear_fit=linear_fit)
-    save_importance(importance, directory)
+    with dist.main_process_first():
+        if dist.is_main():
+            save_importance(importance, directory)
+        else:
+            importance = load_importance(directory)
     return importance, False
+
+
+def _saved_matches(directory: Path, parent: str, linear_fit: bool, tokens: int | None) -> bool:
+    """Whether `directory` holds importance of this parent that `importance_for` may reuse."""
+    manifest_path = directory / MANIFEST_FILE
+    if not manifest_path.is_file():
+        return False
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError:
+        return False
+    if manifest.get("format") != FORMAT_VERSION or manifest.get("parent") != parent:
+        return False
+    if linear_fit and not manifest.get("linear_fit"):
+        return False
+    return tokens is None or manifest.get("tokens") == tokens
