@@ -720,6 +720,20 @@ def _torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def _refuse_quantized(config: Mapping[str, Any], path: Path) -> None:
+    """Quantised releases (NVFP4 / FP8) store packed weights and scales that are not the model's tensors."""
+    quantization = config.get("quantization_config")
+    if quantization:
+        method = (
+            quantization.get("quant_method", "unknown") if isinstance(quantization, Mapping) else "unknown"
+        )
+        raise CheckpointError(
+            f"{path / CONFIG_NAME} describes a quantized checkpoint (quantization_config, quant_method "
+            f"{method!r}); puzzle loads unquantized weights (bf16 / fp16 / fp32): use the BF16 release. "
+            "Its architecture alone can still be read with puzzle.hf.spec_from_config (e.g. `puzzle costs`)."
+        )
+
+
 def load(
     path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"
 ) -> HybridLM:
@@ -733,6 +747,7 @@ def load(
     path = Path(path)
     config = read_config(path)
     spec = spec_from_config(config, where=str(path / CONFIG_NAME))
+    _refuse_quantized(config, path)
     with contextlib.ExitStack() as stack:
         handles = {file: stack.enter_context(_open(file)) for file in weight_files(path)}
         sources, extras, prefix = _map_checkpoint(handles)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -375,6 +376,18 @@ def test_error_unsupported_model_type(tmp_path):
         CheckpointError, match=r"unsupported model_type 'llama'.*nemotron_h.*nemotron_h_puzzle"
     ):
         puzzle.load(tmp_path)
+
+
+def test_error_quantized_checkpoint(parents, tmp_path):
+    _, path = parents["dense_mlp"]
+    target = tmp_path / "nvfp4"
+    shutil.copytree(path, target)
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4"}
+    (target / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"quantized checkpoint .*'modelopt'.*use the BF16 release"):
+        puzzle.load(target)
+    assert hf.spec_from_config(config) == puzzle.load(path).spec  # the architecture is still readable
 
 
 def _copy_with(source: Path, target: Path, change) -> Path:
