@@ -40,6 +40,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from puzzle.model import HybridLM
+from puzzle.progress import progress
 from puzzle.spec import (
     AttentionSpec,
     BlockSpec,
@@ -779,7 +780,7 @@ def load(
         if isinstance(dtype, str):
             dtype = _torch_dtype(dtype)
         target_dtype = dtype or _SAFETENSORS_DTYPES.get(sources["embeddings.weight"].dtype, torch.float32)
-        for key in expected:
+        for key in progress(expected, f"loading {path.name}", total=len(expected), unit="tensor"):
             source = sources[key]
             tensor = _read(handles[source.file], source.file, source.key, source.expert)
             if tensor.is_floating_point():

@@ -12,6 +12,7 @@ from typing import Any
 
 from puzzle.budget import BudgetError, Limit, Value, merge_limits, parse_value
 from puzzle.files import atomic_write_bytes
+from puzzle.progress import progress
 from puzzle.search import InfeasibleError, Rules, Solution, SolverOptions, Table, search
 
 
@@ -52,7 +53,7 @@ def sweep(
 ) -> list[SweepPoint]:
     """Solve once per value of the swept bound (other limits kept; one on the same side of `key` replaced)."""
     points = []
-    for value in values:
+    for value in progress(values, f"sweep {key}", total=len(values), unit="solve"):
         swept = Limit(key, upper=value) if side == "upper" else Limit(key, lower=value)
         others = [limit for limit in limits if limit.key != key]
         same_key = [limit for limit in limits if limit.key == key]

@@ -62,6 +62,7 @@ from torch import nn
 
 from puzzle import dist
 from puzzle.files import atomic_write
+from puzzle.progress import progress
 from puzzle.spec import AttentionSpec, MambaSpec, MoESpec
 
 FORMAT_VERSION = 1
@@ -506,7 +507,7 @@ def collect_importance(
     collectors = {i: _make_collector(model.layers[i].mixer, hidden, fit_every) for i in indices}
     tokens = 0
     try:
-        for index, input_ids in dist.shard(enumerate(batches)):
+        for index, input_ids in progress(dist.shard(enumerate(batches)), "importance", unit="batch"):
             for collector in collectors.values():
                 collector.start_batch(index)
             model(input_ids)
