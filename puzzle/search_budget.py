@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from puzzle.budget import Limit, Relative, Value
+from puzzle.budget import BudgetError, Limit, Relative, Value, parse_value
 from puzzle.cost import (
     Scenario,
     block_active_params,
@@ -38,6 +38,20 @@ from puzzle.search import Choice, Rules, SearchError, Table
 from puzzle.spec import BlockSpec, MambaSpec, ModelSpec, MoESpec
 
 
+def _checked_value(owner: str, name: str, value: object) -> Value | None:
+    """A budget value as the search uses it: None, a number, Relative, or the command line's text ('0.7x', '70G')."""
+    if value is None or isinstance(value, Relative):
+        return value
+    if isinstance(value, str):
+        return parse_value(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise BudgetError(
+            f"{owner}.{name} must be a number, Relative(...) or a string such as '0.7x' or '70G', "
+            f"found {value!r}"
+        )
+    return float(value)
+
+
 @dataclass(frozen=True)
 class ScenarioTarget:
     """Targets for one serving scenario: output tokens/s of the batch (prefill included), end-to-end
@@ -48,6 +62,10 @@ class ScenarioTarget:
     max_latency_s: Value | None = None
     max_ttft_s: Value | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("min_tokens_per_s", "max_latency_s", "max_ttft_s"):
+            object.__setattr__(self, name, _checked_value("ScenarioTarget", name, getattr(self, name)))
+
 
 @dataclass(frozen=True)
 class Budget:
@@ -56,6 +74,10 @@ class Budget:
     memory_bytes is checked at `memory_scenario` (its batch, prompt + generated tokens of context, its
     recipe and state dtypes). min_concurrent_requests needs `hardware` and `context_len`. `hardware`
     also times the scenarios (roofline) unless a latency function is given to `spec_table`.
+
+    Values are numbers, `Relative(f)` (f x the parent's value) or the command line's text ('0.7x', '70G').
+    `shared_state_size` is on by default (unlike `Rules`): serving engines need one SSM state size for
+    every Mamba block, so a deployment budget asks for it unless told otherwise.
     """
 
     params: Value | None = None
@@ -73,6 +95,10 @@ class Budget:
     same_top_k: bool = False
     keep_blocks: tuple[int, ...] = ()
     min_attention_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("params", "active_params", "weight_bytes", "memory_bytes"):
+            object.__setattr__(self, name, _checked_value("Budget", name, getattr(self, name)))
 
     def rules(self) -> Rules:
         return Rules(

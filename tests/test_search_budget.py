@@ -8,7 +8,7 @@ import itertools
 import numpy as np
 import pytest
 
-from puzzle.budget import Relative
+from puzzle.budget import BudgetError, Relative
 from puzzle.cost import (
     Scenario,
     max_concurrent_requests,
@@ -139,3 +139,15 @@ def test_throughput_target_out_of_reach_is_named():
         <= 1
     )
     assert caught.value.best == pytest.approx(fastest, rel=1e-9)
+
+
+def test_budget_values_accept_the_command_line_syntax_and_reject_garbage():
+    budget = Budget(active_params="0.7x", weight_bytes="70G", params=2_000_000)
+    assert budget.active_params == Relative(0.7)
+    assert budget.weight_bytes == 70e9
+    assert budget.params == 2e6
+    assert ScenarioTarget(CHAT, min_tokens_per_s="1.5x").min_tokens_per_s == Relative(1.5)
+    with pytest.raises(BudgetError, match=r"cannot read budget value '0.7y'"):
+        Budget(active_params="0.7y")
+    with pytest.raises(BudgetError, match=r"Budget\.params must be a number.*found \[1\]"):
+        Budget(params=[1])
