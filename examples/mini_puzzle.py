@@ -101,14 +101,13 @@ def kl_divergence(reference_logp: torch.Tensor, model: HybridLM, ids: torch.Tens
 
 @contextmanager
 def swapped(model: HybridLM, index: int, mixer: nn.Module):
-    """The model with block `index`'s mixer replaced; the block's spec too (a no-op block skips its norm)."""
-    block = model.layers[index]
-    saved = block.mixer, block.spec
-    block.mixer, block.spec = mixer, mixer.spec
+    """The model with block `index`'s mixer replaced (its spec follows the mixer), restored afterwards."""
+    saved = model.layers[index].mixer
+    model.replace_mixer(index, mixer)
     try:
         yield model
     finally:
-        block.mixer, block.spec = saved
+        model.replace_mixer(index, saved)
 
 
 def candidates(block: BlockSpec) -> list[BlockSpec]:

@@ -45,9 +45,13 @@ class Block(nn.Module):
 
     def __init__(self, spec: BlockSpec, hidden_size: int, norm_eps: float) -> None:
         super().__init__()
-        self.spec = spec
         self.norm = RMSNorm(hidden_size, norm_eps)
         self.mixer = build_block(spec, hidden_size, norm_eps)
+
+    @property
+    def spec(self) -> BlockSpec:
+        """The mixer's spec: one source of truth, so swapping `block.mixer` changes the block's shape too."""
+        return self.mixer.spec
 
     def forward(self, x: torch.Tensor, cache: Any = None) -> torch.Tensor:
         """x: [b, t, H] -> [b, t, H]; a cache is continued and left at the end of x."""
@@ -90,7 +94,13 @@ class HybridLM(nn.Module):
 
     def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        self.spec = spec
+        # Everything but the blocks; each block's shape lives in its mixer (see `spec`).
+        self._model_fields = {
+            "vocab_size": spec.vocab_size,
+            "hidden_size": spec.hidden_size,
+            "norm_eps": spec.norm_eps,
+            "tie_embeddings": spec.tie_embeddings,
+        }
         self.embeddings = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(Block(block, spec.hidden_size, spec.norm_eps) for block in spec.blocks)
         self.norm_f = RMSNorm(spec.hidden_size, spec.norm_eps)
@@ -100,6 +110,19 @@ class HybridLM(nn.Module):
         self.extra_tensors: dict[str, Any] = {}
         self.source_config: dict[str, Any] | None = None
         self.source_path: Path | None = None
+
+    @property
+    def spec(self) -> ModelSpec:
+        """The architecture, read from the blocks' mixers: replacing `layers[i].mixer` updates it."""
+        return ModelSpec(blocks=tuple(block.spec for block in self.layers), **self._model_fields)
+
+    def replace_mixer(self, index: int, mixer: nn.Module) -> None:
+        """Put `mixer` (a module from `puzzle.blocks.build_block`, with its own `.spec`) into block `index`."""
+        if not hasattr(mixer, "spec"):
+            raise TypeError(
+                f"a mixer needs a .spec (build it with puzzle.blocks.build_block), got {type(mixer).__name__}"
+            )
+        self.layers[index].mixer = mixer
 
     def init_cache(
         self, batch_size: int, device: torch.device | None = None, dtype: torch.dtype | None = None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from nemotron_helpers import token_batch
+from nemotron_helpers import VOCAB, token_batch
 from torch.testing import assert_close
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNorm
 
@@ -210,3 +210,28 @@ def test_state_dict_keys_follow_the_hub_names(model):
     assert {"layers.2.mixer.experts.5.up_proj.weight", "layers.2.mixer.gate.e_score_correction_bias"} <= keys
     assert {"layers.4.mixer.linear.weight"} <= keys
     assert not any(key.startswith("layers.5.mixer.") for key in keys)
+
+
+def test_the_spec_follows_the_mixers(tmp_path):
+    """Swapping a mixer changes the model's spec: forward, save and load all see the new shape."""
+    from puzzle.blocks import build_block
+
+    spec = ModelSpec(
+        vocab_size=VOCAB, hidden_size=16, blocks=(MLPSpec(width=32), NoOpSpec(), MLPSpec(width=32))
+    )
+    torch.manual_seed(0)
+    model = HybridLM(spec).eval()
+    ids = token_batch(batch=1, length=6, seed=2)
+    before = model(ids).logits
+    narrower, real = MLPSpec(width=8), MLPSpec(width=24)
+    model.replace_mixer(0, build_block(narrower, 16))
+    model.replace_mixer(1, build_block(real, 16))  # a real mixer where a no-op was: it must run
+    assert model.spec.blocks == (narrower, real, MLPSpec(width=32))
+    assert model.layers[1].spec == real
+    after = model(ids).logits
+    assert not torch.allclose(before, after)
+    loaded = hf.load(model.save_pretrained(tmp_path / "child"))
+    assert loaded.spec == model.spec
+    assert_close(loaded(ids).logits, after, atol=0, rtol=0)
+    with pytest.raises(TypeError, match=r"needs a \.spec"):
+        model.replace_mixer(0, torch.nn.Linear(16, 16))
