@@ -1,5 +1,7 @@
 """puzzle: compress hybrid Mamba / attention / MoE language models by decomposed NAS (the Puzzle method)."""
 
+from typing import Any
+
 from puzzle.spec import (
     AttentionSpec,
     BlockSpec,
@@ -22,10 +24,17 @@ _LAZY_EXPORTS = {
     "HybridLM": "puzzle.model",
     "Budget": "puzzle.search_budget",
     "ScenarioTarget": "puzzle.search_budget",
+    "spec_table": "puzzle.search_budget",
+    "choices_to_spec": "puzzle.search_budget",
+    "Relative": "puzzle.budget",
+    "Scenario": "puzzle.cost",
+    "get_preset": "puzzle.presets",
+    "importance_for": "puzzle.prune",
+    "init_child": "puzzle.prune",
 }
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _LAZY_EXPORTS:
         import importlib
 
@@ -45,9 +54,16 @@ __all__ = [
     "ModelSpec",
     "MoESpec",
     "NoOpSpec",
+    "Relative",
+    "Scenario",
     "ScenarioTarget",
     "SpecError",
     "Variant",
     "__version__",
+    "choices_to_spec",
+    "get_preset",
+    "importance_for",
+    "init_child",
     "load",
+    "spec_table",
 ]
