@@ -11,6 +11,7 @@ COMMAND_MODULES: tuple[str, ...] = ("puzzle.commands.search", "puzzle.commands.c
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `puzzle` parser with every sub-command of COMMAND_MODULES registered."""
     parser = argparse.ArgumentParser(
         prog="puzzle",
         description="Compress hybrid Mamba / attention / MoE language models (the Puzzle method).",
@@ -22,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the `puzzle` command on `argv` (default: sys.argv[1:]); returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "func"):

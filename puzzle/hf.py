@@ -39,6 +39,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from puzzle.files import default_mode
 from puzzle.model import HybridLM
 from puzzle.progress import progress
 from puzzle.spec import (
@@ -741,9 +742,10 @@ def load(
     """Load a NemotronH checkpoint directory (config.json + safetensors) as a HybridLM in eval mode.
 
     dtype (a torch dtype or its name) None keeps the checkpoint's dtype (that of its embeddings);
-    the router's weight and correction bias stay fp32 either way, as in transformers. Tensors are read one at a time from memory-mapped files straight into
-    the model, so peak memory is about one copy of the weights. Tensors outside the backbone and
-    lm_head (e.g. `mtp.*`) are kept unread in `model.extra_tensors` and written back on save.
+    the router's weight and correction bias stay fp32 either way, as in transformers. Tensors are
+    read one at a time from memory-mapped files straight into the model, so peak memory is about one
+    copy of the weights. Tensors outside the backbone and lm_head (e.g. `mtp.*`) are kept unread in
+    `model.extra_tensors` and written back on save.
     """
     path = Path(path)
     config = read_config(path)
@@ -857,9 +859,12 @@ def save_pretrained(
     """
     target = Path(path).absolute()
     source = model.source_path
-    if source is not None and source.is_relative_to(target.resolve()):
+    # Neither over the source (or a folder holding it) nor inside it: the parent's directory stays untouched.
+    if source is not None and (
+        source.is_relative_to(target.resolve()) or target.resolve().is_relative_to(source)
+    ):
         raise CheckpointError(
-            f"refusing to write into {target}: the model was loaded from {source} and still reads from it"
+            f"refusing to write into {target}: the model was loaded from {source}, which must stay untouched"
         )
     if target.exists() and not target.is_dir():
         raise CheckpointError(f"{target} exists and is not a directory")
@@ -871,6 +876,7 @@ def save_pretrained(
     shards = _plan_shards({name: _nbytes(tensor) for name, tensor in tensors.items()}, max_shard_bytes)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    staging.chmod(default_mode(directory=True))  # mkdtemp makes it 0o700, private to this user
     try:
         weight_map: dict[str, str] = {}
         for number, names in enumerate(shards, start=1):

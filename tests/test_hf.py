@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -485,6 +486,9 @@ def test_save_refuses_source_directory(parents):
         model.save_pretrained(path)
     with pytest.raises(CheckpointError, match="refusing to write into"):
         model.save_pretrained(path.parent)
+    with pytest.raises(CheckpointError, match="refusing to write into"):
+        model.save_pretrained(path / "child")
+    assert not (path / "child").exists()
 
 
 def test_save_replaces_existing_directory_atomically(parents, tmp_path):
@@ -500,3 +504,20 @@ def test_save_replaces_existing_directory_atomically(parents, tmp_path):
         "model.safetensors",
     ]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging or backup directories left behind
+    plain = tmp_path / "plain"
+    plain.mkdir()  # a checkpoint is as readable as any folder the user makes (mkdtemp's is 0o700)
+    assert os.stat(target).st_mode & 0o777 == os.stat(plain).st_mode & 0o777
+
+
+def test_kind_fields_are_the_fields_each_spec_writes():
+    """hf._KIND_FIELDS (the config keys a saved config owns) lists exactly what block_config_fields writes."""
+    samples = (
+        MambaSpec(num_heads=4, head_dim=8, state_size=16),
+        AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8),
+        MoESpec(num_experts=4, top_k=2, expert_width=8),
+        MLPSpec(width=8),
+        LinearSpec(),
+        NoOpSpec(),
+    )
+    for spec in samples:
+        assert set(hf.block_config_fields(spec)) == set(hf._KIND_FIELDS[spec.kind]), spec.kind

@@ -317,3 +317,58 @@ def test_cpu_tensors_never_take_the_kernel_path(monkeypatch: pytest.MonkeyPatch)
         cache = ours.init_cache(1)
         ours(x, cache=cache)
         ours.step(x[:, :1], cache)
+
+
+class _KernelStandIns:
+    """Torch stand-ins for the mamba_ssm / causal_conv1d kernels (unavailable on this CPU machine).
+
+    Each computes what its kernel computes and enforces the input layout the real kernel checks, so the
+    glue of MambaMixer's CUDA path (layouts, cache slicing, D skip, final states) is exercised here.
+    """
+
+    @staticmethod
+    def conv1d_fn(x, weight, bias=None, activation=None):
+        dim = x.shape[1]
+        assert x.stride(2) == 1 or x.stride(1) == 1
+        if x.stride(1) == 1 and x.stride(2) > 1:  # causal_conv1d's channel-last constraints
+            assert dim % 8 == 0 and x.stride(2) % 8 == 0 and x.stride(0) % 8 == 0, "channel-last strides"
+        k = weight.shape[-1]
+        y = F.conv1d(x, weight[:, None], bias, padding=k - 1, groups=dim)[..., : x.shape[-1]]
+        return F.silu(y) if activation == "silu" else y
+
+    @staticmethod
+    def conv1d_update(x, conv_state, weight, bias=None, activation=None):
+        y = ssd.causal_conv1d_update(x, conv_state, weight, bias)
+        return F.silu(y) if activation == "silu" else y
+
+    @staticmethod
+    def chunk_scan(x, dt, A, B, C, chunk_size, D=None, initial_states=None, return_final_states=False):
+        y, state = ssd.ssd_chunk_scan(x, dt, A, B, C, chunk_size, initial_states, return_final_state=True)
+        y = y + x.float() * D[:, None]
+        return (y.to(x.dtype), state.to(C.dtype)) if return_final_states else y.to(x.dtype)
+
+    @staticmethod
+    def state_update(state, x, dt, A, B, C, D=None, dt_softplus=False):
+        assert not dt_softplus
+        y = ssd.ssd_state_update(state, x, dt[..., 0], A[:, 0, 0], B, C)
+        return (y + x.float() * D).to(x.dtype)
+
+
+def test_kernel_path_glue_equals_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA-path code with kernel stand-ins: same outputs and caches as the torch path, for a shape whose
+    in_proj width (132) is not a multiple of 8, as a pruned child's often is not."""
+    _, ours = make_pair(n_groups=2)
+    assert ours.spec.in_proj_dim % 8 != 0
+    x = inputs(2, 21)
+    with torch.no_grad():
+        expected_full = ours(x)
+        expected_cache = ours.init_cache(2)
+        expected = [ours(x[:, :13], cache=expected_cache), ours.step(x[:, 13:14], expected_cache)]
+        monkeypatch.setattr(mamba_module, "_kernels_for", lambda tensor: _KernelStandIns())
+        torch.testing.assert_close(ours(x), expected_full, **TOL)
+        cache = ours.init_cache(2)
+        got = [ours(x[:, :13], cache=cache), ours.step(x[:, 13:14], cache)]
+    for mine, reference in zip(got, expected):
+        torch.testing.assert_close(mine, reference, **TOL)
+    torch.testing.assert_close(cache.conv_state, expected_cache.conv_state, **TOL)
+    torch.testing.assert_close(cache.ssm_state, expected_cache.ssm_state, **TOL)

@@ -13,6 +13,7 @@ from puzzle.presets import (
     nemotron_h_8b,
     nemotron_nano_9b_v2,
     puzzle_75b_a9b_like,
+    tiny_hybrid,
 )
 from puzzle.spec import MambaSpec, MoESpec, SpecError
 
@@ -62,3 +63,10 @@ def test_get_preset_accepts_spellings_and_rejects_unknown_names():
     assert set(PRESETS) >= {"nemotron3-super", "nemotron3-nano", "nemotron-h-8b", "nemotron-nano-9b-v2"}
     with pytest.raises(SpecError, match=r"unknown preset 'nemotron9'.*nemotron3-super"):
         get_preset("nemotron9")
+
+
+def test_tiny_hybrid_sizes():
+    assert tiny_hybrid(96).blocks[0] == MambaSpec(6, 32, 16, n_groups=2, conv_kernel=4, chunk_size=32)
+    for bad in (48, 0, 100):
+        with pytest.raises(SpecError, match=f"hidden_size must be a positive multiple of 32, found {bad}"):
+            tiny_hybrid(bad)

@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from puzzle.blocks import ssd
 from puzzle.blocks.mlp import relu2
@@ -179,6 +180,15 @@ def test_load_errors_name_the_file(tmp_path):
     (tmp_path / MANIFEST_FILE).write_text(json.dumps({"format": 99}))
     (tmp_path / SCORES_FILE).write_bytes(b"")
     with pytest.raises(ValueError, match="format 99"):
+        load_importance(tmp_path)
+    (tmp_path / MANIFEST_FILE).write_text("{not json")
+    with pytest.raises(ValueError, match=f"{MANIFEST_FILE} is not valid JSON"):
+        load_importance(tmp_path)
+    (tmp_path / MANIFEST_FILE).write_text(json.dumps({"format": 1, "parent": "x", "tokens": 1}))
+    with pytest.raises(ValueError, match=f"cannot read importance scores .*{SCORES_FILE}"):
+        load_importance(tmp_path)
+    save_file({"layers.0.channel": torch.ones(2)}, str(tmp_path / SCORES_FILE))
+    with pytest.raises(ValueError, match=rf"{MANIFEST_FILE} lacks key\(s\) \['blocks', 'linear_fit'\]"):
         load_importance(tmp_path)
 
 

@@ -327,8 +327,11 @@ def test_moe_latent_pca_is_exact_when_the_latent_spaces_have_low_rank():
     imp = collect_block_importance(block, [calibration], linear_fit=False)
     child = init_child(block, MOE, MoESpec(6, 2, 10, shared_width=12, latent_size=6), imp)
     assert child.fc1_latent_proj.weight.shape == (6, H) and child.experts[0].up_proj.weight.shape == (10, 6)
+    # The PCA bases come from fp32 second moments and relu^2 of these random weights gives outputs up to
+    # ~3e5: relative errors of ~1e-4 (2e-5 even in fp64) are rounding; selecting latent dims instead of
+    # projecting is off by ~50%.
     with torch.no_grad():
-        torch.testing.assert_close(child(X), block(X), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(child(X), block(X), rtol=1e-3, atol=1e-3)
 
 
 def test_expert_widths_by_importance_spreads_a_budget_by_global_rank():
@@ -362,3 +365,14 @@ def test_children_keep_the_parents_dtypes():
             assert tensor.dtype == dtypes[name], name
     assert child.gate.e_score_correction_bias.dtype == torch.float32
     assert init_child(block, MOE, MOE, None).gate.weight.dtype == torch.bfloat16
+
+
+def test_latent_dims_without_second_moments_keep_the_parents_dtypes():
+    """Latent pruning by the `latent` score alone (no PCA moments) leaves no fp32 tensor in a bf16 child."""
+    block = parent(MOE).to(torch.bfloat16)
+    imp = collect_block_importance(block, [X.to(torch.bfloat16)], linear_fit=False)
+    imp = BlockImportance("moe", {k: v for k, v in imp.scores.items() if not k.endswith("_cov")}, imp.tokens)
+    child = init_child(block, MOE, MoESpec(6, 2, 10, shared_width=12, latent_size=8), imp)
+    dtypes = {name: t.dtype for name, t in block.state_dict().items()}
+    for name, tensor in child.state_dict().items():
+        assert tensor.dtype == dtypes[name], name

@@ -134,6 +134,7 @@ def test_importance_beats_random_and_first_k(trained, axis):
         return nmse(model, index, child(block_scores), x)
 
     ours = error(scores)
+    by_score = None
     if axis == "moe.latent_size":  # the baselines select latent dims; ours rotates onto principal directions
         selection = {k: v for k, v in scores.scores.items() if not k.startswith("latent_") or k == "latent"}
         scores = BlockImportance(scores.kind, selection, scores.tokens)
@@ -148,6 +149,8 @@ def test_importance_beats_random_and_first_k(trained, axis):
     random = sum(error(random_scores(scores, keys, seed)) for seed in range(RANDOM_SEEDS)) / RANDOM_SEEDS
     print(f"{axis}: importance {ours:.4f}  first-k {first_k:.4f}  random {random:.4f}")
     assert ours < random, (axis, ours, random)
+    if by_score is not None:  # the `latent` score itself also selects better than the baselines
+        assert by_score < min(random, first_k), (axis, by_score, random, first_k)
     # Keeping the first k can coincide with the importance ranking (then the children are identical).
     assert ours < first_k or (same_as_first_k and ours == first_k), (axis, ours, first_k)
 

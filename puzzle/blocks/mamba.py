@@ -201,6 +201,8 @@ class MambaMixer(nn.Module):
             xbc_t = xbc.transpose(1, 2)
             if conv_state is not None:
                 xbc_t = torch.cat([conv_state.to(xbc_t.dtype), xbc_t], dim=-1)
+            else:  # the strided view is channel-last, which causal_conv1d refuses unless its strides are 8k
+                xbc_t = xbc_t.contiguous()
             final_conv = xbc_t[:, :, -(spec.conv_kernel - 1) :]
             xbc = kernels.conv1d_fn(xbc_t, weight, self.conv1d.bias, activation="silu")
             xbc = xbc[:, :, xbc.shape[-1] - t :].transpose(1, 2)

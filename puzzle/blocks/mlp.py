@@ -30,7 +30,8 @@ class _Stateless(nn.Module):
 
     def init_cache(
         self, batch_size: int, device: torch.device | None = None, dtype: torch.dtype | None = None
-    ):
+    ) -> None:
+        """None: nothing is kept across tokens."""
         return None
 
     def step(self, x: torch.Tensor, cache: None = None) -> torch.Tensor:

@@ -113,7 +113,8 @@ class MoEMixer(nn.Module):
 
     def init_cache(
         self, batch_size: int, device: torch.device | None = None, dtype: torch.dtype | None = None
-    ):
+    ) -> None:
+        """None: the MoE keeps no state across tokens."""
         return None
 
     def forward(self, x: torch.Tensor, cache: None = None) -> torch.Tensor:

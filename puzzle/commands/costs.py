@@ -35,6 +35,7 @@ STATE_DTYPES = ("fp32", "bf16", "fp16", "fp8")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `costs` sub-command to the `puzzle` parser."""
     parser = subparsers.add_parser(
         "costs",
         help="parameters, weight memory, per-request state and concurrency of a model",
@@ -189,6 +190,7 @@ def format_table(costs: dict[str, Any], title: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    """`puzzle costs`: print the table (or JSON) for args.target; exit code 2 with a message on bad input."""
     try:
         spec, title = load_target(args.target)
         costs = compute_costs(

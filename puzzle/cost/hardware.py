@@ -10,6 +10,7 @@ import functools
 import os
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from puzzle.spec import SpecError
@@ -124,7 +125,7 @@ ALIASES: dict[str, str] = {
 }
 
 
-def _median_seconds(fn, repeats: int, warmup: int = 2) -> float:
+def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
     """Median seconds of `repeats` calls after `warmup` untimed ones (the statistic measure.py uses too)."""
     for _ in range(warmup):
         fn()

@@ -1,7 +1,8 @@
 """Measured latency of a block variant on the current device, with the roofline's interface (a LatencyFn).
 
-A block here is what the model runs per layer, `puzzle.model.Block` (x + mixer(norm(x))), with random weights (latency does not depend on their values, except MoE routing, which random router
-weights spread roughly uniformly, as the roofline assumes).
+A block here is what the model runs per layer, `puzzle.model.Block` (x + mixer(norm(x))), with random
+weights (latency does not depend on their values, except MoE routing, which random router weights
+spread roughly uniformly, as the roofline assumes).
 """
 
 from __future__ import annotations

@@ -578,16 +578,26 @@ def load_importance(directory: str | Path) -> ModelImportance:
     for path in (manifest_path, scores_path):
         if not path.is_file():
             raise FileNotFoundError(f"importance file {path} does not exist")
-    manifest = json.loads(manifest_path.read_text())
-    if manifest.get("format") != FORMAT_VERSION:
-        raise ValueError(f"{manifest_path}: format {manifest.get('format')!r}, expected {FORMAT_VERSION}")
-    tensors = load_file(str(scores_path))
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{manifest_path} is not valid JSON: {error}") from error
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ValueError(f"{manifest_path}: format {found!r}, expected {FORMAT_VERSION}")
+    try:
+        tensors = load_file(str(scores_path))
+    except Exception as error:  # safetensors raises its own types for truncated or corrupt files
+        raise ValueError(f"cannot read importance scores {scores_path}: {error}") from error
+    known = {"format", "parent", "tokens", "linear_fit", "blocks"}
+    missing = sorted(known - set(manifest))
+    if missing:
+        raise ValueError(f"{manifest_path} lacks key(s) {missing}; expected {sorted(known)}")
     blocks: dict[int, BlockImportance] = {}
     for key, info in manifest["blocks"].items():
         prefix = f"layers.{key}."
         scores = {name[len(prefix) :]: value for name, value in tensors.items() if name.startswith(prefix)}
         blocks[int(key)] = BlockImportance(info["kind"], scores, int(info["tokens"]))
-    known = {"format", "parent", "tokens", "linear_fit", "blocks"}
     extra = {key: value for key, value in manifest.items() if key not in known}
     return ModelImportance(
         blocks, int(manifest["tokens"]), manifest["parent"], bool(manifest["linear_fit"]), extra

@@ -366,7 +366,8 @@ def _moe_state(
         project_in, project_out, lift_out = _latent_pca(state, importance, child.latent_size)
     elif pruning_latent:
         latent = top_indices(_need(importance, "latent", "latent_size", "moe"), child.latent_size)
-        project_in = project_out = torch.eye(parent.latent_size)[latent]
+        # fp64, like the PCA projections: `_mm` then keeps the weight's dtype and device.
+        project_in = project_out = torch.eye(parent.latent_size, dtype=torch.float64)[latent]
         lift_out = None
 
     device = state["gate.weight"].device
