@@ -75,6 +75,19 @@ class MambaSpec:
         """Rows of in_proj, in the order z | x | B | C | dt."""
         return self.d_inner + self.conv_dim + self.num_heads
 
+    def in_proj_sections(self) -> dict[str, slice]:
+        """Where each part lives in in_proj's rows (and x | B | C in the conv's channels, offset by d_inner).
+
+        Order: z | x | B | C | dt, the packed layout of Mamba-2 checkpoints; the conv runs over x | B | C.
+        """
+        d, gn = self.d_inner, self.n_groups * self.state_size
+        sizes = {"z": d, "x": d, "B": gn, "C": gn, "dt": self.num_heads}
+        sections, start = {}, 0
+        for name, size in sizes.items():
+            sections[name] = slice(start, start + size)
+            start += size
+        return sections
+
     def short_name(self) -> str:
         return f"mamba:h{self.num_heads}:p{self.head_dim}:n{self.state_size}"
 
@@ -174,10 +187,9 @@ class MoESpec:
     def is_uniform(self) -> bool:
         return len(set(self.widths)) == 1
 
-    @property
-    def expert_input_size(self) -> int | None:
-        """Input size of the routed experts: the latent size, or None meaning the hidden size."""
-        return self.latent_size
+    def expert_input_size(self, hidden_size: int) -> int:
+        """Input (and output) size of the routed experts: the latent size, else the hidden size."""
+        return self.latent_size if self.latent_size is not None else hidden_size
 
     def short_name(self) -> str:
         widths = self.widths

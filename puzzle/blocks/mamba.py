@@ -57,6 +57,11 @@ def _kernels_for(tensor: torch.Tensor) -> SimpleNamespace | None:
     return _cuda_kernels() if tensor.is_cuda else None
 
 
+def _xbc_sections(spec: MambaSpec) -> tuple[slice, slice, slice]:
+    sections = spec.in_proj_sections()
+    return sections["x"], sections["B"], sections["C"]
+
+
 class GatedGroupRMSNorm(nn.Module):
     """RMSNorm of `y * silu(z)` over groups of d / n_groups channels, then the scale `weight` [d]."""
 
@@ -144,24 +149,24 @@ class MambaMixer(nn.Module):
                     f"{batch_size} and {spec.short_name()} (make the cache with init_cache)"
                 )
 
-    def _split(self, projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """in_proj output [..., in_proj_dim] -> z [..., d], xBC [..., conv_dim], dt [..., num_heads]."""
-        spec = self.spec
-        z, xbc, dt = projected.split([spec.d_inner, spec.conv_dim, spec.num_heads], dim=-1)
-        return z, xbc, dt
+    def split_projection(self, projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """in_proj output [..., in_proj_dim] -> z [..., d], xBC [..., conv_dim], dt [..., num_heads] (views)."""
+        sections = self.spec.in_proj_sections()
+        xbc = slice(sections["x"].start, sections["C"].stop)
+        return projected[..., sections["z"]], projected[..., xbc], projected[..., sections["dt"]]
 
-    def _split_xbc(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def split_conv_output(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """conv output [..., conv_dim] -> x [..., nh, p], B [..., g, n], C [..., g, n] (views)."""
         spec = self.spec
-        gn = spec.n_groups * spec.state_size
-        x, B, C = xbc.split([spec.d_inner, gn, gn], dim=-1)
+        offset = spec.d_inner  # the conv's channels are in_proj's rows from x on
+        x, B, C = (xbc[..., slice(s.start - offset, s.stop - offset)] for s in _xbc_sections(spec))
         return (
             x.unflatten(-1, (spec.num_heads, spec.head_dim)),
             B.unflatten(-1, (spec.n_groups, spec.state_size)),
             C.unflatten(-1, (spec.n_groups, spec.state_size)),
         )
 
-    def _dt(self, dt: torch.Tensor) -> torch.Tensor:
+    def time_step(self, dt: torch.Tensor) -> torch.Tensor:
         """softplus(dt + dt_bias) clamped to the spec's range, fp32."""
         dt = F.softplus(dt.float() + self.dt_bias.float())
         upper = self.spec.dt_clamp_max
@@ -179,9 +184,9 @@ class MambaMixer(nn.Module):
         t = x.shape[1]
         if cache is not None:
             self._check_cache(cache, x.shape[0])
-        z, xbc, dt = self._split(self.in_proj(x))
+        z, xbc, dt = self.split_projection(self.in_proj(x))
         A = -torch.exp(self.A_log.float())
-        dt = self._dt(dt)
+        dt = self.time_step(dt)
         weight = self.conv1d.weight.squeeze(1)  # [conv_dim, k]
         kernels = _kernels_for(x)
 
@@ -210,7 +215,7 @@ class MambaMixer(nn.Module):
             cache.conv_state.copy_(final_conv)
 
         # SSD scan over the sequence (+ D skip), from the cached SSM state.
-        xs, B, C = self._split_xbc(xbc)
+        xs, B, C = self.split_conv_output(xbc)
         initial = cache.ssm_state if cache is not None else None
         if kernels is None:
             y, final_ssm = ssd.ssd_chunk_scan(
@@ -241,9 +246,9 @@ class MambaMixer(nn.Module):
         if x.shape[1] != 1:
             raise ValueError(f"MambaMixer.step takes one token, x has shape {list(x.shape)}; use forward")
         self._check_cache(cache, b)
-        z, xbc, dt = self._split(self.in_proj(x[:, 0]))
+        z, xbc, dt = self.split_projection(self.in_proj(x[:, 0]))
         A = -torch.exp(self.A_log.float())
-        dt = self._dt(dt)  # [b, nh]
+        dt = self.time_step(dt)  # [b, nh]
         weight = self.conv1d.weight.squeeze(1)
         kernels = _kernels_for(x)
 
@@ -251,7 +256,7 @@ class MambaMixer(nn.Module):
             xbc = F.silu(ssd.causal_conv1d_update(xbc, cache.conv_state, weight, self.conv1d.bias))
         else:
             xbc = kernels.conv1d_update(xbc, cache.conv_state, weight, self.conv1d.bias, activation="silu")
-        xs, B, C = self._split_xbc(xbc)  # [b, nh, p], [b, g, n], [b, g, n]
+        xs, B, C = self.split_conv_output(xbc)  # [b, nh, p], [b, g, n], [b, g, n]
 
         if kernels is None:
             y = ssd.ssd_state_update(cache.ssm_state, xs, dt, A, B, C)

@@ -102,7 +102,7 @@ class MoEMixer(nn.Module):
     def __init__(self, spec: MoESpec, hidden_size: int, norm_eps: float = 1e-5) -> None:
         super().__init__()
         self.spec = spec
-        expert_input = spec.latent_size if spec.latent_size is not None else hidden_size
+        expert_input = spec.expert_input_size(hidden_size)
         self.gate = TopKRouter(spec, hidden_size)
         self.experts = nn.ModuleList(Expert(expert_input, width) for width in spec.widths)
         if spec.latent_size is not None:

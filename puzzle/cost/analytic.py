@@ -98,7 +98,7 @@ def _mixer_tensors(spec: BlockSpec, hidden_size: int) -> list[TensorInfo]:
         )
     if isinstance(spec, MoESpec):
         E = spec.num_experts
-        expert_input = spec.latent_size if spec.latent_size is not None else H
+        expert_input = spec.expert_input_size(H)
         tensors = [
             TensorInfo("gate.weight", (E, H), "router"),
             TensorInfo("gate.e_score_correction_bias", (E,), "router_bias", is_parameter=False),
@@ -162,7 +162,7 @@ def block_params(spec: BlockSpec, hidden_size: int) -> int:
 
 
 def _expert_params(spec: MoESpec, hidden_size: int) -> list[int]:
-    expert_input = spec.latent_size if spec.latent_size is not None else hidden_size
+    expert_input = spec.expert_input_size(hidden_size)
     return [2 * width * expert_input for width in spec.widths]
 
 
@@ -339,7 +339,7 @@ def block_weight_bytes(spec: BlockSpec, hidden_size: int, recipe: str | QuantRec
 def routed_expert_bytes(spec: MoESpec, hidden_size: int, recipe: str | QuantRecipe = "bf16") -> list[float]:
     """Bytes of each routed expert (up + down) of an MoE block under `recipe`, in expert order."""
     fmt = get_recipe(recipe).format_of("routed_expert")
-    expert_input = spec.latent_size if spec.latent_size is not None else hidden_size
+    expert_input = spec.expert_input_size(hidden_size)
     return [
         tensor_bytes((width, expert_input), fmt) + tensor_bytes((expert_input, width), fmt)
         for width in spec.widths

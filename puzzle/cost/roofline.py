@@ -137,7 +137,7 @@ def _activation_elements_per_token(spec: BlockSpec, hidden_size: int) -> float:
         elements += q + H  # o_proj
     elif isinstance(spec, MoESpec):
         E, k = spec.num_experts, spec.top_k
-        L = spec.latent_size if spec.latent_size is not None else H
+        L = spec.expert_input_size(H)
         width = sum(spec.widths) / E
         elements += H + 3 * E  # router logits, sigmoid, top-k
         if spec.latent_size is not None:

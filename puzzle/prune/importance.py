@@ -56,11 +56,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from puzzle import dist
+from puzzle.blocks import ssd
 from puzzle.files import atomic_write
 from puzzle.progress import progress
 from puzzle.spec import AttentionSpec, MambaSpec, MoESpec
@@ -272,22 +272,20 @@ class _MambaCollector(_Collector):
     def _in_hook(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         spec: MambaSpec = self.spec
         mixer = self.mixer
-        d, nh, G, N = spec.d_inner, spec.num_heads, spec.n_groups, spec.state_size
+        nh, G = spec.num_heads, spec.n_groups
         proj = output.detach().float()  # [b, t, in_proj_dim]
-        b, t, _ = proj.shape
+        t = proj.shape[1]
         self.max_len = max(self.max_len, t)
-        # Recompute the causal depthwise conv + SiLU over x|B|C (cheap: K taps per channel).
-        xbc = proj[..., d : d + spec.conv_dim].transpose(1, 2)
-        weight = mixer.conv1d.weight.detach().float()
-        bias = mixer.conv1d.bias.detach().float() if mixer.conv1d.bias is not None else None
-        xbc = F.conv1d(F.pad(xbc, (spec.conv_kernel - 1, 0)), weight, bias, groups=spec.conv_dim)
-        xbc = F.silu(xbc).transpose(1, 2).reshape(b * t, spec.conv_dim)
-        x = xbc[:, :d].view(-1, nh, spec.head_dim)
-        B = xbc[:, d : d + G * N].view(-1, G, N)
-        C = xbc[:, d + G * N :].view(-1, G, N)
-        dt = F.softplus(proj[..., -nh:].reshape(-1, nh) + mixer.dt_bias.detach().float())
-        dt = dt.clamp(min=spec.dt_clamp_min, max=spec.dt_clamp_max)
-        A = -torch.exp(mixer.A_log.detach().float())
+        # Recompute the causal depthwise conv + SiLU over x|B|C (cheap: K taps per channel) and dt with the
+        # mixer's own pieces: the conv is a function inside its forward, not a module a hook can see.
+        with torch.no_grad():
+            _, xbc, dt_raw = mixer.split_projection(proj)
+            weight = mixer.conv1d.weight.float().squeeze(1)
+            bias = mixer.conv1d.bias.float() if mixer.conv1d.bias is not None else None
+            xbc, _ = ssd.causal_conv1d(xbc.contiguous(), weight, bias, silu=True)
+            x, B, C = (part.flatten(0, 1) for part in mixer.split_conv_output(xbc))  # [T, nh, P], [T, G, N]
+            dt = mixer.time_step(dt_raw).flatten(0, 1)  # [T, nh]
+            A = -torch.exp(mixer.A_log.float())
         write = (dt.square() * x.square().sum(-1)).view(-1, G, nh // G)  # [T, G, heads per group]
         self._add("write", torch.einsum("tgh,tgn->ghn", write, B.square()))
         self._add("read", C.square().sum(0))

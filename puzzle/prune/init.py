@@ -184,7 +184,7 @@ def _mamba_state(
     _not_larger(owner, "state_size", parent.state_size, child.state_size)
     nh, P, G, N = parent.num_heads, parent.head_dim, parent.n_groups, parent.state_size
     per_group = nh // G
-    d, gn = parent.d_inner, G * N
+    d = parent.d_inner
     device = state["in_proj.weight"].device
 
     # Heads: the best child.num_heads / G of each group.
@@ -209,8 +209,10 @@ def _mamba_state(
     bc = (states + torch.arange(G)[:, None] * N).reshape(-1)  # into G*N
 
     channels, heads, bc = channels.to(device), heads.to(device), bc.to(device)
-    conv_rows = torch.cat([channels, d + bc, d + gn + bc])
-    proj_rows = torch.cat([channels, d + conv_rows, d + d + 2 * gn + heads])
+    rows = parent.in_proj_sections()  # z | x | B | C | dt; the conv's channels are rows x..C
+    kept = {"z": channels, "x": channels, "B": bc, "C": bc, "dt": heads}
+    proj_rows = torch.cat([rows[name].start + index for name, index in kept.items()])
+    conv_rows = torch.cat([rows[name].start - rows["x"].start + kept[name] for name in ("x", "B", "C")])
     new = {
         "in_proj.weight": state["in_proj.weight"][proj_rows],
         "conv1d.weight": state["conv1d.weight"][conv_rows],
