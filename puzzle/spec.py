@@ -23,6 +23,14 @@ def _require_positive_int(owner: str, name: str, value: Any) -> None:
         raise SpecError(f"{owner}.{name} must be a positive integer, found {value!r}")
 
 
+def _require_bools(spec: Any) -> None:
+    # JSON "false" (a string) would otherwise count as True.
+    for f in dataclasses.fields(spec):
+        value = getattr(spec, f.name)
+        if f.type in ("bool", bool) and not isinstance(value, bool):
+            raise SpecError(f"{type(spec).__name__}.{f.name} must be true or false, found {value!r}")
+
+
 def _require_divisible(owner: str, name: str, value: int, divisor_name: str, divisor: int) -> None:
     if value % divisor != 0:
         raise SpecError(f"{owner}.{name} ({value}) must be divisible by {divisor_name} ({divisor})")
@@ -53,6 +61,7 @@ class MambaSpec:
 
     def __post_init__(self) -> None:
         owner = "MambaSpec"
+        _require_bools(self)
         for name in ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel", "chunk_size"):
             _require_positive_int(owner, name, getattr(self, name))
         _require_divisible(owner, "num_heads", self.num_heads, "n_groups", self.n_groups)
@@ -108,6 +117,7 @@ class AttentionSpec:
 
     def __post_init__(self) -> None:
         owner = "AttentionSpec"
+        _require_bools(self)
         for name in ("num_heads", "num_kv_heads", "head_dim"):
             _require_positive_int(owner, name, getattr(self, name))
         _require_divisible(owner, "num_heads", self.num_heads, "num_kv_heads", self.num_kv_heads)
@@ -144,6 +154,11 @@ class MoESpec:
 
     def __post_init__(self) -> None:
         owner = "MoESpec"
+        _require_bools(self)
+        if not self.routed_scaling_factor > 0:
+            raise SpecError(
+                f"{owner}.routed_scaling_factor must be positive, found {self.routed_scaling_factor!r}"
+            )
         for name in ("num_experts", "top_k", "n_group", "topk_group"):
             _require_positive_int(owner, name, getattr(self, name))
         if isinstance(self.expert_width, (list, tuple)):
@@ -215,6 +230,7 @@ class MLPSpec:
     bias: bool = False
 
     def __post_init__(self) -> None:
+        _require_bools(self)
         _require_positive_int("MLPSpec", "width", self.width)
         if self.activation not in self.ACTIVATIONS:
             raise SpecError(
@@ -234,6 +250,9 @@ class LinearSpec:
     pattern_char: ClassVar[str] = "L"
 
     bias: bool = False
+
+    def __post_init__(self) -> None:
+        _require_bools(self)
 
     def short_name(self) -> str:
         return "linear"
@@ -315,6 +334,7 @@ class ModelSpec:
     tie_embeddings: bool = False
 
     def __post_init__(self) -> None:
+        _require_bools(self)
         _require_positive_int("ModelSpec", "vocab_size", self.vocab_size)
         _require_positive_int("ModelSpec", "hidden_size", self.hidden_size)
         blocks = tuple(self.blocks)
