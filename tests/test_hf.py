@@ -134,8 +134,9 @@ def test_transformers_memory_layout(parents, tmp_path):
     assert_close(our_logits(model, ids), hf_logits(parent, ids), atol=ATOL, rtol=ATOL)
 
 
-def test_greedy_generate_matches_transformers(parents):
-    parent, path = parents["latent_moe"]
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_greedy_generate_matches_transformers(parents, name):
+    parent, path = parents[name]
     model = puzzle.load(path)
     prompt = token_batch(batch=2, length=7, seed=5)
     theirs = parent.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
