@@ -6,8 +6,9 @@ A grouped (multiple-choice) knapsack, solved exactly and fast:
 3. an incumbent z_inc (LP diving, then one- and two-block swap local search; re-checked on every row);
 4. every variable with r > z_inc - z_LP is fixed to 0 (an LP argument: any solution using it costs more
    than z_inc), then LP probing fixes each remaining variable whose LP with it forced to 1 exceeds z_inc;
-5. one MIP (HiGHS through PuLP, CBC when highspy is missing) on what is left. Every fixing only removed
-   solutions worse than z_inc, so the MIP's optimum is the whole problem's.
+5. one MIP (HiGHS through PuLP, CBC when highspy is missing) on what is left, with z_inc as HiGHS's
+   cutoff; skipped when z_inc is within gap_rel of z_LP or one variant per block is left. Every fixing
+   only removed solutions worse than z_inc, so the MIP's optimum (or z_inc) is the whole problem's.
 Without highspy (or with heuristics off) step 3-4 become: fix r > g for a guessed g, solve, and accept
 the answer z when z - z_LP <= g; otherwise set g = z - z_LP and solve once more (which then certifies).
 """
@@ -24,7 +25,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from puzzle.budget import Limit
-from puzzle.search_backend import Row, RowModel, highspy, solve_lp, solve_with_pulp
+from puzzle.search_backend import (
+    REDUCED_MIP_HIGHS_OPTIONS,
+    Row,
+    RowModel,
+    highspy,
+    solve_lp,
+    solve_with_pulp,
+)
 from puzzle.search_heuristics import dive, improve, probe, rows_hold
 from puzzle.search_types import (
     Choice,
@@ -253,26 +261,46 @@ def _dominated(
         codes.append(
             np.array([-1 if value is None else lookup.setdefault(value, len(lookup)) for value in values])
         )
+    code_matrix = np.stack(codes, axis=1) if codes else np.zeros((table.num_variants, 0), dtype=np.int64)
+
+    def beats(winners: np.ndarray, losers: np.ndarray, square: bool = False) -> np.ndarray:
+        """[w, l]: variant winners[w] beats losers[l] (no worse everywhere, and better or earlier).
+        `square`: winners and losers are the same list (exact ties then come from one transpose)."""
+        won, lost = matrix[winners], matrix[losers]
+        no_worse = np.ones((len(winners), len(losers)), dtype=bool)
+        for f in range(matrix.shape[1]):  # one feature at a time keeps the temporaries [w, l]
+            no_worse &= won[:, f, None] <= lost[None, :, f]
+        if square:
+            equal = no_worse & no_worse.T
+        else:
+            equal = no_worse.copy()
+            for f in range(matrix.shape[1]):
+                equal &= won[:, f, None] >= lost[None, :, f]
+        # Of several identical variants only the earliest wins, so exactly one of them stays.
+        result = no_worse & (~equal | (winners[:, None] < losers[None, :]))
+        for code in code_matrix.T:
+            result &= (code[winners, None] == code[None, losers]) | (code[winners, None] == -1)
+        return result
+
+    # "Beats" is a strict partial order, so a variant beaten by anyone is beaten by an unbeaten one. First
+    # a cheap pass against a few strong candidates (the best few in each feature) drops most of the
+    # dominated variants; then the survivors are compared with each other (exact, and m'^2 << m^2).
+    few = 8
     dominated = np.zeros(table.num_variants, dtype=bool)
     for block in range(table.num_blocks):
         start, stop = int(table.offsets[block]), int(table.offsets[block + 1])
         members = start + np.flatnonzero(alive[start:stop])
         if len(members) < 2:
             continue
-        block_matrix = matrix[members]
-        # no_worse[w, v]: w <= v in every feature; one feature at a time keeps the temporaries [m, m].
-        no_worse = np.ones((len(members), len(members)), dtype=bool)
-        equal = np.ones_like(no_worse)
-        for column in block_matrix.T:
-            no_worse &= column[:, None] <= column[None, :]
-            equal &= column[:, None] == column[None, :]
-        order = np.arange(len(members))
-        beats = no_worse & (~equal | (order[:, None] < order[None, :]))
-        for code in codes:
-            block_codes = code[members]
-            beats &= (block_codes[:, None] == block_codes[None, :]) | (block_codes[:, None] == -1)
-        np.fill_diagonal(beats, False)
-        dominated[members[beats.any(axis=0)]] = True
+        if len(members) > 4 * few:
+            best = np.argsort(matrix[members], axis=0, kind="stable")[:few]
+            strong = members[np.unique(best)]
+            members = members[~beats(strong, members).any(axis=0)]
+            dominated[start:stop] |= alive[start:stop]
+            dominated[members] = False
+        pairwise = beats(members, members, square=True)
+        np.fill_diagonal(pairwise, False)
+        dominated[members[pairwise.any(axis=0)]] = True
     return dominated
 
 
@@ -328,9 +356,10 @@ def _solve_problem(problem: _Problem, options: SolverOptions, deadline: float | 
     target = min(int(is_variant.sum()), 4 * problem.table.num_blocks + 50)
     sorted_costs = np.sort(reduced[is_variant])
     threshold = max(float(sorted_costs[target - 1]) if target > 0 else 0.0, slack)
-    if highspy is not None and options.heuristics:
+    if highspy is not None and options.heuristics and solver_name == "highs":
         # With an incumbent the fixing is certified at once (threshold = incumbent - LP bound), and
-        # probing shrinks the free set further before the only MIP.
+        # probing shrinks the free set further before the only MIP. Not for CBC: its fast branch and
+        # bound on the guessed fixing certified sooner than diving + probing in every benchmark row.
         initial = alive[(reduced <= threshold + slack) | ~is_variant | (lp.values > 1e-9)]
         incumbent = _incumbent(problem, initial, deadline)
         if incumbent is not None:
@@ -339,7 +368,15 @@ def _solve_problem(problem: _Problem, options: SolverOptions, deadline: float | 
         free_mask = (reduced <= threshold + slack) | ~is_variant | (lp.values > 1e-9)
         columns = alive[free_mask]
         everything = len(columns) == len(alive)
-        result = solve_with_pulp(problem, columns, True, solver_name, options.gap_rel, deadline)
+        result = solve_with_pulp(
+            problem,
+            columns,
+            True,
+            solver_name,
+            options.gap_rel,
+            deadline,
+            highs_options=REDUCED_MIP_HIGHS_OPTIONS,
+        )
         if result.values is None:
             if result.status == "infeasible" and not everything:
                 threshold = max(
@@ -406,7 +443,26 @@ def _solve_from_incumbent(
     columns = alive[(lp.reduced_costs <= threshold + slack) | ~is_variant | (lp.values > 1e-9)]
     fixed = probe(problem, columns, columns < problem.table.num_variants, incumbent, slack, deadline)
     columns = columns[~fixed]
-    result = solve_with_pulp(problem, columns, True, options.solver_name(), options.gap_rel, deadline)
+    lp_gap = max(0.0, incumbent - lp.objective) / max(abs(incumbent), 1e-12)
+    incumbent_choices = _extract(problem, incumbent_columns, incumbent_values)
+    variant_columns = columns[columns < problem.table.num_variants]
+    if lp_gap <= options.gap_rel or len(variant_columns) == problem.table.num_blocks:
+        # Certified without a MIP: the incumbent is within gap_rel of the LP bound, or fixing left one
+        # variant per block (every block keeps the incumbent's, so no other solution remains).
+        return _Outcome(incumbent_choices, "optimal", lp_gap, len(columns))
+    # The incumbent is the MIP's cutoff (HiGHS prunes every node whose bound reaches it); the slack
+    # keeps the incumbent itself below the cutoff, so the MIP normally returns it or something better.
+    cutoff = incumbent + slack
+    result = solve_with_pulp(
+        problem,
+        columns,
+        True,
+        options.solver_name(),
+        options.gap_rel,
+        deadline,
+        cutoff=cutoff,
+        highs_options=REDUCED_MIP_HIGHS_OPTIONS,
+    )
     _log.debug(
         "LP bound %.9g, incumbent %.9g, %d free columns after fixing and probing, MIP %s",
         lp.objective,
@@ -414,11 +470,15 @@ def _solve_from_incumbent(
         len(columns),
         result.status,
     )
-    lp_gap = max(0.0, incumbent - lp.objective) / max(abs(incumbent), 1e-12)
+    if result.status == "infeasible":
+        # Nothing below the cutoff: the incumbent is optimal (to within the slack).
+        return _Outcome(
+            incumbent_choices, "optimal", min(lp_gap, slack / max(abs(incumbent), 1e-12)), len(columns)
+        )
     if result.values is None:
         # The MIP stopped (time limit) without a solution: the incumbent is what there is.
         status = "optimal" if lp_gap <= options.gap_rel else "time_limit"
-        return _Outcome(_extract(problem, incumbent_columns, incumbent_values), status, lp_gap, len(columns))
+        return _Outcome(incumbent_choices, status, lp_gap, len(columns))
     objective = float(problem.objective[columns] @ result.values)
     gap = (
         result.gap
@@ -427,8 +487,9 @@ def _solve_from_incumbent(
     )
     if objective > incumbent:
         # Within the MIP's tolerance but no better than the incumbent: keep the incumbent.
-        choices = _extract(problem, incumbent_columns, incumbent_values)
-        return _Outcome(choices, result.status, min(gap, lp_gap) if gap is not None else lp_gap, len(columns))
+        return _Outcome(
+            incumbent_choices, result.status, min(gap, lp_gap) if gap is not None else lp_gap, len(columns)
+        )
     return _Outcome(_extract(problem, columns, result.values), result.status, gap, len(columns))
 
 

@@ -156,7 +156,10 @@ def _pulp_model(
 ) -> tuple[pulp.LpProblem, list[pulp.LpVariable]]:
     model = pulp.LpProblem("puzzle_search", pulp.LpMinimize)
     category = pulp.LpBinary if integer else pulp.LpContinuous
-    variables = [model.add_variable(f"x{column}", 0, 1, category) for column in columns]
+    # PuLP hands variables to the solver sorted by name: zero-pad so that the solver sees them in block
+    # order (as "x10" < "x9" would not), which keeps HiGHS's branching order stable and block-wise.
+    width = len(str(len(problem.objective)))
+    variables = [model.add_variable(f"x{column:0{width}d}", 0, 1, category) for column in columns]
     position = -np.ones(len(problem.objective), dtype=np.int64)
     position[columns] = np.arange(len(columns))
     model += pulp.LpAffineExpression(
@@ -188,9 +191,27 @@ def _pulp_model(
     return model, variables
 
 
-def _pulp_solver(name: str, integer: bool, gap_rel: float, time_limit: float | None) -> Any:
+# HiGHS options for the reduced MIP that follows reduced-cost fixing: there the incumbent is already good
+# and every column left is close to the LP bound, so the root's sub-MIP heuristics (RINS, RENS) seldom
+# improve it and cost a third or more of the solve (measured: 0.54 -> 0.40 s at 88 x 100 uniform,
+# 0.36 -> 0.16 s correlated, same node counts). The plain model keeps HiGHS's defaults.
+REDUCED_MIP_HIGHS_OPTIONS: dict[str, Any] = {
+    "mip_heuristic_run_rins": False,
+    "mip_heuristic_run_rens": False,
+}
+
+
+def _pulp_solver(
+    name: str,
+    integer: bool,
+    gap_rel: float,
+    time_limit: float | None,
+    highs_options: dict[str, Any] | None = None,
+) -> Any:
     if name == "highs":
-        return pulp.HiGHS(msg=False, mip=integer, gapRel=gap_rel, timeLimit=time_limit)
+        return pulp.HiGHS(
+            msg=False, mip=integer, gapRel=gap_rel, timeLimit=time_limit, **(highs_options or {})
+        )
     with (
         warnings.catch_warnings()
     ):  # PuLP 3 deprecates its bundled CBC; it stays the no-extra-install fallback
@@ -210,17 +231,36 @@ def solve_with_pulp(
     solver_name: str,
     gap_rel: float,
     deadline: float | None,
+    cutoff: float | None = None,
+    highs_options: dict[str, Any] | None = None,
 ) -> BackendResult:
-    """Solve the (sub)problem on `columns` through PuLP; LP gives reduced costs, MIP gives the gap."""
+    """Solve the (sub)problem on `columns` through PuLP; LP gives reduced costs, MIP gives the gap.
+
+    `cutoff` (HiGHS only): prune every node whose bound reaches it (HiGHS's objective_bound). Then the
+    answer means "the optimum, or no solution below `cutoff` exists": the caller must hold a solution of
+    value <= cutoff and keep it when the one returned is no better. `highs_options` go to HiGHS as they are.
+    """
     if solver_name == "highs":
         new_highs()  # silence the banner before PuLP constructs its own Highs
     model, variables = _pulp_model(problem, columns, integer)
     time_limit = None if deadline is None else max(0.05, deadline - time.perf_counter())
-    solver = _pulp_solver(solver_name, integer, gap_rel, time_limit)
+    options = dict(highs_options or {})
+    if cutoff is not None and solver_name == "highs":
+        options["objective_bound"] = float(cutoff)
+    solver = _pulp_solver(solver_name, integer, gap_rel, time_limit, options)
     model.solve(solver)
     values = np.array([variable.varValue if variable.varValue is not None else 0.0 for variable in variables])
     status = pulp.LpStatus[model.status]
     has_solution = model.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
+    if solver_name == "highs" and integer and model.solverModel.getInfo().primal_solution_status != 2:
+        # No solution in hand. PuLP reads HiGHS's kObjectiveBound (the search ended: nothing below the
+        # cutoff) as a feasible answer; it means "infeasible below the cutoff", unlike a limit reached.
+        has_solution = False
+        ended = model.solverModel.getModelStatus() in (
+            highspy.HighsModelStatus.kObjectiveBound,
+            highspy.HighsModelStatus.kInfeasible,
+        )
+        status = "Infeasible" if ended else "Not Solved"
     if status == "Infeasible" or (not has_solution and status != "Optimal"):
         timed_out = deadline is not None and time.perf_counter() >= deadline - 0.05
         return BackendResult("time_limit" if timed_out and status != "Infeasible" else "infeasible")

@@ -181,8 +181,9 @@ class SolverOptions:
     """solver: "auto" (HiGHS if highspy is installed, else CBC), "highs" or "cbc".
     time_limit_s: wall-clock limit for one search (None = none). gap_rel: relative optimality gap passed to
     the solver. presolve: drop dominated variants. fixing: LP bound + reduced-cost fixing (off = the plain
-    PuLP model of every variant). heuristics: with highspy, an incumbent by LP diving and swap local
-    search, then LP probing, before the one MIP (off = grow the fixing threshold until it certifies)."""
+    PuLP model of every variant). heuristics: with HiGHS as the solver, an incumbent by LP diving and swap
+    local search, then LP probing, before the one MIP (off, and always with CBC: grow the fixing threshold
+    until it certifies)."""
 
     solver: str = "auto"
     time_limit_s: float | None = None

@@ -220,3 +220,35 @@ def test_budget_syntax():
     with pytest.raises(SearchError, match="no cost 'nope'"):
         search(_correlated_table(2, 2), [Limit("nope", upper=1.0)])
     assert math.isclose(_correlated_table(3, 2).parent_total("params"), 3 * 1.0, rel_tol=0.1)
+
+
+@pytest.mark.parametrize("solver", ["highs", "cbc"])
+def test_reduced_mip_cutoff_contract(solver):
+    """The final MIP's cutoff (HiGHS objective_bound) never hides a better solution: below the optimum it
+    reports nothing better (infeasible, or a solution no better than the cutoff); above, the optimum."""
+    from puzzle.search_backend import REDUCED_MIP_HIGHS_OPTIONS, Row, RowModel, solve_with_pulp
+
+    rng = np.random.default_rng(7)
+    blocks, variants = 6, 4
+    cost = rng.uniform(0, 10, blocks * variants)
+    weight = rng.uniform(0, 10, blocks * variants)
+    rows = [
+        Row(np.arange(b * variants, (b + 1) * variants), np.ones(variants), 1.0, 1.0, f"b{b}")
+        for b in range(blocks)
+    ]
+    # A binding budget: 40% of the heaviest choice in every block.
+    budget = 0.4 * weight.reshape(blocks, variants).max(axis=1).sum()
+    rows.append(Row(np.arange(blocks * variants), weight, -math.inf, budget, "weight"))
+    model = RowModel(cost, rows)
+    columns = np.arange(blocks * variants)
+    best = min(
+        sum(cost[b * variants + c] for b, c in enumerate(choice))
+        for choice in itertools.product(range(variants), repeat=blocks)
+        if sum(weight[b * variants + c] for b, c in enumerate(choice)) <= rows[-1].upper
+    )
+    exact = solve_with_pulp(model, columns, True, solver, 0.0, None, highs_options=REDUCED_MIP_HIGHS_OPTIONS)
+    assert exact.objective == pytest.approx(best, abs=1e-6)
+    above = solve_with_pulp(model, columns, True, solver, 0.0, None, cutoff=best + 1e-3)
+    assert above.status == "optimal" and above.objective == pytest.approx(best, abs=1e-6)
+    below = solve_with_pulp(model, columns, True, solver, 0.0, None, cutoff=best - 1e-3)
+    assert below.status == "infeasible" or below.objective >= best - 1e-6
