@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import functools
 import os
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
+from puzzle.cost.timing import median_seconds
 from puzzle.spec import SpecError
 
 TERA = 1e12
@@ -125,18 +123,6 @@ ALIASES: dict[str, str] = {
 }
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    """Median seconds of `repeats` calls after `warmup` untimed ones (the statistic measure.py uses too)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _physical_memory_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -173,23 +159,23 @@ def calibrate_this_machine() -> HardwareProfile:
             for _ in range(products):
                 torch.mm(a, b, out=out)
 
-        matmul_s = _median_seconds(matmuls, 5) / products
+        matmul_s = median_seconds(matmuls, 5) / products
         matmul_flops = 2.0 * n**3 / matmul_s
 
         rows = torch.randn(4, n)
         weight = torch.randn(4 * n, n)  # 4 MiB, like a small block's projection
-        few_rows_s = _median_seconds(lambda: torch.nn.functional.linear(rows, weight), 9)
+        few_rows_s = median_seconds(lambda: torch.nn.functional.linear(rows, weight), 9)
         few_rows_flops = 2.0 * rows.shape[0] * weight.numel() / few_rows_s
 
         src = torch.ones(MIB)  # 4 MiB of fp32
         dst = torch.empty_like(src)
-        copy_s = _median_seconds(lambda: dst.copy_(src), 9)
+        copy_s = median_seconds(lambda: dst.copy_(src), 9)
         bandwidth = 2.0 * src.numel() * src.element_size() / copy_s
 
         layers = 10
         chain = nn.Sequential(*[module for _ in range(layers) for module in (nn.Linear(16, 16), nn.ReLU())])
         tiny = torch.randn(2, 16)
-        overhead_s = _median_seconds(lambda: chain(tiny), 15) / (2 * layers)
+        overhead_s = median_seconds(lambda: chain(tiny), 15) / (2 * layers)
 
     return HardwareProfile(
         name="this-machine",

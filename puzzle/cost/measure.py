@@ -7,34 +7,13 @@ spread roughly uniformly, as the roofline assumes).
 
 from __future__ import annotations
 
-import statistics
-import time
-from collections.abc import Callable
-
 import torch
 
 from puzzle.cost.roofline import BlockLatency, Scenario
+from puzzle.cost.timing import median_seconds
 from puzzle.spec import BlockSpec
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_time(fn: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> float:
-    for _ in range(warmup):
-        fn()
-    _synchronize(device)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        _synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 @torch.inference_mode()
@@ -70,14 +49,16 @@ def measure_block_latency(
         return torch.randn(B, tokens, hidden_size, generator=generator).to(device=device, dtype=torch_dtype)
 
     prompt = random(T)
-    prefill_s = _median_time(lambda: block(prompt, cache=block.mixer.init_cache(B)), device, warmup, repeats)
+    prefill_s = median_seconds(
+        lambda: block(prompt, cache=block.mixer.init_cache(B)), repeats, warmup, device
+    )
 
     cache = block.mixer.init_cache(B)
     history = max(1, round(scenario.decode_context) - 1)
     if cache is not None:
         block(random(history), cache=cache)
     token = random(1)
-    decode_s = _median_time(lambda: block.step(token, cache), device, warmup, repeats)
+    decode_s = median_seconds(lambda: block.step(token, cache), repeats, warmup, device)
     return BlockLatency(prefill_s=prefill_s, decode_step_s=decode_s)
 
 
