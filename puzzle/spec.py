@@ -7,6 +7,7 @@ costs are computed from it (`puzzle.cost`), checkpoints record it (`puzzle.hf`).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 from collections.abc import Iterable, Mapping
@@ -98,7 +99,7 @@ class MambaSpec:
         return sections
 
     def short_name(self) -> str:
-        return f"mamba:h{self.num_heads}:p{self.head_dim}:n{self.state_size}"
+        return f"mamba:h{self.num_heads}:p{self.head_dim}:n{self.state_size}:g{self.n_groups}"
 
 
 @dataclass(frozen=True)
@@ -208,7 +209,11 @@ class MoESpec:
 
     def short_name(self) -> str:
         widths = self.widths
-        width = str(widths[0]) if self.is_uniform else f"{round(sum(widths) / len(widths))}avg"
+        if self.is_uniform:
+            width = str(widths[0])
+        else:  # the mean is readable; the digest keeps two different width lists apart
+            digest = hashlib.sha256(",".join(map(str, widths)).encode()).hexdigest()[:6]
+            width = f"{round(sum(widths) / len(widths))}avg.{digest}"
         name = f"moe:e{self.num_experts}:k{self.top_k}:w{width}"
         if self.shared_width:
             name += f":s{self.shared_width}"

@@ -133,5 +133,11 @@ def test_replace_block_and_variant_ids() -> None:
     child = spec.replace_block(2, smaller)
     assert child.blocks[2] == smaller and spec.blocks[2] == ALL_KINDS[2]
     assert Variant(2, smaller).id == "moe:e4:k1:w8:s12:l8"
+    assert Variant(0, ALL_KINDS[0]).id == "mamba:h4:p8:n16:g2"
+    # Heterogeneous widths with the same mean still get different ids.
+    first = MoESpec(num_experts=2, top_k=1, expert_width=(8, 16))
+    second = MoESpec(num_experts=2, top_k=1, expert_width=(16, 8))
+    assert first.short_name().startswith("moe:e2:k1:w12avg.")
+    assert first.short_name() != second.short_name()
     assert blocks_of_kind(spec, "moe") == [2, 3]
     assert blocks_of_kind(spec, ("linear", "noop")) == [5, 6]
