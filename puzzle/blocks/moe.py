@@ -45,6 +45,19 @@ class Expert(nn.Module):
         return self.down_proj(relu2(self.up_proj(x)))
 
 
+def _keep_fp32(tensor: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`fn` (a module-wide .to / .cuda / to_empty) applied to `tensor`, moved but never cast below fp32."""
+    with torch.no_grad():
+        moved = fn(tensor)
+        if moved.is_floating_point() and moved.dtype != torch.float32:
+            moved = tensor.to(device=moved.device, dtype=torch.float32)
+    if isinstance(tensor, nn.Parameter):
+        if moved is tensor:
+            return tensor
+        return nn.Parameter(moved, requires_grad=tensor.requires_grad)
+    return moved
+
+
 class TopKRouter(nn.Module):
     """Sigmoid router: weight [E, H], e_score_correction_bias [E] (an fp32 buffer, kept fp32 by `.to()`).
 
@@ -61,15 +74,16 @@ class TopKRouter(nn.Module):
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's default
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> TopKRouter:
-        # Dtype casts of the module (model.to(torch.bfloat16)) must not round the bias: it decides routing.
+        # Dtype casts of the module (model.to(torch.bfloat16)) must round neither the router weight nor the
+        # bias: they decide routing. `puzzle.load(dtype=...)` keeps both fp32 too (as transformers >= 5.25),
+        # so a model routes the same however it was made.
+        weight = self._parameters.pop("weight")
         bias = self._buffers.pop("e_score_correction_bias")
         try:
             super()._apply(fn, recurse)
         finally:
-            moved = fn(bias)
-            if moved.is_floating_point() and moved.dtype != torch.float32:
-                moved = bias.to(device=moved.device, dtype=torch.float32)
-            self._buffers["e_score_correction_bias"] = moved
+            self._parameters["weight"] = _keep_fp32(weight, fn)
+            self._buffers["e_score_correction_bias"] = _keep_fp32(bias, fn)
         return self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

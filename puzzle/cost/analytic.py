@@ -290,7 +290,12 @@ RECIPES: dict[str, QuantRecipe] = {
     recipe.name: recipe
     for recipe in (
         QuantRecipe.build("fp32", "fp32", "every tensor fp32 (the CPU reference path)"),
-        QuantRecipe.build("bf16", "bf16", "every tensor bf16 (router bias fp32)"),
+        QuantRecipe.build(
+            "bf16",
+            "bf16",
+            "every tensor bf16 except the router's weight and bias, fp32 (as puzzle and transformers >= 5.25 hold them)",
+            router="fp32",
+        ),
         QuantRecipe.build(
             "fp8",
             "fp8",
