@@ -9,12 +9,28 @@ import torch
 from transformers import NemotronHConfig, NemotronHForCausalLM
 from transformers.utils import logging as hf_logging
 
+from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, NoOpSpec
+
 # The reference kernels' "falling back to PyTorch" notices are expected on CPU.
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 VOCAB = 96
+
+# A tiny puzzle model with one block of every kind (heterogeneous expert widths included).
+EVERY_KIND_SPEC = ModelSpec(
+    vocab_size=40,
+    hidden_size=16,
+    blocks=(
+        MambaSpec(num_heads=4, head_dim=4, state_size=6, n_groups=2, chunk_size=8),
+        AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=4),
+        MoESpec(num_experts=5, top_k=2, expert_width=(8, 6, 8, 8, 4), shared_width=8, latent_size=12),
+        MLPSpec(width=12),
+        LinearSpec(),
+        NoOpSpec(),
+    ),
+)
 
 BASE = dict(
     vocab_size=VOCAB,

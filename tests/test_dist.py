@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from nemotron_helpers import EVERY_KIND_SPEC as SPEC
 
 from puzzle import dist
 from puzzle.model import HybridLM
@@ -22,20 +23,7 @@ from puzzle.prune.importance import (
     load_importance,
     parent_fingerprint,
 )
-from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, NoOpSpec
 
-SPEC = ModelSpec(
-    vocab_size=40,
-    hidden_size=16,
-    blocks=(
-        MambaSpec(num_heads=4, head_dim=4, state_size=6, n_groups=2, chunk_size=8),
-        AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=4),
-        MoESpec(num_experts=5, top_k=2, expert_width=(8, 6, 8, 8, 4), shared_width=8, latent_size=12),
-        MLPSpec(width=12),
-        LinearSpec(),
-        NoOpSpec(),
-    ),
-)
 # Uneven shapes: rank 0 gets batches 0, 2, 4 (the longest sequence, 20), rank 1 gets 1 and 3.
 BATCH_SHAPES = ((2, 12), (3, 8), (1, 20), (2, 16), (1, 9))
 

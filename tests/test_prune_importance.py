@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from nemotron_helpers import EVERY_KIND_SPEC as SPEC
 from safetensors.torch import save_file
 
 from puzzle.blocks import ssd
@@ -21,20 +22,7 @@ from puzzle.prune.importance import (
     parent_fingerprint,
     save_importance,
 )
-from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, NoOpSpec
 
-SPEC = ModelSpec(
-    vocab_size=40,
-    hidden_size=16,
-    blocks=(
-        MambaSpec(num_heads=4, head_dim=4, state_size=6, n_groups=2, chunk_size=8),
-        AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=4),
-        MoESpec(num_experts=5, top_k=2, expert_width=(8, 6, 8, 8, 4), shared_width=8, latent_size=12),
-        MLPSpec(width=12),
-        LinearSpec(),
-        NoOpSpec(),
-    ),
-)
 EXPECTED_SHAPES = {
     0: {"head": (4,), "channel": (4, 4), "state": (2, 6), "norm_q": (16,)},
     1: {"q_head": (4,), "kv_group": (2,)},
