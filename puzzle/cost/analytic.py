@@ -136,18 +136,27 @@ def block_tensors(spec: BlockSpec, hidden_size: int) -> tuple[TensorInfo, ...]:
     return (TensorInfo("norm.weight", (hidden_size,), "norm"), *mixer)
 
 
+def outside_block_tensors(model_spec: ModelSpec) -> list[TensorInfo]:
+    """The tensors outside every block: embeddings, norm_f and (when untied) lm_head."""
+    V, H = model_spec.vocab_size, model_spec.hidden_size
+    tensors = [
+        TensorInfo("embeddings.weight", (V, H), "embedding"),
+        TensorInfo("norm_f.weight", (H,), "norm"),
+    ]
+    if not model_spec.tie_embeddings:
+        tensors.append(TensorInfo("lm_head.weight", (V, H), "lm_head"))
+    return tensors
+
+
 def model_tensors(model_spec: ModelSpec) -> list[TensorInfo]:
     """Every tensor of a HybridLM, with full state_dict names (embeddings, layers.{i}.*, norm_f, lm_head)."""
-    V, H = model_spec.vocab_size, model_spec.hidden_size
-    tensors = [TensorInfo("embeddings.weight", (V, H), "embedding")]
+    H = model_spec.hidden_size
+    tensors = outside_block_tensors(model_spec)
     for index, block in enumerate(model_spec.blocks):
         tensors += [
             TensorInfo(f"layers.{index}.{t.name}", t.shape, t.role, t.is_parameter)
             for t in block_tensors(block, H)
         ]
-    tensors.append(TensorInfo("norm_f.weight", (H,), "norm"))
-    if not model_spec.tie_embeddings:
-        tensors.append(TensorInfo("lm_head.weight", (V, H), "lm_head"))
     return tensors
 
 
@@ -182,9 +191,8 @@ def block_active_params(spec: BlockSpec, hidden_size: int) -> int:
 
 
 def _embedding_params(model_spec: ModelSpec) -> int:
-    tables = 1 if model_spec.tie_embeddings else 2
-    # norm_f is counted here too: it is outside every block.
-    return tables * model_spec.vocab_size * model_spec.hidden_size + model_spec.hidden_size
+    # Embeddings, lm_head and norm_f: everything outside the blocks.
+    return sum(t.numel for t in outside_block_tensors(model_spec))
 
 
 def model_params(model_spec: ModelSpec) -> int:
@@ -354,11 +362,9 @@ def routed_expert_bytes(spec: MoESpec, hidden_size: int, recipe: str | QuantReci
 def model_weight_bytes(model_spec: ModelSpec, recipe: str | QuantRecipe = "bf16") -> float:
     """Bytes of the whole model's stored tensors under `recipe`."""
     recipe = get_recipe(recipe)
-    H, V = model_spec.hidden_size, model_spec.vocab_size
-    total = tensor_bytes((V, H), recipe.format_of("embedding")) + tensor_bytes((H,), recipe.format_of("norm"))
-    if not model_spec.tie_embeddings:
-        total += tensor_bytes((V, H), recipe.format_of("lm_head"))
-    return total + sum(_block_weight_bytes(b, H, recipe) for b in model_spec.blocks)
+    H = model_spec.hidden_size
+    outside = sum(tensor_bytes(t.shape, recipe.format_of(t.role)) for t in outside_block_tensors(model_spec))
+    return outside + sum(_block_weight_bytes(b, H, recipe) for b in model_spec.blocks)
 
 
 # ---------------------------------------------------------------------------------------------------
