@@ -8,6 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from puzzle.blocks import build_block
 from puzzle.cost.analytic import (
+    ROLES,
     QuantRecipe,
     block_active_params,
     block_params,
@@ -24,8 +25,10 @@ from puzzle.cost.analytic import (
     state_bytes_per_sequence,
     tensor_bytes,
 )
+from puzzle.cost.kinds import BLOCK_COSTS, BlockCost, block_cost, routed_expert_params
 from puzzle.presets import nemotron3_super, tiny_hybrid
 from puzzle.spec import (
+    BLOCK_SPEC_TYPES,
     AttentionSpec,
     LinearSpec,
     MambaSpec,
@@ -62,6 +65,34 @@ def test_block_tensors_are_the_built_modules_state_dict(spec):
     assert {t.name: t.shape for t in block_tensors(spec, H)} == expected
     # Parameters exclude buffers (the router's correction bias) but include the block's norm.
     assert block_params(spec, H) == sum(p.numel() for p in mixer.parameters()) + H
+
+
+def test_cost_registry_covers_every_spec_type():
+    """One cost entry per block kind, and the tests above see every kind."""
+    assert set(BLOCK_COSTS) == set(BLOCK_SPEC_TYPES.values())
+    assert all(isinstance(cost, BlockCost) for cost in BLOCK_COSTS.values())
+    assert {type(spec) for spec in TINY_SPECS} == set(BLOCK_SPEC_TYPES.values())
+    with pytest.raises(SpecError, match="no cost model for block spec type str; known spec types: MambaSpec"):
+        block_cost("attention")
+    with pytest.raises(SpecError, match="no cost model for block spec type str"):
+        block_params("attention", H)
+
+
+@pytest.mark.parametrize("spec", TINY_SPECS, ids=lambda s: s.short_name())
+def test_tensor_lists_mark_roles_and_routed_experts(spec):
+    tensors = block_tensors(spec, H)
+    assert all(t.role in ROLES for t in tensors)
+    for t in tensors:
+        # Routed experts (and only they) carry their expert index; hub names say which expert.
+        assert (t.role == "routed_expert") == (t.expert is not None), t.name
+        if t.expert is not None:
+            assert t.name.startswith(f"mixer.experts.{t.expert}."), t.name
+    experts = routed_expert_params(spec, H)
+    if isinstance(spec, MoESpec):
+        expert_input = spec.expert_input_size(H)
+        assert experts == [2 * width * expert_input for width in spec.widths]
+    else:
+        assert experts == []
 
 
 @pytest.mark.parametrize(

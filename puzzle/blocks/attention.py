@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from puzzle.blocks.tensors import TensorInfo, linear_tensors
 from puzzle.spec import AttentionSpec, SpecError
 
 # `enable_gqa` lets SDPA read each KV head for its group of query heads without materialising copies.
@@ -123,6 +124,17 @@ class AttentionMixer(nn.Module):
         self.k_proj = nn.Linear(hidden_size, kv_size, bias=spec.bias)
         self.v_proj = nn.Linear(hidden_size, kv_size, bias=spec.bias)
         self.o_proj = nn.Linear(q_size, hidden_size, bias=spec.bias)
+
+    @staticmethod
+    def hub_tensors(spec: AttentionSpec, hidden_size: int) -> list[TensorInfo]:
+        """The tensors this mixer stores (names as in NemotronH checkpoints, relative to the mixer), in order."""
+        H, q_size, kv_size = hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+        return (
+            linear_tensors("q_proj", q_size, H, "attention_proj", spec.bias)
+            + linear_tensors("k_proj", kv_size, H, "attention_proj", spec.bias)
+            + linear_tensors("v_proj", kv_size, H, "attention_proj", spec.bias)
+            + linear_tensors("o_proj", H, q_size, "attention_proj", spec.bias)
+        )
 
     def init_cache(
         self,

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from puzzle.blocks import ssd
+from puzzle.blocks.tensors import TensorInfo, linear_tensors
 from puzzle.spec import MambaSpec
 
 
@@ -106,6 +107,22 @@ class MambaMixer(nn.Module):
         self.norm = GatedGroupRMSNorm(d, spec.n_groups, norm_eps)
         self.out_proj = nn.Linear(d, hidden_size, bias=spec.proj_bias)
         self.reset_ssm_parameters()
+
+    @staticmethod
+    def hub_tensors(spec: MambaSpec, hidden_size: int) -> list[TensorInfo]:
+        """The tensors this mixer stores (names as in NemotronH checkpoints, relative to the mixer), in order."""
+        H, nh, d, conv_dim = hidden_size, spec.num_heads, spec.d_inner, spec.conv_dim
+        tensors = linear_tensors("in_proj", spec.in_proj_dim, H, "mamba_proj", spec.proj_bias)
+        tensors.append(TensorInfo("conv1d.weight", (conv_dim, 1, spec.conv_kernel), "mamba_conv"))
+        if spec.conv_bias:
+            tensors.append(TensorInfo("conv1d.bias", (conv_dim,), "mamba_conv"))
+        tensors += [
+            TensorInfo("dt_bias", (nh,), "mamba_ssm"),
+            TensorInfo("A_log", (nh,), "mamba_ssm"),
+            TensorInfo("D", (nh,), "mamba_ssm"),
+            TensorInfo("norm.weight", (d,), "norm"),
+        ]
+        return tensors + linear_tensors("out_proj", H, d, "mamba_proj", spec.proj_bias)
 
     @torch.no_grad()
     def reset_ssm_parameters(self) -> None:

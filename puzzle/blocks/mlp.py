@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from puzzle.blocks.tensors import TensorInfo, linear_tensors
 from puzzle.spec import LinearSpec, MLPSpec, NoOpSpec
 
 
@@ -52,6 +53,13 @@ class MLPMixer(_Stateless):
         self.down_proj = nn.Linear(spec.width, hidden_size, bias=spec.bias)
         self.act_fn = ACTIVATIONS[spec.activation]
 
+    @staticmethod
+    def hub_tensors(spec: MLPSpec, hidden_size: int) -> list[TensorInfo]:
+        """The tensors this mixer stores (names as in NemotronH checkpoints, relative to the mixer), in order."""
+        return linear_tensors("up_proj", spec.width, hidden_size, "mlp", spec.bias) + linear_tensors(
+            "down_proj", hidden_size, spec.width, "mlp", spec.bias
+        )
+
     def forward(self, x: torch.Tensor, cache: None = None) -> torch.Tensor:
         """x: [b, t, H] -> [b, t, H]."""
         return self.down_proj(self.act_fn(self.up_proj(x)))
@@ -65,6 +73,11 @@ class LinearMixer(_Stateless):
         self.spec = spec
         self.linear = nn.Linear(hidden_size, hidden_size, bias=spec.bias)
 
+    @staticmethod
+    def hub_tensors(spec: LinearSpec, hidden_size: int) -> list[TensorInfo]:
+        """The tensors this mixer stores: `linear.weight` [H, H] (+ `linear.bias` [H])."""
+        return linear_tensors("linear", hidden_size, hidden_size, "linear", spec.bias)
+
     def forward(self, x: torch.Tensor, cache: None = None) -> torch.Tensor:
         """x: [b, t, H] -> [b, t, H]."""
         return self.linear(x)
@@ -76,6 +89,11 @@ class NoOpMixer(_Stateless):
     def __init__(self, spec: NoOpSpec, hidden_size: int, norm_eps: float = 1e-5) -> None:
         super().__init__()
         self.spec = spec
+
+    @staticmethod
+    def hub_tensors(spec: NoOpSpec, hidden_size: int) -> list[TensorInfo]:
+        """None: a removed block stores nothing."""
+        return []
 
     def forward(self, x: torch.Tensor, cache: None = None) -> torch.Tensor:
         """x: [b, t, H] -> zeros [b, t, H] (same dtype and device)."""

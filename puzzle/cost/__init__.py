@@ -1,4 +1,7 @@
-"""Costs of blocks and models from their specs: parameters, bytes, state, FLOPs, roofline or measured latency."""
+"""Costs of blocks and models from their specs: parameters, bytes, state, FLOPs, roofline or measured latency.
+
+Per-kind rules live in one table keyed by spec type, `puzzle.cost.kinds.BLOCK_COSTS`.
+"""
 
 from puzzle.cost.analytic import (
     QuantRecipe,
@@ -14,6 +17,7 @@ from puzzle.cost.analytic import (
     state_bytes_per_sequence,
 )
 from puzzle.cost.hardware import HardwareProfile, get_hardware
+from puzzle.cost.kinds import BLOCK_COSTS, BlockCost, block_cost
 from puzzle.cost.roofline import (
     BlockLatency,
     RooflineLatency,
@@ -26,12 +30,15 @@ from puzzle.cost.roofline import (
 )
 
 __all__ = [
+    "BLOCK_COSTS",
+    "BlockCost",
     "BlockLatency",
     "HardwareProfile",
     "QuantRecipe",
     "RooflineLatency",
     "Scenario",
     "block_active_params",
+    "block_cost",
     "block_latency",
     "block_params",
     "block_weight_bytes",

@@ -7,7 +7,8 @@ the activations written and read back between kernels. Two implementations are m
 the hardware profile: a serving engine's fused kernels (GPU profiles: a handful of kernels per block,
 activations overlapped) and puzzle.blocks' eager plain-torch path (the calibrated CPU profile: counted
 ops, elementwise traffic serial, small-batch matmuls at their own measured rate). Everything is
-computed from the spec (`puzzle.cost.analytic`); nothing here runs a model.
+computed from the spec (`puzzle.cost.analytic`, and each kind's rules in `puzzle.cost.kinds`);
+nothing here runs a model.
 """
 
 from __future__ import annotations
@@ -22,29 +23,18 @@ from puzzle.cost.analytic import (
     block_weight_bytes,
     decode_flops_per_token,
     dtype_bytes,
-    expected_distinct_experts,
     get_recipe,
     kv_bytes_per_token,
     lm_head_flops_per_token,
     model_weight_bytes,
     prefill_flops_per_token,
-    routed_expert_bytes,
     state_bytes_per_request,
     state_bytes_per_sequence,
     tensor_bytes,
 )
 from puzzle.cost.hardware import HardwareProfile, get_hardware
-from puzzle.spec import (
-    AttentionSpec,
-    BlockSpec,
-    LinearSpec,
-    MambaSpec,
-    MLPSpec,
-    ModelSpec,
-    MoESpec,
-    NoOpSpec,
-    SpecError,
-)
+from puzzle.cost.kinds import block_cost
+from puzzle.spec import BlockSpec, ModelSpec, SpecError
 
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16", "fp8", "nvfp4")
 
@@ -115,58 +105,10 @@ class BlockLatency:
 # Bytes and ops
 
 
-def _activation_elements_per_token(spec: BlockSpec, hidden_size: int) -> float:
-    """Activation elements one token writes and reads back between kernels in this block (norm included).
-
-    An estimate for an unfused implementation (every op's inputs and outputs go through memory);
-    fused GPU kernels move less, but there the activations are small next to the weights or the
-    time is compute-bound anyway.
-    """
-    H = hidden_size
-    elements = 8.0 * H + 3.0 * H  # pre-norm (fp32 RMSNorm: four passes over x), residual add
-    if isinstance(spec, MambaSpec):
-        d, conv = spec.d_inner, spec.conv_dim
-        elements += H + spec.in_proj_dim  # in_proj
-        elements += (spec.conv_kernel + 2) * conv + 2 * conv  # conv taps, bias, SiLU
-        elements += 3 * d + 5 * d  # D skip, gated group norm
-        elements += d + H  # out_proj
-    elif isinstance(spec, AttentionSpec):
-        q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-        elements += H + q + 2 * kv  # q/k/v projections
-        elements += 2 * q  # attention reads q, writes its output
-        elements += q + H  # o_proj
-    elif isinstance(spec, MoESpec):
-        E, k = spec.num_experts, spec.top_k
-        L = spec.expert_input_size(H)
-        width = sum(spec.widths) / E
-        elements += H + 3 * E  # router logits, sigmoid, top-k
-        if spec.latent_size is not None:
-            elements += 2 * (H + L)  # fc1, fc2
-        elements += 2 * k * L  # gather to experts, weighted scatter back
-        elements += k * (L + 4 * width + L)  # up, relu^2, down
-        if spec.shared_width:
-            elements += 2 * H + 4 * spec.shared_width + H  # shared expert and the sum
-    elif isinstance(spec, MLPSpec):
-        elements += 2 * H + 4 * spec.width
-    elif isinstance(spec, LinearSpec):
-        elements += 2 * H
-    return elements
-
-
-def _scan_intermediate_bytes_per_token(spec: MambaSpec, prompt_tokens: int) -> float:
-    """fp32 traffic of the chunked scan per token: decay matrix passes per head, C.B per group, outputs."""
-    chunk = min(spec.chunk_size, prompt_tokens)
-    return 4.0 * (4 * spec.num_heads * chunk + 2 * spec.n_groups * chunk + 6 * spec.d_inner)
-
-
 def _weight_bytes_touched(spec: BlockSpec, hidden_size: int, recipe: QuantRecipe, tokens: int) -> float:
     """Weight bytes `tokens` tokens read: all of them, except only the expected touched experts of an MoE."""
     total = block_weight_bytes(spec, hidden_size, recipe)
-    if not isinstance(spec, MoESpec):
-        return total
-    experts = routed_expert_bytes(spec, hidden_size, recipe)
-    touched = expected_distinct_experts(spec.num_experts, spec.top_k, tokens)
-    return total - sum(experts) + touched * sum(experts) / len(experts)
+    return block_cost(spec).weight_bytes_touched(spec, hidden_size, recipe, tokens, total)
 
 
 def eager_op_count(spec: BlockSpec, batch_size: int, tokens: int, decode: bool) -> float:
@@ -175,26 +117,16 @@ def eager_op_count(spec: BlockSpec, batch_size: int, tokens: int, decode: bool) 
     Counted with a TorchDispatchMode on that implementation (views included): the fp32 RMSNorm and
     the residual add 11; mixers: Mamba 72 + 70 per scan chunk for a prefill (the scan loops over
     chunks), 67 for a step; attention 25 / 28; MoE ~31 + 5 per expert that receives tokens (+7 with
-    latent and shared); MLP 4; Linear 1 (tests/test_cost_roofline.py checks these against the code).
-    A no-op block runs nothing. These only matter where dispatch overhead is large (eager on a CPU);
-    a GPU server's CUDA graphs make it ~1 us per kernel.
+    latent and shared); MLP 4; Linear 1 (each kind's `eager_ops` in `puzzle.cost.kinds`;
+    tests/test_cost_roofline.py checks these against the code). A no-op block runs nothing. These
+    only matter where dispatch overhead is large (eager on a CPU); a GPU server's CUDA graphs make it
+    ~1 us per kernel.
     """
-    if isinstance(spec, NoOpSpec):
+    cost = block_cost(spec)
+    if not cost.runs:
         return 0.0
     norm_and_residual = 11.0
-    if isinstance(spec, MambaSpec):
-        ops = 67.0 if decode else 72.0 + 70.0 * math.ceil(tokens / spec.chunk_size)
-    elif isinstance(spec, AttentionSpec):
-        ops = 28.0 if decode else 25.0
-    elif isinstance(spec, MoESpec):
-        touched = expected_distinct_experts(spec.num_experts, spec.top_k, batch_size * tokens)
-        extra = (4.0 if spec.latent_size is not None else 0.0) + (3.0 if spec.shared_width else 0.0)
-        ops = 31.0 + 5.0 * touched + extra
-    elif isinstance(spec, MLPSpec):
-        ops = 4.0
-    else:  # LinearSpec
-        ops = 1.0
-    return ops + norm_and_residual
+    return cost.eager_ops(spec, batch_size, tokens, decode) + norm_and_residual
 
 
 NO_WORK = BlockWork(0.0, 0.0, 0.0, 0.0)  # a removed block: the model skips it entirely
@@ -202,21 +134,11 @@ NO_WORK = BlockWork(0.0, 0.0, 0.0, 0.0)  # a removed block: the model skips it e
 
 def fused_kernel_count(spec: BlockSpec) -> float:
     """Kernels per block call in a serving engine (norm, projections, fused conv / scan / attention, grouped GEMMs)."""
-    norm_and_residual = 2.0
-    if isinstance(spec, MambaSpec):
-        kernels = 5.0  # in_proj, conv, scan (or state update), gated norm, out_proj
-    elif isinstance(spec, AttentionSpec):
-        kernels = 4.0  # fused qkv, attention, o_proj, cache write
-    elif isinstance(spec, MoESpec):
-        # router, top-k, permute, two grouped GEMMs, un-permute; latent fc1 / fc2; shared up / down
-        kernels = 6.0 + (2.0 if spec.latent_size is not None else 0.0) + (2.0 if spec.shared_width else 0.0)
-    elif isinstance(spec, MLPSpec):
-        kernels = 3.0
-    elif isinstance(spec, NoOpSpec):
+    cost = block_cost(spec)
+    if not cost.runs:
         return 0.0
-    else:
-        kernels = 1.0
-    return kernels + norm_and_residual
+    norm_and_residual = 2.0
+    return cost.fused_kernels(spec) + norm_and_residual
 
 
 def _op_count(spec: BlockSpec, batch_size: int, tokens: int, decode: bool, eager: bool) -> float:
@@ -225,7 +147,8 @@ def _op_count(spec: BlockSpec, batch_size: int, tokens: int, decode: bool, eager
 
 def prefill_work(spec: BlockSpec, hidden_size: int, scenario: Scenario, eager: bool = False) -> BlockWork:
     """Work of one block prefilling every prompt of the batch (B x prompt_tokens tokens)."""
-    if isinstance(spec, NoOpSpec):
+    cost = block_cost(spec)
+    if not cost.runs:
         return NO_WORK
     B, T = scenario.batch_size, scenario.prompt_tokens
     tokens = B * T
@@ -233,19 +156,21 @@ def prefill_work(spec: BlockSpec, hidden_size: int, scenario: Scenario, eager: b
     flops = tokens * prefill_flops_per_token(spec, hidden_size, T)
     moved = _weight_bytes_touched(spec, hidden_size, recipe, tokens)
     activations = (
-        tokens * _activation_elements_per_token(spec, hidden_size) * dtype_bytes(scenario.activation_dtype)
+        tokens
+        * cost.activation_elements_per_token(spec, hidden_size)
+        * dtype_bytes(scenario.activation_dtype)
     )
     # KV written once and read once by a flash-style kernel; recurrent state written at the end.
     moved += 2.0 * tokens * kv_bytes_per_token(spec, scenario.kv_dtype)
     moved += B * state_bytes_per_sequence(spec, scenario.ssm_dtype, scenario.conv_dtype)
-    if isinstance(spec, MambaSpec):
-        activations += tokens * _scan_intermediate_bytes_per_token(spec, T)
+    activations += tokens * cost.prefill_scratch_bytes_per_token(spec, T)  # e.g. Mamba's chunked scan
     return BlockWork(flops, moved, activations, _op_count(spec, B, T, decode=False, eager=eager), rows=tokens)
 
 
 def decode_work(spec: BlockSpec, hidden_size: int, scenario: Scenario, eager: bool = False) -> BlockWork:
     """Work of one decode step of the whole batch at the scenario's mean decode context."""
-    if isinstance(spec, NoOpSpec):
+    cost = block_cost(spec)
+    if not cost.runs:
         return NO_WORK
     B = scenario.batch_size
     context = scenario.decode_context
@@ -253,7 +178,7 @@ def decode_work(spec: BlockSpec, hidden_size: int, scenario: Scenario, eager: bo
     flops = B * decode_flops_per_token(spec, hidden_size, context)
     moved = _weight_bytes_touched(spec, hidden_size, recipe, B)
     activations = (
-        B * _activation_elements_per_token(spec, hidden_size) * dtype_bytes(scenario.activation_dtype)
+        B * cost.activation_elements_per_token(spec, hidden_size) * dtype_bytes(scenario.activation_dtype)
     )
     kv = kv_bytes_per_token(spec, scenario.kv_dtype)
     moved += B * (context * kv + kv)  # read the cache, append the new token
