@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from puzzle.blocks import build_block
 from puzzle.prune.importance import BlockImportance, collect_block_importance
-from puzzle.prune.init import expert_widths_by_importance, init_child, linear_fit, top_indices
+from puzzle.prune.init import CHILD_INITS, expert_widths_by_importance, init_child, linear_fit, top_indices
 from puzzle.spec import (
+    BLOCK_SPEC_TYPES,
     AttentionSpec,
     LinearSpec,
     MambaSpec,
@@ -66,6 +69,28 @@ def test_identity_child_is_bit_identical(spec):
         assert state[name].data_ptr() != child_state[name].data_ptr() or state[name].numel() == 0
     with torch.no_grad():
         assert torch.equal(child(X), block(X))
+
+
+def test_child_init_registry_covers_every_spec_type():
+    """One entry per block kind; every kind with weights can become a least-squares linear block and a no-op."""
+    assert set(CHILD_INITS) == set(BLOCK_SPEC_TYPES.values())
+    specs = [MAMBA, ATTENTION, MOE, MLP, LinearSpec(bias=True), NoOpSpec()]
+    assert {type(spec) for spec in specs} == set(CHILD_INITS)
+    for spec in specs:
+        rules = CHILD_INITS[type(spec)]
+        assert set(rules.axes) <= {f.name for f in dataclasses.fields(spec)}, spec.kind
+        # A child of this kind is built one way: shrinking a parent of the kind, or from a parent of any kind.
+        assert (rules.shrink is None) != (rules.from_any_kind is None), spec.kind
+        block = parent(spec)
+        if rules.has_weights:
+            assert rules.hidden_size(block) == H
+            importance = collect_block_importance(block, [X], linear_fit_every=1)
+            child = init_child(block, spec, LinearSpec(), importance)
+            assert torch.equal(child.linear.weight, linear_fit(importance, bias=False)[0].float()), spec.kind
+        noop = init_child(block, spec, NoOpSpec(), None, hidden_size=H)
+        assert noop.state_dict() == {} and torch.equal(noop(X), torch.zeros_like(X))
+    with pytest.raises(SpecError, match="no child initialisation for block spec type str; known spec types"):
+        init_child(parent(MLP), MLP, "mlp", None)
 
 
 def test_top_indices_keeps_order_and_breaks_ties_low():

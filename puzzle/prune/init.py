@@ -33,7 +33,8 @@ no-op) raises `SpecError` naming the axis.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -51,15 +52,6 @@ from puzzle.spec import (
     SpecError,
 )
 
-# Fields that a child may change; every other field of the spec must equal the parent's.
-_AXES: dict[type, tuple[str, ...]] = {
-    MambaSpec: ("num_heads", "head_dim", "state_size", "chunk_size"),
-    AttentionSpec: ("num_heads", "num_kv_heads"),
-    MoESpec: ("num_experts", "top_k", "expert_width", "shared_width", "latent_size"),
-    MLPSpec: ("width",),
-    LinearSpec: (),
-    NoOpSpec: (),
-}
 _RIDGE = 1e-6
 
 
@@ -73,19 +65,17 @@ def top_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _hidden_size(block: nn.Module, spec: BlockSpec) -> int:
-    for name in ("out_proj", "o_proj", "down_proj", "linear"):
-        module = getattr(block, name, None)
-        if isinstance(module, nn.Linear):
-            return module.weight.shape[0]
-    if isinstance(spec, MoESpec):
-        return block.gate.weight.shape[1]
-    if isinstance(spec, NoOpSpec):
-        raise SpecError("kind: a no-op block has nothing to derive a non-empty block from")
-    raise SpecError(f"cannot infer the hidden size of a {spec.kind} block; pass hidden_size=")
+    rules = child_init_rules(spec)
+    if not rules.has_weights:
+        raise SpecError(f"kind: a {spec.kind} block has nothing to derive a non-empty block from")
+    try:
+        return rules.hidden_size(block)
+    except AttributeError as error:  # a module without the layer the kind's rule reads
+        raise SpecError(f"cannot infer the hidden size of a {spec.kind} block; pass hidden_size=") from error
 
 
 def _check_axes(parent: BlockSpec, child: BlockSpec) -> None:
-    axes = _AXES[type(parent)]
+    axes = child_init_rules(parent).axes
     for f in dataclasses.fields(parent):
         if f.name not in axes and getattr(parent, f.name) != getattr(child, f.name):
             raise SpecError(
@@ -134,10 +124,12 @@ def init_child(
     own = getattr(parent_block, "spec", parent_spec)
     if own != parent_spec:
         raise SpecError(f"parent_block.spec {own} does not match parent_spec {parent_spec}")
+    child_rules = child_init_rules(child_spec)
+    child_init_rules(parent_spec)  # an unknown parent kind is an error before any work
     if hidden_size is not None:
         hidden = hidden_size
-    elif isinstance(child_spec, NoOpSpec):
-        hidden = 0  # a no-op mixer has no weights: its hidden size is never used
+    elif not child_rules.has_weights:
+        hidden = 0  # e.g. a no-op mixer: its hidden size is never used
     else:
         hidden = _hidden_size(parent_block, parent_spec)
     eps = norm_eps if norm_eps is not None else getattr(getattr(parent_block, "norm", None), "eps", 1e-5)
@@ -147,28 +139,18 @@ def init_child(
         child = build_block(child_spec, hidden, eps)
     if child_spec == parent_spec:
         return _load(child, parent_block.state_dict())
-    if isinstance(child_spec, NoOpSpec):
-        return child
-    if isinstance(child_spec, LinearSpec):
-        return _load(child, _linear_state(parent_block, parent_spec, child_spec, importance, hidden))
-    if type(child_spec) is not type(parent_spec):
+    if child_rules.from_any_kind is not None:
+        return _load(
+            child, child_rules.from_any_kind(parent_block, parent_spec, child_spec, importance, hidden)
+        )
+    if type(child_spec) is not type(parent_spec) or child_rules.shrink is None:
         raise SpecError(
             f"kind: cannot derive a {child_spec.kind} block from a {parent_spec.kind} block "
             f"(a block may only shrink, or become linear or no-op)"
         )
     _check_axes(parent_spec, child_spec)
     state = {name: t.detach() for name, t in parent_block.state_dict().items()}
-    if isinstance(child_spec, MambaSpec):
-        new = _mamba_state(state, parent_spec, child_spec, importance)
-    elif isinstance(child_spec, AttentionSpec):
-        new = _attention_state(state, parent_spec, child_spec, importance, kv_mode)
-    elif isinstance(child_spec, MoESpec):
-        new = _moe_state(state, parent_spec, child_spec, importance)
-    elif isinstance(child_spec, MLPSpec):
-        new = _mlp_state(state, parent_spec, child_spec, importance)
-    else:  # pragma: no cover - every kind is handled above
-        raise SpecError(f"no surgery for {child_spec.kind}")
-    return _load(child, new)
+    return _load(child, child_rules.shrink(state, parent_spec, child_spec, importance, kv_mode))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -521,29 +503,14 @@ def _linear_state(
     reference = next(iter(parent_block.parameters()), None)
     dtype = reference.dtype if reference is not None else torch.float32
     device = reference.device if reference is not None else torch.device("cpu")
-    if isinstance(parent_spec, NoOpSpec):
-        raise SpecError("kind: a no-op block has nothing to derive a linear block from")
+    parent_rules = child_init_rules(parent_spec)
+    if not parent_rules.has_weights:
+        raise SpecError(f"kind: a {parent_spec.kind} block has nothing to derive a linear block from")
     bias = None
     if importance is not None and importance.has_linear_fit:
         weight, bias = linear_fit(importance, child_spec.bias)
-    elif isinstance(parent_spec, LinearSpec):
-        weight = parent_block.linear.weight.detach().double()
-        if child_spec.bias:
-            parent_bias = parent_block.linear.bias
-            bias = parent_bias.detach().double() if parent_bias is not None else torch.zeros(hidden)
-    elif isinstance(parent_spec, AttentionSpec):
-        r = parent_spec.num_heads // parent_spec.num_kv_heads
-        v = (
-            parent_block.v_proj.weight.detach()
-            .double()
-            .view(parent_spec.num_kv_heads, parent_spec.head_dim, -1)
-        )
-        v = v.repeat_interleave(r, dim=0).reshape(parent_spec.num_heads * parent_spec.head_dim, -1)
-        weight = parent_block.o_proj.weight.detach().double() @ v
-    elif isinstance(parent_spec, MLPSpec):
-        weight = (
-            parent_block.down_proj.weight.detach().double() @ parent_block.up_proj.weight.detach().double()
-        )
+    elif parent_rules.linear_without_fit is not None:
+        weight, bias = parent_rules.linear_without_fit(parent_block, parent_spec)
     else:
         raise ValueError(
             f"a linear replacement of a {parent_spec.kind} block needs the least-squares sums "
@@ -555,3 +522,109 @@ def _linear_state(
     if child_spec.bias:
         new["linear.bias"] = bias.to(device=device, dtype=dtype)
     return new
+
+
+# Structural linear maps of a block without the least-squares sums: (W [H, H], b [H] or None), fp64.
+
+
+def _linear_as_linear(block: nn.Module, spec: LinearSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    bias = block.linear.bias
+    return block.linear.weight.detach().double(), bias.detach().double() if bias is not None else None
+
+
+def _attention_as_linear(block: nn.Module, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # W_o @ W_v with the value heads expanded to the query heads: attention that only sees the current token.
+    r = spec.num_heads // spec.num_kv_heads
+    v = block.v_proj.weight.detach().double().view(spec.num_kv_heads, spec.head_dim, -1)
+    v = v.repeat_interleave(r, dim=0).reshape(spec.num_heads * spec.head_dim, -1)
+    return block.o_proj.weight.detach().double() @ v, None
+
+
+def _mlp_as_linear(block: nn.Module, spec: MLPSpec) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # W_down @ W_up: ignores the activation (poor for relu^2), as the reference code does.
+    return block.down_proj.weight.detach().double() @ block.up_proj.weight.detach().double(), None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The registry: how children of each block kind are initialised, keyed by spec type.
+
+# (parent state, parent spec, child spec, importance, kv_mode) -> the child's state dict
+Shrink = Callable[
+    [dict[str, torch.Tensor], BlockSpec, BlockSpec, BlockImportance | None, str], dict[str, torch.Tensor]
+]
+# (parent block, parent spec, child spec, importance, hidden size) -> the child's state dict
+FromAnyKind = Callable[
+    [nn.Module, BlockSpec, BlockSpec, BlockImportance | None, int], dict[str, torch.Tensor]
+]
+
+
+@dataclass(frozen=True)
+class ChildInit:
+    """How `init_child` treats one block kind, as a child and as a parent.
+
+    `axes`: the spec fields a child of the same kind may change (every other field must equal the
+    parent's); `shrink`: the surgery for a smaller child of the same kind; `from_any_kind`: builds a
+    child of this kind from a parent of any kind (a linear fit, a no-op), replacing `shrink`;
+    `has_weights`: False for a kind with nothing to derive from; `hidden_size`: reads H off a parent
+    block of this kind; `linear_without_fit`: a structural linear map of a parent of this kind for
+    when the least-squares sums are missing (None: the fit is needed).
+    """
+
+    axes: tuple[str, ...]
+    shrink: Shrink | None = None
+    from_any_kind: FromAnyKind | None = None
+    has_weights: bool = True
+    hidden_size: Callable[[nn.Module], int] | None = None
+    linear_without_fit: Callable[[nn.Module, BlockSpec], tuple[torch.Tensor, torch.Tensor | None]] | None = (
+        None
+    )
+
+
+CHILD_INITS: dict[type, ChildInit] = {
+    MambaSpec: ChildInit(
+        axes=("num_heads", "head_dim", "state_size", "chunk_size"),
+        shrink=lambda state, parent, child, importance, kv_mode: _mamba_state(
+            state, parent, child, importance
+        ),
+        hidden_size=lambda block: block.out_proj.weight.shape[0],
+    ),
+    AttentionSpec: ChildInit(
+        axes=("num_heads", "num_kv_heads"),
+        shrink=_attention_state,
+        hidden_size=lambda block: block.o_proj.weight.shape[0],
+        linear_without_fit=_attention_as_linear,
+    ),
+    MoESpec: ChildInit(
+        axes=("num_experts", "top_k", "expert_width", "shared_width", "latent_size"),
+        shrink=lambda state, parent, child, importance, kv_mode: _moe_state(state, parent, child, importance),
+        hidden_size=lambda block: block.gate.weight.shape[1],
+    ),
+    MLPSpec: ChildInit(
+        axes=("width",),
+        shrink=lambda state, parent, child, importance, kv_mode: _mlp_state(state, parent, child, importance),
+        hidden_size=lambda block: block.down_proj.weight.shape[0],
+        linear_without_fit=_mlp_as_linear,
+    ),
+    LinearSpec: ChildInit(
+        axes=(),
+        from_any_kind=_linear_state,
+        hidden_size=lambda block: block.linear.weight.shape[0],
+        linear_without_fit=_linear_as_linear,
+    ),
+    NoOpSpec: ChildInit(
+        axes=(),
+        from_any_kind=lambda parent_block, parent_spec, child_spec, importance, hidden: {},
+        has_weights=False,
+    ),
+}
+
+
+def child_init_rules(spec: BlockSpec) -> ChildInit:
+    """The `ChildInit` entry of `spec`'s kind; SpecError for a type without one in CHILD_INITS."""
+    rules = CHILD_INITS.get(type(spec))
+    if rules is None:
+        raise SpecError(
+            f"kind: no child initialisation for block spec type {type(spec).__name__}; known spec types: "
+            f"{', '.join(cls.__name__ for cls in CHILD_INITS)}"
+        )
+    return rules
