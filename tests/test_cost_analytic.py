@@ -90,9 +90,9 @@ def test_tensor_lists_mark_roles_and_routed_experts(spec):
     experts = routed_expert_params(spec, H)
     if isinstance(spec, MoESpec):
         expert_input = spec.expert_input_size(H)
-        assert experts == [2 * width * expert_input for width in spec.widths]
+        assert list(experts) == [2 * width * expert_input for width in spec.widths]
     else:
-        assert experts == []
+        assert experts == ()
 
 
 @pytest.mark.parametrize(

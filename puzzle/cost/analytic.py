@@ -10,6 +10,8 @@ Per-kind rules (active parameters, state, FLOPs) live in `puzzle.cost.kinds`, on
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterator
 from functools import lru_cache
 
 from puzzle.blocks.tensors import ROLES, TensorInfo
@@ -65,13 +67,19 @@ __all__ = [
 # Tensors of a block
 
 
+def _stored_tensors(spec: BlockSpec, hidden_size: int) -> Iterator[TensorInfo]:
+    """The block's pre-norm, then its mixer's tensors (names relative to the mixer), in `block_tensors` order."""
+    if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size <= 0:
+        raise SpecError(f"hidden_size must be a positive integer, found {hidden_size!r}")
+    mixer = mixer_tensors(spec, hidden_size)
+    return itertools.chain((TensorInfo("norm.weight", (hidden_size,), "norm"),), mixer)
+
+
 @lru_cache(maxsize=4096)
 def block_tensors(spec: BlockSpec, hidden_size: int) -> tuple[TensorInfo, ...]:
     """Every tensor one block stores: its pre-norm `norm.weight` [H] and `mixer.*` (cached per spec)."""
-    if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size <= 0:
-        raise SpecError(f"hidden_size must be a positive integer, found {hidden_size!r}")
-    mixer = [t.prefixed("mixer.") for t in mixer_tensors(spec, hidden_size)]
-    return (TensorInfo("norm.weight", (hidden_size,), "norm"), *mixer)
+    norm, *mixer = _stored_tensors(spec, hidden_size)
+    return (norm, *(t.prefixed("mixer.") for t in mixer))
 
 
 def outside_block_tensors(model_spec: ModelSpec) -> list[TensorInfo]:
@@ -102,7 +110,7 @@ def model_tensors(model_spec: ModelSpec) -> list[TensorInfo]:
 @lru_cache(maxsize=4096)
 def block_params(spec: BlockSpec, hidden_size: int) -> int:
     """Trainable parameters of one block, including its pre-norm (buffers excluded)."""
-    return sum(t.numel for t in block_tensors(spec, hidden_size) if t.is_parameter)
+    return sum(t.numel for t in _stored_tensors(spec, hidden_size) if t.is_parameter)
 
 
 @lru_cache(maxsize=4096)
@@ -135,7 +143,7 @@ def model_active_params(model_spec: ModelSpec) -> int:
 
 @lru_cache(maxsize=4096)
 def _block_weight_bytes(spec: BlockSpec, hidden_size: int, recipe: QuantRecipe) -> float:
-    return sum(tensor_bytes(t.shape, recipe.format_of(t.role)) for t in block_tensors(spec, hidden_size))
+    return sum(tensor_bytes(t.shape, recipe.format_of(t.role)) for t in _stored_tensors(spec, hidden_size))
 
 
 def block_weight_bytes(spec: BlockSpec, hidden_size: int, recipe: str | QuantRecipe = "bf16") -> float:
@@ -145,7 +153,7 @@ def block_weight_bytes(spec: BlockSpec, hidden_size: int, recipe: str | QuantRec
 
 def routed_expert_bytes(spec: MoESpec, hidden_size: int, recipe: str | QuantRecipe = "bf16") -> list[float]:
     """Bytes of each routed expert (up + down) of an MoE block under `recipe`, in expert order."""
-    return _routed_expert_bytes(spec, hidden_size, get_recipe(recipe))
+    return list(_routed_expert_bytes(spec, hidden_size, get_recipe(recipe)))
 
 
 def model_weight_bytes(model_spec: ModelSpec, recipe: str | QuantRecipe = "bf16") -> float:

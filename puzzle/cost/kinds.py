@@ -246,17 +246,23 @@ def routed_experts(spec: BlockSpec, hidden_size: int) -> list[list[TensorInfo]]:
     return [experts[j] for j in sorted(experts)]
 
 
-def routed_expert_params(spec: BlockSpec, hidden_size: int) -> list[int]:
+# Cached as numbers (not tensor lists, which the garbage collector would keep walking): the search asks for
+# the same blocks under many scenarios, and a block may have hundreds of experts.
+
+
+@lru_cache(maxsize=4096)
+def routed_expert_params(spec: BlockSpec, hidden_size: int) -> tuple[int, ...]:
     """Parameters of each routed expert, in expert order."""
-    return [sum(t.numel for t in expert) for expert in routed_experts(spec, hidden_size)]
+    return tuple(sum(t.numel for t in expert) for expert in routed_experts(spec, hidden_size))
 
 
-def routed_expert_bytes(spec: BlockSpec, hidden_size: int, recipe: QuantRecipe) -> list[float]:
+@lru_cache(maxsize=4096)
+def routed_expert_bytes(spec: BlockSpec, hidden_size: int, recipe: QuantRecipe) -> tuple[float, ...]:
     """Bytes of each routed expert under `recipe`, in expert order."""
-    return [
+    return tuple(
         sum(tensor_bytes(t.shape, recipe.format_of(t.role)) for t in expert)
         for expert in routed_experts(spec, hidden_size)
-    ]
+    )
 
 
 class MoECost(BlockCost[MoESpec]):
