@@ -100,6 +100,16 @@ def kl_divergence(reference_logp: torch.Tensor, model: HybridLM, ids: torch.Tens
 
 
 @contextmanager
+def run_directory(out_dir: str | Path | None):
+    """(directory, how to name a path in it): `out_dir`, kept; else a temporary directory, deleted on exit."""
+    if out_dir is not None:
+        yield Path(out_dir), str
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        yield Path(tmp), lambda path: f"{path} (temporary: deleted at exit; --out DIR keeps it)"
+
+
+@contextmanager
 def swapped(model: HybridLM, index: int, mixer: nn.Module):
     """The model with block `index`'s mixer replaced (its spec follows the mixer), restored afterwards."""
     saved = model.layers[index].mixer
@@ -184,8 +194,7 @@ def main(settings: Settings | None = None, out_dir: str | Path | None = None, ve
     say = print if verbose else (lambda *args: None)
     torch.manual_seed(settings.seed)
     data = torch.Generator().manual_seed(settings.seed + 1)
-    with tempfile.TemporaryDirectory() as tmp:
-        run = Path(out_dir or tmp)
+    with run_directory(out_dir) as (run, where):
         NemotronHForCausalLM(parent_config()).save_pretrained(run / "parent-init")
         parent = puzzle.load(run / "parent-init")
         loss = train(parent, settings, data)
@@ -194,7 +203,7 @@ def main(settings: Settings | None = None, out_dir: str | Path | None = None, ve
         size = (settings.batch_size, settings.seq_len, data)
         batches = [sample_tokens(*size) for _ in range(settings.calibration_batches)]
         importance, reused = importance_for(parent, batches, run / "importance")
-        say(f"importance {'reused from' if reused else 'measured into'} {run / 'importance'}")
+        say(f"importance {'reused from' if reused else 'measured into'} {where(run / 'importance')}")
         held_out = sample_tokens(settings.eval_sequences, settings.seq_len, data)
         with torch.no_grad():
             reference = F.log_softmax(parent(held_out).logits.double(), dim=-1)
@@ -224,7 +233,9 @@ def main(settings: Settings | None = None, out_dir: str | Path | None = None, ve
         say(f"worst-KL architecture under the same budget: KL {r['worst_kl']:.4f}")
 
         r["reload"] = reload(child, run / "child", held_out)
-        say(f"saved to {run / 'child'}; puzzle.load gives identical logits: {r['reload']['identical']}")
+        say(
+            f"saved to {where(run / 'child')}; puzzle.load gives identical logits: {r['reload']['identical']}"
+        )
         if r["reload"]["transformers_reasons"]:
             say(f"transformers' NemotronH cannot load it: {', '.join(r['reload']['transformers_reasons'])}")
         else:

@@ -3,12 +3,14 @@
 A tiny random parent stands in for a real one (nothing is downloaded); the same calls load
 NVIDIA-Nemotron-3-Nano-30B-A3B from its directory. Runs in seconds on a CPU:
 
-    python examples/quickstart.py
+    python examples/quickstart.py [--out DIR]
 """
 
 from __future__ import annotations
 
+import argparse
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -55,10 +57,20 @@ def tiny_parent() -> NemotronHForCausalLM:
     return NemotronHForCausalLM(config).eval()
 
 
-def main() -> None:
-    parent = tiny_parent()
+@contextmanager
+def run_directory(out_dir: str | Path | None):
+    """(directory, how to name a path in it): `out_dir`, kept; else a temporary directory, deleted on exit."""
+    if out_dir is not None:
+        yield Path(out_dir), str
+        return
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "parent"
+        yield Path(tmp), lambda path: f"{path} (temporary: deleted at exit; --out DIR keeps it)"
+
+
+def main(out_dir: str | Path | None = None) -> None:
+    parent = tiny_parent()
+    with run_directory(out_dir) as (run, where):
+        path = run / "parent"
         parent.save_pretrained(path)
         model = puzzle.load(path)  # reads config.json + safetensors lazily, one tensor at a time
 
@@ -89,9 +101,11 @@ def main() -> None:
         print(f"prompt    {prompt[0].tolist()}")
         print(f"generated {generated[0, 8:].tolist()}")
 
-        out = model.save_pretrained(Path(tmp) / "copy")  # the hub layout transformers reads back
-        print(f"saved to {out.name}/: {sorted(p.name for p in out.iterdir())}")
+        out = model.save_pretrained(run / "copy")  # the hub layout transformers reads back
+        print(f"saved to {where(out)}: {sorted(p.name for p in out.iterdir())}")
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="keep the checkpoints (parent, copy) in this directory")
+    main(parser.parse_args().out)

@@ -3,7 +3,9 @@ under it; quickstart matches transformers; the Super budget example reproduces t
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import itertools
 import json
 import math
@@ -33,16 +35,20 @@ def _example(name: str):
 
 @pytest.fixture(scope="module")
 def mini(tmp_path_factory):
-    """One run of examples/mini_puzzle.py with fewer training steps: (the module, its results, run dir)."""
+    """One run of examples/mini_puzzle.py with fewer training steps: (the module, its results, run dir).
+
+    What it prints is in results["printed"]."""
     example = _example("mini_puzzle")
     run = tmp_path_factory.mktemp("mini_puzzle")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model: one thread is as fast, and robust to a loaded machine
+    printed = io.StringIO()
     try:
-        results = example.main(example.Settings(steps=100), run, verbose=False)
+        with contextlib.redirect_stdout(printed):
+            results = example.main(example.Settings(steps=100), run)
     finally:
         torch.set_num_threads(threads)
-    return example, results, run
+    return example, results | {"printed": printed.getvalue()}, run
 
 
 def _counted_active_params(model) -> int:
@@ -118,6 +124,19 @@ def test_saved_child_reloads_with_identical_logits(mini):
     assert config["model_type"] == expected
 
 
+def test_mini_puzzle_says_where_it_saved_and_whether_that_is_temporary(mini, tmp_path):
+    example, r, run = mini
+    assert f"saved to {run / 'child'}; " in r["printed"]  # --out: the directory given, kept
+    assert "temporary" not in r["printed"]
+    with example.run_directory(None) as (directory, where):
+        assert directory.is_dir()
+        assert "temporary" in where(directory / "child")
+    assert not directory.exists()
+    with example.run_directory(tmp_path) as (directory, where):
+        assert directory == tmp_path and where(directory / "child") == str(tmp_path / "child")
+    assert tmp_path.exists()
+
+
 def test_a_homogeneous_child_loads_in_transformers(mini, tmp_path):
     example, r, _ = mini
     # Variant 1 of every block: one shape per kind (state 12, top-1, one KV head, MLP width 64).
@@ -143,7 +162,9 @@ def test_quickstart_matches_transformers_and_counts_consistently(capsys):
     assert analytic == total
     generated = re.search(r"^generated (\[.*\])$", text, re.M).group(1)
     assert len(json.loads(generated)) == 12
-    assert "config.json" in text and "model.safetensors" in text
+    saved = re.search(r"^saved to (.*)$", text, re.M).group(1)
+    assert "config.json" in saved and "model.safetensors" in saved
+    assert "(temporary: deleted at exit" in saved  # no --out: the reader must not look for it afterwards
 
 
 def test_super_budget_reproduces_the_published_figures(capsys):

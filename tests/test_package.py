@@ -15,9 +15,9 @@ def test_every_export_resolves() -> None:
 
 
 def test_cli_lists_its_commands(capsys) -> None:
-    assert main([]) == 1  # no command: help and a non-zero exit
-    out = capsys.readouterr().out
-    assert "costs" in out and "search" in out
+    assert main([]) == 2  # no command: the help, as a usage error (tests/test_cli_errors.py)
+    err = capsys.readouterr().err
+    assert "costs" in err and "search" in err
 
 
 def test_python_dash_m_puzzle_runs_a_command() -> None:

@@ -1,1 +1,57 @@
-"""Sub-commands of the `puzzle` command line, one module each (see puzzle/cli.py)."""
+"""Sub-commands of the `puzzle` command line, one module each (see puzzle/cli.py), and the argument
+types they share, so that every number on the command line reads the same way.
+
+Numbers use the budget syntax of puzzle/budget.py: `1000000`, `1e6`, `1M`, `70G`, `2.5B` (= 2.5e9).
+A count (tokens, solutions) must come out whole: `1e6` is 1000000, `1.5` is an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+
+from puzzle.budget import BudgetError, Relative, parse_value
+
+NUMBER_EXAMPLES = "such as 1000000, 1e6 or 1M"
+
+
+def parse_number(text: str) -> float:
+    """A finite number in the budget syntax (`0.9`, `7e9`, `70G`); argparse.ArgumentTypeError otherwise."""
+    try:
+        value = parse_value(text)
+    except BudgetError:
+        raise argparse.ArgumentTypeError(f"expected a number {NUMBER_EXAMPLES}, found {text!r}") from None
+    if isinstance(value, Relative):
+        raise argparse.ArgumentTypeError(
+            f"expected an absolute number {NUMBER_EXAMPLES}, found the factor {text!r}"
+        )
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, found {text!r}")
+    return value
+
+
+def parse_int(text: str) -> int:
+    """A whole number in the budget syntax: `'1e6'` and `'1M'` -> 1000000; `'1.5'` is an error."""
+    if re.fullmatch(r"\s*[-+]?\d+\s*", text):
+        return int(text)  # exact however large, where a float would round
+    value = parse_number(text)
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"expected a whole number {NUMBER_EXAMPLES}, found {text!r}")
+    return int(value)
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number >= 1 (`'1e6'` -> 1000000)."""
+    value = parse_int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, found {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """argparse type: a share in (0, 1] (`'0.9'`)."""
+    value = parse_number(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1] such as 0.9, found {text!r}")
+    return value

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from puzzle.commands import fraction, positive_int
 from puzzle.cost.analytic import (
+    DTYPE_BYTES,
     RECIPES,
     block_active_params,
     block_params,
@@ -32,6 +35,7 @@ from puzzle.presets import PRESETS, get_preset
 from puzzle.spec import ModelSpec, SpecError
 
 STATE_DTYPES = ("fp32", "bf16", "fp16", "fp8")
+DTYPE_UNITS = "bytes per value: " + ", ".join(f"{dtype} {DTYPE_BYTES[dtype]:g}" for dtype in STATE_DTYPES)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,18 +50,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "target", help=f"a preset ({', '.join(sorted(PRESETS))}), a checkpoint dir or a config.json"
     )
     parser.add_argument(
-        "--hardware", default="h100-80gb", help=f"one of {hardware_names()} (default h100-80gb)"
+        "--hardware",
+        default="h100-80gb",
+        help=f"the device whose memory holds weights and requests: one of {hardware_names()} "
+        "(default %(default)s)",
     )
-    parser.add_argument("--context", type=int, default=1_000_000, help="tokens per request (default 1000000)")
     parser.add_argument(
-        "--recipe", default="bf16", help=f"weight storage: one of {sorted(RECIPES)} (default bf16)"
+        "--context",
+        type=positive_int,
+        default=1_000_000,
+        metavar="TOKENS",
+        help="tokens of context per request, e.g. 128000, 128k, 1e6 (default %(default)s tokens)",
     )
     parser.add_argument(
-        "--kv-dtype", default="bf16", choices=STATE_DTYPES, help="KV cache dtype (default bf16)"
+        "--recipe",
+        default="bf16",
+        help=f"weight storage format per tensor role: one of {sorted(RECIPES)} (default %(default)s)",
     )
-    parser.add_argument("--ssm-dtype", default="fp32", choices=STATE_DTYPES, help="Mamba SSM state dtype")
     parser.add_argument(
-        "--memory-fraction", type=float, default=0.9, help="share of device memory usable (default 0.9)"
+        "--kv-dtype",
+        default="bf16",
+        choices=STATE_DTYPES,
+        help=f"KV cache storage, {DTYPE_UNITS} (default %(default)s)",
+    )
+    parser.add_argument(
+        "--ssm-dtype",
+        default="fp32",
+        choices=STATE_DTYPES,
+        help=f"Mamba SSM state storage, {DTYPE_UNITS} (default %(default)s)",
+    )
+    parser.add_argument(
+        "--memory-fraction",
+        type=fraction,
+        default=0.9,
+        metavar="FRACTION",
+        help="share of the device memory usable for weights and requests, in (0, 1] "
+        "(default %(default)s, vLLM's gpu_memory_utilization)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(func=run)
@@ -73,6 +101,8 @@ def load_target(target: str) -> tuple[ModelSpec, str]:
     if path.is_file():
         config = hf.read_config_file(path)
         return hf.spec_from_config(config, str(path)), f"config {path}"
+    if path.exists():  # a device, a fifo...
+        raise SpecError(f"{target} is neither a config.json file nor a checkpoint directory")
     if path.suffix == ".json" or "/" in target:
         raise SpecError(f"{target} does not exist")
     return get_preset(target), f"preset {target}"
@@ -87,7 +117,12 @@ def compute_costs(
     ssm_dtype: str = "fp32",
     memory_fraction: float = 0.9,
 ) -> dict[str, Any]:
-    """Every figure `puzzle costs` prints, as a JSON-ready dict (bytes, parameters, counts)."""
+    """Every figure `puzzle costs` prints, as a JSON-ready dict (bytes, parameters, counts: all integers).
+
+    Byte counts are rounded up to whole bytes (nvfp4 packs two values per byte). `usable_memory_bytes` is
+    memory_fraction x the device's memory; `weights_fit` says whether the weights alone fit in it (when
+    not, max_concurrent_requests is 0 whatever the context).
+    """
     profile = get_hardware(hardware)
     get_recipe(recipe)
     if isinstance(context, bool) or not isinstance(context, int) or context <= 0:
@@ -100,7 +135,7 @@ def compute_costs(
             "blocks": 0,
             "params": 0,
             "active_params": 0,
-            "weight_bytes": 0.0,
+            "weight_bytes": 0.0,  # rounded up once summed
             "state_bytes_per_request": 0,
         }
     )
@@ -112,7 +147,11 @@ def compute_costs(
         row["weight_bytes"] += block_weight_bytes(block, H, recipe)
         row["state_bytes_per_request"] += state_bytes_per_request(block, context, kv_dtype, ssm_dtype)
     weight_bytes = model_weight_bytes(spec, recipe)
-    embedding_bytes = weight_bytes - sum(row["weight_bytes"] for row in by_kind.values())
+    embedding_bytes = math.ceil(weight_bytes - sum(row["weight_bytes"] for row in by_kind.values()))
+    for row in by_kind.values():
+        row["weight_bytes"] = math.ceil(row["weight_bytes"])
+    weight_bytes = math.ceil(weight_bytes)
+    usable_bytes = math.floor(memory_fraction * profile.memory_bytes)
     embedding_params = model_params(spec) - sum(row["params"] for row in by_kind.values())
     by_kind["embeddings+lm_head+norm_f"] = {
         "blocks": 0,
@@ -134,6 +173,7 @@ def compute_costs(
         "hardware": profile.name,
         "hardware_memory_bytes": profile.memory_bytes,
         "memory_fraction": memory_fraction,
+        "usable_memory_bytes": usable_bytes,
         "context": context,
         "recipe": recipe,
         "kv_dtype": kv_dtype,
@@ -141,6 +181,7 @@ def compute_costs(
         "total_params": model_params(spec),
         "active_params": model_active_params(spec),
         "weight_bytes": weight_bytes,
+        "weights_fit": weight_bytes <= usable_bytes,
         "kv_bytes_per_token": kv_bytes_per_token(spec, kv_dtype),
         "recurrent_state_bytes_per_request": state_bytes_per_sequence(spec, ssm_dtype),
         "state_bytes_per_request": state_bytes_per_request(spec, context, kv_dtype, ssm_dtype),
@@ -173,7 +214,6 @@ def format_table(costs: dict[str, Any], title: str) -> str:
             f"| {kind} | {row['blocks']} | {row['params']:,} | {row['active_params']:,} | "
             f"{_bytes(row['weight_bytes'])} | {_bytes(row['state_bytes_per_request'])} |"
         )
-    concurrent = costs["max_concurrent_requests"]
     lines += [
         "",
         "| total | value |",
@@ -184,9 +224,25 @@ def format_table(costs: dict[str, Any], title: str) -> str:
         f"| KV bytes / token | {costs['kv_bytes_per_token']:,} |",
         f"| recurrent state bytes / request | {costs['recurrent_state_bytes_per_request']:,} |",
         f"| state / request | {_bytes(costs['state_bytes_per_request'])} |",
-        f"| max concurrent requests | {'unbounded' if concurrent is None else concurrent} |",
+        f"| max concurrent requests | {_concurrency(costs)} |",
     ]
     return "\n".join(lines)
+
+
+def _concurrency(costs: dict[str, Any]) -> str:
+    """The max-concurrent-requests cell, saying why when it is 0."""
+    concurrent = costs["max_concurrent_requests"]
+    if concurrent is None:
+        return "unbounded (no per-request state)"
+    if concurrent > 0:
+        return f"{concurrent:,}"
+    usable, weights = costs["usable_memory_bytes"], costs["weight_bytes"]
+    if not costs["weights_fit"]:
+        return f"0: the weights alone ({_bytes(weights)}) do not fit in the usable {_bytes(usable)}"
+    return (
+        f"0: one request ({_bytes(costs['state_bytes_per_request'])}) does not fit in the "
+        f"{_bytes(usable - weights)} left beside the weights"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
