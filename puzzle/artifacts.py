@@ -327,7 +327,7 @@ class Artifact:
         try:
             manifest = self.read_manifest()
         except FileNotFoundError as error:
-            raise ArtifactError(f"{error} after rank 0 wrote it (did rank 0 fail?)") from error
+            raise ArtifactError(f"rank 0 did not write {self.manifest_path} (did it fail?)") from error
         if manifest.inputs != inputs:
             raise ArtifactError(
                 f"{self.manifest_path} was not written for this rank's inputs (did rank 0 fail to write it?)"
