@@ -135,6 +135,17 @@ class HybridLM(nn.Module):
             [block.mixer.init_cache(batch_size, device=device, dtype=dtype) for block in self.layers]
         )
 
+    def backbone(self, input_ids: torch.Tensor, num_blocks: int | None = None) -> torch.Tensor:
+        """input_ids [b, t] -> the output of block `num_blocks - 1` (default: the last) [b, t, H], before norm_f.
+
+        The model without its head, for work that reads only block activations (importance, block inputs):
+        `forward` would also make fp32 logits [b, t, V], with a 131k vocabulary 0.5 MB per token.
+        """
+        x = self.embeddings(input_ids)
+        for block in self.layers[:num_blocks]:
+            x = block(x)
+        return x
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -11,9 +11,10 @@ import torch
 import torch.multiprocessing as mp
 from nemotron_helpers import EVERY_KIND_SPEC as SPEC
 
+from puzzle import artifacts as artifacts_module
 from puzzle import dist
+from puzzle.artifacts import fingerprint_tensors
 from puzzle.model import HybridLM
-from puzzle.prune import importance as importance_module
 from puzzle.prune.importance import (
     MANIFEST_FILE,
     SCORES_FILE,
@@ -22,6 +23,7 @@ from puzzle.prune.importance import (
     importance_for,
     load_importance,
     parent_fingerprint,
+    save_importance,
 )
 
 # Uneven shapes: rank 0 gets batches 0, 2, 4 (the longest sequence, 20), rank 1 gets 1 and 3.
@@ -102,7 +104,7 @@ def test_world_size_one_importance_for_writes_and_reuses(tmp_path):
     assert not reused and sorted(p.name for p in tmp_path.iterdir()) == [MANIFEST_FILE, SCORES_FILE]
     _assert_same_scores(load_importance(tmp_path), measured, exact=True)
     _assert_same_scores(measured, collect_importance(model, batches), exact=True)
-    again, reused = importance_for(model, lambda: [], tmp_path, tokens=measured.tokens)
+    again, reused = importance_for(model, lambda: [], tmp_path, calibration=fingerprint_tensors(batches))
     assert reused and again.tokens == sum(b.numel() for b in batches)
 
 
@@ -144,14 +146,14 @@ def _check_collectives(rank: int, directory: Path) -> None:
 
 def _run_importance(rank: int, directory: Path) -> None:
     model, batches = _model(), _batches()
-    save = importance_module.save_importance
+    write = artifacts_module.atomic_write
 
-    def logged_save(importance: ModelImportance, target: Path) -> Path:
+    def logged_write(path: Path, writer):
         with open(directory / "writes.log", "a") as log:
-            log.write(f"{rank}\n")
-        return save(importance, target)
+            log.write(f"{rank} {Path(path).name}\n")
+        return write(path, writer)
 
-    importance_module.save_importance = logged_save  # a spy: the real writer still runs
+    artifacts_module.atomic_write = logged_write  # a spy: the real writer still runs
     try:
         measured, reused = importance_for(model, batches, directory / "run")
         assert not reused
@@ -159,13 +161,17 @@ def _run_importance(rank: int, directory: Path) -> None:
         def no_data():
             raise AssertionError("reused scores must not read calibration data")
 
-        _, reused = importance_for(model, no_data, directory / "run", tokens=measured.tokens)
+        calibration = fingerprint_tensors(batches)
+        _, reused = importance_for(model, no_data, directory / "run", calibration=calibration)
         assert reused
     finally:
-        importance_module.save_importance = save
-    save(measured, directory / f"returned{rank}")
+        artifacts_module.atomic_write = write
     # One batch for two ranks: rank 1 has no work and no sums, and still ends with the global scores.
-    save(collect_importance(model, batches[:1]), directory / f"one_batch{rank}")
+    one_batch = collect_importance(model, batches[:1])
+    # Every rank's result, written by rank 0 (saving is collective): pickled in memory, so bit-exact.
+    for name, result in (("returned", measured), ("one_batch", one_batch)):
+        for other_rank, other in enumerate(dist.all_gather_object(result)):
+            save_importance(other, directory / f"{name}{other_rank}")
 
 
 def _worker(rank: int, world: int, port: int, directory: str) -> None:
@@ -191,7 +197,8 @@ def test_two_gloo_ranks_give_the_single_process_importance(tmp_path):
     expected = collect_importance(model, batches)  # one process, every batch
     assert expected.tokens == sum(b.numel() for b in batches)
 
-    assert (tmp_path / "writes.log").read_text() == "0\n"  # written once, by rank 0; reused on the 2nd call
+    # Written once, by rank 0, the manifest last; reused on the 2nd call.
+    assert (tmp_path / "writes.log").read_text() == f"0 {SCORES_FILE}\n0 {MANIFEST_FILE}\n"
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [MANIFEST_FILE, SCORES_FILE]
     shared = load_importance(tmp_path / "run")
     assert shared.parent == parent_fingerprint(model)

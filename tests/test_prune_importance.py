@@ -7,7 +7,6 @@ import json
 import pytest
 import torch
 from nemotron_helpers import EVERY_KIND_SPEC as SPEC
-from safetensors.torch import save_file
 
 from puzzle.blocks import ssd
 from puzzle.blocks.mlp import relu2
@@ -17,7 +16,6 @@ from puzzle.prune.importance import (
     SCORES_FILE,
     collect_block_importance,
     collect_importance,
-    importance_for,
     load_importance,
     parent_fingerprint,
     save_importance,
@@ -130,54 +128,78 @@ def test_never_routed_expert_scores_zero(model):
     assert (block["expert"][[0, 1, 2, 4]] > 0).any()
 
 
-def test_save_load_round_trip_and_reuse(model, ids, tmp_path):
+def test_save_load_round_trip(model, ids, tmp_path):
     importance = collect_importance(model, [ids])
     save_importance(importance, tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == [MANIFEST_FILE, SCORES_FILE]  # no temporaries left
     manifest = json.loads((tmp_path / MANIFEST_FILE).read_text())
-    assert manifest["tokens"] == ids.numel() and manifest["parent"] == parent_fingerprint(model)
+    assert manifest["info"]["tokens"] == ids.numel()
+    assert manifest["inputs"] == {"parent": parent_fingerprint(model)}
+    assert manifest["outputs"] == {SCORES_FILE: (tmp_path / SCORES_FILE).stat().st_size}
     loaded = load_importance(tmp_path)
     assert loaded.tokens == importance.tokens and loaded.parent == importance.parent
+    assert loaded.extra == importance.extra == {"linear_fit_every": 8}
     for index, block in importance.blocks.items():
         assert loaded[index].kind == block.kind and loaded[index].scores.keys() == block.scores.keys()
         for name, value in block.scores.items():
             assert torch.equal(loaded[index][name], value)
 
-    def no_data():
-        raise AssertionError("reused scores must not read calibration data")
 
-    reused, was_reused = importance_for(model, no_data, tmp_path, tokens=ids.numel())
-    assert was_reused and reused.parent == importance.parent
-
-    # Another parent (one weight changed) or another token count: measured again and overwritten.
-    other = HybridLM(SPEC).eval()
-    other.load_state_dict(model.state_dict())
-    with torch.no_grad():
-        other.layers[0].mixer.in_proj.weight[0, 0] += 1.0
-    assert parent_fingerprint(other) != parent_fingerprint(model)
-    fresh, was_reused = importance_for(other, lambda: [ids], tmp_path)
-    assert fresh.tokens == ids.numel()
-    assert not was_reused and load_importance(tmp_path).parent == parent_fingerprint(other)
-    _, was_reused = importance_for(other, lambda: [ids[:2]], tmp_path, tokens=ids[:2].numel())
-    assert not was_reused
-
-
-def test_load_errors_name_the_file(tmp_path):
+def test_load_errors_name_the_file(model, ids, tmp_path):
     with pytest.raises(FileNotFoundError, match=MANIFEST_FILE):
         load_importance(tmp_path)
-    (tmp_path / MANIFEST_FILE).write_text(json.dumps({"format": 99}))
-    (tmp_path / SCORES_FILE).write_bytes(b"")
-    with pytest.raises(ValueError, match="format 99"):
+    save_importance(collect_importance(model, [ids], layers=[3]), tmp_path)
+    good = json.loads((tmp_path / MANIFEST_FILE).read_text())
+    (tmp_path / MANIFEST_FILE).write_text(json.dumps({**good, "format": 99}))
+    with pytest.raises(ValueError, match="importance format 99, expected 2"):
         load_importance(tmp_path)
     (tmp_path / MANIFEST_FILE).write_text("{not json")
     with pytest.raises(ValueError, match=f"{MANIFEST_FILE} is not valid JSON"):
         load_importance(tmp_path)
-    (tmp_path / MANIFEST_FILE).write_text(json.dumps({"format": 1, "parent": "x", "tokens": 1}))
-    with pytest.raises(ValueError, match=f"cannot read importance scores .*{SCORES_FILE}"):
+    (tmp_path / MANIFEST_FILE).write_text(json.dumps({**good, "info": {"tokens": 1}}))
+    with pytest.raises(ValueError, match=rf"{MANIFEST_FILE} lacks \['blocks', 'linear_fit'\]"):
         load_importance(tmp_path)
-    save_file({"layers.0.channel": torch.ones(2)}, str(tmp_path / SCORES_FILE))
-    with pytest.raises(ValueError, match=rf"{MANIFEST_FILE} lacks key\(s\) \['blocks', 'linear_fit'\]"):
+    (tmp_path / MANIFEST_FILE).write_text(json.dumps(good))
+    (tmp_path / SCORES_FILE).write_bytes(b"")
+    with pytest.raises(ValueError, match=f"cannot read importance tensors .*{SCORES_FILE}"):
         load_importance(tmp_path)
+    (tmp_path / SCORES_FILE).unlink()
+    with pytest.raises(FileNotFoundError, match=SCORES_FILE):
+        load_importance(tmp_path)
+
+
+def test_collection_stops_before_the_head_and_scores_are_those_of_the_full_forward(model, ids):
+    """No logits are made (lm_head never runs), and every block's scores equal those measured on the
+    inputs that block receives in the model's full forward."""
+    block_inputs = {}
+    handles = [
+        block.mixer.register_forward_pre_hook(lambda m, args, i=i: block_inputs.setdefault(i, args[0]))
+        for i, block in enumerate(model.layers)
+    ]
+    with torch.no_grad():
+        model(ids)
+    for handle in handles:
+        handle.remove()
+    head_calls = []
+    handle = model.lm_head.register_forward_hook(lambda m, args, out: head_calls.append(out.shape))
+    try:
+        importance = collect_importance(model, [ids])
+        partial = collect_importance(model, [ids], layers=[0, 1])
+    finally:
+        handle.remove()
+    assert head_calls == []
+    for index, x in block_inputs.items():  # the no-op block's mixer is never called
+        expected = collect_block_importance(model.layers[index].mixer, [x])
+        for got in (importance, partial) if index in partial.blocks else (importance,):
+            assert got[index].scores.keys() == expected.scores.keys()
+            for name, value in expected.scores.items():
+                torch.testing.assert_close(got[index][name], value, rtol=0, atol=0, msg=f"{index} {name}")
+    # The backbone is the forward without the head.
+    with torch.no_grad():
+        output = model(ids, output_hidden_states=True)
+        torch.testing.assert_close(model.backbone(ids), output.hidden_states[-1], rtol=0, atol=0)
+        torch.testing.assert_close(model.backbone(ids, 2), output.hidden_states[2], rtol=0, atol=0)
+        torch.testing.assert_close(model.lm_head(model.norm_f(model.backbone(ids))).float(), output.logits)
 
 
 def test_mamba_state_score_matches_the_formula_on_the_mixers_own_pieces(model, ids):

@@ -48,26 +48,30 @@ is removed from both.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from puzzle import dist
+from puzzle.artifacts import (
+    Artifact,
+    ArtifactError,
+    fingerprint_json,
+    fingerprint_model,
+    fingerprint_tensors,
+    safetensors_writer,
+)
 from puzzle.blocks import ssd
-from puzzle.files import atomic_write
 from puzzle.progress import progress
 from puzzle.spec import AttentionSpec, MambaSpec, MoESpec
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: manifest by puzzle.artifacts, reuse keyed on calibration tokens and settings
 SCORES_FILE = "importance.safetensors"
-MANIFEST_FILE = "importance.json"
+MANIFEST_FILE = "importance.manifest.json"
 # The latent second moments (for PCA, [L, L] each) use 1 token in 4: a PCA basis needs far fewer tokens.
 _COV_EVERY = 4
 LINEAR_FIT_KEYS = ("lin_xtx", "lin_xty", "lin_xsum", "lin_ysum", "lin_count")
@@ -491,7 +495,8 @@ def collect_importance(
 ) -> ModelImportance:
     """Run the parent (`HybridLM`) over `batches` of token ids [b, t] and score every block in `layers`.
 
-    Memory is independent of the number of tokens (running sums only); the forward is the model's own.
+    Memory is independent of the number of tokens (running sums only); the forward is the model's own
+    `backbone` up to the last block in `layers` (no head: no logits are made).
     `linear_fit`: also accumulate the least-squares sums of every block (for linear replacements), over
     every `linear_fit_every`-th token (1 = all; the sums cost 4 H^2 flops per token and block).
 
@@ -503,12 +508,14 @@ def collect_importance(
     hidden = model.spec.hidden_size
     fit_every = _fit_every(linear_fit, linear_fit_every)
     collectors = {i: _make_collector(model.layers[i].mixer, hidden, fit_every) for i in indices}
+    # The blocks up to the last measured one, without the head: nobody reads the [b, t, V] fp32 logits.
+    num_blocks = max(indices, default=-1) + 1
     tokens = 0
     try:
         for index, input_ids in progress(dist.shard(enumerate(batches)), "importance", unit="batch"):
             for collector in collectors.values():
                 collector.start_batch(index)
-            model(input_ids)
+            model.backbone(input_ids, num_blocks)
             tokens += input_ids.numel()
     finally:
         for collector in collectors.values():
@@ -526,79 +533,60 @@ def collect_importance(
 
 
 def parent_fingerprint(model: nn.Module) -> str:
-    """sha256 of the model spec and of a sample of every weight: enough to tell two parents apart cheaply.
+    """The parent's fingerprint recorded with its importance: `puzzle.artifacts.fingerprint_model`."""
+    return fingerprint_model(model)
 
-    Per tensor: its name, shape, first 64 values and 64 values at an even stride (a full hash would
-    read every weight of a 120B model; this reads a few hundred bytes per tensor).
+
+def _artifact(directory: str | Path) -> Artifact:
+    return Artifact(Path(directory), "importance", FORMAT_VERSION)
+
+
+def save_importance(
+    importance: ModelImportance, directory: str | Path, inputs: Mapping[str, str] | None = None
+) -> Path:
+    """Write `importance.safetensors` (keys `layers.{i}.{score}`) and its manifest atomically; returns the manifest.
+
+    `inputs` are the fingerprints the scores were measured from (default: the parent's alone), recorded
+    for `importance_for`'s reuse check. Collective under torch.distributed (rank 0 writes).
     """
-    digest = hashlib.sha256(model.spec.to_json(indent=None).encode())
-    for name, tensor in model.state_dict().items():
-        flat = tensor.detach().reshape(-1)
-        stride = max(1, flat.numel() // 64)
-        sample = torch.cat([flat[:64], flat[::stride][:64]]).float().cpu().contiguous()
-        digest.update(name.encode())
-        digest.update(str(tuple(tensor.shape)).encode())
-        digest.update(sample.numpy().tobytes())
-    return digest.hexdigest()
-
-
-def save_importance(importance: ModelImportance, directory: str | Path) -> Path:
-    """Write `importance.safetensors` (keys `layers.{i}.{score}`) and `importance.json` atomically."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     tensors = {
-        f"layers.{i}.{name}": value.contiguous()
+        f"layers.{i}.{name}": value
         for i, block in importance.blocks.items()
         for name, value in block.scores.items()
     }
-    manifest = {
-        "format": FORMAT_VERSION,
-        "parent": importance.parent,
+    info = {
         "tokens": importance.tokens,
         "linear_fit": importance.linear_fit,
         "blocks": {str(i): {"kind": b.kind, "tokens": b.tokens} for i, b in importance.blocks.items()},
         **importance.extra,
     }
-    atomic_write(directory / SCORES_FILE, lambda path: save_file(tensors, path))
-
-    def write_manifest(path: str) -> None:
-        Path(path).write_text(json.dumps(manifest, indent=2))
-
-    # The manifest goes last: its presence means the scores next to it are complete.
-    atomic_write(directory / MANIFEST_FILE, write_manifest)
-    return directory / MANIFEST_FILE
+    artifact = _artifact(directory)
+    inputs = {"parent": importance.parent} if inputs is None else dict(inputs)
+    artifact.write(inputs, {SCORES_FILE: safetensors_writer(tensors)}, info)
+    return artifact.manifest_path
 
 
 def load_importance(directory: str | Path) -> ModelImportance:
     """Read what `save_importance` wrote; a missing or malformed file is an error naming it."""
-    directory = Path(directory)
-    manifest_path, scores_path = directory / MANIFEST_FILE, directory / SCORES_FILE
-    for path in (manifest_path, scores_path):
-        if not path.is_file():
-            raise FileNotFoundError(f"importance file {path} does not exist")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{manifest_path} is not valid JSON: {error}") from error
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_VERSION:
-        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise ValueError(f"{manifest_path}: format {found!r}, expected {FORMAT_VERSION}")
-    try:
-        tensors = load_file(str(scores_path))
-    except Exception as error:  # safetensors raises its own types for truncated or corrupt files
-        raise ValueError(f"cannot read importance scores {scores_path}: {error}") from error
-    known = {"format", "parent", "tokens", "linear_fit", "blocks"}
-    missing = sorted(known - set(manifest))
-    if missing:
-        raise ValueError(f"{manifest_path} lacks key(s) {missing}; expected {sorted(known)}")
+    artifact = _artifact(directory)
+    manifest = artifact.read_manifest()
+    known = {"tokens", "linear_fit", "blocks"}
+    missing = sorted(known - set(manifest.info))
+    if missing or "parent" not in manifest.inputs:
+        raise ArtifactError(
+            f"{artifact.manifest_path} lacks {missing or ['inputs.parent']}: "
+            f"expected info {sorted(known)} and inputs ['parent', ...]"
+        )
+    tensors = artifact.load_tensors(SCORES_FILE)
     blocks: dict[int, BlockImportance] = {}
-    for key, info in manifest["blocks"].items():
+    for key, block in manifest.info["blocks"].items():
         prefix = f"layers.{key}."
         scores = {name[len(prefix) :]: value for name, value in tensors.items() if name.startswith(prefix)}
-        blocks[int(key)] = BlockImportance(info["kind"], scores, int(info["tokens"]))
-    extra = {key: value for key, value in manifest.items() if key not in known}
+        blocks[int(key)] = BlockImportance(block["kind"], scores, int(block["tokens"]))
+    extra = {key: value for key, value in manifest.info.items() if key not in known}
+    info = manifest.info
     return ModelImportance(
-        blocks, int(manifest["tokens"]), manifest["parent"], bool(manifest["linear_fit"]), extra
+        blocks, int(info["tokens"]), manifest.inputs["parent"], bool(info["linear_fit"]), extra
     )
 
 
@@ -608,46 +596,40 @@ def importance_for(
     directory: str | Path,
     *,
     linear_fit: bool = True,
-    tokens: int | None = None,
+    linear_fit_every: int = 8,
+    calibration: str | None = None,
 ) -> tuple[ModelImportance, bool]:
-    """Load the importance saved in `directory` if it was measured on this parent, else measure and save it.
+    """The importance saved in `directory` if it was measured from exactly these inputs, else measure and save it.
 
-    Matching means: same format, same `parent_fingerprint`, a linear fit present if asked, and (if
-    `tokens` is given) the same number of calibration tokens. `batches` may be a zero-argument callable
-    so that no data is read when the scores are reused. Returns (importance, reused).
+    The inputs are the parent (`parent_fingerprint`), the calibration tokens and the settings (`linear_fit`,
+    `linear_fit_every`); the saved scores are reused only when all three fingerprints and the format
+    version match (`puzzle.artifacts.Artifact.load_if_current`). The calibration fingerprint is
+    `calibration` when given (e.g. `fingerprint_file` of the token file: then a zero-argument callable
+    `batches` is not even called when the scores are reused), else `fingerprint_tensors` of the batches,
+    which are then read once and kept as a list (token ids are small: 1M tokens are 8 MB).
+    Returns (importance, reused).
 
-    Under torch.distributed every rank calls this with the same arguments: rank 0 decides whether to reuse,
-    the ranks measure their shares of `batches` together (`collect_importance`), rank 0 writes the files
-    and the others then load them, so that every rank holds bit-identical scores. `directory` must be on a
-    filesystem every rank sees.
+    Under torch.distributed every rank calls this with the same arguments (checked): rank 0 decides whether
+    to reuse, the ranks measure their shares of `batches` together (`collect_importance`), rank 0 writes
+    the files and the others then load them, so that every rank holds bit-identical scores. `directory`
+    must be on a filesystem every rank sees.
     """
-    directory = Path(directory)
-    parent = parent_fingerprint(model)
-    # Rank 0 alone reads the manifest, so that all ranks take the same branch.
-    reuse = dist.broadcast_object(dist.is_main() and _saved_matches(directory, parent, linear_fit, tokens))
-    if reuse:
+    stream = None
+    if calibration is None:
+        stream = list(batches() if callable(batches) else batches)
+        calibration = fingerprint_tensors(stream)
+    settings = {"linear_fit": linear_fit, "linear_fit_every": _fit_every(linear_fit, linear_fit_every)}
+    inputs = {
+        "parent": parent_fingerprint(model),
+        "calibration": calibration,
+        "settings": fingerprint_json(settings),
+    }
+    if _artifact(directory).load_if_current(inputs) is not None:
         return load_importance(directory), True
-    stream = batches() if callable(batches) else batches
-    importance = collect_importance(model, stream, linear_fit=linear_fit)
-    with dist.main_process_first():
-        if dist.is_main():
-            save_importance(importance, directory)
-        else:
-            importance = load_importance(directory)
+    if stream is None:
+        stream = batches() if callable(batches) else batches
+    importance = collect_importance(model, stream, linear_fit=linear_fit, linear_fit_every=linear_fit_every)
+    save_importance(importance, directory, inputs)
+    if not dist.is_main():
+        importance = load_importance(directory)  # rank 0's file: bit-identical on every rank
     return importance, False
-
-
-def _saved_matches(directory: Path, parent: str, linear_fit: bool, tokens: int | None) -> bool:
-    """Whether `directory` holds importance of this parent that `importance_for` may reuse."""
-    manifest_path = directory / MANIFEST_FILE
-    if not manifest_path.is_file():
-        return False
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError:
-        return False
-    if manifest.get("format") != FORMAT_VERSION or manifest.get("parent") != parent:
-        return False
-    if linear_fit and not manifest.get("linear_fit"):
-        return False
-    return tokens is None or manifest.get("tokens") == tokens

@@ -1,0 +1,370 @@
+"""Stage outputs in a run directory: a manifest per output, fingerprints of its inputs, atomic rank-0 writes, reuse.
+
+A stage (importance, library, scores, search, distillation) writes its files through an `Artifact`: each
+output file atomically (`puzzle.files.atomic_write`), then the manifest `<name>.manifest.json` last, so a
+manifest on disk always describes complete files. The manifest records the format version of the stage's
+files, what produced them (puzzle version and stage name), a fingerprint of every input (the parent, the
+calibration tokens, the settings) and the output files with their sizes. A stage asks
+`load_if_current(inputs)` before working: the saved output is reused only when the manifest is readable,
+its format version equals the stage's and every input fingerprint matches exactly (same names, same
+values); otherwise it gets None and the reason is logged (`logging`, logger "puzzle.artifacts").
+
+Decisions: a missing, unreadable or foreign manifest, or a listed output file that is missing or has
+another size, makes `load_if_current` answer None (the stage recomputes and overwrites: a stage output is
+reproducible from its inputs, and a half-written or damaged one is worth nothing); reading an artifact
+explicitly (`read_manifest`, `load_tensors`, `load_json`) instead raises an error naming the file.
+`write` deletes the old manifest before touching any output, so a crash in the middle leaves no manifest
+that describes half-replaced files.
+
+Under torch.distributed every rank makes the same calls with the same inputs (checked: unequal inputs
+are an error naming the ranks and keys): rank 0 alone reads the manifest and broadcasts its decision, so
+all ranks take the same branch; rank 0 alone writes while the others wait at a barrier, then they read the
+manifest rank 0 wrote. The directory must be on a filesystem every rank sees.
+
+Files are safetensors for tensors and JSON for everything else; nothing is ever pickled to disk.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from puzzle import __version__, dist
+from puzzle.files import atomic_write
+from puzzle.spec import BlockSpec, ModelSpec, block_to_dict
+
+MANIFEST_VERSION = 1  # the layout of the manifest itself; a stage's files have their own `format`
+MANIFEST_SUFFIX = ".manifest.json"
+_CHUNK_BYTES = 1 << 20
+
+_log = logging.getLogger(__name__)
+
+
+class ArtifactError(ValueError):
+    """An artifact file that exists but cannot be used (malformed, wrong layout, unreadable tensors)."""
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Fingerprints: sha256 hex digests, equal on every rank and every machine for equal inputs.
+
+
+def fingerprint_json(value: Any) -> str:
+    """sha256 of `value` as canonical JSON (sorted keys, no spaces): for settings and config dicts.
+
+    Raises TypeError for values JSON cannot represent (a config should be plain data).
+    """
+    text = json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def fingerprint_spec(spec: ModelSpec | BlockSpec) -> str:
+    """sha256 of a model's or a block's architecture (its JSON form)."""
+    data = spec.to_dict() if isinstance(spec, ModelSpec) else block_to_dict(spec)
+    return fingerprint_json(data)
+
+
+def fingerprint_tensors(tensors: Iterable[torch.Tensor] | Mapping[str, torch.Tensor]) -> str:
+    """sha256 over every tensor's dtype, shape and bytes, in order (a mapping: in sorted key order, keys included).
+
+    For calibration token batches (a few MB: 1M int64 tokens are 8 MB, hashed in milliseconds). Tensors on
+    a GPU are copied to the CPU first, so every rank and device gets the same digest for the same values;
+    the order and the split into batches count (batches of another shape give another digest).
+    """
+    digest = hashlib.sha256()
+    items = sorted(tensors.items()) if isinstance(tensors, Mapping) else enumerate(tensors)
+    for key, tensor in items:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"fingerprint_tensors: item {key!r} is a {type(tensor).__name__}, not a tensor")
+        digest.update(f"{key}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        flat = tensor.detach().reshape(-1).contiguous().cpu()
+        digest.update(flat.view(torch.uint8).numpy().tobytes())  # via uint8: numpy has no bfloat16
+    return digest.hexdigest()
+
+
+def fingerprint_file(path: str | Path) -> str:
+    """sha256 of a file's bytes (read in 1 MiB chunks): for token files, configs and other small inputs."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"cannot fingerprint {path}: no such file")
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fingerprint_model(model: torch.nn.Module) -> str:
+    """sha256 of a model's spec and of a sample of every weight: enough to tell two parents apart cheaply.
+
+    `model` has a `.spec` (a `HybridLM`). Per tensor: its name, shape, first 64 values and 64 values at an
+    even stride, as fp32 (a full hash would read every weight of a 120B model; this reads a few hundred
+    bytes per tensor). The same weights in another dtype give another fingerprint.
+    """
+    digest = hashlib.sha256(model.spec.to_json(indent=None).encode())
+    for name, tensor in model.state_dict().items():
+        flat = tensor.detach().reshape(-1)
+        stride = max(1, flat.numel() // 64)
+        sample = torch.cat([flat[:64], flat[::stride][:64]]).float().cpu().contiguous()
+        digest.update(name.encode())
+        digest.update(str(tuple(tensor.shape)).encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Writers for `Artifact.write`: each takes the temporary path to write to.
+
+
+def safetensors_writer(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> Callable[[str], None]:
+    """A writer of `tensors` (name -> tensor, any device) as one safetensors file."""
+    contiguous = {name: value.detach().contiguous() for name, value in tensors.items()}
+    return lambda path: save_file(contiguous, path, metadata=dict(metadata) if metadata else None)
+
+
+def json_writer(value: Any) -> Callable[[str], None]:
+    """A writer of `value` as indented JSON."""
+    text = json.dumps(value, indent=2)
+    return lambda path: Path(path).write_text(text + "\n")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Manifest and artifact.
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """What a stage wrote: `stage` and its files' `format` version, the `inputs` fingerprints they were made
+    from, `outputs` (file name relative to the directory -> size in bytes), the `puzzle_version` that wrote
+    them, `created` (UTC, ISO 8601) and `info` (the stage's own small facts, e.g. token counts; JSON). On
+    disk the producer is written as {"puzzle": version, "stage": stage}."""
+
+    stage: str
+    format: int
+    inputs: dict[str, str]
+    outputs: dict[str, int]
+    puzzle_version: str = __version__
+    created: str = ""
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "manifest": MANIFEST_VERSION,
+            "stage": self.stage,
+            "format": self.format,
+            "producer": {"puzzle": self.puzzle_version, "stage": self.stage},
+            "created": self.created,
+            "inputs": dict(self.inputs),
+            "outputs": dict(self.outputs),
+            "info": self.info,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str) -> Manifest:
+        """Parse and validate; errors (ArtifactError) name `source` and the offending key."""
+        if not isinstance(data, dict):
+            raise ArtifactError(f"{source}: a manifest is a JSON object, found {type(data).__name__}")
+        if data.get("manifest") != MANIFEST_VERSION:
+            raise ArtifactError(
+                f"{source}: manifest layout {data.get('manifest')!r}, expected {MANIFEST_VERSION} "
+                "(not written by this version of puzzle's artifacts)"
+            )
+        expected = {"stage": str, "format": int, "producer": dict, "created": str, "inputs": dict}
+        expected |= {"outputs": dict, "info": dict}
+        for key, kind in expected.items():
+            if not isinstance(data.get(key), kind) or isinstance(data.get(key), bool):
+                found = type(data[key]).__name__ if key in data else "nothing"
+                raise ArtifactError(f"{source}: key {key!r} should be a {kind.__name__}, found {found}")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in data["inputs"].items()):
+            raise ArtifactError(f"{source}: 'inputs' should map names to fingerprint strings")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in data["outputs"].values()):
+            raise ArtifactError(f"{source}: 'outputs' should map file names to sizes in bytes")
+        return cls(
+            stage=data["stage"],
+            format=data["format"],
+            inputs=dict(data["inputs"]),
+            outputs=dict(data["outputs"]),
+            puzzle_version=str(data["producer"].get("puzzle", "unknown")),
+            created=data["created"],
+            info=data["info"],
+        )
+
+
+def _check_output_name(name: str) -> None:
+    path = PurePosixPath(name)
+    if not name or path.is_absolute() or ".." in path.parts or name.endswith(MANIFEST_SUFFIX):
+        raise ValueError(
+            f"artifact output {name!r}: expected a relative path inside the artifact's directory "
+            f"(no '..', not ending in {MANIFEST_SUFFIX})"
+        )
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """The output of one stage, `name`, in `directory`, whose files have layout version `format`.
+
+    The manifest is `directory / f"{name}.manifest.json"`; the outputs are files in `directory` (relative
+    paths, subfolders allowed). Bump `format` whenever the files' layout or meaning changes: older outputs
+    are then recomputed instead of misread.
+    """
+
+    directory: Path
+    name: str
+    format: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "directory", Path(self.directory))
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.directory / f"{self.name}{MANIFEST_SUFFIX}"
+
+    def path(self, output: str) -> Path:
+        """Where output file `output` lives."""
+        _check_output_name(output)
+        return self.directory / output
+
+    def read_manifest(self) -> Manifest:
+        """The manifest on disk, on this rank; FileNotFoundError or ArtifactError naming the file if unusable
+        (missing, not JSON, another layout, another stage, another format version)."""
+        path = self.manifest_path
+        if not path.is_file():
+            raise FileNotFoundError(f"{self.name} manifest {path} does not exist")
+        try:
+            data = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ArtifactError(f"{path} is not valid JSON: {error}") from error
+        manifest = Manifest.from_dict(data, str(path))
+        if manifest.stage != self.name:
+            raise ArtifactError(f"{path}: written by stage {manifest.stage!r}, expected {self.name!r}")
+        if manifest.format != self.format:
+            raise ArtifactError(f"{path}: {self.name} format {manifest.format}, expected {self.format}")
+        return manifest
+
+    def why_not_current(self, inputs: Mapping[str, str]) -> str | None:
+        """Why the saved output cannot be reused for `inputs` (a sentence for logs), or None if it can.
+
+        Reads only this rank's view of the directory; `load_if_current` is the collective version.
+        """
+        try:
+            manifest = self.read_manifest()
+        except FileNotFoundError:
+            return f"no manifest {self.manifest_path}"
+        except ArtifactError as error:
+            return f"unusable manifest: {error}"
+        if manifest.inputs != dict(inputs):
+            changed = sorted(
+                key
+                for key in set(manifest.inputs) | set(inputs)
+                if manifest.inputs.get(key) != inputs.get(key)
+            )
+            return f"{self.manifest_path} was made from other inputs: {', '.join(changed)} differ"
+        for output, size in manifest.outputs.items():
+            path = self.directory / output
+            if not path.is_file():
+                return f"output {path} listed in {self.manifest_path} is missing"
+            if path.stat().st_size != size:
+                return f"output {path} has {path.stat().st_size} bytes, the manifest says {size}"
+        return None
+
+    def load_if_current(self, inputs: Mapping[str, str]) -> Manifest | None:
+        """The saved manifest if it may be reused for `inputs` (exact match, see the module docstring), else None.
+
+        Collective under torch.distributed: every rank calls it with equal `inputs` (an error otherwise);
+        rank 0 decides and every rank gets its answer. The reason for a None is logged at INFO level.
+        """
+        inputs = dict(inputs)
+        _same_on_every_rank(inputs, f"{self.name} inputs")
+        if dist.is_main():
+            reason = self.why_not_current(inputs)
+            decision = (self.read_manifest() if reason is None else None, reason)
+        else:
+            decision = (None, None)
+        manifest, reason = dist.broadcast_object(decision)
+        if manifest is None and dist.is_main():
+            _log.info("%s in %s is recomputed: %s", self.name, self.directory, reason)
+        return manifest
+
+    def write(
+        self,
+        inputs: Mapping[str, str],
+        outputs: Mapping[str, Callable[[str], None]],
+        info: Mapping[str, Any] | None = None,
+    ) -> Manifest:
+        """Write the stage's output: `outputs` maps a file name to a writer called with a temporary path.
+
+        Rank 0 removes the old manifest, writes every output atomically, then the manifest; the other ranks
+        wait, then read that manifest (an ArtifactError if it is missing or was made from other inputs, e.g.
+        rank 0 failed). Collective under torch.distributed; returns the manifest on every rank.
+        """
+        inputs = dict(inputs)
+        for output in outputs:
+            _check_output_name(output)
+        info = dict(info or {})
+        json.dumps(info)  # fail on every rank, before anything is written, if info is not JSON
+        with dist.main_process_first():
+            if dist.is_main():
+                self.manifest_path.unlink(missing_ok=True)
+                sizes = {}
+                for output, writer in outputs.items():
+                    path = atomic_write(self.directory / output, writer)
+                    sizes[output] = path.stat().st_size
+                created = datetime.now(timezone.utc).isoformat(timespec="seconds")
+                manifest = Manifest(self.name, self.format, inputs, sizes, created=created, info=info)
+                # The manifest goes last: its presence means the outputs it lists are complete.
+                atomic_write(self.manifest_path, json_writer(manifest.to_dict()))
+                return manifest
+        try:
+            manifest = self.read_manifest()
+        except FileNotFoundError as error:
+            raise ArtifactError(f"rank 0 did not write {self.manifest_path} (did it fail?)") from error
+        if manifest.inputs != inputs:
+            raise ArtifactError(
+                f"{self.manifest_path} was not written for this rank's inputs (did rank 0 fail to write it?)"
+            )
+        return manifest
+
+    def load_tensors(self, output: str) -> dict[str, torch.Tensor]:
+        """Read a safetensors output (CPU tensors); errors name the file."""
+        path = self.path(output)
+        if not path.is_file():
+            raise FileNotFoundError(f"{self.name} output {path} does not exist")
+        try:
+            return load_file(str(path))
+        except Exception as error:  # safetensors raises its own types for truncated or corrupt files
+            raise ArtifactError(f"cannot read {self.name} tensors {path}: {error}") from error
+
+    def load_json(self, output: str) -> Any:
+        """Read a JSON output; errors name the file."""
+        path = self.path(output)
+        if not path.is_file():
+            raise FileNotFoundError(f"{self.name} output {path} does not exist")
+        try:
+            return json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise ArtifactError(f"{path} is not valid JSON: {error}") from error
+
+
+def _same_on_every_rank(value: Any, what: str) -> None:
+    """Raise on every rank if the ranks passed different `value`s (a cheap all-gather of small objects)."""
+    values = dist.all_gather_object(value)
+    if any(other != values[0] for other in values[1:]):
+        ranks = [rank for rank, other in enumerate(values) if other != values[0]]
+        keys = []
+        if isinstance(value, dict):
+            keys = sorted({k for other in values for k in other if other.get(k) != values[0].get(k)})
+        raise ValueError(
+            f"{what} differ between rank 0 and rank(s) {ranks}"
+            + (f" in {keys}" if keys else "")
+            + ": every rank must pass the same inputs (e.g. the same calibration batches in the same order)"
+        )
