@@ -10,7 +10,7 @@ import dataclasses
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -35,6 +35,40 @@ def _require_bools(spec: Any) -> None:
 def _require_divisible(owner: str, name: str, value: int, divisor_name: str, divisor: int) -> None:
     if value % divisor != 0:
         raise SpecError(f"{owner}.{name} ({value}) must be divisible by {divisor_name} ({divisor})")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Variant ids: `kind:token:token...`, readable, filesystem-safe, one per spec (they name library files).
+
+
+def _number(value: float) -> str:
+    """The shortest text that reads back as `value` (repr), without a trailing `.0`: 2.5, 1e-05, 10000."""
+    text = repr(value)
+    return text[:-2] if text.endswith(".0") else text
+
+
+def _flag(token: str) -> Callable[[Any], str]:
+    # A boolean token is present only when the field differs from its default, so its name says it all.
+    return lambda value: token
+
+
+def _prefixed(prefix: str) -> Callable[[Any], str]:
+    return lambda value: f"{prefix}{_number(value)}"
+
+
+def _spec_id(spec: Any, core: Iterable[str]) -> str:
+    """`core` tokens, then one token for each field in the class's `ID_TOKENS` that differs from its default.
+
+    Fields in `ID_CORE` are spelt by `core`; every other field has a token (checked at import, below),
+    so two specs that differ in any field get different ids, and the id of a spec that uses only
+    defaults beyond its core never changes when a field with a default is added.
+    """
+    parts = list(core)
+    for f in dataclasses.fields(spec):
+        value = getattr(spec, f.name)
+        if f.name in spec.ID_TOKENS and value != f.default:
+            parts.append(spec.ID_TOKENS[f.name](value))
+    return ":".join(parts)
 
 
 @dataclass(frozen=True)
@@ -98,8 +132,26 @@ class MambaSpec:
             start += size
         return sections
 
+    ID_CORE: ClassVar[tuple[str, ...]] = ("num_heads", "head_dim", "state_size", "n_groups")
+    ID_TOKENS: ClassVar[dict[str, Callable[[Any], str]]] = {
+        "conv_kernel": _prefixed("conv"),
+        "chunk_size": _prefixed("chunk"),
+        "conv_bias": _flag("noconvbias"),
+        "proj_bias": _flag("projbias"),
+        "dt_clamp_min": _prefixed("dtmin"),
+        "dt_clamp_max": _prefixed("dtmax"),
+    }
+
     def short_name(self) -> str:
-        return f"mamba:h{self.num_heads}:p{self.head_dim}:n{self.state_size}:g{self.n_groups}"
+        """The variant id, e.g. `mamba:h64:p64:n128:g8`, plus `:chunk64` etc. for non-default fields."""
+        core = (
+            "mamba",
+            f"h{self.num_heads}",
+            f"p{self.head_dim}",
+            f"n{self.state_size}",
+            f"g{self.n_groups}",
+        )
+        return _spec_id(self, core)
 
 
 @dataclass(frozen=True)
@@ -127,8 +179,16 @@ class AttentionSpec:
         if not 0.0 < self.rotary_fraction <= 1.0:
             raise SpecError(f"{owner}.rotary_fraction must be in (0, 1], found {self.rotary_fraction!r}")
 
+    ID_CORE: ClassVar[tuple[str, ...]] = ("num_heads", "num_kv_heads", "head_dim")
+    ID_TOKENS: ClassVar[dict[str, Callable[[Any], str]]] = {
+        "bias": _flag("bias"),
+        "rope_theta": _prefixed("rope"),
+        "rotary_fraction": _prefixed("rotary"),
+    }
+
     def short_name(self) -> str:
-        return f"attn:q{self.num_heads}:kv{self.num_kv_heads}:d{self.head_dim}"
+        """The variant id, e.g. `attn:q32:kv2:d128`, plus `:bias` etc. for non-default fields."""
+        return _spec_id(self, ("attn", f"q{self.num_heads}", f"kv{self.num_kv_heads}", f"d{self.head_dim}"))
 
 
 @dataclass(frozen=True)
@@ -207,19 +267,28 @@ class MoESpec:
         """Input (and output) size of the routed experts: the latent size, else the hidden size."""
         return self.latent_size if self.latent_size is not None else hidden_size
 
+    ID_CORE: ClassVar[tuple[str, ...]] = ("num_experts", "top_k", "expert_width")
+    ID_TOKENS: ClassVar[dict[str, Callable[[Any], str]]] = {
+        "shared_width": _prefixed("s"),
+        "latent_size": _prefixed("l"),
+        "routed_scaling_factor": _prefixed("scale"),
+        "norm_topk_prob": _flag("nonormtopk"),
+        "n_group": _prefixed("groups"),
+        "topk_group": _prefixed("topkgroups"),
+    }
+
     def short_name(self) -> str:
+        """The variant id, e.g. `moe:e128:k6:w1856:s3712`, plus `:scale2.5` etc. for non-default fields.
+
+        Heterogeneous widths show their mean and a 48-bit digest of the list: `w12avg.1a2b3c4d5e6f`.
+        """
         widths = self.widths
         if self.is_uniform:
             width = str(widths[0])
         else:  # the mean is readable; the digest keeps two different width lists apart
-            digest = hashlib.sha256(",".join(map(str, widths)).encode()).hexdigest()[:6]
+            digest = hashlib.sha256(",".join(map(str, widths)).encode()).hexdigest()[:12]
             width = f"{round(sum(widths) / len(widths))}avg.{digest}"
-        name = f"moe:e{self.num_experts}:k{self.top_k}:w{width}"
-        if self.shared_width:
-            name += f":s{self.shared_width}"
-        if self.latent_size is not None:
-            name += f":l{self.latent_size}"
-        return name
+        return _spec_id(self, ("moe", f"e{self.num_experts}", f"k{self.top_k}", f"w{width}"))
 
 
 @dataclass(frozen=True)
@@ -243,8 +312,15 @@ class MLPSpec:
                 f"choose one of {list(self.ACTIVATIONS)}"
             )
 
+    ID_CORE: ClassVar[tuple[str, ...]] = ("width",)
+    ID_TOKENS: ClassVar[dict[str, Callable[[Any], str]]] = {
+        "activation": str,  # the name itself: `mlp:w64:silu`
+        "bias": _flag("bias"),
+    }
+
     def short_name(self) -> str:
-        return f"mlp:w{self.width}"
+        """The variant id, e.g. `mlp:w4096`, plus `:silu`, `:bias` for non-default fields."""
+        return _spec_id(self, ("mlp", f"w{self.width}"))
 
 
 @dataclass(frozen=True)
@@ -259,8 +335,12 @@ class LinearSpec:
     def __post_init__(self) -> None:
         _require_bools(self)
 
+    ID_CORE: ClassVar[tuple[str, ...]] = ()
+    ID_TOKENS: ClassVar[dict[str, Callable[[Any], str]]] = {"bias": _flag("bias")}
+
     def short_name(self) -> str:
-        return "linear"
+        """The variant id: `linear`, or `linear:bias`."""
+        return _spec_id(self, ("linear",))
 
 
 @dataclass(frozen=True)
@@ -270,14 +350,32 @@ class NoOpSpec:
     kind: ClassVar[str] = "noop"
     pattern_char: ClassVar[str] = "N"
 
+    ID_CORE: ClassVar[tuple[str, ...]] = ()
+    ID_TOKENS: ClassVar[dict[str, Callable[[Any], str]]] = {}
+
     def short_name(self) -> str:
-        return "noop"
+        """The variant id: `noop`."""
+        return _spec_id(self, ("noop",))
 
 
 BlockSpec = MambaSpec | AttentionSpec | MoESpec | MLPSpec | LinearSpec | NoOpSpec
 BLOCK_SPEC_TYPES: dict[str, type] = {
     cls.kind: cls for cls in (MambaSpec, AttentionSpec, MoESpec, MLPSpec, LinearSpec, NoOpSpec)
 }
+
+
+def _check_ids_spell_every_field() -> None:
+    # A field that shows nowhere in the id would let two variants share one library file.
+    for cls in BLOCK_SPEC_TYPES.values():
+        spelt = set(cls.ID_CORE) | set(cls.ID_TOKENS)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if spelt != fields:
+            raise TypeError(
+                f"{cls.__name__}: id tokens {sorted(spelt)} do not match its fields {sorted(fields)}"
+            )
+
+
+_check_ids_spell_every_field()
 
 
 def _finite_or_none(value: Any) -> Any:
