@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import math
+import numbers
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -30,6 +31,32 @@ def _require_bools(spec: Any) -> None:
         value = getattr(spec, f.name)
         if f.type in ("bool", bool) and not isinstance(value, bool):
             raise SpecError(f"{type(spec).__name__}.{f.name} must be true or false, found {value!r}")
+
+
+def _require_number(
+    spec: Any, name: str, *, minimum: float, above: bool = False, maximum: float | None = None
+) -> None:
+    """Field `name` of `spec` is a finite real (an int is fine, a bool or a string is not) in range; stored as float.
+
+    Range: > minimum when `above`, else >= minimum; <= maximum when given. None passes for the
+    optional fields (those whose default is None).
+    """
+    owner, value = type(spec).__name__, getattr(spec, name)
+    optional = next(f for f in dataclasses.fields(spec) if f.name == name).default is None
+    if value is None and optional:
+        return
+    what = "a number or None" if optional else "a number"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise SpecError(f"{owner}.{name} must be {what}, found {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise SpecError(f"{owner}.{name} must be finite, found {value!r}")
+    low_ok = value > minimum if above else value >= minimum
+    if not low_ok or (maximum is not None and value > maximum):
+        bounds = "positive" if above and minimum == 0 else f"{'>' if above else '>='} {_number(minimum)}"
+        bounds += f" and <= {_number(maximum)}" if maximum is not None else ""
+        raise SpecError(f"{owner}.{name} must be {bounds}, found {value!r}")
+    object.__setattr__(spec, name, value)  # 1 and 1.0 are one spec; JSON and ids see a float
 
 
 def _require_divisible(owner: str, name: str, value: int, divisor_name: str, divisor: int) -> None:
@@ -100,6 +127,10 @@ class MambaSpec:
         for name in ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel", "chunk_size"):
             _require_positive_int(owner, name, getattr(self, name))
         _require_divisible(owner, "num_heads", self.num_heads, "n_groups", self.n_groups)
+        if isinstance(self.dt_clamp_max, float) and self.dt_clamp_max == math.inf:
+            object.__setattr__(self, "dt_clamp_max", None)  # one spelling of "no upper clamp" (JSON null)
+        _require_number(self, "dt_clamp_min", minimum=0.0)
+        _require_number(self, "dt_clamp_max", minimum=0.0, above=True)
         if self.dt_clamp_max is not None and self.dt_clamp_max < self.dt_clamp_min:
             raise SpecError(
                 f"{owner}.dt_clamp_max ({self.dt_clamp_max}) is below dt_clamp_min ({self.dt_clamp_min})"
@@ -174,10 +205,8 @@ class AttentionSpec:
         for name in ("num_heads", "num_kv_heads", "head_dim"):
             _require_positive_int(owner, name, getattr(self, name))
         _require_divisible(owner, "num_heads", self.num_heads, "num_kv_heads", self.num_kv_heads)
-        if self.rope_theta is not None and self.rope_theta <= 0:
-            raise SpecError(f"{owner}.rope_theta must be positive or None, found {self.rope_theta!r}")
-        if not 0.0 < self.rotary_fraction <= 1.0:
-            raise SpecError(f"{owner}.rotary_fraction must be in (0, 1], found {self.rotary_fraction!r}")
+        _require_number(self, "rope_theta", minimum=0.0, above=True)
+        _require_number(self, "rotary_fraction", minimum=0.0, above=True, maximum=1.0)
 
     ID_CORE: ClassVar[tuple[str, ...]] = ("num_heads", "num_kv_heads", "head_dim")
     ID_TOKENS: ClassVar[dict[str, Callable[[Any], str]]] = {
@@ -216,10 +245,7 @@ class MoESpec:
     def __post_init__(self) -> None:
         owner = "MoESpec"
         _require_bools(self)
-        if not self.routed_scaling_factor > 0:
-            raise SpecError(
-                f"{owner}.routed_scaling_factor must be positive, found {self.routed_scaling_factor!r}"
-            )
+        _require_number(self, "routed_scaling_factor", minimum=0.0, above=True)
         for name in ("num_experts", "top_k", "n_group", "topk_group"):
             _require_positive_int(owner, name, getattr(self, name))
         if isinstance(self.expert_width, (list, tuple)):
@@ -232,6 +258,11 @@ class MoESpec:
             for index, width in enumerate(widths):
                 _require_positive_int(owner, f"expert_width[{index}]", width)
             object.__setattr__(self, "expert_width", widths)
+        elif isinstance(self.expert_width, bool) or not isinstance(self.expert_width, int):
+            raise SpecError(
+                f"{owner}.expert_width must be a positive integer or a list with one per expert, "
+                f"found {self.expert_width!r} ({type(self.expert_width).__name__})"
+            )
         else:
             _require_positive_int(owner, "expert_width", self.expert_width)
         if isinstance(self.shared_width, bool) or not isinstance(self.shared_width, int):
@@ -306,7 +337,7 @@ class MLPSpec:
     def __post_init__(self) -> None:
         _require_bools(self)
         _require_positive_int("MLPSpec", "width", self.width)
-        if self.activation not in self.ACTIVATIONS:
+        if not isinstance(self.activation, str) or self.activation not in self.ACTIVATIONS:
             raise SpecError(
                 f"MLPSpec.activation {self.activation!r} is not supported; "
                 f"choose one of {list(self.ACTIVATIONS)}"
@@ -422,7 +453,7 @@ def block_from_dict(data: Mapping[str, Any]) -> BlockSpec:
         fields["expert_width"] = tuple(fields["expert_width"])
     try:
         return cls(**fields)
-    except TypeError as error:  # e.g. a string where a number belongs
+    except TypeError as error:  # a safety net: the checks in __post_init__ should say it first
         raise SpecError(f"invalid {kind!r} block spec {dict(data)!r}: {error}") from error
 
 
@@ -440,6 +471,10 @@ class ModelSpec:
         _require_bools(self)
         _require_positive_int("ModelSpec", "vocab_size", self.vocab_size)
         _require_positive_int("ModelSpec", "hidden_size", self.hidden_size)
+        if isinstance(self.blocks, (str, bytes, Mapping)) or not isinstance(self.blocks, Iterable):
+            raise SpecError(
+                f"ModelSpec.blocks must be a sequence of block specs, found {type(self.blocks).__name__}"
+            )
         blocks = tuple(self.blocks)
         for index, block in enumerate(blocks):
             if not isinstance(block, tuple(BLOCK_SPEC_TYPES.values())):
@@ -447,8 +482,7 @@ class ModelSpec:
                     f"ModelSpec.blocks[{index}] is a {type(block).__name__}, expected a block spec "
                     f"({', '.join(cls.__name__ for cls in BLOCK_SPEC_TYPES.values())})"
                 )
-        if not self.norm_eps > 0:
-            raise SpecError(f"ModelSpec.norm_eps must be positive, found {self.norm_eps!r}")
+        _require_number(self, "norm_eps", minimum=0.0, above=True)
         object.__setattr__(self, "blocks", blocks)
 
     @property

@@ -291,3 +291,98 @@ def test_every_non_default_field_shows_in_the_id() -> None:
     assert AttentionSpec(4, 2, 8, bias=True, rope_theta=1e4).short_name() == "attn:q4:kv2:d8:bias:rope10000"
     assert MLPSpec(width=8, activation="silu").short_name() == "mlp:w8:silu"
     assert LinearSpec(bias=True).short_name() == "linear:bias"
+
+
+# ---------------------------------------------------------------------------------------------------
+# Numbers and containers of the wrong type are SpecErrors naming the field, not TypeErrors later.
+
+VALID = {
+    MambaSpec: {"num_heads": 4, "head_dim": 8, "state_size": 16},
+    AttentionSpec: {"num_heads": 4, "num_kv_heads": 2, "head_dim": 8},
+    MoESpec: {"num_experts": 4, "top_k": 2, "expert_width": 8},
+    MLPSpec: {"width": 8},
+    LinearSpec: {},
+    NoOpSpec: {},
+    ModelSpec: {"vocab_size": 10, "hidden_size": 8},
+}
+FLOAT_FIELDS = [(cls, f.name) for cls in VALID for f in dataclasses.fields(cls) if "float" in str(f.type)]
+
+
+def test_the_float_fields_are_all_checked_below() -> None:
+    assert {f"{cls.__name__}.{name}" for cls, name in FLOAT_FIELDS} == {
+        "MambaSpec.dt_clamp_min",
+        "MambaSpec.dt_clamp_max",
+        "AttentionSpec.rope_theta",
+        "AttentionSpec.rotary_fraction",
+        "MoESpec.routed_scaling_factor",
+        "ModelSpec.norm_eps",
+    }
+
+
+@pytest.mark.parametrize(("cls", "name"), FLOAT_FIELDS, ids=lambda x: getattr(x, "__name__", x))
+@pytest.mark.parametrize(
+    ("bad", "message"),
+    [
+        ("1e-5", r"must be a number(?: or None)?, found '1e-5' \(str\)"),
+        (True, r"must be a number(?: or None)?, found True \(bool\)"),
+        ([0.5], r"must be a number(?: or None)?, found \[0.5\] \(list\)"),
+        (math.nan, "must be finite, found nan"),
+        (-math.inf, "must be finite, found -inf"),
+        (-1.0, "must be (positive|>= 0)"),
+    ],
+)
+def test_every_float_field_refuses_what_is_not_a_number(cls, name: str, bad, message: str) -> None:
+    with pytest.raises(SpecError, match=rf"{cls.__name__}\.{name} {message}"):
+        cls(**VALID[cls], **{name: bad})
+    # And through JSON, where strings and booleans come from.
+    if cls is not ModelSpec:
+        with pytest.raises(SpecError, match=rf"{cls.__name__}\.{name} {message}"):
+            block_from_dict({"kind": cls.kind, **VALID[cls], name: bad})
+
+
+def test_numbers_are_stored_as_floats_and_infinity_means_no_clamp() -> None:
+    assert ModelSpec(10, 8, [], norm_eps=1) == ModelSpec(10, 8, [], norm_eps=1.0)
+    assert isinstance(ModelSpec(10, 8, [], norm_eps=1).norm_eps, float)
+    assert isinstance(AttentionSpec(4, 2, 8, rope_theta=10000).rope_theta, float)
+    unbounded = MambaSpec(4, 8, 16, dt_clamp_max=math.inf)
+    assert unbounded == MambaSpec(4, 8, 16) and unbounded.dt_clamp_max is None
+    # Ranges that are numbers but no block: an empty clamp window, a rotary fraction above one.
+    with pytest.raises(SpecError, match=r"MambaSpec\.dt_clamp_max must be positive, found 0.0"):
+        MambaSpec(4, 8, 16, dt_clamp_max=0)
+    with pytest.raises(
+        SpecError, match=r"AttentionSpec\.rotary_fraction must be positive and <= 1, found 1.5"
+    ):
+        AttentionSpec(4, 2, 8, rotary_fraction=1.5)
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (
+            lambda: ModelSpec(10, 8, blocks=None),
+            r"ModelSpec\.blocks must be a sequence of block specs, found NoneType",
+        ),
+        (
+            lambda: ModelSpec(10, 8, blocks="M*"),
+            r"ModelSpec\.blocks must be a sequence of block specs, found str",
+        ),
+        (lambda: ModelSpec(10, 8, blocks={"kind": "mlp"}), r"ModelSpec\.blocks .* found dict"),
+        (lambda: ModelSpec(10, 8, blocks=5), r"ModelSpec\.blocks .* found int"),
+        (lambda: ModelSpec(True, 8), r"ModelSpec\.vocab_size must be a positive integer, found True"),
+        (lambda: ModelSpec(10, 8.0), r"ModelSpec\.hidden_size must be a positive integer, found 8\.0"),
+        (lambda: MambaSpec(4, 8, True), r"MambaSpec\.state_size must be a positive integer, found True"),
+        (
+            lambda: MoESpec(4, 2, "8"),
+            r"MoESpec\.expert_width must be a positive integer or a list .* \(str\)",
+        ),
+        (
+            lambda: MoESpec(4, 2, {8}),
+            r"MoESpec\.expert_width must be a positive integer or a list .* \(set\)",
+        ),
+        (lambda: MoESpec(4, 2, 8, shared_width=False), r"MoESpec\.shared_width must be an integer >= 0"),
+        (lambda: MLPSpec(8, activation=["relu2"]), r"MLPSpec\.activation \['relu2'\] is not supported"),
+    ],
+)
+def test_wrong_types_are_spec_errors_naming_the_field(build, message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        build()
