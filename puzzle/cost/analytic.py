@@ -126,9 +126,14 @@ def _mixer_tensors(spec: BlockSpec, hidden_size: int) -> list[TensorInfo]:
 
 @lru_cache(maxsize=4096)
 def block_tensors(spec: BlockSpec, hidden_size: int) -> tuple[TensorInfo, ...]:
-    """Every tensor one block stores: its pre-norm `norm.weight` [H] and `mixer.*` (cached per spec)."""
+    """Every tensor one block stores: its pre-norm `norm.weight` [H] and `mixer.*` (cached per spec).
+
+    A no-op block stores nothing: it has no mixer tensors and no pre-norm.
+    """
     if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size <= 0:
         raise SpecError(f"hidden_size must be a positive integer, found {hidden_size!r}")
+    if isinstance(spec, NoOpSpec):
+        return ()
     mixer = [
         TensorInfo(f"mixer.{t.name}", t.shape, t.role, t.is_parameter)
         for t in _mixer_tensors(spec, hidden_size)
