@@ -537,14 +537,50 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class Variant:
-    """A candidate for one block of the parent: (block index, spec), with a readable id."""
+    """A candidate for one block of the parent: (block index, spec), with a readable id.
+
+    What the stages pass around (library, scores, costs, search): frozen and hashable, so a dict
+    key; `to_dict` / `from_dict` for JSON. `Variant(3, MoESpec(...))` builds one.
+    """
 
     block_index: int
     spec: BlockSpec
 
+    def __post_init__(self) -> None:
+        index = self.block_index
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise SpecError(f"Variant.block_index must be an integer >= 0, found {index!r}")
+        if not isinstance(self.spec, tuple(BLOCK_SPEC_TYPES.values())):
+            raise SpecError(f"Variant.spec must be a block spec, found {type(self.spec).__name__}")
+
     @property
     def id(self) -> str:
+        """The spec's id (`moe:e128:k6:w1856`): unique per spec, readable, usable as a file name."""
         return self.spec.short_name()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: {"block_index", "id" (for people and as a check), "spec" (as `block_to_dict`)}."""
+        return {"block_index": self.block_index, "id": self.id, "spec": block_to_dict(self.spec)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Variant:
+        """Inverse of `to_dict`. An "id" that is not the spec's own id is an error (a stale or edited file)."""
+        if not isinstance(data, Mapping):
+            raise SpecError(f"a variant must be a JSON object, found {type(data).__name__}")
+        allowed = ["block_index", "id", "spec"]
+        unknown = sorted(set(data) - set(allowed))
+        if unknown:
+            raise SpecError(f"unknown key(s) {unknown} in a variant; allowed keys: {allowed}")
+        for required in ("block_index", "spec"):
+            if required not in data:
+                raise SpecError(f"a variant is missing required key {required!r}")
+        variant = cls(data["block_index"], block_from_dict(data["spec"]))
+        if "id" in data and data["id"] != variant.id:
+            raise SpecError(
+                f"variant of block {variant.block_index}: id {data['id']!r} does not match its spec, "
+                f"whose id is {variant.id!r}"
+            )
+        return variant
 
     def __str__(self) -> str:
         return f"block {self.block_index}: {self.id}"

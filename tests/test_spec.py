@@ -386,3 +386,43 @@ def test_numbers_are_stored_as_floats_and_infinity_means_no_clamp() -> None:
 def test_wrong_types_are_spec_errors_naming_the_field(build, message: str) -> None:
     with pytest.raises(SpecError, match=message):
         build()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Variant: what the stages pass around.
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 200), block_specs())
+def test_variants_round_trip_through_json_and_are_dict_keys(block_index: int, spec) -> None:
+    variant = Variant(block_index, spec)
+    again = Variant.from_dict(json.loads(json.dumps(variant.to_dict(), allow_nan=False)))
+    assert again == variant and hash(again) == hash(variant) and again.id == variant.id == spec.short_name()
+    assert {variant: 1}[again] == 1
+    assert Variant(block_index + 1, spec) != variant
+
+
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda: Variant(-1, NoOpSpec()), r"Variant\.block_index must be an integer >= 0, found -1"),
+        (lambda: Variant(True, NoOpSpec()), r"Variant\.block_index must be an integer >= 0, found True"),
+        (lambda: Variant("3", NoOpSpec()), r"Variant\.block_index must be an integer >= 0, found '3'"),
+        (lambda: Variant(3, {"kind": "noop"}), r"Variant\.spec must be a block spec, found dict"),
+        (lambda: Variant.from_dict([3]), "a variant must be a JSON object, found list"),
+        (lambda: Variant.from_dict({"block_index": 3}), "a variant is missing required key 'spec'"),
+        (
+            lambda: Variant.from_dict({"block_index": 3, "spec": {"kind": "noop"}, "score": 1.0}),
+            r"unknown key\(s\) \['score'\] in a variant",
+        ),
+        (
+            lambda: Variant.from_dict(
+                {"block_index": 3, "id": "mlp:w8", "spec": {"kind": "mlp", "width": 16}}
+            ),
+            "variant of block 3: id 'mlp:w8' does not match its spec, whose id is 'mlp:w16'",
+        ),
+    ],
+)
+def test_variant_errors_name_the_problem(build, message: str) -> None:
+    with pytest.raises(SpecError, match=message):
+        build()
