@@ -17,6 +17,7 @@ for the assembled child's KL, which is measured next to it.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import tempfile
 from contextlib import contextmanager
@@ -111,13 +112,16 @@ def run_directory(out_dir: str | Path | None):
 
 @contextmanager
 def swapped(model: HybridLM, index: int, mixer: nn.Module):
-    """The model with block `index`'s mixer replaced (its spec follows the mixer), restored afterwards."""
-    saved = model.layers[index].mixer
+    """The model with block `index`'s mixer replaced (its spec follows the mixer), restored afterwards.
+
+    A no-op mixer takes the block's pre-norm away with it; the saved norm goes back with the saved mixer.
+    """
+    saved_mixer, saved_norm = model.layers[index].mixer, model.layers[index].norm
     model.replace_mixer(index, mixer)
     try:
         yield model
     finally:
-        model.replace_mixer(index, saved)
+        model.replace_mixer(index, saved_mixer, norm=saved_norm)
 
 
 def candidates(block: BlockSpec) -> list[BlockSpec]:
@@ -164,14 +168,17 @@ def build_library(parent: HybridLM, importance, ids: torch.Tensor, reference: to
 
 
 def assemble(parent: HybridLM, spec: ModelSpec, mixers: list[nn.Module]) -> HybridLM:
-    """A HybridLM for `spec`: the parent's embeddings, norms and lm_head, block i's mixer from mixers[i]."""
-    with torch.device("meta"):  # no random init: every tensor is assigned below
-        child = HybridLM(spec)
+    """A HybridLM for `spec`: the parent's embeddings, norms and lm_head, block i's mixer a copy of mixers[i]."""
+    with torch.device("meta"):  # no random init: the mixers are given, every other tensor is assigned below
+        child = HybridLM(spec, mixers=[copy.deepcopy(mixer) for mixer in mixers])
     state = {k: v for k, v in parent.state_dict().items() if not k.startswith("layers.")}
-    for i, mixer in enumerate(mixers):
-        state[f"layers.{i}.norm.weight"] = parent.layers[i].norm.weight
-        state.update({f"layers.{i}.mixer.{k}": v for k, v in mixer.state_dict().items()})
-    child.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=True, assign=True)
+    for i, block in enumerate(child.layers):
+        if block.norm is not None:  # a no-op block has none
+            state[f"layers.{i}.norm.weight"] = parent.layers[i].norm.weight
+    result = child.load_state_dict(
+        {k: v.detach().clone() for k, v in state.items()}, strict=False, assign=True
+    )
+    assert not result.unexpected_keys and all(".mixer." in key for key in result.missing_keys), result
     child.source_config = parent.source_config  # token ids etc. that the spec does not hold, for saving
     return child.eval()
 

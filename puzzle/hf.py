@@ -14,7 +14,7 @@ when transformers' NemotronHForCausalLM can represent the model, else nemotron_h
 Our extensions of the nemotron_h_puzzle schema (read and written here, unknown to other tools):
 - `{"block_type": "linear"}`: the mixer is one [H, H] matrix `backbone.layers.{i}.mixer.linear.weight`
   (`"linear_bias": true` adds `mixer.linear.bias`); pattern character `L`.
-- `{"block_type": "noop"}`: a removed block, no tensors besides its (unused) `norm.weight`; pattern `N`.
+- `{"block_type": "noop"}`: a removed block, no tensors (a `norm.weight` of older files is ignored); pattern `N`.
 - `moe_intermediate_size` may be a list with one width per routed expert.
 - `mamba_dt_clamp_max`: an upper clamp of dt after softplus (absent or null = none).
 """
@@ -760,6 +760,9 @@ def load(
         if spec.tie_embeddings:
             expected.pop("lm_head.weight")
             sources.pop("lm_head.weight", None)
+        for index, block in enumerate(spec.blocks):  # older files kept a no-op block's (unused) pre-norm
+            if isinstance(block, NoOpSpec):
+                sources.pop(f"layers.{index}.norm.weight", None)
         missing = [key for key in expected if key not in sources]
         if missing:
             names = ", ".join(repr(_disk_name(key, prefix)) for key in missing[:5])
@@ -787,7 +790,10 @@ def load(
             tensor = _read(handles[source.file], source.file, source.key, source.expert)
             if tensor.is_floating_point():
                 tensor = tensor.to(dtype=torch.float32 if _keeps_fp32(key) else target_dtype)
-            _assign(model, key, tensor.to(device).contiguous())
+            tensor = tensor.to(device).contiguous()
+            if tensor.data_ptr() % 64:  # file data sits at any offset; CPU matmuls round by alignment
+                tensor = tensor.clone()
+            _assign(model, key, tensor)
     if spec.tie_embeddings:
         model.lm_head.weight = model.embeddings.weight
     leftover = [name for name, value in [*model.named_parameters(), *model.named_buffers()] if value.is_meta]

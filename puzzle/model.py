@@ -7,6 +7,7 @@ the `backbone.` prefix; `puzzle.hf` converts checkpoints in and out.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 
 from puzzle.blocks import build_block
-from puzzle.spec import BlockSpec, ModelSpec, NoOpSpec
+from puzzle.spec import BlockSpec, ModelSpec, NoOpSpec, SpecError
 
 
 class RMSNorm(nn.Module):
@@ -41,12 +42,18 @@ class RMSNorm(nn.Module):
 
 
 class Block(nn.Module):
-    """One residual block: `x + mixer(norm(x))`. A no-op block skips the norm and returns x unchanged."""
+    """One residual block: `x + mixer(norm(x))`. A no-op block has no norm (no parameters) and returns x.
 
-    def __init__(self, spec: BlockSpec, hidden_size: int, norm_eps: float) -> None:
+    `mixer`: an already built mixer for `spec` (see `HybridLM(spec, mixers=...)`), else one is built.
+    """
+
+    def __init__(
+        self, spec: BlockSpec, hidden_size: int, norm_eps: float, mixer: nn.Module | None = None
+    ) -> None:
         super().__init__()
-        self.norm = RMSNorm(hidden_size, norm_eps)
-        self.mixer = build_block(spec, hidden_size, norm_eps)
+        # No parameter that forward never uses: DDP / FSDP would wait for its gradient.
+        self.norm = None if isinstance(spec, NoOpSpec) else RMSNorm(hidden_size, norm_eps)
+        self.mixer = build_block(spec, hidden_size, norm_eps) if mixer is None else mixer
 
     @property
     def spec(self) -> BlockSpec:
@@ -84,16 +91,58 @@ class ModelOutput:
     cache: ModelCache | None = None
 
 
+def _check_mixer(index: int, mixer: nn.Module, expected: BlockSpec | None, hidden_size: int) -> None:
+    """A mixer fits block `index`: it has a `.spec` (equal to `expected` when given) and the tensor shapes
+    `build_block` gives that spec at this hidden size."""
+    own = getattr(mixer, "spec", None)
+    if own is None:
+        raise TypeError(
+            f"block {index}: a mixer needs a .spec (build it with puzzle.blocks.build_block), "
+            f"got {type(mixer).__name__}"
+        )
+    if expected is not None and own != expected:
+        raise SpecError(
+            f"block {index}: the given mixer is a {own.short_name()}, the model spec has "
+            f"{expected.short_name()} there ({own} != {expected})"
+        )
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        reference = build_block(own, hidden_size)
+    shapes = {name: tuple(t.shape) for name, t in mixer.state_dict().items()}
+    for name, tensor in reference.state_dict().items():
+        if shapes.get(name) != tuple(tensor.shape):
+            found = "missing" if name not in shapes else f"shape {list(shapes[name])}"
+            raise SpecError(
+                f"block {index}: mixer tensor {name!r} is {found}, expected {list(tensor.shape)} "
+                f"for {own.short_name()} at hidden size {hidden_size}"
+            )
+
+
 class HybridLM(nn.Module):
     """A hybrid Mamba / attention / MoE / MLP language model built from a `ModelSpec`.
+
+    `mixers`: optionally one entry per block, an already built mixer (e.g. a trained library variant,
+    used as is, not copied: its device and dtype are the caller's) or None to build that block's mixer
+    from the spec. A given mixer's `.spec` must equal the block's spec. Everything else (embeddings,
+    norms, lm_head) is built from the spec, on the current device (`torch.device("meta")` included).
 
     Attributes besides the modules: `spec`; `extra_tensors` (name -> tensor or lazy safetensors
     reference: checkpoint tensors outside the backbone, e.g. MTP weights, written back on save);
     `source_config` and `source_path` (the checkpoint it was loaded from, if any).
     """
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, mixers: Sequence[nn.Module | None] | None = None) -> None:
         super().__init__()
+        if mixers is None:
+            mixers = [None] * spec.num_blocks
+        listed = isinstance(mixers, (Sequence, nn.ModuleList))
+        if not listed or len(mixers) != spec.num_blocks:
+            found = f"{len(mixers)} entries" if listed else f"a {type(mixers).__name__}"
+            raise SpecError(
+                f"mixers: expected one entry (a mixer or None) per block ({spec.num_blocks}), found {found}"
+            )
+        for index, (block, mixer) in enumerate(zip(spec.blocks, mixers)):
+            if mixer is not None:
+                _check_mixer(index, mixer, block, spec.hidden_size)
         # Everything but the blocks; each block's shape lives in its mixer (see `spec`).
         self._model_fields = {
             "vocab_size": spec.vocab_size,
@@ -102,7 +151,9 @@ class HybridLM(nn.Module):
             "tie_embeddings": spec.tie_embeddings,
         }
         self.embeddings = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(Block(block, spec.hidden_size, spec.norm_eps) for block in spec.blocks)
+        self.layers = nn.ModuleList(
+            Block(block, spec.hidden_size, spec.norm_eps, mixer) for block, mixer in zip(spec.blocks, mixers)
+        )
         self.norm_f = RMSNorm(spec.hidden_size, spec.norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_embeddings:
@@ -116,13 +167,27 @@ class HybridLM(nn.Module):
         """The architecture, read from the blocks' mixers: replacing `layers[i].mixer` updates it."""
         return ModelSpec(blocks=tuple(block.spec for block in self.layers), **self._model_fields)
 
-    def replace_mixer(self, index: int, mixer: nn.Module) -> None:
-        """Put `mixer` (a module from `puzzle.blocks.build_block`, with its own `.spec`) into block `index`."""
-        if not hasattr(mixer, "spec"):
-            raise TypeError(
-                f"a mixer needs a .spec (build it with puzzle.blocks.build_block), got {type(mixer).__name__}"
-            )
-        self.layers[index].mixer = mixer
+    def replace_mixer(self, index: int, mixer: nn.Module, norm: RMSNorm | None = None) -> None:
+        """Put `mixer` (a module from `puzzle.blocks.build_block`, with its own `.spec`) into block `index`.
+
+        The block's pre-norm follows: a no-op mixer drops it (keep `layers[index].norm` first to put
+        the block back later); a real mixer keeps the block's norm, or gets `norm` when given, or a
+        fresh one (weight 1) where the block had none.
+        """
+        hidden_size, norm_eps = self._model_fields["hidden_size"], self._model_fields["norm_eps"]
+        _check_mixer(index, mixer, None, hidden_size)
+        block = self.layers[index]
+        if isinstance(mixer.spec, NoOpSpec):
+            if norm is not None:
+                raise SpecError(f"block {index}: a no-op block has no norm, but one was given")
+            block.norm = None
+        elif norm is not None:
+            block.norm = norm
+        elif block.norm is None:
+            weight = next(iter(mixer.parameters()), self.norm_f.weight)
+            with torch.device(weight.device):
+                block.norm = RMSNorm(hidden_size, norm_eps).to(self.norm_f.weight.dtype)
+        block.mixer = mixer
 
     def init_cache(
         self, batch_size: int, device: torch.device | None = None, dtype: torch.dtype | None = None

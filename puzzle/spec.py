@@ -10,7 +10,8 @@ import dataclasses
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Mapping
+import numbers
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -32,9 +33,69 @@ def _require_bools(spec: Any) -> None:
             raise SpecError(f"{type(spec).__name__}.{f.name} must be true or false, found {value!r}")
 
 
+def _require_number(
+    spec: Any, name: str, *, minimum: float, above: bool = False, maximum: float | None = None
+) -> None:
+    """Field `name` of `spec` is a finite real (an int is fine, a bool or a string is not) in range; stored as float.
+
+    Range: > minimum when `above`, else >= minimum; <= maximum when given. None passes for the
+    optional fields (those whose default is None).
+    """
+    owner, value = type(spec).__name__, getattr(spec, name)
+    optional = next(f for f in dataclasses.fields(spec) if f.name == name).default is None
+    if value is None and optional:
+        return
+    what = "a number or None" if optional else "a number"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise SpecError(f"{owner}.{name} must be {what}, found {value!r} ({type(value).__name__})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise SpecError(f"{owner}.{name} must be finite, found {value!r}")
+    low_ok = value > minimum if above else value >= minimum
+    if not low_ok or (maximum is not None and value > maximum):
+        bounds = "positive" if above and minimum == 0 else f"{'>' if above else '>='} {_number(minimum)}"
+        bounds += f" and <= {_number(maximum)}" if maximum is not None else ""
+        raise SpecError(f"{owner}.{name} must be {bounds}, found {value!r}")
+    object.__setattr__(spec, name, value)  # 1 and 1.0 are one spec; JSON and ids see a float
+
+
 def _require_divisible(owner: str, name: str, value: int, divisor_name: str, divisor: int) -> None:
     if value % divisor != 0:
         raise SpecError(f"{owner}.{name} ({value}) must be divisible by {divisor_name} ({divisor})")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Variant ids: `kind:token:token...`, readable, filesystem-safe, one per spec (they name library files).
+
+
+def _number(value: float) -> str:
+    """The shortest text that reads back as `value` (repr), without a trailing `.0`: 2.5, 1e-05, 10000."""
+    text = repr(value)
+    return text[:-2] if text.endswith(".0") else text
+
+
+def _flag(token: str) -> Callable[[Any], str]:
+    # A boolean token is present only when the field differs from its default, so its name says it all.
+    return lambda value: token
+
+
+def _prefixed(prefix: str) -> Callable[[Any], str]:
+    return lambda value: f"{prefix}{_number(value)}"
+
+
+def _spec_id(spec: Any, core: Iterable[str]) -> str:
+    """`core` tokens, then one token for each field in the class's `ID_TOKENS` that differs from its default.
+
+    Fields in `ID_CORE` are spelt by `core`; every other field has a token (checked at import, below),
+    so two specs that differ in any field get different ids, and the id of a spec that uses only
+    defaults beyond its core never changes when a field with a default is added.
+    """
+    parts = list(core)
+    for f in dataclasses.fields(spec):
+        value = getattr(spec, f.name)
+        if f.name in spec.ID_TOKENS and value != f.default:
+            parts.append(spec.ID_TOKENS[f.name](value))
+    return ":".join(parts)
 
 
 @dataclass(frozen=True)
@@ -66,6 +127,10 @@ class MambaSpec:
         for name in ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel", "chunk_size"):
             _require_positive_int(owner, name, getattr(self, name))
         _require_divisible(owner, "num_heads", self.num_heads, "n_groups", self.n_groups)
+        if isinstance(self.dt_clamp_max, float) and self.dt_clamp_max == math.inf:
+            object.__setattr__(self, "dt_clamp_max", None)  # one spelling of "no upper clamp" (JSON null)
+        _require_number(self, "dt_clamp_min", minimum=0.0)
+        _require_number(self, "dt_clamp_max", minimum=0.0, above=True)
         if self.dt_clamp_max is not None and self.dt_clamp_max < self.dt_clamp_min:
             raise SpecError(
                 f"{owner}.dt_clamp_max ({self.dt_clamp_max}) is below dt_clamp_min ({self.dt_clamp_min})"
@@ -98,8 +163,26 @@ class MambaSpec:
             start += size
         return sections
 
+    ID_CORE: ClassVar[tuple[str, ...]] = ("num_heads", "head_dim", "state_size", "n_groups")
+    ID_TOKENS: ClassVar[dict[str, Callable[[Any], str]]] = {
+        "conv_kernel": _prefixed("conv"),
+        "chunk_size": _prefixed("chunk"),
+        "conv_bias": _flag("noconvbias"),
+        "proj_bias": _flag("projbias"),
+        "dt_clamp_min": _prefixed("dtmin"),
+        "dt_clamp_max": _prefixed("dtmax"),
+    }
+
     def short_name(self) -> str:
-        return f"mamba:h{self.num_heads}:p{self.head_dim}:n{self.state_size}:g{self.n_groups}"
+        """The variant id, e.g. `mamba:h64:p64:n128:g8`, plus `:chunk64` etc. for non-default fields."""
+        core = (
+            "mamba",
+            f"h{self.num_heads}",
+            f"p{self.head_dim}",
+            f"n{self.state_size}",
+            f"g{self.n_groups}",
+        )
+        return _spec_id(self, core)
 
 
 @dataclass(frozen=True)
@@ -122,13 +205,19 @@ class AttentionSpec:
         for name in ("num_heads", "num_kv_heads", "head_dim"):
             _require_positive_int(owner, name, getattr(self, name))
         _require_divisible(owner, "num_heads", self.num_heads, "num_kv_heads", self.num_kv_heads)
-        if self.rope_theta is not None and self.rope_theta <= 0:
-            raise SpecError(f"{owner}.rope_theta must be positive or None, found {self.rope_theta!r}")
-        if not 0.0 < self.rotary_fraction <= 1.0:
-            raise SpecError(f"{owner}.rotary_fraction must be in (0, 1], found {self.rotary_fraction!r}")
+        _require_number(self, "rope_theta", minimum=0.0, above=True)
+        _require_number(self, "rotary_fraction", minimum=0.0, above=True, maximum=1.0)
+
+    ID_CORE: ClassVar[tuple[str, ...]] = ("num_heads", "num_kv_heads", "head_dim")
+    ID_TOKENS: ClassVar[dict[str, Callable[[Any], str]]] = {
+        "bias": _flag("bias"),
+        "rope_theta": _prefixed("rope"),
+        "rotary_fraction": _prefixed("rotary"),
+    }
 
     def short_name(self) -> str:
-        return f"attn:q{self.num_heads}:kv{self.num_kv_heads}:d{self.head_dim}"
+        """The variant id, e.g. `attn:q32:kv2:d128`, plus `:bias` etc. for non-default fields."""
+        return _spec_id(self, ("attn", f"q{self.num_heads}", f"kv{self.num_kv_heads}", f"d{self.head_dim}"))
 
 
 @dataclass(frozen=True)
@@ -156,10 +245,7 @@ class MoESpec:
     def __post_init__(self) -> None:
         owner = "MoESpec"
         _require_bools(self)
-        if not self.routed_scaling_factor > 0:
-            raise SpecError(
-                f"{owner}.routed_scaling_factor must be positive, found {self.routed_scaling_factor!r}"
-            )
+        _require_number(self, "routed_scaling_factor", minimum=0.0, above=True)
         for name in ("num_experts", "top_k", "n_group", "topk_group"):
             _require_positive_int(owner, name, getattr(self, name))
         if isinstance(self.expert_width, (list, tuple)):
@@ -172,6 +258,11 @@ class MoESpec:
             for index, width in enumerate(widths):
                 _require_positive_int(owner, f"expert_width[{index}]", width)
             object.__setattr__(self, "expert_width", widths)
+        elif isinstance(self.expert_width, bool) or not isinstance(self.expert_width, int):
+            raise SpecError(
+                f"{owner}.expert_width must be a positive integer or a list with one per expert, "
+                f"found {self.expert_width!r} ({type(self.expert_width).__name__})"
+            )
         else:
             _require_positive_int(owner, "expert_width", self.expert_width)
         if isinstance(self.shared_width, bool) or not isinstance(self.shared_width, int):
@@ -207,19 +298,28 @@ class MoESpec:
         """Input (and output) size of the routed experts: the latent size, else the hidden size."""
         return self.latent_size if self.latent_size is not None else hidden_size
 
+    ID_CORE: ClassVar[tuple[str, ...]] = ("num_experts", "top_k", "expert_width")
+    ID_TOKENS: ClassVar[dict[str, Callable[[Any], str]]] = {
+        "shared_width": _prefixed("s"),
+        "latent_size": _prefixed("l"),
+        "routed_scaling_factor": _prefixed("scale"),
+        "norm_topk_prob": _flag("nonormtopk"),
+        "n_group": _prefixed("groups"),
+        "topk_group": _prefixed("topkgroups"),
+    }
+
     def short_name(self) -> str:
+        """The variant id, e.g. `moe:e128:k6:w1856:s3712`, plus `:scale2.5` etc. for non-default fields.
+
+        Heterogeneous widths show their mean and a 48-bit digest of the list: `w12avg.1a2b3c4d5e6f`.
+        """
         widths = self.widths
         if self.is_uniform:
             width = str(widths[0])
         else:  # the mean is readable; the digest keeps two different width lists apart
-            digest = hashlib.sha256(",".join(map(str, widths)).encode()).hexdigest()[:6]
+            digest = hashlib.sha256(",".join(map(str, widths)).encode()).hexdigest()[:12]
             width = f"{round(sum(widths) / len(widths))}avg.{digest}"
-        name = f"moe:e{self.num_experts}:k{self.top_k}:w{width}"
-        if self.shared_width:
-            name += f":s{self.shared_width}"
-        if self.latent_size is not None:
-            name += f":l{self.latent_size}"
-        return name
+        return _spec_id(self, ("moe", f"e{self.num_experts}", f"k{self.top_k}", f"w{width}"))
 
 
 @dataclass(frozen=True)
@@ -237,14 +337,21 @@ class MLPSpec:
     def __post_init__(self) -> None:
         _require_bools(self)
         _require_positive_int("MLPSpec", "width", self.width)
-        if self.activation not in self.ACTIVATIONS:
+        if not isinstance(self.activation, str) or self.activation not in self.ACTIVATIONS:
             raise SpecError(
                 f"MLPSpec.activation {self.activation!r} is not supported; "
                 f"choose one of {list(self.ACTIVATIONS)}"
             )
 
+    ID_CORE: ClassVar[tuple[str, ...]] = ("width",)
+    ID_TOKENS: ClassVar[dict[str, Callable[[Any], str]]] = {
+        "activation": str,  # the name itself: `mlp:w64:silu`
+        "bias": _flag("bias"),
+    }
+
     def short_name(self) -> str:
-        return f"mlp:w{self.width}"
+        """The variant id, e.g. `mlp:w4096`, plus `:silu`, `:bias` for non-default fields."""
+        return _spec_id(self, ("mlp", f"w{self.width}"))
 
 
 @dataclass(frozen=True)
@@ -259,8 +366,12 @@ class LinearSpec:
     def __post_init__(self) -> None:
         _require_bools(self)
 
+    ID_CORE: ClassVar[tuple[str, ...]] = ()
+    ID_TOKENS: ClassVar[dict[str, Callable[[Any], str]]] = {"bias": _flag("bias")}
+
     def short_name(self) -> str:
-        return "linear"
+        """The variant id: `linear`, or `linear:bias`."""
+        return _spec_id(self, ("linear",))
 
 
 @dataclass(frozen=True)
@@ -270,14 +381,32 @@ class NoOpSpec:
     kind: ClassVar[str] = "noop"
     pattern_char: ClassVar[str] = "N"
 
+    ID_CORE: ClassVar[tuple[str, ...]] = ()
+    ID_TOKENS: ClassVar[dict[str, Callable[[Any], str]]] = {}
+
     def short_name(self) -> str:
-        return "noop"
+        """The variant id: `noop`."""
+        return _spec_id(self, ("noop",))
 
 
 BlockSpec = MambaSpec | AttentionSpec | MoESpec | MLPSpec | LinearSpec | NoOpSpec
 BLOCK_SPEC_TYPES: dict[str, type] = {
     cls.kind: cls for cls in (MambaSpec, AttentionSpec, MoESpec, MLPSpec, LinearSpec, NoOpSpec)
 }
+
+
+def _check_ids_spell_every_field() -> None:
+    # A field that shows nowhere in the id would let two variants share one library file.
+    for cls in BLOCK_SPEC_TYPES.values():
+        spelt = set(cls.ID_CORE) | set(cls.ID_TOKENS)
+        fields = {f.name for f in dataclasses.fields(cls)}
+        if spelt != fields:
+            raise TypeError(
+                f"{cls.__name__}: id tokens {sorted(spelt)} do not match its fields {sorted(fields)}"
+            )
+
+
+_check_ids_spell_every_field()
 
 
 def _finite_or_none(value: Any) -> Any:
@@ -324,7 +453,7 @@ def block_from_dict(data: Mapping[str, Any]) -> BlockSpec:
         fields["expert_width"] = tuple(fields["expert_width"])
     try:
         return cls(**fields)
-    except TypeError as error:  # e.g. a string where a number belongs
+    except TypeError as error:  # a safety net: the checks in __post_init__ should say it first
         raise SpecError(f"invalid {kind!r} block spec {dict(data)!r}: {error}") from error
 
 
@@ -342,6 +471,10 @@ class ModelSpec:
         _require_bools(self)
         _require_positive_int("ModelSpec", "vocab_size", self.vocab_size)
         _require_positive_int("ModelSpec", "hidden_size", self.hidden_size)
+        if isinstance(self.blocks, (str, bytes, Mapping)) or not isinstance(self.blocks, Iterable):
+            raise SpecError(
+                f"ModelSpec.blocks must be a sequence of block specs, found {type(self.blocks).__name__}"
+            )
         blocks = tuple(self.blocks)
         for index, block in enumerate(blocks):
             if not isinstance(block, tuple(BLOCK_SPEC_TYPES.values())):
@@ -349,8 +482,7 @@ class ModelSpec:
                     f"ModelSpec.blocks[{index}] is a {type(block).__name__}, expected a block spec "
                     f"({', '.join(cls.__name__ for cls in BLOCK_SPEC_TYPES.values())})"
                 )
-        if not self.norm_eps > 0:
-            raise SpecError(f"ModelSpec.norm_eps must be positive, found {self.norm_eps!r}")
+        _require_number(self, "norm_eps", minimum=0.0, above=True)
         object.__setattr__(self, "blocks", blocks)
 
     @property
@@ -405,14 +537,50 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class Variant:
-    """A candidate for one block of the parent: (block index, spec), with a readable id."""
+    """A candidate for one block of the parent: (block index, spec), with a readable id.
+
+    What the stages pass around (library, scores, costs, search): frozen and hashable, so a dict
+    key; `to_dict` / `from_dict` for JSON. `Variant(3, MoESpec(...))` builds one.
+    """
 
     block_index: int
     spec: BlockSpec
 
+    def __post_init__(self) -> None:
+        index = self.block_index
+        if isinstance(index, bool) or not isinstance(index, int) or index < 0:
+            raise SpecError(f"Variant.block_index must be an integer >= 0, found {index!r}")
+        if not isinstance(self.spec, tuple(BLOCK_SPEC_TYPES.values())):
+            raise SpecError(f"Variant.spec must be a block spec, found {type(self.spec).__name__}")
+
     @property
     def id(self) -> str:
+        """The spec's id (`moe:e128:k6:w1856`): unique per spec, readable, usable as a file name."""
         return self.spec.short_name()
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: {"block_index", "id" (for people and as a check), "spec" (as `block_to_dict`)}."""
+        return {"block_index": self.block_index, "id": self.id, "spec": block_to_dict(self.spec)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Variant:
+        """Inverse of `to_dict`. An "id" that is not the spec's own id is an error (a stale or edited file)."""
+        if not isinstance(data, Mapping):
+            raise SpecError(f"a variant must be a JSON object, found {type(data).__name__}")
+        allowed = ["block_index", "id", "spec"]
+        unknown = sorted(set(data) - set(allowed))
+        if unknown:
+            raise SpecError(f"unknown key(s) {unknown} in a variant; allowed keys: {allowed}")
+        for required in ("block_index", "spec"):
+            if required not in data:
+                raise SpecError(f"a variant is missing required key {required!r}")
+        variant = cls(data["block_index"], block_from_dict(data["spec"]))
+        if "id" in data and data["id"] != variant.id:
+            raise SpecError(
+                f"variant of block {variant.block_index}: id {data['id']!r} does not match its spec, "
+                f"whose id is {variant.id!r}"
+            )
+        return variant
 
     def __str__(self) -> str:
         return f"block {self.block_index}: {self.id}"

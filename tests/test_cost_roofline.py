@@ -19,16 +19,13 @@ from puzzle.cost.analytic import (
 from puzzle.cost.hardware import PROFILES, HardwareProfile, calibrate_this_machine, get_hardware
 from puzzle.cost.roofline import (
     BlockLatency,
-    RooflineLatency,
     Scenario,
     block_latency,
     decode_work,
     eager_op_count,
     max_concurrent_requests,
     model_performance,
-    model_throughput,
     prefill_work,
-    time_to_first_token,
 )
 from puzzle.presets import nemotron3_nano, nemotron3_super, puzzle_75b_a9b_like, tiny_hybrid
 from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, NoOpSpec, SpecError
@@ -100,8 +97,6 @@ def test_model_performance_is_consistent():
     perf = model_performance(nemotron3_nano(), scenario, "h200")
     assert perf.total_s == pytest.approx(perf.prefill_s + 500 * perf.decode_step_s)
     assert perf.output_tokens_per_s == pytest.approx(16 * 500 / perf.total_s)
-    assert model_throughput(nemotron3_nano(), scenario, "h200") == perf.output_tokens_per_s
-    assert time_to_first_token(nemotron3_nano(), scenario, "h200") == perf.prefill_s
     # Faster hardware, faster model; a compressed child is faster than its parent.
     assert model_performance(nemotron3_nano(), scenario, "b200").total_s < perf.total_s
     super_perf = model_performance(nemotron3_super(), scenario, "b200")
@@ -120,9 +115,6 @@ def test_latency_fn_is_pluggable():
     perf = model_performance(model, Scenario(1, 10, 4), "h100", latency_fn=fixed)
     assert len(calls) == len(set(model.blocks))  # one call per distinct block spec
     assert perf.decode_step_s == pytest.approx(0.5 * model.num_blocks, rel=1e-3)
-    assert RooflineLatency("h100")(model.blocks[0], 64, Scenario(1, 10, 4)) == block_latency(
-        model.blocks[0], 64, Scenario(1, 10, 4), H100
-    )
 
 
 def test_max_concurrent_requests_by_brute_force():

@@ -47,7 +47,10 @@ def test_nvfp4_weight_memory_is_near_the_published_70_and_44_5_gb():
     assert parent == pytest.approx(70e9, rel=0.02) and child == pytest.approx(44.5e9, rel=0.02)
 
 
-def test_concurrent_million_token_requests_on_one_h100():
+def test_regression_pin_concurrent_million_token_requests_at_a_fitted_memory_fraction():
+    """A regression pin, not a check against the paper: the published 1 (parent) and 8 (child) concurrent
+    1M-token requests on one H100 come out only at a usable-memory fraction (0.912) fitted to them; at
+    vLLM's default 0.9 our model says 1 and 7. Only the brute-force count below is an independent check."""
     parent, child = nemotron3_super(), puzzle_75b_a9b_like()
 
     def count(spec, fraction):
@@ -55,7 +58,8 @@ def test_concurrent_million_token_requests_on_one_h100():
 
     # Our model at vLLM's default memory fraction: 1 and 7 (published: 1 and 8).
     assert (count(parent, 0.9), count(child, 0.9)) == (1, 7)
-    # The published pair holds in a narrow window of usable memory, which our model locates.
+    # The published pair holds in a narrow window of usable memory: 0.912 is fitted to it, so this pins our
+    # figures (weights, per-request state) rather than confirming them.
     assert (count(parent, 0.912), count(child, 0.912)) == (1, 8)
     # Brute force: the largest n whose weights + n requests fit.
     usable = 0.9 * get_hardware("h100-80gb").memory_bytes

@@ -9,8 +9,9 @@ from torch.testing import assert_close
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNorm
 
 from puzzle import hf
-from puzzle.model import HybridLM, RMSNorm, parameter_counts
-from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, NoOpSpec
+from puzzle.blocks import build_block
+from puzzle.model import Block, HybridLM, RMSNorm, parameter_counts
+from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, NoOpSpec, SpecError
 
 # Published configs (see shared/reference/nemotron-architectures.md) and their derived parameter totals.
 NANO_30B = {
@@ -209,13 +210,11 @@ def test_state_dict_keys_follow_the_hub_names(model):
     assert {"layers.0.mixer.A_log", "layers.0.mixer.in_proj.weight", "layers.1.mixer.q_proj.weight"} <= keys
     assert {"layers.2.mixer.experts.5.up_proj.weight", "layers.2.mixer.gate.e_score_correction_bias"} <= keys
     assert {"layers.4.mixer.linear.weight"} <= keys
-    assert not any(key.startswith("layers.5.mixer.") for key in keys)
+    assert not any(key.startswith("layers.5.") for key in keys)  # the no-op block: no mixer, no norm
 
 
 def test_the_spec_follows_the_mixers(tmp_path):
     """Swapping a mixer changes the model's spec: forward, save and load all see the new shape."""
-    from puzzle.blocks import build_block
-
     spec = ModelSpec(
         vocab_size=VOCAB, hidden_size=16, blocks=(MLPSpec(width=32), NoOpSpec(), MLPSpec(width=32))
     )
@@ -235,3 +234,139 @@ def test_the_spec_follows_the_mixers(tmp_path):
     assert_close(loaded(ids).logits, after, atol=0, rtol=0)
     with pytest.raises(TypeError, match=r"needs a \.spec"):
         model.replace_mixer(0, torch.nn.Linear(16, 16))
+
+
+# ---------------------------------------------------------------------------------------------------
+# No-op blocks own nothing; models assembled from given mixers.
+
+
+def test_a_no_op_block_has_no_parameters_and_every_other_parameter_gets_a_gradient():
+    """DDP and FSDP wait for a gradient of every parameter: a no-op block must not keep an unused norm."""
+    assert list(Block(NoOpSpec(), 16, 1e-5).parameters()) == []
+    spec = ModelSpec(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        blocks=(
+            MambaSpec(2, 8, 4, chunk_size=4),
+            NoOpSpec(),
+            AttentionSpec(2, 1, 8),
+            LinearSpec(),
+            MLPSpec(8),
+        ),
+    )
+    torch.manual_seed(0)
+    model = HybridLM(spec)
+    assert list(model.layers[1].parameters()) == [] and model.layers[1].norm is None
+    model(token_batch(batch=2, length=6, seed=1)).logits.square().mean().backward()
+    unused = [name for name, p in model.named_parameters() if p.grad is None]
+    assert unused == []
+
+
+def test_a_checkpoint_with_a_no_op_norm_still_loads(tmp_path):
+    """Files written while no-op blocks kept a pre-norm carry `backbone.layers.{i}.norm.weight`: dropped on load."""
+    from safetensors.torch import load_file, save_file
+
+    spec = ModelSpec(vocab_size=VOCAB, hidden_size=16, blocks=(MLPSpec(width=32), NoOpSpec(), LinearSpec()))
+    torch.manual_seed(0)
+    model = HybridLM(spec).eval()
+    out = model.save_pretrained(tmp_path / "child")
+    (weights,) = out.glob("*.safetensors")
+    tensors = load_file(weights)
+    assert "backbone.layers.1.norm.weight" not in tensors  # nothing to write for a no-op block
+    tensors["backbone.layers.1.norm.weight"] = torch.ones(16)  # what older saves wrote
+    save_file(tensors, weights, metadata={"format": "pt"})
+    loaded = hf.load(out)
+    assert loaded.spec == spec and "layers.1.norm.weight" not in loaded.state_dict()
+    assert (
+        "backbone.layers.1.norm.weight" not in loaded.extra_tensors
+    )  # dropped, not carried to the next save
+    ids = token_batch(batch=1, length=5, seed=2)
+    assert_close(loaded(ids).logits, model(ids).logits, atol=0, rtol=0)
+    # A stray norm of a real block's kind elsewhere is still an error, not silently dropped.
+    tensors["backbone.layers.7.norm.weight"] = torch.ones(16)
+    save_file(tensors, weights, metadata={"format": "pt"})
+    with pytest.raises(
+        hf.CheckpointError, match=r"unexpected tensor\(s\) 'backbone\.layers\.7\.norm\.weight'"
+    ):
+        hf.load(out)
+
+
+def test_replace_mixer_moves_the_norm_with_the_no_op():
+    """A no-op mixer drops the block's norm; putting the saved mixer and norm back restores the block exactly."""
+    spec = ModelSpec(vocab_size=VOCAB, hidden_size=16, blocks=(MLPSpec(width=32), MLPSpec(width=16)))
+    torch.manual_seed(0)
+    model = HybridLM(spec).eval()
+    with torch.no_grad():
+        model.layers[0].norm.weight.mul_(1.5)
+    ids = token_batch(batch=1, length=5, seed=3)
+    before = model(ids).logits
+    saved_mixer, saved_norm = model.layers[0].mixer, model.layers[0].norm
+    model.replace_mixer(0, build_block(NoOpSpec(), 16))
+    assert model.layers[0].norm is None and "layers.0.norm.weight" not in model.state_dict()
+    with pytest.raises(SpecError, match="block 0: a no-op block has no norm"):
+        model.replace_mixer(0, build_block(NoOpSpec(), 16), norm=saved_norm)
+    model.replace_mixer(0, saved_mixer, norm=saved_norm)
+    assert torch.equal(model(ids).logits, before)
+    # Without a norm to put back, a real mixer gets a fresh one (weight 1, as a new model's).
+    model.replace_mixer(0, build_block(NoOpSpec(), 16))
+    model.replace_mixer(0, saved_mixer)
+    assert torch.equal(model.layers[0].norm.weight, torch.ones(16))
+    with pytest.raises(
+        SpecError, match=r"block 1: mixer tensor 'up_proj\.weight' is shape \[16, 8\], expected \[16, 16\]"
+    ):
+        model.replace_mixer(1, build_block(MLPSpec(width=16), 8))  # built for another hidden size
+
+
+def test_a_model_from_given_mixers_uses_them_as_they_are():
+    """Assembly: `HybridLM(spec, mixers=...)` takes built (e.g. trained) mixers, None builds from the spec."""
+    spec = ModelSpec(
+        vocab_size=VOCAB, hidden_size=16, blocks=(MLPSpec(width=32), NoOpSpec(), AttentionSpec(2, 1, 8))
+    )
+    torch.manual_seed(0)
+    reference = HybridLM(spec).eval()
+    given = [reference.layers[0].mixer, build_block(NoOpSpec(), 16), None]
+    with torch.device("meta"):  # the given mixers stay as they are; the rest is a shape to fill
+        model = HybridLM(spec, mixers=given).eval()
+    assert model.layers[0].mixer is given[0] and model.layers[1].mixer is given[1]
+    assert not model.layers[0].mixer.up_proj.weight.is_meta and model.embeddings.weight.is_meta
+    assert model.spec == spec and model.layers[1].norm is None
+    # The rest from the reference's tensors: then it is the reference model.
+    rest = {k: v for k, v in reference.state_dict().items() if not k.startswith("layers.0.mixer.")}
+    result = model.load_state_dict(rest, strict=False, assign=True)
+    assert sorted(result.missing_keys) == ["layers.0.mixer.down_proj.weight", "layers.0.mixer.up_proj.weight"]
+    assert result.unexpected_keys == []
+    ids = token_batch(batch=1, length=5, seed=4)
+    assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+@pytest.mark.parametrize(
+    ("mixers", "error", "message"),
+    [
+        (
+            [build_block(MLPSpec(width=8), 16), None],
+            SpecError,
+            r"block 0: the given mixer is a mlp:w8, the model spec has mlp:w32",
+        ),
+        (
+            [None, build_block(MLPSpec(width=32), 16)],
+            SpecError,
+            r"block 1: the given mixer is a mlp:w32, the model spec has noop",
+        ),
+        (
+            [build_block(MLPSpec(width=32), 8), None],
+            SpecError,
+            r"block 0: mixer tensor 'up_proj\.weight' is shape \[32, 8\], expected \[32, 16\]",
+        ),
+        ([torch.nn.Linear(16, 16), None], TypeError, r"block 0: a mixer needs a \.spec"),
+        (
+            [None],
+            SpecError,
+            r"mixers: expected one entry \(a mixer or None\) per block \(2\), found 1 entries",
+        ),
+        (build_block(MLPSpec(width=32), 16), SpecError, r"mixers: expected one entry .* found a MLPMixer"),
+    ],
+)
+def test_given_mixers_that_do_not_fit_are_named(mixers, error, message):
+    spec = ModelSpec(vocab_size=VOCAB, hidden_size=16, blocks=(MLPSpec(width=32), NoOpSpec()))
+    with pytest.raises(error, match=message):
+        HybridLM(spec, mixers=mixers)

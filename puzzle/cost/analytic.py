@@ -68,17 +68,25 @@ __all__ = [
 
 
 def _stored_tensors(spec: BlockSpec, hidden_size: int) -> Iterator[TensorInfo]:
-    """The block's pre-norm, then its mixer's tensors (names relative to the mixer), in `block_tensors` order."""
+    """The block's pre-norm (none for a no-op), then its mixer's tensors (names relative to the mixer)."""
     if isinstance(hidden_size, bool) or not isinstance(hidden_size, int) or hidden_size <= 0:
         raise SpecError(f"hidden_size must be a positive integer, found {hidden_size!r}")
     mixer = mixer_tensors(spec, hidden_size)
+    if not block_cost(spec).runs:  # a no-op block has neither a mixer nor a pre-norm
+        return iter(mixer)
     return itertools.chain((TensorInfo("norm.weight", (hidden_size,), "norm"),), mixer)
 
 
 @lru_cache(maxsize=4096)
 def block_tensors(spec: BlockSpec, hidden_size: int) -> tuple[TensorInfo, ...]:
-    """Every tensor one block stores: its pre-norm `norm.weight` [H] and `mixer.*` (cached per spec)."""
-    norm, *mixer = _stored_tensors(spec, hidden_size)
+    """Every tensor one block stores: its pre-norm `norm.weight` [H] and `mixer.*` (cached per spec).
+
+    A no-op block stores nothing: it has no mixer tensors and no pre-norm.
+    """
+    stored = _stored_tensors(spec, hidden_size)  # validates hidden_size for every kind
+    if not block_cost(spec).runs:
+        return ()
+    norm, *mixer = stored
     return (norm, *(t.prefixed("mixer.") for t in mixer))
 
 
