@@ -11,6 +11,8 @@ A grouped (multiple-choice) knapsack, solved exactly and fast:
    only removed solutions worse than z_inc, so the MIP's optimum (or z_inc) is the whole problem's.
 Without highspy (or with heuristics off) step 3-4 become: fix r > g for a guessed g, solve, and accept
 the answer z when z - z_LP <= g; otherwise set g = z - z_LP and solve once more (which then certifies).
+The gap reported is proven: the least of the bounds behind each fixing (z_inc, or z_LP + g) and the
+reduced MIP's dual bound, never below z_LP; "optimal" means that gap is within gap_rel.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class _Problem(RowModel):
     alive: np.ndarray | None = None  # [N + Z] bool: columns not removed by keep/presolve
     num_rule_columns: int = 0
     dropped: int = 0
+    round_off: float = 1e-9  # objective differences below this are solver round-off (1e-9 of its range)
 
 
 def _tolerance(value: float) -> float:
@@ -229,7 +232,8 @@ def _build_problem(
     scale = 1e6 / spread if spread > 0 else 1.0
     full_objective = np.concatenate([objective * scale, np.array(rule_objective)])
     full_alive = np.concatenate([alive, np.ones(next_column - n_var, dtype=bool)])
-    return _Problem(full_objective, rows, table, full_alive, next_column - n_var, dropped)
+    round_off = 1e-9 * spread * scale if spread > 0 else 1e-12
+    return _Problem(full_objective, rows, table, full_alive, next_column - n_var, dropped, round_off)
 
 
 def _dominated(
@@ -309,6 +313,8 @@ def _dominated(
 
 @dataclass
 class _Outcome:
+    """A solve's answer: the choices (None: no solution), status, proven relative gap, free columns."""
+
     choices: tuple[int, ...] | None
     status: str
     gap: float | None
@@ -326,26 +332,62 @@ def _extract(problem: _Problem, columns: np.ndarray, values: np.ndarray) -> tupl
     return tuple(picks)
 
 
+def proven_gap(objective: float, bound: float | None, round_off: float) -> float | None:
+    """(objective - bound) / |objective| for a minimisation, 0 when the difference is within `round_off`
+    (solver tolerance), None without a bound. `round_off` also floors the denominator (objective ~ 0)."""
+    if bound is None or not math.isfinite(bound):
+        return None
+    difference = objective - bound
+    if difference <= round_off:
+        return 0.0
+    return difference / max(abs(objective), round_off)
+
+
+def _finish(
+    problem: _Problem, choices: tuple[int, ...], bound: float | None, free: int, gap_rel: float
+) -> _Outcome:
+    """The outcome for `choices` given a proven lower `bound` on the whole problem's (scaled) objective:
+    "optimal" exactly when the proven gap is at most `gap_rel`, else "time_limit"."""
+    rows = problem.table.offsets[:-1] + np.asarray(choices)
+    objective = float(problem.objective[rows].sum())
+    gap = proven_gap(objective, bound, problem.round_off)
+    return _Outcome(choices, "optimal" if gap is not None and gap <= gap_rel else "time_limit", gap, free)
+
+
+def _best_bound(lp_bound: float, *bounds: float | None) -> float:
+    """The whole problem's lower bound from the parts it was split into (min over the parts, each None =
+    unknown), never below the LP bound, which holds for everything."""
+    parts = [-math.inf if bound is None else bound for bound in bounds]
+    return max(lp_bound, min(parts))
+
+
+def _solve_plain(problem: _Problem, options: SolverOptions, deadline: float | None) -> _Outcome:
+    """The MIP on every alive column, as the solver gives it."""
+    alive = np.flatnonzero(problem.alive)
+    result = solve_with_pulp(problem, alive, True, options.solver_name(), options.gap_rel, deadline)
+    if result.values is None:
+        return _Outcome(None, result.status, None, len(alive))
+    choices = _extract(problem, alive, result.values)
+    return _finish(problem, choices, result.bound, len(alive), options.gap_rel)
+
+
 def _solve_problem(problem: _Problem, options: SolverOptions, deadline: float | None) -> _Outcome:
-    """Optimise `problem` exactly: LP bound, reduced-cost fixing, reduced MIP, certificate (see module doc)."""
+    """Optimise `problem` exactly: LP bound, reduced-cost fixing, reduced MIP, certificate (see module doc).
+
+    The reported gap is proven for the whole problem: every fixing step records the bound it rests on
+    (solutions it removed cost at least that), and the whole bound is the least of those and the reduced
+    MIP's own bound (and never below the LP's)."""
     solver_name = options.solver_name()
     alive = np.flatnonzero(problem.alive)
     n_var = problem.table.num_variants
     if not options.fixing:
-        result = solve_with_pulp(problem, alive, True, solver_name, options.gap_rel, deadline)
-        if result.values is None:
-            return _Outcome(None, result.status, None, len(alive))
-        return _Outcome(_extract(problem, alive, result.values), result.status, result.gap, len(alive))
+        return _solve_plain(problem, options, deadline)
 
     lp = solve_lp(problem, alive, solver_name, deadline)
     if lp.status == "infeasible":
         return _Outcome(None, "infeasible", None, 0)
     if lp.status != "optimal" or lp.reduced_costs is None or lp.objective is None:
-        # Fall back to the plain model when the LP did not finish cleanly.
-        result = solve_with_pulp(problem, alive, True, solver_name, options.gap_rel, deadline)
-        if result.values is None:
-            return _Outcome(None, result.status, None, len(alive))
-        return _Outcome(_extract(problem, alive, result.values), result.status, result.gap, len(alive))
+        return _solve_plain(problem, options, deadline)  # the LP did not finish cleanly
 
     lp_bound = lp.objective
     reduced = lp.reduced_costs.copy()
@@ -387,7 +429,9 @@ def _solve_problem(problem: _Problem, options: SolverOptions, deadline: float | 
             return _Outcome(None, result.status, None, len(columns))
         choices = _extract(problem, columns, result.values)
         objective = float(problem.objective[columns] @ result.values)
-        certified = everything or objective - lp_bound <= threshold + slack
+        # A fixed column has reduced cost > threshold + slack: every solution using it costs at least this.
+        fixed_bound = math.inf if everything else lp_bound + threshold + slack
+        certified = objective <= fixed_bound
         _log.debug(
             "LP bound %.9g, reduced MIP %.9g (%s), threshold %.3g, %d free columns",
             lp_bound,
@@ -397,11 +441,8 @@ def _solve_problem(problem: _Problem, options: SolverOptions, deadline: float | 
             len(columns),
         )
         if certified or result.status != "optimal":
-            status = result.status if certified else "time_limit"
-            gap = result.gap
-            if status != "optimal":
-                gap = max(0.0, objective - lp_bound) / max(abs(objective), 1e-12)
-            return _Outcome(choices, status, gap, len(columns))
+            bound = _best_bound(lp_bound, result.bound, fixed_bound)
+            return _finish(problem, choices, bound, len(columns), options.gap_rel)
         threshold = objective - lp_bound + slack
     raise SearchError("reduced-cost fixing did not converge")  # pragma: no cover - bounded by the loop
 
@@ -443,13 +484,16 @@ def _solve_from_incumbent(
     columns = alive[(lp.reduced_costs <= threshold + slack) | ~is_variant | (lp.values > 1e-9)]
     fixed = probe(problem, columns, columns < problem.table.num_variants, incumbent, slack, deadline)
     columns = columns[~fixed]
-    lp_gap = max(0.0, incumbent - lp.objective) / max(abs(incumbent), 1e-12)
+    # Reduced-cost fixing and probing removed only columns whose LP bound exceeds incumbent + slack.
+    fixed_bound = incumbent + slack
     incumbent_choices = _extract(problem, incumbent_columns, incumbent_values)
     variant_columns = columns[columns < problem.table.num_variants]
-    if lp_gap <= options.gap_rel or len(variant_columns) == problem.table.num_blocks:
-        # Certified without a MIP: the incumbent is within gap_rel of the LP bound, or fixing left one
-        # variant per block (every block keeps the incumbent's, so no other solution remains).
-        return _Outcome(incumbent_choices, "optimal", lp_gap, len(columns))
+    if len(variant_columns) == problem.table.num_blocks:
+        # Fixing left one variant per block (every block keeps the incumbent's): nothing else remains.
+        return _finish(problem, incumbent_choices, incumbent, len(columns), options.gap_rel)
+    lp_gap = proven_gap(incumbent, lp.objective, problem.round_off)
+    if lp_gap is not None and lp_gap <= options.gap_rel:
+        return _finish(problem, incumbent_choices, lp.objective, len(columns), options.gap_rel)
     # The incumbent is the MIP's cutoff (HiGHS prunes every node whose bound reaches it); the slack
     # keeps the incumbent itself below the cutoff, so the MIP normally returns it or something better.
     cutoff = incumbent + slack
@@ -471,26 +515,16 @@ def _solve_from_incumbent(
         result.status,
     )
     if result.status == "infeasible":
-        # Nothing below the cutoff: the incumbent is optimal (to within the slack).
-        return _Outcome(
-            incumbent_choices, "optimal", min(lp_gap, slack / max(abs(incumbent), 1e-12)), len(columns)
-        )
+        # Nothing below the cutoff among the free columns: the incumbent is optimal.
+        return _finish(problem, incumbent_choices, incumbent, len(columns), options.gap_rel)
+    bound = _best_bound(lp.objective, result.bound, fixed_bound)
     if result.values is None:
         # The MIP stopped (time limit) without a solution: the incumbent is what there is.
-        status = "optimal" if lp_gap <= options.gap_rel else "time_limit"
-        return _Outcome(incumbent_choices, status, lp_gap, len(columns))
+        return _finish(problem, incumbent_choices, bound, len(columns), options.gap_rel)
     objective = float(problem.objective[columns] @ result.values)
-    gap = (
-        result.gap
-        if result.status == "optimal"
-        else max(0.0, objective - lp.objective) / max(abs(objective), 1e-12)
-    )
-    if objective > incumbent:
-        # Within the MIP's tolerance but no better than the incumbent: keep the incumbent.
-        return _Outcome(
-            incumbent_choices, result.status, min(gap, lp_gap) if gap is not None else lp_gap, len(columns)
-        )
-    return _Outcome(_extract(problem, columns, result.values), result.status, gap, len(columns))
+    # No better than the incumbent (within the MIP's tolerance): keep the incumbent.
+    choices = incumbent_choices if objective > incumbent else _extract(problem, columns, result.values)
+    return _finish(problem, choices, bound, len(columns), options.gap_rel)
 
 
 def _check(table: Table, choices: Sequence[int], resolved, rules: Rules) -> None:

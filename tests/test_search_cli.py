@@ -287,3 +287,25 @@ def test_command_line_end_to_end(library_file):
         check=False,
     )
     assert bad.returncode == 2 and "stats.memory_mib<=10" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--gap", "-1"),
+        ("--gap", "5"),
+        ("--gap", "nan"),
+        ("--gap", "1"),
+        ("--time-limit", "-1"),
+        ("--time-limit", "0"),
+        ("--time-limit", "nan"),
+        ("--time-limit", "inf"),
+    ],
+)
+def test_solver_flags_that_make_no_sense_exit_2(capsys, library_file, flags):
+    path, _ = library_file
+    with pytest.raises(SystemExit) as caught:
+        main(["search", "--library", str(path), "--budget", "stats.memory_mib<=0.7x", *flags])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert flags[0] in err and "Traceback" not in err

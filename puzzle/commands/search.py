@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
@@ -11,6 +12,7 @@ from puzzle.budget import BudgetError, merge_limits, parse_limit
 from puzzle.search import InfeasibleError, Rules, SearchError, Solution, SolverOptions, search_k
 from puzzle.search_frontier import parse_sweep, sweep, write_frontier
 from puzzle.search_library import load_library
+from puzzle.search_types import SOLVERS
 
 EXIT_INFEASIBLE = 2
 
@@ -79,11 +81,51 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--frontier", metavar="PREFIX", help="with --sweep: write PREFIX.csv, PREFIX.json, PREFIX.png"
     )
-    parser.add_argument("--solver", choices=["auto", "highs", "cbc"], default="auto")
-    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS", help="per solve")
-    parser.add_argument("--gap", type=float, default=1e-6, help="relative optimality gap (default 1e-6)")
+    parser.add_argument(
+        "--solver",
+        choices=SOLVERS,
+        default="auto",
+        help="MIP solver (default auto: HiGHS if highspy is installed, else CBC)",
+    )
+    parser.add_argument(
+        "--time-limit",
+        type=_positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="wall-clock limit per solve in seconds, > 0 (default: none); "
+        "a solve stopped by it reports status time_limit",
+    )
+    parser.add_argument(
+        "--gap",
+        type=_relative_gap,
+        default=1e-6,
+        help="relative optimality gap to prove, in [0, 1) (default 1e-6); status optimal means the "
+        "proven gap, (objective - best bound) / |objective|, is at most this",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.set_defaults(func=run)
+
+
+def _positive_seconds(text: str) -> float:
+    """argparse type for --time-limit: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, found {text!r}")
+    return value
+
+
+def _relative_gap(text: str) -> float:
+    """argparse type for --gap: a relative gap in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 1:  # also false for nan
+        raise argparse.ArgumentTypeError(f"expected a relative gap in [0, 1) such as 1e-6, found {text!r}")
+    return value
 
 
 def _fixed(items: list[str]) -> dict[str, float]:
