@@ -89,6 +89,13 @@ class Table:
                     f"cost {key!r} is {array[bad]} for {self._name(bad)}, expected a finite number"
                 )
             self.costs[key] = array
+        for key, value in self.fixed.items():
+            if key not in self.costs:
+                raise SearchError(
+                    f"fixed cost {key!r} is not a cost of the search table; known costs: {sorted(self.costs)}"
+                )
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise SearchError(f"fixed cost {key!r} is {value!r}, expected a finite number")
         for key, values in self.attrs.items():
             if len(values) != total:
                 raise SearchError(f"attribute {key!r} has {len(values)} entries, expected {total}")
