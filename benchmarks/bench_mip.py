@@ -2,7 +2,7 @@
 
 Instances: 88 blocks x 20 / 100 / 500 variants with 3 budgets, uniform and correlated costs (costs driven
 by a variant's size, scores falling with size, like a real library), plus a synthetic 80 x 16 library in
-the NVlabs block_library.json format read through `puzzle.search_library`. Figures go to
+the NVlabs block_library.json format read through `puzzle.search.library`. Figures go to
 benchmarks/results/bench_mip.json and a markdown table on stdout. The machine is shared with other jobs,
 so absolute seconds are noisy: each cell is the median of --repeat runs (3 by default), and the
 plain/default ratio in the same run is the figure to read.
@@ -29,10 +29,10 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from puzzle.budget import Limit, Relative
 from puzzle.search import SolverOptions, Table, search
-from puzzle.search_backend import REDUCED_MIP_HIGHS_OPTIONS
-from puzzle.search_library import load_library
+from puzzle.search.backend import REDUCED_MIP_HIGHS_OPTIONS
+from puzzle.search.library import load_library
+from puzzle.search.limits import Limit, Relative
 
 RESULTS = Path(__file__).parent / "results" / "bench_mip.json"
 KEYS = ("memory", "runtime", "params")

@@ -206,6 +206,7 @@ def test_sweep_writes_frontier(capsys, library_file, tmp_path):
     rows = list(csv.DictReader(prefix.with_suffix(".csv").open()))
     assert len(rows) == 5 and "stats.runtime_ms" in rows[0] and "architecture" in rows[0]
     assert json.loads(prefix.with_suffix(".json").read_text())[0]["budget"] == points[0]["budget"]
+    pytest.importorskip("matplotlib")  # the plot is an optional extra
     assert prefix.with_suffix(".png").stat().st_size > 1000
 
 
@@ -437,3 +438,25 @@ def test_help_states_defaults_and_units(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "default auto" in text and "seconds" in text and "default: none" in text
     assert "k=1e3" in text and "G or B=1e9" in text
+
+
+def test_library_search_imports_no_torch_and_keeps_the_plotting_backend(library_file, tmp_path):
+    """A fresh interpreter runs a library sweep with a frontier plot: torch is never imported (a library
+    search needs none), and the caller's matplotlib backend and pyplot state are left as they were."""
+    pytest.importorskip("matplotlib")
+    path, _ = library_file
+    script = f"""
+import sys, json
+import matplotlib
+matplotlib.use("svg")
+from puzzle.cli import main
+code = main(["search", "--library", {str(path)!r}, "--sweep", "stats.memory_mib=0.6x,0.8x",
+             "--frontier", {str(tmp_path / "front")!r}, "--json"])
+print(json.dumps({{"code": code, "torch": "torch" in sys.modules, "backend": matplotlib.get_backend(),
+                  "pyplot": "matplotlib.pyplot" in sys.modules}}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report == {"code": 0, "torch": False, "backend": "svg", "pyplot": False}
+    assert (tmp_path / "front.png").stat().st_size > 1000

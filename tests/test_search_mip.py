@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from puzzle.budget import Limit, Relative, merge_limits, parse_limit, parse_value
 from puzzle.search import Choice, InfeasibleError, Rules, SearchError, SolverOptions, Table, search, search_k
+from puzzle.search.limits import Limit, Relative, merge_limits, parse_limit, parse_value
 
 COST_KEYS = ("memory", "runtime", "params")
 
@@ -226,7 +226,7 @@ def test_budget_syntax():
 def test_reduced_mip_cutoff_contract(solver):
     """The final MIP's cutoff (HiGHS objective_bound) never hides a better solution: below the optimum it
     reports nothing better (infeasible, or a solution no better than the cutoff); above, the optimum."""
-    from puzzle.search_backend import REDUCED_MIP_HIGHS_OPTIONS, Row, RowModel, solve_with_pulp
+    from puzzle.search.backend import REDUCED_MIP_HIGHS_OPTIONS, Row, RowModel, solve_with_pulp
 
     rng = np.random.default_rng(7)
     blocks, variants = 6, 4

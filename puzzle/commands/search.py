@@ -8,11 +8,11 @@ import math
 import sys
 from typing import Any
 
-from puzzle.budget import BudgetError, merge_limits, parse_limit
 from puzzle.search import InfeasibleError, Rules, SearchError, Solution, SolverOptions, search_k
-from puzzle.search_frontier import frontier_prefix, parse_sweep, sweep, write_frontier
-from puzzle.search_library import load_library
-from puzzle.search_types import SOLVERS
+from puzzle.search.frontier import frontier_prefix, parse_sweep, sweep, write_frontier
+from puzzle.search.library import load_library
+from puzzle.search.limits import BudgetError, merge_limits, parse_limit
+from puzzle.search.types import SOLVERS
 
 EXIT_INFEASIBLE = 2
 

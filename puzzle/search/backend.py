@@ -20,10 +20,23 @@ from typing import Any
 import numpy as np
 import pulp
 
+from puzzle.search.types import SearchError
+
 try:  # HiGHS is the default solver; CBC (bundled with PuLP) is the fallback.
     import highspy
 except ImportError:  # pragma: no cover - exercised only where highspy is absent
     highspy = None
+
+
+def resolve_solver(name: str) -> str:
+    """The back end a `SolverOptions.solver` stands for: "auto" is HiGHS if highspy is installed, else CBC."""
+    if name == "auto":
+        return "highs" if highspy is not None else "cbc"
+    if name not in ("highs", "cbc"):
+        raise SearchError(f"unknown solver {name!r}; choose 'auto', 'highs' or 'cbc'")
+    if name == "highs" and highspy is None:
+        raise SearchError("solver 'highs' needs the highspy package (pip install highspy)")
+    return name
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from puzzle.search import SearchError, Table
+from puzzle.search.types import SearchError, Table
 
 # Sub-trees that describe a variant's structure, not its costs; never flattened into cost columns.
 _STRUCTURE_KEYS = ("block_config", "layer_replacement", "block_repr", "parent_layer_indices", "is_teacher")

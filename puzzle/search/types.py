@@ -9,8 +9,6 @@ from typing import Any
 
 import numpy as np
 
-from puzzle.search_backend import highspy
-
 SOLVERS = ("auto", "highs", "cbc")
 
 
@@ -226,13 +224,6 @@ class SolverOptions:
                 raise SearchError(
                     f"SolverOptions.{name} must be True or False, found {getattr(self, name)!r}"
                 )
-
-    def solver_name(self) -> str:
-        if self.solver == "auto":
-            return "highs" if highspy is not None else "cbc"
-        if self.solver == "highs" and highspy is None:
-            raise SearchError("solver 'highs' needs the highspy package (pip install highspy)")
-        return self.solver
 
 
 @dataclass

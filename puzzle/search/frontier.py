@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from puzzle.budget import BudgetError, Limit, Value, merge_limits, parse_value
 from puzzle.files import atomic_write_bytes
 from puzzle.progress import progress
-from puzzle.search import InfeasibleError, Rules, SearchError, Solution, SolverOptions, Table, search
+from puzzle.search.exact import search
+from puzzle.search.limits import BudgetError, Limit, Value, merge_limits, parse_value
+from puzzle.search.types import InfeasibleError, Rules, SearchError, Solution, SolverOptions, Table
 
 
 @dataclass
@@ -143,15 +144,13 @@ def write_frontier(
     written = [Path(f"{prefix}.csv"), Path(f"{prefix}.json")]
     _write(written[0], buffer.getvalue().encode())
     _write(written[1], json.dumps([p.to_json() for p in points], indent=2).encode())
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:  # a Figure of its own: the caller's pyplot state and backend stay as they were
+        from matplotlib.figure import Figure
     except ImportError:  # plotting is an optional extra
         return written
     solved = [p for p in points if p.solution is not None]
-    figure, axis = plt.subplots(figsize=(6, 4))
+    figure = Figure(figsize=(6, 4))
+    axis = figure.subplots()
     axis.scatter(
         [p.solution.totals[key] for p in solved],
         [p.solution.objective for p in solved],
@@ -173,7 +172,6 @@ def write_frontier(
     figure.tight_layout()
     image = io.BytesIO()
     figure.savefig(image, format="png", dpi=120)
-    plt.close(figure)
     written.append(Path(f"{prefix}.png"))
     _write(written[2], image.getvalue())
     return written
