@@ -2,13 +2,19 @@
 
 Instances: 88 blocks x 20 / 100 / 500 variants with 3 budgets, uniform and correlated costs (costs driven
 by a variant's size, scores falling with size, like a real library), plus a synthetic 80 x 16 library in
-the NVlabs block_library.json format read through `puzzle.search_library`. Figures go to
+the NVlabs block_library.json format read through `puzzle.search.library`. Figures go to
 benchmarks/results/bench_mip.json and a markdown table on stdout. The machine is shared with other jobs,
 so absolute seconds are noisy: each cell is the median of --repeat runs (3 by default), and the
 plain/default ratio in the same run is the figure to read.
 
     python benchmarks/bench_mip.py            # everything (plain CBC at 500 variants takes minutes)
     python benchmarks/bench_mip.py --quick    # skip the plain model at 500 variants
+    python benchmarks/bench_mip.py --library /tmp/block_library.json --only-library
+
+`--library PATH` adds rows on a real NVlabs block library: NVIDIA's published Llama-3.3-70B-Instruct
+library (github NVlabs/puzzle, examples/data/Llama-3.3-70B-Instruct/block_library.json, 80 layers x 16
+variants). Its licence is non-commercial: it is never committed here; pass a local copy (rows are
+skipped when the path is absent).
 """
 
 from __future__ import annotations
@@ -29,10 +35,10 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from puzzle.budget import Limit, Relative
 from puzzle.search import SolverOptions, Table, search
-from puzzle.search_backend import REDUCED_MIP_HIGHS_OPTIONS
-from puzzle.search_library import load_library
+from puzzle.search.backend import REDUCED_MIP_HIGHS_OPTIONS
+from puzzle.search.library import load_library
+from puzzle.search.limits import Limit, Relative
 
 RESULTS = Path(__file__).parent / "results" / "bench_mip.json"
 KEYS = ("memory", "runtime", "params")
@@ -111,6 +117,34 @@ def nvlabs_library(path: Path, num_layers: int = 80, num_variants: int = 16, see
     return load_library(path, "metrics.kl_div", ["stats.memory_mib", "stats.runtime_ms", "stats.num_params"])
 
 
+# Budgets on the real library: runtime, memory, and both (factors of the parent's totals).
+LIBRARY_BUDGETS = (
+    {"stats.runtime_ms": 0.5},
+    {"stats.runtime_ms": 0.6},
+    {"stats.runtime_ms": 0.7},
+    {"stats.memory_mib": 0.5},
+    {"stats.memory_mib": 0.6},
+    {"stats.memory_mib": 0.7},
+    {"stats.memory_mib": 0.6, "stats.runtime_ms": 0.6},
+    {"stats.memory_mib": 0.7, "stats.runtime_ms": 0.5},
+)
+
+
+def library_cases(path: Path) -> list[tuple[str, Table, list[Limit]]]:
+    """One case per LIBRARY_BUDGETS entry on the library file at `path` (none when it is absent)."""
+    if not path.is_file():
+        print(f"skipping the real-library rows: {path} does not exist", flush=True)
+        return []
+    table = load_library(path, "metrics.kl_div", ["stats.memory_mib", "stats.runtime_ms"])
+    shape = f"{table.num_blocks}x{table.num_variants // table.num_blocks}"
+    cases = []
+    for budget in LIBRARY_BUDGETS:
+        limits = [Limit(key, upper=Relative(factor)) for key, factor in budget.items()]
+        label = ", ".join(f"{key.split('.')[-1]}<={factor}x" for key, factor in budget.items())
+        cases.append((f"{path.stem} {shape} {label}", table, limits))
+    return cases
+
+
 # Methods compared in one run: the plain PuLP model of every variant, LP + reduced-cost fixing grown
 # until it certifies, and the default (fixing against a dived + locally improved incumbent, probing).
 METHODS = {
@@ -150,6 +184,10 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=300.0, help="per solve, seconds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=3, help="runs per cell; the median is reported")
+    parser.add_argument(
+        "--library", type=Path, help="a real NVlabs block_library.json (rows skipped if absent)"
+    )
+    parser.add_argument("--only-library", action="store_true", help="only the --library rows, HiGHS only")
     args = parser.parse_args()
 
     cases = []
@@ -172,9 +210,15 @@ def main() -> None:
         )
     )
 
+    solvers = ("highs", "cbc")
+    if args.only_library:
+        cases, solvers = [], ("highs",)
+    if args.library is not None:
+        cases.extend(library_cases(args.library))
+
     rows = []
     for name, table, limits in cases:
-        for solver in ("highs", "cbc"):
+        for solver in solvers:
             row = {"instance": name, "solver": solver, "variables": table.num_variants}
             for method in METHODS:
                 skip = method == "plain" and args.quick and table.num_variants > 88 * 100
@@ -190,6 +234,7 @@ def main() -> None:
             )
             if row["plain"] is not None:
                 row["speedup_vs_plain"] = row["plain"]["seconds"] / row["default"]["seconds"]
+                row["time_ratio_vs_plain"] = row["default"]["seconds"] / row["plain"]["seconds"]
             rows.append(row)
             print(f"done {name} {solver}", flush=True)
 
@@ -209,7 +254,8 @@ def main() -> None:
             f"| {row['instance']} | {row['solver']} | {cell(row['plain'])} | {cell(row['fixing'])} | "
             f"{cell(row['default'])} | {speedup} | {row['default']['free_variables']} | {row['same_objective']} |"
         )
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    results = RESULTS.with_name("bench_mip_library.json") if args.only_library else RESULTS
+    results.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": "bench_mip",
         "note": "seconds: median of `repeat` runs on a 2-core machine shared with other jobs: noisy; "
@@ -220,10 +266,10 @@ def main() -> None:
         "repeat": args.repeat,
         "rows": rows,
     }
-    temporary = RESULTS.with_suffix(".json.tmp")
+    temporary = results.with_suffix(".json.tmp")
     temporary.write_text(json.dumps(payload, indent=2))
-    temporary.replace(RESULTS)
-    print(f"\nwrote {RESULTS}")
+    temporary.replace(results)
+    print(f"\nwrote {results}")
 
 
 if __name__ == "__main__":

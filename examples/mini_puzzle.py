@@ -3,7 +3,7 @@
 Demonstrates that the pieces fit: a transformers NemotronH parent (Mamba, MoE, attention, MLP blocks)
 read with `puzzle.load`; brief training on a synthetic language so that activations mean something;
 importance (`puzzle.prune.importance_for`); a few variants per block initialised from the parent
-(`init_child`); replace-one-block KL scores; costs from `puzzle.cost` through `spec_table`; the MIP under
+(`init_child`); replace-one-block KL scores; costs from `puzzle.cost` through `deployment_problem`; the MIP under
 an active-parameter budget with one Mamba state size for all Mamba blocks; the child assembled,
 measured, saved and reloaded.
 
@@ -30,13 +30,13 @@ from transformers import NemotronHConfig, NemotronHForCausalLM
 from transformers.utils import logging as hf_logging
 
 import puzzle
-from puzzle.budget import Relative
 from puzzle.cost.analytic import model_active_params, model_params
 from puzzle.hf import transformers_incompatibilities
 from puzzle.model import HybridLM
 from puzzle.prune import importance_for, init_child
 from puzzle.search import search
-from puzzle.search_budget import Budget, choices_to_spec, spec_table
+from puzzle.search.budget import Budget, choices_to_spec, deployment_problem
+from puzzle.search.limits import Relative
 from puzzle.spec import AttentionSpec, BlockSpec, LinearSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, NoOpSpec
 
 hf_logging.set_verbosity_error()  # "falling back to the PyTorch implementation" is expected on CPU
@@ -217,7 +217,7 @@ def main(settings: Settings | None = None, out_dir: str | Path | None = None, ve
         library = build_library(parent, importance, held_out, reference)
 
         budget = Budget(active_params=Relative(settings.budget), shared_state_size=True)
-        problem = spec_table(parent.spec, library.variants, library.scores, budget)
+        problem = deployment_problem(parent.spec, library.variants, library.scores, budget)
         solution = search(problem.table, problem.limits, problem.rules)
         child = library.child(parent, solution.choices)
         say("chosen architecture (block KL: the parent with only that block replaced):")
@@ -234,7 +234,7 @@ def main(settings: Settings | None = None, out_dir: str | Path | None = None, ve
         say(f"KL to the parent: sum of block KLs {solution.objective:.4f}, the child's {r['child_kl']:.4f}")
 
         # The worst-KL architecture under the same budget (the MIP maximising) as a baseline.
-        worst = spec_table(parent.spec, library.variants, library.scores, budget, maximize=True)
+        worst = deployment_problem(parent.spec, library.variants, library.scores, budget, maximize=True)
         r["worst"] = search(worst.table, worst.limits, worst.rules)
         r["worst_kl"] = kl_divergence(reference, library.child(parent, r["worst"].choices), held_out)
         say(f"worst-KL architecture under the same budget: KL {r['worst_kl']:.4f}")

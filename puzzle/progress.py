@@ -7,20 +7,30 @@ torch.distributed; `PUZZLE_PROGRESS=0` silences them, `PUZZLE_PROGRESS=1` forces
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
 from tqdm.auto import tqdm
 
-from puzzle import dist
-
 T = TypeVar("T")
+
+
+def _is_main() -> bool:
+    """Rank 0, or no torch.distributed at all. A process that has not imported torch has no process
+    group (torchrun's rank is then in $RANK), so torch is not imported just to ask (a library search
+    needs none)."""
+    if "torch" not in sys.modules:
+        return os.environ.get("RANK", "0") == "0"
+    from puzzle import dist
+
+    return dist.is_main()
 
 
 def progress(items: Iterable[T], desc: str, total: int | None = None, unit: str = "it") -> Iterator[T]:
     """Iterate over `items` with a progress bar labelled `desc` (see the module docstring for when it shows)."""
     setting = os.environ.get("PUZZLE_PROGRESS", "").strip()
-    if setting == "0" or not dist.is_main():
+    if setting == "0" or not _is_main():
         disable: bool | None = True
     elif setting == "1":
         disable = False

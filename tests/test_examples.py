@@ -19,7 +19,7 @@ import torch
 
 import puzzle
 from puzzle.cost.analytic import model_active_params, model_params
-from puzzle.search_budget import choices_to_spec
+from puzzle.search.budget import choices_to_spec
 from puzzle.spec import MambaSpec, MoESpec
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

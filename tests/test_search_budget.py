@@ -8,7 +8,6 @@ import itertools
 import numpy as np
 import pytest
 
-from puzzle.budget import BudgetError, Relative
 from puzzle.cost import (
     Scenario,
     max_concurrent_requests,
@@ -19,13 +18,16 @@ from puzzle.cost import (
 )
 from puzzle.presets.tiny import tiny_hybrid
 from puzzle.search import InfeasibleError, search
-from puzzle.search_budget import Budget, ScenarioTarget, choices_to_spec, spec_table
+from puzzle.search.budget import Budget, ScenarioTarget, choices_to_spec, deployment_problem
+from puzzle.search.limits import BudgetError, Relative
 from puzzle.spec import LinearSpec, MambaSpec, MLPSpec, MoESpec, NoOpSpec, SpecError
 
 HARDWARE = "h100"
 CHAT = Scenario(batch_size=8, prompt_tokens=512, generated_tokens=256, name="chat")
 LONG = Scenario(batch_size=2, prompt_tokens=8192, generated_tokens=64, name="long")
 CONTEXT = 100_000
+# Requests of CONTEXT tokens with the default dtypes (bf16 weights and KV cache, fp32 SSM state).
+SERVING = Scenario(batch_size=1, prompt_tokens=CONTEXT - 1000, generated_tokens=1000, name="serving")
 
 
 def _variants(parent):
@@ -64,14 +66,14 @@ def test_budget_equals_enumeration_with_model_functions():
         memory_bytes=Relative(0.95),
         memory_scenario=LONG,
         min_concurrent_requests=required_requests,
-        context_len=CONTEXT,
+        concurrency_scenario=SERVING,
         hardware=HARDWARE,
         scenarios=(
             ScenarioTarget(CHAT, min_tokens_per_s=Relative(1.1)),
             ScenarioTarget(LONG, max_ttft_s=Relative(0.97)),
         ),
     )
-    problem = spec_table(parent, variants, scores, budget)
+    problem = deployment_problem(parent, variants, scores, budget)
     solution = search(problem.table, problem.limits, problem.rules)
 
     def memory(spec) -> float:
@@ -126,7 +128,7 @@ def test_throughput_target_out_of_reach_is_named():
     variants = _variants(parent)
     scores = [[0.0] + [1.0] * (len(options) - 1) for options in variants]
     budget = Budget(hardware=HARDWARE, scenarios=(ScenarioTarget(CHAT, min_tokens_per_s=Relative(50.0)),))
-    problem = spec_table(parent, variants, scores, budget)
+    problem = deployment_problem(parent, variants, scores, budget)
     with pytest.raises(InfeasibleError) as caught:
         search(problem.table, problem.limits, problem.rules)
     assert caught.value.budget == "seconds[chat]<=0.02x"
@@ -151,3 +153,38 @@ def test_budget_values_accept_the_command_line_syntax_and_reject_garbage():
         Budget(active_params="0.7y")
     with pytest.raises(BudgetError, match=r"Budget\.params must be a number.*found \[1\]"):
         Budget(params=[1])
+
+
+@pytest.mark.parametrize(
+    ("kv_dtype", "ssm_dtype", "recipe"), [("fp8", "fp32", "fp8"), ("bf16", "bf16", "bf16")]
+)
+def test_concurrency_budget_agrees_with_puzzle_costs(kv_dtype, ssm_dtype, recipe):
+    """The search and `puzzle costs` count concurrent requests of the same child with the same dtypes:
+    the most requests the search lets a child serve is exactly `puzzle costs`' max_concurrent_requests."""
+    from puzzle.commands.costs import compute_costs
+
+    parent = tiny_hybrid(hidden_size=64)
+    variants = _variants(parent)
+    serving = Scenario(1, CONTEXT - 1000, 1000, recipe=recipe, kv_dtype=kv_dtype, ssm_dtype=ssm_dtype)
+    children = [(0,) * parent.num_blocks, (1,) * parent.num_blocks]
+    for choices in children:
+        child = choices_to_spec(parent, variants, choices)
+        costs = compute_costs(child, HARDWARE, CONTEXT, recipe, kv_dtype, ssm_dtype)
+        most = costs["max_concurrent_requests"]
+        assert most is not None and most > 1
+        pinned = [[options[c]] for options, c in zip(variants, choices)]  # only this child to choose
+        for requests, fits in ((most, True), (most + 1, False)):
+            budget = Budget(
+                min_concurrent_requests=requests,
+                concurrency_scenario=serving,
+                hardware=HARDWARE,
+                shared_state_size=False,
+            )
+            problem = deployment_problem(child, pinned, [[0.0]] * parent.num_blocks, budget)
+            if fits:
+                assert (
+                    search(problem.table, problem.limits, problem.rules).choices == (0,) * parent.num_blocks
+                )
+            else:
+                with pytest.raises(InfeasibleError):
+                    search(problem.table, problem.limits, problem.rules)

@@ -206,6 +206,7 @@ def test_sweep_writes_frontier(capsys, library_file, tmp_path):
     rows = list(csv.DictReader(prefix.with_suffix(".csv").open()))
     assert len(rows) == 5 and "stats.runtime_ms" in rows[0] and "architecture" in rows[0]
     assert json.loads(prefix.with_suffix(".json").read_text())[0]["budget"] == points[0]["budget"]
+    pytest.importorskip("matplotlib")  # the plot is an optional extra
     assert prefix.with_suffix(".png").stat().st_size > 1000
 
 
@@ -287,3 +288,175 @@ def test_command_line_end_to_end(library_file):
         check=False,
     )
     assert bad.returncode == 2 and "stats.memory_mib<=10" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--gap", "-1"),
+        ("--gap", "5"),
+        ("--gap", "nan"),
+        ("--gap", "1"),
+        ("--time-limit", "-1"),
+        ("--time-limit", "0"),
+        ("--time-limit", "nan"),
+        ("--time-limit", "inf"),
+    ],
+)
+def test_solver_flags_that_make_no_sense_exit_2(capsys, library_file, flags):
+    path, _ = library_file
+    with pytest.raises(SystemExit) as caught:
+        main(["search", "--library", str(path), "--budget", "stats.memory_mib<=0.7x", *flags])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert flags[0] in err and "Traceback" not in err
+
+
+def _fails(capsys, *argv: str) -> tuple[int, str]:
+    """Run `puzzle search` expecting a clean failure: (exit code, stderr); never a traceback."""
+    try:
+        code = main(["search", *argv])
+    except SystemExit as exit_:  # argparse errors
+        code = exit_.code
+    err = capsys.readouterr().err
+    assert code in (1, 2), err
+    assert "Traceback" not in err
+    return code, err
+
+
+def test_library_that_is_a_directory(capsys, tmp_path):
+    code, err = _fails(capsys, "--library", str(tmp_path), "--budget", "stats.memory_mib<=0.7x")
+    assert code == 1 and "is a directory" in err and str(tmp_path) in err
+
+
+def test_frontier_unwritable_fails_before_solving(capsys, library_file, tmp_path):
+    path, _ = library_file
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    code, err = _fails(
+        capsys, "--library", str(path), "--sweep", "stats.memory_mib=0.6x", "--frontier", str(blocker / "x")
+    )
+    assert code == 1 and str(blocker) in err
+
+
+@pytest.mark.parametrize("trailing_slash", [True, False])
+def test_frontier_folder_gets_files_inside(capsys, library_file, tmp_path, trailing_slash):
+    path, _ = library_file
+    folder = tmp_path / "out"
+    if not trailing_slash:
+        folder.mkdir()  # an existing folder, named without a slash
+    target = f"{folder}/" if trailing_slash else str(folder)
+    code, _, _ = _run(
+        capsys, "--library", str(path), "--sweep", "stats.memory_mib=0.6x,0.8x", "--frontier", target
+    )
+    assert code == 0
+    assert (folder / "frontier.csv").is_file() and (folder / "frontier.json").is_file()
+    assert not (tmp_path / "out.csv").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (("--frontier", "x"), "--frontier needs --sweep"),
+        (("--min-diff", "2"), "--min-diff needs --solutions"),
+        (("--solutions", "0"), "--solutions"),
+        (("--sweep", "stats.memory_mib=0.6x", "--solutions", "2"), "do not combine with --sweep"),
+    ],
+)
+def test_options_that_need_another_one(capsys, library_file, extra, message):
+    path, _ = library_file
+    code, err = _fails(capsys, "--library", str(path), "--budget", "stats.memory_mib<=0.7x", *extra)
+    assert code == 2 and message in err
+
+
+@pytest.mark.parametrize("option", ["--fixed", "--same"])
+def test_keys_that_no_variant_has(capsys, library_file, option):
+    path, _ = library_file
+    value = "stats.nope=5" if option == "--fixed" else "stats.nope"
+    code, err = _fails(capsys, "--library", str(path), "--budget", "stats.memory_mib<=0.7x", option, value)
+    assert code == 1 and f"{option} key 'stats.nope' is in no variant" in err
+
+
+def test_fixed_on_an_unbudgeted_key_counts_in_its_total(capsys, library_file):
+    path, library = library_file
+    code, out, _ = _run(
+        capsys,
+        "--library",
+        str(path),
+        "--budget",
+        "stats.memory_mib<=0.7x",
+        "--fixed",
+        "metrics.lm_loss=3",
+        "--json",
+    )
+    assert code == 0
+    result = json.loads(out)
+    chosen = [library[layer][name] for layer, name in result["choices"].items()]
+    assert result["totals"]["metrics.lm_loss"] == pytest.approx(
+        3 + sum(v["metrics"]["lm_loss"] for v in chosen)
+    )
+
+
+def test_boolean_metric_is_not_a_number(capsys, library_file, tmp_path):
+    _, library = library_file
+    first = next(iter(library["layer_1"].values()))
+    first["metrics"]["kl_div"] = True
+    broken = tmp_path / "bool.json"
+    broken.write_text(json.dumps(library))
+    code, err = _fails(capsys, "--library", str(broken), "--budget", "stats.memory_mib<=0.7x")
+    assert code == 1 and "'metrics.kl_div' is true, expected a finite number" in err
+
+
+@pytest.mark.parametrize(
+    ("budget", "message"),
+    [
+        ("stats.memory_mib<=1e400", "overflows"),
+        ("stats.memory_mib<=inf", "cannot read budget"),
+        ("stats.memory_mib<=70G", "names its unit"),
+        ("stats.runtime_ms<=3k", "names its unit"),
+        ("stats.memory_mib<=1e400x", "finite factor"),
+    ],
+)
+def test_budget_values_overflow_and_unit_suffixes(capsys, library_file, budget, message):
+    path, _ = library_file
+    code, err = _fails(capsys, "--library", str(path), "--budget", budget)
+    assert code == 1 and message in err
+
+
+def test_suffix_on_a_count_key_still_works(capsys, library_file):
+    path, library = library_file
+    bound = 0.8 * _parent_total(library, "num_params")
+    code, out, _ = _run(
+        capsys, "--library", str(path), "--budget", f"stats.num_params<={bound / 1e9}G", "--json"
+    )
+    assert code == 0 and json.loads(out)["totals"]["stats.num_params"] <= bound * (1 + 1e-12)
+
+
+def test_help_states_defaults_and_units(capsys):
+    with pytest.raises(SystemExit):
+        main(["search", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default auto" in text and "seconds" in text and "default: none" in text
+    assert "k=1e3" in text and "G or B=1e9" in text
+
+
+def test_library_search_imports_no_torch_and_keeps_the_plotting_backend(library_file, tmp_path):
+    """A fresh interpreter runs a library sweep with a frontier plot: torch is never imported (a library
+    search needs none), and the caller's matplotlib backend and pyplot state are left as they were."""
+    pytest.importorskip("matplotlib")
+    path, _ = library_file
+    script = f"""
+import sys, json
+import matplotlib
+matplotlib.use("svg")
+from puzzle.cli import main
+code = main(["search", "--library", {str(path)!r}, "--sweep", "stats.memory_mib=0.6x,0.8x",
+             "--frontier", {str(tmp_path / "front")!r}, "--json"])
+print(json.dumps({{"code": code, "torch": "torch" in sys.modules, "backend": matplotlib.get_backend(),
+                  "pyplot": "matplotlib.pyplot" in sys.modules}}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report == {"code": 0, "torch": False, "backend": "svg", "pyplot": False}
+    assert (tmp_path / "front.png").stat().st_size > 1000

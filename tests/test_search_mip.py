@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from puzzle.budget import Limit, Relative, merge_limits, parse_limit, parse_value
 from puzzle.search import Choice, InfeasibleError, Rules, SearchError, SolverOptions, Table, search, search_k
+from puzzle.search.limits import Limit, Relative, merge_limits, parse_limit, parse_value
 
 COST_KEYS = ("memory", "runtime", "params")
 
@@ -226,7 +226,7 @@ def test_budget_syntax():
 def test_reduced_mip_cutoff_contract(solver):
     """The final MIP's cutoff (HiGHS objective_bound) never hides a better solution: below the optimum it
     reports nothing better (infeasible, or a solution no better than the cutoff); above, the optimum."""
-    from puzzle.search_backend import REDUCED_MIP_HIGHS_OPTIONS, Row, RowModel, solve_with_pulp
+    from puzzle.search.backend import REDUCED_MIP_HIGHS_OPTIONS, Row, RowModel, solve_with_pulp
 
     rng = np.random.default_rng(7)
     blocks, variants = 6, 4
@@ -252,3 +252,72 @@ def test_reduced_mip_cutoff_contract(solver):
     assert above.status == "optimal" and above.objective == pytest.approx(best, abs=1e-6)
     below = solve_with_pulp(model, columns, True, solver, 0.0, None, cutoff=best - 1e-3)
     assert below.status == "infeasible" or below.objective >= best - 1e-6
+
+
+def _random_library(seed: int) -> tuple[Table, list[Limit]]:
+    """2-5 blocks of 2-5 variants, two costs, budgets at 30-90% of the parent's (a random small library)."""
+    rng = np.random.default_rng(seed)
+    num_blocks, num_variants = int(rng.integers(2, 6)), int(rng.integers(2, 6))
+    blocks = {
+        f"b{b}": [
+            Choice(
+                f"v{v}",
+                0.0 if v == 0 else float(rng.uniform(0, 1)),
+                {key: 10.0 if v == 0 else float(rng.uniform(0, 10)) for key in ("m", "r")},
+            )
+            for v in range(num_variants)
+        ]
+        for b in range(num_blocks)
+    }
+    table = Table.from_choices(blocks, maximize=bool(rng.integers(0, 4) == 0))
+    limits = [Limit(key, upper=float(rng.uniform(0.3, 0.9)) * table.parent_total(key)) for key in ("m", "r")]
+    return table, limits
+
+
+@pytest.mark.parametrize("solver", ["highs", "cbc"])
+def test_status_optimal_means_the_proven_gap_is_within_the_requested_one(solver):
+    """Against brute force: the reported gap is never below the true one (it is proven, not the requested
+    tolerance), and "optimal" means gap <= requested (with gap 0 requested: the brute-force optimum)."""
+    checked = optimal = 0
+    for seed in range(20):
+        table, limits = _random_library(seed)
+        feasible = [c for c in _all_choices(table) if _meets(table, c, limits)]
+        if not feasible:
+            continue
+        best = _best([_objective(table, c) for c in feasible], table.maximize)
+        for heuristics, gap_rel in itertools.product((True, False), (0.0, 0.05, 0.3)):
+            options = SolverOptions(solver=solver, gap_rel=gap_rel, heuristics=heuristics)
+            solution = search(table, limits, options=options)
+            checked += 1
+            assert solution.choices in feasible
+            # The gap of the answer to the true optimum, measured as the search measures it (minimised).
+            sign = -1.0 if table.maximize else 1.0
+            true_gap = max(0.0, sign * (solution.objective - best)) / max(abs(solution.objective), 1e-12)
+            assert solution.gap is not None
+            assert solution.gap >= true_gap - 1e-9, (seed, heuristics, gap_rel, solution.gap, true_gap)
+            assert solution.status in ("optimal", "time_limit")
+            if solution.status == "optimal":
+                optimal += 1
+                assert solution.gap <= gap_rel
+                if gap_rel == 0.0:
+                    assert solution.objective == pytest.approx(best, abs=1e-9)
+    assert checked >= 80 and optimal == checked  # no time limit: every solve ends proven
+
+
+def test_solver_options_reject_what_makes_no_sense():
+    for bad in (
+        {"gap_rel": -1.0},
+        {"gap_rel": 5.0},
+        {"gap_rel": 1.0},
+        {"gap_rel": math.nan},
+        {"gap_rel": True},
+        {"time_limit_s": -1.0},
+        {"time_limit_s": 0.0},
+        {"time_limit_s": math.inf},
+        {"time_limit_s": math.nan},
+        {"solver": "gurobi"},
+        {"presolve": "yes"},
+    ):
+        with pytest.raises(SearchError, match=r"SolverOptions|unknown solver"):
+            SolverOptions(**bad)
+    assert SolverOptions(gap_rel=0.0, time_limit_s=0.5).gap_rel == 0.0

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any
 
-from puzzle.budget import BudgetError, merge_limits, parse_limit
 from puzzle.search import InfeasibleError, Rules, SearchError, Solution, SolverOptions, search_k
-from puzzle.search_frontier import parse_sweep, sweep, write_frontier
-from puzzle.search_library import load_library
+from puzzle.search.frontier import frontier_prefix, parse_sweep, sweep, write_frontier
+from puzzle.search.library import load_library
+from puzzle.search.limits import BudgetError, merge_limits, parse_limit
+from puzzle.search.types import SOLVERS
 
 EXIT_INFEASIBLE = 2
 
@@ -22,8 +24,11 @@ def register(subparsers: Any) -> None:
         description=(
             "Choose one variant per block to optimise the summed objective under budgets. Budgets are "
             "KEY<=VALUE, KEY>=VALUE or LOW<=KEY<=HIGH on dotted keys into each variant; VALUE is absolute "
-            "(32000, 70G) or relative to the parent, the first variant of every block (0.6x). "
-            "Exit code 2 when no architecture meets the budgets."
+            "(32000, 7e9, or with a decimal suffix: k=1e3, M=1e6, G or B=1e9, T=1e12, so 70G = 7e10) or "
+            "relative to the parent, the first variant of every block (0.6x). A key whose name carries "
+            "its unit (stats.memory_mib, stats.runtime_ms) takes plain numbers in that unit: a suffix "
+            "there is refused (70G MiB is not 70 GB). Exit code 2 when no architecture meets the "
+            "budgets or an option is malformed, 1 for other errors (unreadable library, missing keys)."
         ),
     )
     parser.add_argument(
@@ -64,26 +69,85 @@ def register(subparsers: Any) -> None:
         "size (repeatable; missing or null = free)",
     )
     parser.add_argument(
-        "--solutions", type=int, default=1, metavar="K", help="the K best distinct architectures"
+        "--solutions",
+        type=_positive_int,
+        default=1,
+        metavar="K",
+        help="the K best distinct architectures (default 1)",
     )
     parser.add_argument(
         "--min-diff",
-        type=int,
-        default=1,
+        type=_positive_int,
+        default=None,
         metavar="D",
-        help="each further solution differs from every earlier one in >= D blocks",
+        help="with --solutions K > 1: each further solution differs from every earlier one in >= D "
+        "blocks (default 1)",
     )
     parser.add_argument(
         "--sweep", metavar="KEY=v1,v2,...", help="solve once per bound on KEY (KEY>=... for lower bounds)"
     )
     parser.add_argument(
-        "--frontier", metavar="PREFIX", help="with --sweep: write PREFIX.csv, PREFIX.json, PREFIX.png"
+        "--frontier",
+        metavar="PREFIX",
+        help="with --sweep: write PREFIX.csv, PREFIX.json, PREFIX.png; a PREFIX ending in / or naming an "
+        "existing folder writes frontier.csv, .json, .png inside that folder",
     )
-    parser.add_argument("--solver", choices=["auto", "highs", "cbc"], default="auto")
-    parser.add_argument("--time-limit", type=float, default=None, metavar="SECONDS", help="per solve")
-    parser.add_argument("--gap", type=float, default=1e-6, help="relative optimality gap (default 1e-6)")
+    parser.add_argument(
+        "--solver",
+        choices=SOLVERS,
+        default="auto",
+        help="MIP solver (default auto: HiGHS if highspy is installed, else CBC)",
+    )
+    parser.add_argument(
+        "--time-limit",
+        type=_positive_seconds,
+        default=None,
+        metavar="SECONDS",
+        help="wall-clock limit per solve in seconds, > 0 (default: none); "
+        "a solve stopped by it reports status time_limit",
+    )
+    parser.add_argument(
+        "--gap",
+        type=_relative_gap,
+        default=1e-6,
+        help="relative optimality gap to prove, in [0, 1) (default 1e-6); status optimal means the "
+        "proven gap, (objective - best bound) / |objective|, is at most this",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, parser_error=parser.error)
+
+
+def _positive_seconds(text: str) -> float:
+    """argparse type for --time-limit: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, found {text!r}")
+    return value
+
+
+def _relative_gap(text: str) -> float:
+    """argparse type for --gap: a relative gap in [0, 1)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 1:  # also false for nan
+        raise argparse.ArgumentTypeError(f"expected a relative gap in [0, 1) such as 1e-6, found {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    """argparse type for counts (--solutions, --min-diff): an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, found {text!r}")
+    return value
 
 
 def _fixed(items: list[str]) -> dict[str, float]:
@@ -91,12 +155,23 @@ def _fixed(items: list[str]) -> dict[str, float]:
     for item in items:
         key, separator, value = item.partition("=")
         try:
-            fixed[key.strip()] = float(value)
+            number = float(value)
         except ValueError:
-            separator = ""
-        if not separator or not key.strip():
-            raise BudgetError(f"cannot read --fixed {item!r}: expected KEY=NUMBER")
+            number = math.nan
+        if not separator or not key.strip() or not math.isfinite(number):
+            raise BudgetError(f"cannot read --fixed {item!r}: expected KEY=NUMBER (a finite number)")
+        fixed[key.strip()] = number
     return fixed
+
+
+def _check_combinations(parser_error: Any, args: argparse.Namespace) -> None:
+    """Options that only mean something together with another one: an error, never silence."""
+    if args.frontier is not None and not args.sweep:
+        parser_error("--frontier needs --sweep (it writes the sweep's points)")
+    if args.min_diff is not None and args.solutions == 1:
+        parser_error("--min-diff needs --solutions K with K > 1 (it spaces the K solutions apart)")
+    if args.sweep and (args.solutions != 1 or args.min_diff is not None):
+        parser_error("--solutions / --min-diff do not combine with --sweep (one solution per point)")
 
 
 def _print_solution(solution: Solution, objective: str, out) -> None:
@@ -114,9 +189,12 @@ def _print_solution(solution: Solution, objective: str, out) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    _check_combinations(args.parser_error, args)
     try:
         limits = merge_limits(parse_limit(text) for text in args.budget)
         swept = parse_sweep(args.sweep) if args.sweep else None
+        # Where the frontier goes is settled before solving, so a bad path loses no solve.
+        frontier = frontier_prefix(args.frontier) if args.frontier else None
         keys = [limit.key for limit in limits] + ([swept[0]] if swept else [])
         table = load_library(args.library, args.objective, keys, args.maximize, args.same, _fixed(args.fixed))
         rules = Rules(same_attributes=tuple(args.same), keep_blocks=tuple(args.keep_block))
@@ -124,8 +202,8 @@ def run(args: argparse.Namespace) -> int:
         if swept:
             key, side, values = swept
             points = sweep(table, limits, key, side, values, rules, options)
-            if args.frontier:
-                for path in write_frontier(points, key, args.frontier, args.objective):
+            if frontier is not None:
+                for path in write_frontier(points, key, frontier, args.objective):
                     print(f"wrote {path}", file=sys.stderr)
             if args.json:
                 print(json.dumps([point.to_json() for point in points], indent=2))
@@ -140,7 +218,8 @@ def run(args: argparse.Namespace) -> int:
                             f"{key} = {point.solution.totals[key]:.6g} ({point.solution.status})"
                         )
             return 0 if any(point.solution is not None for point in points) else EXIT_INFEASIBLE
-        solutions = search_k(table, limits, rules, options, args.solutions, args.min_diff)
+        min_diff = 1 if args.min_diff is None else args.min_diff
+        solutions = search_k(table, limits, rules, options, args.solutions, min_diff)
     except InfeasibleError as error:
         if args.json:
             print(
@@ -162,5 +241,5 @@ def run(args: argparse.Namespace) -> int:
             print(f"solution {index + 1}:")
         _print_solution(solution, args.objective, sys.stdout)
     if len(solutions) < args.solutions:
-        print(f"only {len(solutions)} architectures differ in >= {args.min_diff} blocks", file=sys.stderr)
+        print(f"only {len(solutions)} architectures differ in >= {min_diff} blocks", file=sys.stderr)
     return 0

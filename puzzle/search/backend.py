@@ -9,18 +9,34 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pulp
 
+from puzzle.search.types import SearchError
+
 try:  # HiGHS is the default solver; CBC (bundled with PuLP) is the fallback.
     import highspy
 except ImportError:  # pragma: no cover - exercised only where highspy is absent
     highspy = None
+
+
+def resolve_solver(name: str) -> str:
+    """The back end a `SolverOptions.solver` stands for: "auto" is HiGHS if highspy is installed, else CBC."""
+    if name == "auto":
+        return "highs" if highspy is not None else "cbc"
+    if name not in ("highs", "cbc"):
+        raise SearchError(f"unknown solver {name!r}; choose 'auto', 'highs' or 'cbc'")
+    if name == "highs" and highspy is None:
+        raise SearchError("solver 'highs' needs the highspy package (pip install highspy)")
+    return name
 
 
 @dataclass
@@ -44,13 +60,16 @@ class RowModel:
 
 @dataclass
 class BackendResult:
-    """What a back end returns; `values` and `reduced_costs` follow the order of the columns it was given."""
+    """What a back end returns; `values` and `reduced_costs` follow the order of the columns it was given.
+
+    `bound` is the best proven lower bound on the objective over the solved subset (the LP's optimum, a
+    MIP's dual bound), None when the solver gave none; a MIP's `status` is the solver's own claim."""
 
     status: str  # "optimal" | "time_limit" | "infeasible" | "error"
     objective: float | None = None
     values: np.ndarray | None = None  # per column of the solved subset
     reduced_costs: np.ndarray | None = None
-    gap: float | None = None
+    bound: float | None = None
 
 
 _BANNER_SILENCED = False
@@ -139,11 +158,9 @@ class LPSession:
         if status != highspy.HighsModelStatus.kOptimal:
             return BackendResult("error")
         solution = self.solver.getSolution()
+        objective = self.solver.getInfo().objective_function_value
         return BackendResult(
-            "optimal",
-            self.solver.getInfo().objective_function_value,
-            np.array(solution.col_value),
-            np.array(solution.col_dual),
+            "optimal", objective, np.array(solution.col_value), np.array(solution.col_dual), objective
         )
 
 
@@ -207,6 +224,7 @@ def _pulp_solver(
     gap_rel: float,
     time_limit: float | None,
     highs_options: dict[str, Any] | None = None,
+    log_path: str | None = None,
 ) -> Any:
     if name == "highs":
         return pulp.HiGHS(
@@ -221,7 +239,27 @@ def _pulp_solver(
             mip=integer,
             gapRel=gap_rel,
             timeLimit=None if time_limit is None else max(1, math.ceil(time_limit)),
+            logPath=log_path,
         )
+
+
+def cbc_gap_from_log(text: str) -> float | None:
+    """CBC's proven absolute gap (objective - lower bound) from its log, or None if the log has no answer.
+
+    PuLP does not hand CBC's bound back, so it is read from the summary CBC prints: "Optimal solution
+    found" alone means the tree was searched to the end (gap 0); otherwise (within the gap tolerance,
+    stopped on a limit) it prints "Objective value:" and "Lower bound:" (the bound to 3 decimals, which
+    the search's objective scaling makes ~1e-9 of the objective's range)."""
+    objective = re.search(r"^Objective value:\s*(\S+)", text, re.MULTILINE)
+    bound = re.search(r"^Lower bound:\s*(\S+)", text, re.MULTILINE)
+    if objective is None:
+        return None
+    if bound is None:
+        return 0.0 if re.search(r"^Result - Optimal solution found\s*$", text, re.MULTILINE) else None
+    try:
+        return max(0.0, float(objective.group(1)) - float(bound.group(1)))
+    except ValueError:
+        return None
 
 
 def solve_with_pulp(
@@ -234,7 +272,7 @@ def solve_with_pulp(
     cutoff: float | None = None,
     highs_options: dict[str, Any] | None = None,
 ) -> BackendResult:
-    """Solve the (sub)problem on `columns` through PuLP; LP gives reduced costs, MIP gives the gap.
+    """Solve the (sub)problem on `columns` through PuLP; LP gives reduced costs, a MIP its proven bound.
 
     `cutoff` (HiGHS only): prune every node whose bound reaches it (HiGHS's objective_bound). Then the
     answer means "the optimum, or no solution below `cutoff` exists": the caller must hold a solution of
@@ -247,8 +285,15 @@ def solve_with_pulp(
     options = dict(highs_options or {})
     if cutoff is not None and solver_name == "highs":
         options["objective_bound"] = float(cutoff)
-    solver = _pulp_solver(solver_name, integer, gap_rel, time_limit, options)
-    model.solve(solver)
+    log_text = ""
+    if solver_name == "cbc" and integer:
+        with tempfile.TemporaryDirectory(prefix="puzzle_cbc_") as folder:
+            log_path = os.path.join(folder, "cbc.log")
+            model.solve(_pulp_solver(solver_name, integer, gap_rel, time_limit, options, log_path))
+            with contextlib.suppress(OSError):
+                log_text = Path(log_path).read_text()
+    else:
+        model.solve(_pulp_solver(solver_name, integer, gap_rel, time_limit, options))
     values = np.array([variable.varValue if variable.varValue is not None else 0.0 for variable in variables])
     status = pulp.LpStatus[model.status]
     has_solution = model.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
@@ -272,14 +317,13 @@ def solve_with_pulp(
         result.reduced_costs = np.array(
             [variable.dj if variable.dj is not None else 0.0 for variable in variables]
         )
+        result.bound = objective if result.status == "optimal" else None
     elif solver_name == "highs":
-        info = model.solverModel.getInfo()
-        result.gap = float(info.mip_gap) if math.isfinite(info.mip_gap) else None
-        if result.status == "optimal" and result.gap is not None and result.gap > gap_rel * 1.0001 + 1e-12:
-            result.status = "time_limit"
+        dual_bound = float(model.solverModel.getInfo().mip_dual_bound)
+        result.bound = min(dual_bound, objective) if math.isfinite(dual_bound) else None
     else:
-        # CBC does not hand its final bound to PuLP; "optimal" means within the requested gap_rel.
-        result.gap = gap_rel if result.status == "optimal" else None
+        absolute_gap = cbc_gap_from_log(log_text)
+        result.bound = None if absolute_gap is None else objective - absolute_gap
     return result
 
 

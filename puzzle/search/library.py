@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from puzzle.search import SearchError, Table
+from puzzle.search.types import SearchError, Table
 
 # Sub-trees that describe a variant's structure, not its costs; never flattened into cost columns.
 _STRUCTURE_KEYS = ("block_config", "layer_replacement", "block_repr", "parent_layer_indices", "is_teacher")
@@ -48,10 +48,8 @@ def _numeric_leaves(tree: Mapping[str, Any], prefix: str = "") -> dict[str, floa
         path = f"{prefix}{key}"
         if isinstance(value, Mapping):
             leaves.update(_numeric_leaves(value, path + "."))
-        elif (
-            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        ) or isinstance(value, bool):
-            leaves[path] = float(value)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            leaves[path] = float(value)  # booleans are flags, never costs
     return leaves
 
 
@@ -91,12 +89,19 @@ def _blocks_from_replacements(
 def read_library(path: str | Path) -> dict[str, dict[str, Mapping[str, Any]]]:
     """The library file as {block: {variant name: variant dict}}, in file order, parent first."""
     path = Path(path)
+    if path.is_dir():
+        raise SearchError(
+            f"library {path} is a directory; give the library JSON file inside it "
+            f"(block_library.json or replacement_metrics_and_stats.json)"
+        )
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         raise SearchError(f"library file {path} does not exist") from None
-    except json.JSONDecodeError as error:
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise SearchError(f"library file {path} is not valid JSON: {error}") from None
+    except OSError as error:
+        raise SearchError(f"cannot read library file {path}: {error.strerror or error}") from None
     if not isinstance(data, Mapping) or not data:
         raise SearchError(f"library file {path}: expected a non-empty JSON object of layers or replacements")
     values = list(data.values())
@@ -119,15 +124,28 @@ def read_library(path: str | Path) -> dict[str, dict[str, Mapping[str, Any]]]:
     return blocks
 
 
+def _has_path(variant: Mapping[str, Any], dotted: str) -> bool:
+    try:
+        get_path(variant, dotted)
+    except KeyError:
+        return False
+    return True
+
+
+def _example_keys(flat: list[tuple[str, str, Mapping[str, Any]]]) -> str:
+    """A few dotted keys of the first variant, for error messages."""
+    leaves = [key for key in _numeric_leaves(flat[0][2])][:4] if flat else []
+    return ", ".join(repr(key) for key in leaves) or "'stats.memory_mib'"
+
+
 def _value(variant: Mapping[str, Any], key: str, where: str) -> float:
     try:
         value = get_path(variant, key)
     except KeyError as error:
         raise SearchError(f"{where} has no {key!r} (missing part {error.args[0]!r})") from None
-    if isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise SearchError(f"{where}: {key!r} is {value!r}, expected a finite number")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        found = json.dumps(value) if isinstance(value, bool) or value is None else repr(value)
+        raise SearchError(f"{where}: {key!r} is {found}, expected a finite number")
     return float(value)
 
 
@@ -146,7 +164,16 @@ def library_table(
     flat = [
         (layer, name, variant) for layer, variants in blocks.items() for name, variant in variants.items()
     ]
-    required = list(dict.fromkeys(keys))
+    fixed = dict(fixed or {})
+    for option, names in (("--fixed", fixed), ("--same", same_attributes)):
+        for key in names:
+            if not any(_has_path(variant, key) for _, _, variant in flat):
+                raise SearchError(
+                    f"{source}: {option} key {key!r} is in no variant of the library "
+                    f"(keys look like {_example_keys(flat)})"
+                )
+    # A fixed part is added to its cost's total, so that cost must be a column like a budgeted one.
+    required = list(dict.fromkeys([*keys, *fixed]))
     shared: set[str] | None = None
     for _, _, variant in flat:
         stats = {k for k in _numeric_leaves(variant) if k.startswith("stats.")}
@@ -179,7 +206,7 @@ def library_table(
         score=score,
         costs=costs,
         attrs=attrs,
-        fixed=dict(fixed or {}),
+        fixed=fixed,
         maximize=maximize,
         objective_name=objective,
     )

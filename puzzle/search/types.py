@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from puzzle.search_backend import highspy
+SOLVERS = ("auto", "highs", "cbc")
 
 
 class SearchError(ValueError):
@@ -86,6 +87,13 @@ class Table:
                     f"cost {key!r} is {array[bad]} for {self._name(bad)}, expected a finite number"
                 )
             self.costs[key] = array
+        for key, value in self.fixed.items():
+            if key not in self.costs:
+                raise SearchError(
+                    f"fixed cost {key!r} is not a cost of the search table; known costs: {sorted(self.costs)}"
+                )
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise SearchError(f"fixed cost {key!r} is {value!r}, expected a finite number")
         for key, values in self.attrs.items():
             if len(values) != total:
                 raise SearchError(f"attribute {key!r} has {len(values)} entries, expected {total}")
@@ -179,11 +187,12 @@ class Rules:
 @dataclass(frozen=True)
 class SolverOptions:
     """solver: "auto" (HiGHS if highspy is installed, else CBC), "highs" or "cbc".
-    time_limit_s: wall-clock limit for one search (None = none). gap_rel: relative optimality gap passed to
-    the solver. presolve: drop dominated variants. fixing: LP bound + reduced-cost fixing (off = the plain
-    PuLP model of every variant). heuristics: with HiGHS as the solver, an incumbent by LP diving and swap
-    local search, then LP probing, before the one MIP (off, and always with CBC: grow the fixing threshold
-    until it certifies)."""
+    time_limit_s: wall-clock limit for one search in seconds (None = none, else > 0). gap_rel: the relative
+    optimality gap to prove, in [0, 1) (see `Solution` for how the gap is measured). presolve: drop
+    dominated variants. fixing: LP bound + reduced-cost fixing (off = the plain PuLP model of every
+    variant). heuristics: with HiGHS as the solver, an incumbent by LP diving and swap local search, then
+    LP probing, before the one MIP (off, and always with CBC: grow the fixing threshold until it
+    certifies)."""
 
     solver: str = "auto"
     time_limit_s: float | None = None
@@ -192,20 +201,42 @@ class SolverOptions:
     fixing: bool = True
     heuristics: bool = True
 
-    def solver_name(self) -> str:
-        if self.solver == "auto":
-            return "highs" if highspy is not None else "cbc"
-        if self.solver not in ("highs", "cbc"):
-            raise SearchError(f"unknown solver {self.solver!r}; choose 'auto', 'highs' or 'cbc'")
-        if self.solver == "highs" and highspy is None:
-            raise SearchError("solver 'highs' needs the highspy package (pip install highspy)")
-        return self.solver
+    def __post_init__(self) -> None:
+        if self.solver not in SOLVERS:
+            raise SearchError(f"unknown solver {self.solver!r}; choose one of {', '.join(SOLVERS)}")
+        limit = self.time_limit_s
+        if limit is not None and (
+            isinstance(limit, bool)
+            or not isinstance(limit, (int, float))
+            or not math.isfinite(limit)
+            or limit <= 0
+        ):
+            raise SearchError(
+                f"SolverOptions.time_limit_s must be a positive number of seconds or None, found {limit!r}"
+            )
+        gap = self.gap_rel
+        if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not 0 <= gap < 1:
+            raise SearchError(
+                f"SolverOptions.gap_rel must be a relative gap in [0, 1) such as 1e-6, found {gap!r}"
+            )
+        for name in ("presolve", "fixing", "heuristics"):
+            if not isinstance(getattr(self, name), bool):
+                raise SearchError(
+                    f"SolverOptions.{name} must be True or False, found {getattr(self, name)!r}"
+                )
 
 
 @dataclass
 class Solution:
     """One architecture: the variant chosen for every block, its objective and cost totals, and how it
-    was found (status "optimal" means proven within `gap`, "time_limit" means feasible, not proven)."""
+    was found.
+
+    `gap` is the relative gap proven for the whole problem: (objective - bound) / |objective|, the
+    objective taken as minimised (negated when maximising) and `bound` the best lower bound proven on it
+    (the LP relaxation, the bounds behind every variable fixed, the final MIP's dual bound). A difference
+    within 1e-9 of the objective's range S (sum over blocks of the largest |score|) counts as 0, and
+    |objective| is floored at that too. None when no bound is known. `status` is "optimal" exactly when
+    gap <= the requested `gap_rel`, else "time_limit" (feasible, not proven within it)."""
 
     choices: tuple[int, ...]  # variant index within each block
     names: dict[str, str]  # block name -> variant name

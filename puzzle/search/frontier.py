@@ -5,15 +5,17 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from puzzle.budget import BudgetError, Limit, Value, merge_limits, parse_value
 from puzzle.files import atomic_write_bytes
 from puzzle.progress import progress
-from puzzle.search import InfeasibleError, Rules, Solution, SolverOptions, Table, search
+from puzzle.search.exact import search
+from puzzle.search.limits import BudgetError, Limit, Value, merge_limits, parse_value
+from puzzle.search.types import InfeasibleError, Rules, SearchError, Solution, SolverOptions, Table
 
 
 @dataclass
@@ -38,8 +40,27 @@ def parse_sweep(text: str) -> tuple[str, str, list[Value]]:
             key, _, values = text.partition(separator)
             items = [item for item in values.split(",") if item.strip()]
             if key.strip() and items:
-                return key.strip(), side, [parse_value(item) for item in items]
+                return key.strip(), side, [parse_value(item, key.strip()) for item in items]
     raise BudgetError(f"cannot read sweep {text!r}: expected KEY=v1,v2,... (values absolute or like 0.6x)")
+
+
+def frontier_prefix(text: str | Path) -> Path:
+    """Where `write_frontier` writes: `text` itself as a prefix (`out/front` -> out/front.csv ...), or,
+    when `text` ends with a path separator or names an existing folder, `frontier` inside that folder.
+    The folder is created now and must be writable (SearchError naming it otherwise), so that a sweep
+    never runs to the end and then fails to save."""
+    raw = str(text)
+    prefix = Path(raw)
+    if raw.endswith(("/", os.sep)) or prefix.is_dir():
+        prefix = prefix / "frontier"
+    folder = prefix.parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise SearchError(f"cannot create the frontier folder {folder}: {error.strerror or error}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise SearchError(f"cannot write the frontier into {folder}: permission denied")
+    return prefix
 
 
 def sweep(
@@ -121,17 +142,15 @@ def write_frontier(
             ]
         )
     written = [Path(f"{prefix}.csv"), Path(f"{prefix}.json")]
-    atomic_write_bytes(written[0], buffer.getvalue().encode())
-    atomic_write_bytes(written[1], json.dumps([p.to_json() for p in points], indent=2).encode())
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    _write(written[0], buffer.getvalue().encode())
+    _write(written[1], json.dumps([p.to_json() for p in points], indent=2).encode())
+    try:  # a Figure of its own: the caller's pyplot state and backend stay as they were
+        from matplotlib.figure import Figure
     except ImportError:  # plotting is an optional extra
         return written
     solved = [p for p in points if p.solution is not None]
-    figure, axis = plt.subplots(figsize=(6, 4))
+    figure = Figure(figsize=(6, 4))
+    axis = figure.subplots()
     axis.scatter(
         [p.solution.totals[key] for p in solved],
         [p.solution.objective for p in solved],
@@ -153,7 +172,13 @@ def write_frontier(
     figure.tight_layout()
     image = io.BytesIO()
     figure.savefig(image, format="png", dpi=120)
-    plt.close(figure)
     written.append(Path(f"{prefix}.png"))
-    atomic_write_bytes(written[2], image.getvalue())
+    _write(written[2], image.getvalue())
     return written
+
+
+def _write(path: Path, data: bytes) -> None:
+    try:
+        atomic_write_bytes(path, data)
+    except OSError as error:
+        raise SearchError(f"cannot write {path}: {error.strerror or error}") from None

@@ -5,8 +5,9 @@ spec, the rest of the model as the fixed part) and one `Limit` on it:
 
 - total / active parameters and weight bytes under a quantisation recipe: block sums plus embeddings;
 - memory at a scenario: weights + batch x (KV cache at the scenario's full context + recurrent state);
-- at least R concurrent requests of a context on a hardware profile: weights + R x per-request state
-  <= memory_fraction x capacity (floor(free / per_request) >= R is exactly that, R being an integer);
+- at least R concurrent requests of a scenario's context on a hardware profile: weights + R x per-request
+  state <= memory_fraction x capacity (floor(free / per_request) >= R is exactly that, R being an
+  integer), weights and state in the scenario's recipe and dtypes as `puzzle costs` counts them;
 - throughput per scenario: batch x generated / (prefill + generated x decode step) >= T is
   prefill + generated x step <= batch x generated / T, a sum of block latencies plus embeddings/lm_head;
 - latency per scenario (the batch's prefill + generation) and time to first token (the prefill).
@@ -20,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from puzzle.budget import BudgetError, Limit, Relative, Value, parse_value
 from puzzle.cost import (
     Scenario,
     block_active_params,
@@ -34,7 +34,8 @@ from puzzle.cost import (
     state_bytes_per_request,
 )
 from puzzle.cost.roofline import LatencyFn, RooflineLatency
-from puzzle.search import Choice, Rules, SearchError, Table
+from puzzle.search.limits import BudgetError, Limit, Relative, Value, parse_value
+from puzzle.search.types import Choice, Rules, SearchError, Table
 from puzzle.spec import BlockSpec, MambaSpec, ModelSpec, MoESpec
 
 
@@ -72,8 +73,12 @@ class Budget:
     """What the child must meet, in deployment terms, plus the global rules of the search.
 
     memory_bytes is checked at `memory_scenario` (its batch, prompt + generated tokens of context, its
-    recipe and state dtypes). min_concurrent_requests needs `hardware` and `context_len`. `hardware`
-    also times the scenarios (roofline) unless a latency function is given to `spec_table`.
+    recipe and state dtypes). min_concurrent_requests is checked on `hardware` at `concurrency_scenario`:
+    requests of its prompt + generated tokens, weights in its recipe, KV cache / SSM / conv state in its
+    dtypes (its batch size is not used: the number of requests is what is bounded), exactly as
+    `puzzle.cost.max_concurrent_requests` (and `puzzle costs`) count them with the same dtypes.
+    `hardware` also times the scenarios (roofline) unless a latency function is given to
+    `deployment_problem`.
 
     Values are numbers, `Relative(f)` (f x the parent's value) or the command line's text ('0.7x', '70G').
     `shared_state_size` is on by default (unlike `Rules`): serving engines need one SSM state size for
@@ -87,7 +92,7 @@ class Budget:
     memory_bytes: Value | None = None
     memory_scenario: Scenario | None = None
     min_concurrent_requests: int | None = None
-    context_len: int | None = None
+    concurrency_scenario: Scenario | None = None
     memory_fraction: float = 0.9
     hardware: str | None = None
     scenarios: tuple[ScenarioTarget, ...] = ()
@@ -99,6 +104,13 @@ class Budget:
     def __post_init__(self) -> None:
         for name in ("params", "active_params", "weight_bytes", "memory_bytes"):
             object.__setattr__(self, name, _checked_value("Budget", name, getattr(self, name)))
+        requests = self.min_concurrent_requests
+        if requests is not None and (
+            isinstance(requests, bool) or not isinstance(requests, int) or requests < 1
+        ):
+            raise BudgetError(f"Budget.min_concurrent_requests must be an integer >= 1, found {requests!r}")
+        if not 0 < self.memory_fraction <= 1:
+            raise BudgetError(f"Budget.memory_fraction must be in (0, 1], found {self.memory_fraction!r}")
 
     def rules(self) -> Rules:
         return Rules(
@@ -110,7 +122,7 @@ class Budget:
 
 
 @dataclass
-class SpecSearch:
+class DeploymentProblem:
     """A search problem built from specs: the table, its limits and rules, ready for `puzzle.search.search`."""
 
     table: Table
@@ -124,14 +136,14 @@ def _scenario_name(scenario: Scenario) -> str:
     )
 
 
-def spec_table(
+def deployment_problem(
     parent: ModelSpec,
     variants: Sequence[Sequence[BlockSpec]],
     scores: Sequence[Sequence[float]],
     budget: Budget,
     latency_fn: LatencyFn | None = None,
     maximize: bool = False,
-) -> SpecSearch:
+) -> DeploymentProblem:
     """The search problem for `variants[i]` (block i's candidates, `variants[i][0]` the parent's block)
     scored by `scores[i][j]` (e.g. replace-one-block KL), under `budget`.
 
@@ -183,18 +195,23 @@ def spec_table(
         add(key, memory, sum(memory(b) for b in parent.blocks) + _fixed_weight_bytes(parent, scenario.recipe))
         limits.append(Limit(key, upper=budget.memory_bytes))
     if budget.min_concurrent_requests is not None:
-        if budget.hardware is None or budget.context_len is None:
-            raise SearchError("Budget.min_concurrent_requests needs hardware and context_len")
-        requests, context = budget.min_concurrent_requests, budget.context_len
+        serving = budget.concurrency_scenario
+        if budget.hardware is None or serving is None:
+            raise SearchError("Budget.min_concurrent_requests needs hardware and concurrency_scenario")
+        requests = budget.min_concurrent_requests
+        context = serving.prompt_tokens + serving.generated_tokens
 
         def footprint(s: BlockSpec) -> float:
-            return block_weight_bytes(s, H, budget.recipe) + requests * state_bytes_per_request(s, context)
+            state = state_bytes_per_request(
+                s, context, serving.kv_dtype, serving.ssm_dtype, serving.conv_dtype
+            )
+            return block_weight_bytes(s, H, serving.recipe) + requests * state
 
-        key = f"bytes_for_{requests}_requests[ctx{context}]"
+        key = f"bytes_for_{requests}_requests[{_scenario_name(serving)}]"
         add(
             key,
             footprint,
-            sum(footprint(b) for b in parent.blocks) + _fixed_weight_bytes(parent, budget.recipe),
+            sum(footprint(b) for b in parent.blocks) + _fixed_weight_bytes(parent, serving.recipe),
         )
         capacity = budget.memory_fraction * get_hardware(budget.hardware).memory_bytes
         limits.append(Limit(key, upper=float(capacity)))
@@ -253,7 +270,7 @@ def spec_table(
             choices.append(Choice(name, float(score), costs, attrs))
         blocks[f"block_{index}"] = choices
     table = Table.from_choices(blocks, {key: fixed for key, (_, fixed) in columns.items()}, maximize)
-    return SpecSearch(table, limits, budget.rules())
+    return DeploymentProblem(table, limits, budget.rules())
 
 
 def _fixed_weight_bytes(parent: ModelSpec, recipe: str) -> float:

@@ -1,7 +1,7 @@
 """Heuristics that make the exact search fast: an incumbent (LP diving + swap local search) and LP probing.
 
 None of them decides the answer: the incumbent only bounds which columns can be fixed, and every
-fixing is justified by an LP bound, so the final MIP stays exact (see puzzle/search.py).
+fixing is justified by an LP bound, so the final MIP stays exact (see puzzle/search/exact.py).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from puzzle.search_backend import LPSession, RowModel
+from puzzle.search.backend import LPSession, RowModel
 
 
 def rows_hold(problem: RowModel, columns: np.ndarray, values: np.ndarray) -> bool:

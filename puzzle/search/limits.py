@@ -6,6 +6,7 @@ block plus the fixed part). The same syntax is used wherever the command line ta
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -35,8 +36,21 @@ _SUFFIXES = {"k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "B": 1e9, "T": 1e12}
 _NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
 
 
-def parse_value(text: str) -> Value:
-    """`'0.6x'` -> Relative(0.6); `'7e9'`, `'70G'`, `'2.5B'` -> float."""
+# A key whose last word is a unit other than a plain count (memory_mib, runtime_ms): a decimal suffix on
+# its value would multiply that unit ("70G" MiB = 70e9 MiB), which nobody means, so it is refused there.
+_UNIT_KEY = re.compile(r"(?:^|[_.\[])(?:[kmgtp]i?b|mb|gb|ms|us|ns|s|sec|seconds?|minutes?|hours?)\]?$", re.I)
+
+
+def key_has_unit(key: str) -> bool:
+    """Whether `key` names its unit in its last word (`stats.memory_mib`, `runtime_ms`, `seconds[chat]`)."""
+    return _UNIT_KEY.search(key) is not None
+
+
+def parse_value(text: str, key: str | None = None) -> Value:
+    """`'0.6x'` -> Relative(0.6); `'7e9'`, `'70G'`, `'2.5B'` -> float (k, M, G/B, T: x1e3, 1e6, 1e9, 1e12).
+
+    The number must be finite. With `key` given, a k/M/G/B/T suffix is refused when the key's name
+    carries a unit (`memory_mib`, `runtime_ms`): the value is then written in that unit."""
     raw = text.strip()
     match = re.fullmatch(rf"({_NUMBER})\s*([xX]|[kKMGBT])?", raw)
     if match is None:
@@ -47,10 +61,18 @@ def parse_value(text: str) -> Value:
     number = float(match.group(1))
     suffix = match.group(2)
     if suffix in ("x", "X"):
-        if number <= 0:
-            raise BudgetError(f"relative budget value {text!r} must be a positive factor")
+        if not 0 < number < math.inf:
+            raise BudgetError(f"relative budget value {text!r} must be a positive, finite factor")
         return Relative(number)
-    return number * _SUFFIXES[suffix] if suffix else number
+    if suffix and key is not None and key_has_unit(key):
+        raise BudgetError(
+            f"budget value {text!r} on {key!r}: the key names its unit, so write the value in that unit "
+            f"without a k/M/G/B/T suffix (or relative, like 0.7x)"
+        )
+    value = number * _SUFFIXES[suffix] if suffix else number
+    if not math.isfinite(value):
+        raise BudgetError(f"budget value {text!r} overflows to {value}; expected a finite number")
+    return value
 
 
 def format_value(value: Value | None) -> str:
@@ -98,11 +120,11 @@ def parse_limit(text: str) -> Limit:
         key, value_text = (left, right) if left_is_key else (right, left)
         if not left_is_key:  # `V<=KEY` reads as KEY>=V
             op = "<=" if op == ">=" else ">="
-        value = parse_value(value_text)
+        value = parse_value(value_text, key)
         return Limit(key, upper=value) if op == "<=" else Limit(key, lower=value)
     if len(parts) == 5 and parts[1] == parts[3]:
         low_text, _, key, _, high_text = parts if parts[1] == "<=" else parts[::-1]
-        return Limit(key, upper=parse_value(high_text), lower=parse_value(low_text))
+        return Limit(key, upper=parse_value(high_text, key), lower=parse_value(low_text, key))
     raise BudgetError(
         f"cannot read budget {text!r}: expected KEY<=VALUE, KEY>=VALUE or LOW<=KEY<=HIGH "
         f"(VALUE absolute like 32000 or relative to the parent like 0.6x)"

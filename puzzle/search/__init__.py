@@ -1,0 +1,64 @@
+"""The Puzzle search: choose one variant per block to optimise a summed score under budgets and rules.
+
+    from puzzle.search import Table, Limit, Rules, SolverOptions, search, search_k
+
+Modules: `types` (Table, Choice, Rules, SolverOptions, Solution, errors), `limits` (budget syntax and
+`Limit`), `mip` (the rows and columns, dominance presolve), `exact` (`search` / `search_k`: LP bound,
+fixing, the MIP, the proven gap, infeasibility diagnosis), `heuristics` (diving, local search, probing),
+`backend` (HiGHS and CBC through PuLP), `budget` (deployment budgets through `puzzle.cost`), `library`
+(block library files measured elsewhere), `frontier` (budget sweeps and Pareto frontiers).
+"""
+
+from typing import Any
+
+from puzzle.search.exact import search, search_k
+from puzzle.search.limits import BudgetError, Limit, Relative, merge_limits, parse_limit, parse_value
+from puzzle.search.types import Choice, InfeasibleError, Rules, SearchError, Solution, SolverOptions, Table
+
+# Names whose modules pull in the cost model or file handling load on first use, so that a library
+# search (`puzzle search --library`) imports only what it runs.
+_LAZY_EXPORTS = {
+    "Budget": "puzzle.search.budget",
+    "ScenarioTarget": "puzzle.search.budget",
+    "DeploymentProblem": "puzzle.search.budget",
+    "deployment_problem": "puzzle.search.budget",
+    "choices_to_spec": "puzzle.search.budget",
+    "load_library": "puzzle.search.library",
+    "sweep": "puzzle.search.frontier",
+    "write_frontier": "puzzle.search.frontier",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY_EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY_EXPORTS[name]), name)
+    raise AttributeError(f"module 'puzzle.search' has no attribute {name!r}")
+
+
+__all__ = [
+    "Budget",
+    "BudgetError",
+    "Choice",
+    "DeploymentProblem",
+    "InfeasibleError",
+    "Limit",
+    "Relative",
+    "Rules",
+    "ScenarioTarget",
+    "SearchError",
+    "Solution",
+    "SolverOptions",
+    "Table",
+    "choices_to_spec",
+    "deployment_problem",
+    "load_library",
+    "merge_limits",
+    "parse_limit",
+    "parse_value",
+    "search",
+    "search_k",
+    "sweep",
+    "write_frontier",
+]
