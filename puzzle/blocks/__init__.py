@@ -1,57 +1,37 @@
-"""Mixer modules, one per block kind, built from their specs through a registry keyed by spec type."""
+"""Mixer modules, one per block kind, built from their specs through a registry keyed by spec type.
+
+The names below load on first use (PEP 562), so that `puzzle.blocks.tensors` (the tensor lists the
+cost model reads) can be imported without importing torch: `puzzle search --library` and the cost
+model's imports stay torch-free.
+"""
 
 from __future__ import annotations
 
-from torch import nn
+import importlib
+from typing import Any
 
-from puzzle.blocks.attention import AttentionMixer, KVCache
-from puzzle.blocks.mamba import MambaMixer
-from puzzle.blocks.mlp import LinearMixer, MLPMixer, NoOpMixer
-from puzzle.blocks.moe import MoEMixer
-from puzzle.spec import (
-    AttentionSpec,
-    BlockSpec,
-    LinearSpec,
-    MambaSpec,
-    MLPSpec,
-    MoESpec,
-    NoOpSpec,
-    SpecError,
-)
-
-# Spec type -> mixer class; every mixer is built as `cls(spec, hidden_size, norm_eps)`.
-BLOCK_TYPES: dict[type, type[nn.Module]] = {
-    MambaSpec: MambaMixer,
-    AttentionSpec: AttentionMixer,
-    MoESpec: MoEMixer,
-    MLPSpec: MLPMixer,
-    LinearSpec: LinearMixer,
-    NoOpSpec: NoOpMixer,
+_LAZY: dict[str, str] = {
+    "BLOCK_TYPES": "puzzle.blocks.registry",
+    "build_block": "puzzle.blocks.registry",
+    "AttentionMixer": "puzzle.blocks.attention",
+    "KVCache": "puzzle.blocks.attention",
+    "LinearMixer": "puzzle.blocks.mlp",
+    "MLPMixer": "puzzle.blocks.mlp",
+    "MambaMixer": "puzzle.blocks.mamba",
+    "MoEMixer": "puzzle.blocks.moe",
+    "NoOpMixer": "puzzle.blocks.mlp",
 }
 
 
-def build_block(spec: BlockSpec, hidden_size: int, norm_eps: float = 1e-5) -> nn.Module:
-    """The mixer for `spec` (without the block's pre-norm and residual, which live in the model).
-
-    Builds on whatever device is current, `torch.device("meta")` included.
-    """
-    mixer_cls = BLOCK_TYPES.get(type(spec))
-    if mixer_cls is None:
-        raise SpecError(
-            f"no mixer for a {type(spec).__name__}; known spec types: "
-            f"{', '.join(cls.__name__ for cls in BLOCK_TYPES)}"
-        )
-    return mixer_cls(spec, hidden_size, norm_eps)
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'puzzle.blocks' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
 
 
-__all__ = [
-    "BLOCK_TYPES",
-    "AttentionMixer",
-    "KVCache",
-    "LinearMixer",
-    "MLPMixer",
-    "MambaMixer",
-    "MoEMixer",
-    "NoOpMixer",
-    "build_block",
-]
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_LAZY])
+
+
+__all__ = sorted(_LAZY)

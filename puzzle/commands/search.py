@@ -166,11 +166,11 @@ def _fixed(items: list[str]) -> dict[str, float]:
 
 def _check_combinations(parser_error: Any, args: argparse.Namespace) -> None:
     """Options that only mean something together with another one: an error, never silence."""
-    if args.frontier is not None and not args.sweep:
+    if args.frontier is not None and args.sweep is None:
         parser_error("--frontier needs --sweep (it writes the sweep's points)")
     if args.min_diff is not None and args.solutions == 1:
         parser_error("--min-diff needs --solutions K with K > 1 (it spaces the K solutions apart)")
-    if args.sweep and (args.solutions != 1 or args.min_diff is not None):
+    if args.sweep is not None and (args.solutions != 1 or args.min_diff is not None):
         parser_error("--solutions / --min-diff do not combine with --sweep (one solution per point)")
 
 
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
     _check_combinations(args.parser_error, args)
     try:
         limits = merge_limits(parse_limit(text) for text in args.budget)
-        swept = parse_sweep(args.sweep) if args.sweep else None
+        swept = parse_sweep(args.sweep) if args.sweep is not None else None
         # Where the frontier goes is settled before solving, so a bad path loses no solve.
         frontier = frontier_prefix(args.frontier) if args.frontier else None
         keys = [limit.key for limit in limits] + ([swept[0]] if swept else [])

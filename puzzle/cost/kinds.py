@@ -19,9 +19,6 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import ClassVar, Generic, TypeVar
 
-from puzzle.blocks.attention import AttentionMixer
-from puzzle.blocks.mamba import MambaMixer
-from puzzle.blocks.mlp import LinearMixer, MLPMixer, NoOpMixer
 from puzzle.blocks.tensors import TensorInfo, linear_tensors
 from puzzle.cost.formats import QuantRecipe, dtype_bytes, tensor_bytes
 from puzzle.spec import (
@@ -108,13 +105,21 @@ class BlockCost(ABC, Generic[S]):
         """Kernels the mixer runs per call in a serving engine (norm and residual excluded)."""
 
 
+def _mixer_class(spec_type: type) -> type:
+    """The mixer class of a spec type, imported on first use, so that importing the cost model (and
+    `puzzle search --library`, which builds the command parser) does not import torch."""
+    from puzzle.blocks.registry import BLOCK_TYPES
+
+    return BLOCK_TYPES[spec_type]
+
+
 # ---------------------------------------------------------------------------------------------------
 # Mamba
 
 
 class MambaCost(BlockCost[MambaSpec]):
     def tensors(self, spec: MambaSpec, hidden_size: int) -> Sequence[TensorInfo]:
-        return MambaMixer.hub_tensors(spec, hidden_size)
+        return _mixer_class(MambaSpec).hub_tensors(spec, hidden_size)
 
     def state_bytes_per_sequence(self, spec: MambaSpec, ssm_dtype: str, conv_dtype: str) -> int:
         # SSM state [nh, P, N] + conv state [conv_dim, K-1] (the last K-1 inputs, vLLM's layout).
@@ -170,7 +175,7 @@ class MambaCost(BlockCost[MambaSpec]):
 
 class AttentionCost(BlockCost[AttentionSpec]):
     def tensors(self, spec: AttentionSpec, hidden_size: int) -> Sequence[TensorInfo]:
-        return AttentionMixer.hub_tensors(spec, hidden_size)
+        return _mixer_class(AttentionSpec).hub_tensors(spec, hidden_size)
 
     def kv_bytes_per_token(self, spec: AttentionSpec, kv_dtype: str) -> int:
         # K and V: 2 x kv heads x head_dim values.
@@ -323,7 +328,7 @@ class MoECost(BlockCost[MoESpec]):
 
 class MLPCost(BlockCost[MLPSpec]):
     def tensors(self, spec: MLPSpec, hidden_size: int) -> Sequence[TensorInfo]:
-        return MLPMixer.hub_tensors(spec, hidden_size)
+        return _mixer_class(MLPSpec).hub_tensors(spec, hidden_size)
 
     def linear_flops_per_token(self, spec: MLPSpec, hidden_size: int) -> float:
         return 4.0 * spec.width * hidden_size
@@ -342,7 +347,7 @@ class MLPCost(BlockCost[MLPSpec]):
 
 class LinearCost(BlockCost[LinearSpec]):
     def tensors(self, spec: LinearSpec, hidden_size: int) -> Sequence[TensorInfo]:
-        return LinearMixer.hub_tensors(spec, hidden_size)
+        return _mixer_class(LinearSpec).hub_tensors(spec, hidden_size)
 
     def linear_flops_per_token(self, spec: LinearSpec, hidden_size: int) -> float:
         return 2.0 * hidden_size * hidden_size
@@ -363,7 +368,7 @@ class NoOpCost(BlockCost[NoOpSpec]):
     runs = False  # the model skips a removed block: no work, no kernels
 
     def tensors(self, spec: NoOpSpec, hidden_size: int) -> Sequence[TensorInfo]:
-        return NoOpMixer.hub_tensors(spec, hidden_size)
+        return _mixer_class(NoOpSpec).hub_tensors(spec, hidden_size)
 
     def linear_flops_per_token(self, spec: NoOpSpec, hidden_size: int) -> float:
         return 0.0

@@ -1,0 +1,57 @@
+"""The registry of mixer modules keyed by spec type, and `build_block`, which builds a mixer from its spec."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from puzzle.blocks.attention import AttentionMixer, KVCache
+from puzzle.blocks.mamba import MambaMixer
+from puzzle.blocks.mlp import LinearMixer, MLPMixer, NoOpMixer
+from puzzle.blocks.moe import MoEMixer
+from puzzle.spec import (
+    AttentionSpec,
+    BlockSpec,
+    LinearSpec,
+    MambaSpec,
+    MLPSpec,
+    MoESpec,
+    NoOpSpec,
+    SpecError,
+)
+
+# Spec type -> mixer class; every mixer is built as `cls(spec, hidden_size, norm_eps)`.
+BLOCK_TYPES: dict[type, type[nn.Module]] = {
+    MambaSpec: MambaMixer,
+    AttentionSpec: AttentionMixer,
+    MoESpec: MoEMixer,
+    MLPSpec: MLPMixer,
+    LinearSpec: LinearMixer,
+    NoOpSpec: NoOpMixer,
+}
+
+
+def build_block(spec: BlockSpec, hidden_size: int, norm_eps: float = 1e-5) -> nn.Module:
+    """The mixer for `spec` (without the block's pre-norm and residual, which live in the model).
+
+    Builds on whatever device is current, `torch.device("meta")` included.
+    """
+    mixer_cls = BLOCK_TYPES.get(type(spec))
+    if mixer_cls is None:
+        raise SpecError(
+            f"no mixer for a {type(spec).__name__}; known spec types: "
+            f"{', '.join(cls.__name__ for cls in BLOCK_TYPES)}"
+        )
+    return mixer_cls(spec, hidden_size, norm_eps)
+
+
+__all__ = [
+    "BLOCK_TYPES",
+    "AttentionMixer",
+    "KVCache",
+    "LinearMixer",
+    "MLPMixer",
+    "MambaMixer",
+    "MoEMixer",
+    "NoOpMixer",
+    "build_block",
+]
