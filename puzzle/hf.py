@@ -27,10 +27,10 @@ import math
 import os
 import re
 import shutil
-import tempfile
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +39,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from puzzle.files import default_mode
+from puzzle.files import (
+    OWNER_MARKER,
+    default_mode,
+    make_staging_dir,
+    remove_stale_staging,
+    swap_directory_into_place,
+)
 from puzzle.model import HybridLM
 from puzzle.progress import progress
 from puzzle.spec import (
@@ -715,11 +721,33 @@ def _keeps_fp32(key: str) -> bool:
     return key.endswith(("mixer.gate.e_score_correction_bias", "mixer.gate.weight"))
 
 
-def _torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype {name!r} is not a torch floating-point dtype (e.g. 'bfloat16', 'float32')")
-    return dtype
+# The safetensors dtypes a model weight may be stored in; anything else is not a weight we can read.
+_WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64")
+
+
+def _compute_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """`load`'s dtype argument checked: None, or a floating-point dtype of at least 16 bits."""
+    if dtype is None:
+        return None
+    found = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+    if not isinstance(found, torch.dtype) or not found.is_floating_point or found.itemsize < 2:
+        raise ValueError(
+            f"dtype {dtype!r} is not a dtype a model can be loaded in; use torch.bfloat16, torch.float16, "
+            "torch.float32 or torch.float64 (or their names)"
+        )
+    return found
+
+
+def _check_weight_dtype(source: _Source) -> None:
+    if source.dtype not in _WEIGHT_DTYPES:
+        hint = (
+            " (fp8 weights need their scales: use the BF16 release)" if source.dtype.startswith("F8") else ""
+        )
+        raise CheckpointError(
+            f"{source.file.name}: tensor {source.name!r} is stored as {source.dtype} "
+            f"({_SAFETENSORS_DTYPES.get(source.dtype, 'unknown')}); expected a floating-point weight, one "
+            f"of {', '.join(_WEIGHT_DTYPES)}{hint}"
+        )
 
 
 def _refuse_quantized(config: Mapping[str, Any], path: Path) -> None:
@@ -741,12 +769,22 @@ def load(
 ) -> HybridLM:
     """Load a NemotronH checkpoint directory (config.json + safetensors) as a HybridLM in eval mode.
 
-    dtype (a torch dtype or its name) None keeps the checkpoint's dtype (that of its embeddings);
-    the router's weight and correction bias stay fp32 either way, as in transformers. Tensors are
-    read one at a time from memory-mapped files straight into the model, so peak memory is about one
-    copy of the weights. Tensors outside the backbone and lm_head (e.g. `mtp.*`) are kept unread in
-    `model.extra_tensors` and written back on save.
+    dtype (a floating-point torch dtype of 16 bits or more, or its name) None keeps the checkpoint's
+    dtype (that of its embeddings); the router's weight and correction bias stay fp32 either way, as
+    in transformers. Tensors are read one at a time from memory-mapped files straight into the model,
+    so peak memory is about one copy of the weights. Tensors outside the backbone and lm_head (e.g.
+    `mtp.*`) are kept unread in `model.extra_tensors` and written back on save.
+
+    device "meta" builds the model's structure without reading any weight: the checkpoint's tensor
+    names, shapes and dtypes are checked as for a real load and the parameters are meta tensors of
+    the dtype a real load would give (for inspecting or costing a model, or `to_empty` + init). Such a
+    model cannot be saved.
+
+    Raises CheckpointError naming the file and tensor for a missing, unexpected, misshapen or
+    non-float (e.g. int8 or fp8) weight.
     """
+    compute_dtype = _compute_dtype(dtype)
+    device = torch.device(device)
     path = Path(path)
     config = read_config(path)
     spec = spec_from_config(config, where=str(path / CONFIG_NAME))
@@ -779,19 +817,21 @@ def load(
                     f"{source.file.name}: tensor {source.name!r} has shape {list(source.shape)}, "
                     f"expected {list(shape)} (from {CONFIG_NAME})"
                 )
-        if isinstance(dtype, str):
-            dtype = _torch_dtype(dtype)
-        target_dtype = dtype or _SAFETENSORS_DTYPES.get(sources["embeddings.weight"].dtype, torch.float32)
+            _check_weight_dtype(source)  # every model tensor is a float weight or buffer
+        target_dtype = compute_dtype or _SAFETENSORS_DTYPES[sources["embeddings.weight"].dtype]
         for key in progress(expected, f"loading {path.name}", total=len(expected), unit="tensor"):
             source = sources[key]
-            tensor = _read(handles[source.file], source.file, source.key, source.expert)
-            if tensor.is_floating_point():
-                tensor = tensor.to(dtype=torch.float32 if _keeps_fp32(key) else target_dtype)
-            _assign(model, key, tensor.to(device).contiguous())
+            dtype_of_key = torch.float32 if _keeps_fp32(key) else target_dtype
+            if device.type == "meta":
+                tensor = torch.empty(source.shape, dtype=dtype_of_key, device=device)
+            else:
+                tensor = _read(handles[source.file], source.file, source.key, source.expert)
+                tensor = tensor.to(dtype=dtype_of_key).to(device).contiguous()
+            _assign(model, key, tensor)
     if spec.tie_embeddings:
         model.lm_head.weight = model.embeddings.weight
     leftover = [name for name, value in [*model.named_parameters(), *model.named_buffers()] if value.is_meta]
-    if leftover:  # a non-persistent buffer would need recomputing; no block has one today
+    if leftover and device.type != "meta":  # a non-persistent buffer would need recomputing; none today
         raise CheckpointError(f"{path}: no checkpoint tensor for {leftover[:5]}")
     model.extra_tensors = dict(extras)
     model.source_config = dict(config)
@@ -835,7 +875,8 @@ def _plan_shards(sizes: Mapping[str, int], max_shard_bytes: int) -> list[list[st
     return shards
 
 
-# Tokenizer and generation files copied from the loaded checkpoint, so the output is usable as is.
+# Tokenizer and generation files copied from the loaded checkpoint, so the output is usable as is
+# (never code: a `*.py` file matching these is neither copied nor counted as a checkpoint file).
 _AUX_FILES = (
     "tokenizer*",
     "special_tokens_map.json",
@@ -845,17 +886,58 @@ _AUX_FILES = (
     "vocab.*",
     "merges.txt",
 )
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+
+
+def _is_aux_file(name: str) -> bool:
+    return not name.endswith(".py") and any(fnmatch(name, pattern) for pattern in _AUX_FILES)
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """Whether a file called `name` is one a checkpoint save writes (config, weights, index, aux files)."""
+    return (
+        name in (CONFIG_NAME, SINGLE_FILE, INDEX_FILE, OWNER_MARKER)
+        or _SHARD_FILE.fullmatch(name) is not None
+        or _is_aux_file(name)
+    )
+
+
+def _foreign_entries(directory: Path) -> list[str]:
+    """Entries of `directory` a checkpoint save would not write: other files and every subdirectory."""
+    return sorted(
+        entry.name for entry in directory.iterdir() if entry.is_dir() or not is_checkpoint_file(entry.name)
+    )
 
 
 def save_pretrained(
-    model: HybridLM, path: str | Path, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    model: HybridLM,
+    path: str | Path,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
 ) -> Path:
     """Write `model` as a NemotronH checkpoint directory at `path`; returns the path.
 
     Layout: config.json (see `config_from_spec`), model.safetensors, or model-0000i-of-0000n.safetensors
-    plus model.safetensors.index.json when the tensors exceed `max_shard_bytes`. Written into a
-    temporary directory beside `path`, then renamed into place (replacing an existing `path`);
-    writing into (or over) the directory the model was loaded from is refused.
+    plus model.safetensors.index.json when the tensors exceed `max_shard_bytes`, and the tokenizer /
+    generation files of the checkpoint the model was loaded from. Every file gets the permissions of
+    a plainly created one (`puzzle.files.default_mode`).
+
+    What happens to `path`:
+    - missing, empty, or holding only checkpoint files (config.json, model.safetensors,
+      model-NNNNN-of-NNNNN.safetensors, model.safetensors.index.json, tokenizer* / vocab.* /
+      merges.txt / special_tokens_map.json / generation_config.json / chat templates; no
+      subdirectory), i.e. an earlier checkpoint: the checkpoint is built in a hidden staging
+      directory beside it and renamed into place, replacing the old one atomically;
+    - holding anything else (code, data, a README, a `.git` folder): refused with CheckpointError,
+      nothing written, unless `overwrite=True`, which writes the checkpoint files into it beside the
+      other files (each file replaced atomically, not the set): files with checkpoint names are
+      replaced, and stale weights of an earlier save (model.safetensors, shards, index) are removed
+      so the directory reads as the new checkpoint; no other file is touched;
+    - the directory the model was loaded from, a folder holding it, or one inside it: refused.
+
+    A save killed midway leaves a `.NAME.tmp-*` (or `.NAME.old-*`) directory beside `path`; the next
+    save to `path` removes it once its owner marker proves the process that wrote it is gone (and
+    puts a previous checkpoint moved aside back first). A save that fails leaves nothing behind.
     """
     target = Path(path).absolute()
     source = model.source_path
@@ -871,12 +953,19 @@ def save_pretrained(
     meta = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
     if meta:
         raise CheckpointError(f"cannot save a model with tensors on the meta device (e.g. {meta[0]!r})")
+    remove_stale_staging(target)
+    foreign = _foreign_entries(target) if target.is_dir() else []
+    if foreign and not overwrite:
+        shown = ", ".join(foreign[:5]) + (f" (and {len(foreign) - 5} more)" if len(foreign) > 5 else "")
+        raise CheckpointError(
+            f"refusing to write into {target}: it holds files that are not checkpoint files ({shown}); "
+            "save into a new or empty directory, or pass overwrite=True to write the checkpoint files "
+            "beside them"
+        )
     config = config_from_spec(model.spec, model.source_config, dtype=model.embeddings.weight.dtype)
     tensors = hub_state(model)
     shards = _plan_shards({name: _nbytes(tensor) for name, tensor in tensors.items()}, max_shard_bytes)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    staging.chmod(default_mode(directory=True))  # mkdtemp makes it 0o700, private to this user
+    staging = make_staging_dir(target)
     try:
         weight_map: dict[str, str] = {}
         for number, names in enumerate(shards, start=1):
@@ -897,28 +986,32 @@ def save_pretrained(
             (staging / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
         (staging / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         if source is not None and source.is_dir():
-            for pattern in _AUX_FILES:
-                for file in source.glob(pattern):
-                    if file.is_file():
-                        shutil.copy2(file, staging / file.name)
-        _swap_into_place(staging, target)
+            for file in sorted(source.iterdir()):
+                if file.is_file() and _is_aux_file(file.name):
+                    shutil.copy2(file, staging / file.name)
+        for file in staging.iterdir():  # safetensors writes 0o600, copy2 copies the source's mode
+            file.chmod(default_mode())
+        if foreign:
+            _write_beside(staging, target)
+        else:
+            swap_directory_into_place(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
 
 
-def _swap_into_place(staging: Path, target: Path) -> None:
-    """Rename `staging` to `target`; an existing `target` is moved aside first and removed after."""
-    if not target.exists():
-        os.rename(staging, target)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-    os.rmdir(old)
-    os.rename(target, old)
-    try:
-        os.rename(staging, target)
-    except BaseException:
-        os.rename(old, target)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+def _write_beside(staging: Path, target: Path) -> None:
+    """Move the checkpoint files of `staging` into the existing `target`, leaving its other files alone.
+
+    Weight files of an earlier save that this one does not rewrite are removed first (a stale index or
+    model.safetensors would be read instead of the new weights); config.json comes last.
+    """
+    written = {file.name for file in staging.iterdir() if file.name != OWNER_MARKER}
+    for entry in target.iterdir():
+        stale_weights = entry.name in (SINGLE_FILE, INDEX_FILE) or _SHARD_FILE.fullmatch(entry.name)
+        if stale_weights and entry.name not in written and entry.is_file():
+            entry.unlink()
+    for name in sorted(written, key=lambda name: name == CONFIG_NAME):
+        os.replace(staging / name, target / name)
+    shutil.rmtree(staging)

@@ -230,12 +230,18 @@ class HybridLM(nn.Module):
         probs = torch.softmax(logits, dim=-1)
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
-    def save_pretrained(self, path: str | Path, max_shard_bytes: int | None = None) -> Path:
-        """Write a NemotronH checkpoint (config.json + safetensors) to `path`; see `puzzle.hf.save_pretrained`."""
+    def save_pretrained(
+        self, path: str | Path, max_shard_bytes: int | None = None, overwrite: bool = False
+    ) -> Path:
+        """Write a NemotronH checkpoint (config.json + safetensors) to `path`; see `puzzle.hf.save_pretrained`.
+
+        A non-empty `path` that is not an earlier checkpoint is refused unless `overwrite=True`, which
+        writes the checkpoint files beside the files already there.
+        """
         from puzzle import hf  # hf imports this module
 
         kwargs = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
-        return hf.save_pretrained(self, path, **kwargs)
+        return hf.save_pretrained(self, path, overwrite=overwrite, **kwargs)
 
     def extra_repr(self) -> str:
         return f"pattern={self.spec.pattern}"
