@@ -1,7 +1,8 @@
-"""NemotronH checkpoints in and out, against transformers' NemotronHForCausalLM as the oracle (CPU, fp32, tiny)."""
+"""NemotronH checkpoints in and out (puzzle.nemotron_h), against transformers' NemotronHForCausalLM as the oracle (CPU, fp32, tiny)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -19,11 +20,21 @@ from torch.testing import assert_close
 from transformers import NemotronHForCausalLM
 
 import puzzle
-from puzzle import hf
+from puzzle import nemotron_h
 from puzzle.files import OWNER_MARKER, default_mode, owner_record, remove_stale_staging
-from puzzle.hf import CheckpointError
 from puzzle.model import HybridLM
-from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, NoOpSpec
+from puzzle.nemotron_h import CheckpointError
+from puzzle.nemotron_h.config import KIND_TABLES, block_config_fields, block_spec_from_fields
+from puzzle.spec import (
+    BLOCK_SPEC_TYPES,
+    AttentionSpec,
+    LinearSpec,
+    MambaSpec,
+    MLPSpec,
+    ModelSpec,
+    MoESpec,
+    NoOpSpec,
+)
 
 ATOL = 1e-5
 
@@ -300,14 +311,14 @@ def test_puzzle_config_blocks_inherit_globals():
             {"block_type": "moe"},
         ],
     }
-    spec = hf.spec_from_config(config)
+    spec = nemotron_h.spec_from_config(config)
     assert spec.pattern == "ME*E"
     mamba, moe, attention, moe_default = spec.blocks
     assert (mamba.num_heads, mamba.head_dim, mamba.state_size, mamba.n_groups) == (8, 16, 24, 2)
     assert (moe.expert_width, moe.top_k, moe.shared_width, moe.latent_size) == (24, 4, 96, 32)
     assert (moe_default.expert_width, moe_default.top_k) == (48, 6)
     assert (attention.num_heads, attention.num_kv_heads, attention.head_dim) == (8, 2, 16)
-    assert hf.spec_from_config(hf.config_from_spec(spec)) == spec
+    assert nemotron_h.spec_from_config(nemotron_h.config_from_spec(spec)) == spec
 
 
 def test_puzzle_globals_keep_the_parents_values(parents, tmp_path):
@@ -326,7 +337,7 @@ def test_puzzle_globals_keep_the_parents_values(parents, tmp_path):
         "num_experts_per_tok": 2,
     }
     assert config["block_configs"][3] == {"block_type": "moe"}
-    assert hf.spec_from_config(config) == child_spec
+    assert nemotron_h.spec_from_config(config) == child_spec
 
 
 def test_dtype_and_router_precision(parents):
@@ -393,7 +404,7 @@ def test_error_quantized_checkpoint(parents, tmp_path):
     (target / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"quantized checkpoint .*'modelopt'.*use the BF16 release"):
         puzzle.load(target)
-    assert hf.spec_from_config(config) == puzzle.load(path).spec  # the architecture is still readable
+    assert nemotron_h.spec_from_config(config) == puzzle.load(path).spec  # the architecture is still readable
 
 
 def _copy_with(source: Path, target: Path, change) -> Path:
@@ -470,7 +481,7 @@ def test_error_block_configs_length(tmp_path):
     with pytest.raises(
         CheckpointError, match=r"block_configs has 1 entries but the layer layout has 2 blocks"
     ):
-        hf.spec_from_config(config)
+        nemotron_h.spec_from_config(config)
 
 
 def test_error_invalid_block_in_config():
@@ -478,7 +489,7 @@ def test_error_invalid_block_in_config():
     with pytest.raises(
         CheckpointError, match=r"block 0 \(mamba\).*num_heads \(6\) must be divisible by n_groups \(4\)"
     ):
-        hf.spec_from_config(config)
+        nemotron_h.spec_from_config(config)
 
 
 # ------------------------------------------------------------------------------------------------ saving
@@ -585,7 +596,9 @@ def test_failed_save_leaves_nothing_behind(parents, tmp_path):
     source = tmp_path / "source"
     shutil.copytree(path, source)
     model = puzzle.load(source)
-    model.extra_tensors["mtp.weight"] = hf.LazyTensor(source / "gone.safetensors", "mtp.weight", (2,), "F32")
+    model.extra_tensors["mtp.weight"] = nemotron_h.LazyTensor(
+        source / "gone.safetensors", "mtp.weight", (2,), "F32"
+    )
     out = tmp_path / "out"
     with pytest.raises(CheckpointError, match=r"gone\.safetensors"):
         model.save_pretrained(out, max_shard_bytes=8_000)
@@ -598,7 +611,7 @@ def test_failed_save_leaves_nothing_behind(parents, tmp_path):
 _SAVER = r"""
 import os, shutil, sys, time
 import torch
-import puzzle.hf as hf
+import puzzle.nemotron_h.weights as weights
 from puzzle.model import HybridLM
 from puzzle.spec import ModelSpec
 
@@ -608,7 +621,7 @@ def stop():
     print("stopped", flush=True)
     time.sleep(600)
 
-real_save_file, real_rename, real_rmtree = hf.save_file, os.rename, shutil.rmtree
+real_save_file, real_rename, real_rmtree = weights.save_file, os.rename, shutil.rmtree
 written = []
 
 def save_file(*args, **kwargs):
@@ -627,7 +640,7 @@ def rmtree(path, *args, **kwargs):
         stop()
     real_rmtree(path, *args, **kwargs)
 
-hf.save_file, os.rename, shutil.rmtree = save_file, rename, rmtree
+weights.save_file, os.rename, shutil.rmtree = save_file, rename, rmtree
 torch.manual_seed(int(seed))
 HybridLM(ModelSpec.from_json(spec_json)).save_pretrained(target, max_shard_bytes=1)
 """
@@ -640,17 +653,17 @@ def _save_killed_at(stage: str, spec: ModelSpec, seed: int, target: Path) -> Non
             [str(Path(puzzle.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
         ),
     }
-    saver = subprocess.Popen(
+    with subprocess.Popen(
         [sys.executable, "-c", _SAVER, spec.to_json(), str(seed), str(target), stage],
         stdout=subprocess.PIPE,
         text=True,
         env=env,
-    )
-    try:
-        assert saver.stdout.readline() == "stopped\n", f"the saver did not reach {stage!r}"
-    finally:
-        saver.send_signal(signal.SIGKILL)
-        saver.wait()
+    ) as saver:
+        try:
+            assert saver.stdout.readline() == "stopped\n", f"the saver did not reach {stage!r}"
+        finally:
+            saver.send_signal(signal.SIGKILL)
+            saver.wait()
     assert saver.returncode == -signal.SIGKILL
 
 
@@ -760,15 +773,68 @@ def test_load_on_meta_builds_the_structure_only(parents, tmp_path):
         puzzle.load(_copy_with(dense, tmp_path / "b", shrink), device="meta")
 
 
-def test_kind_fields_are_the_fields_each_spec_writes():
-    """hf._KIND_FIELDS (the config keys a saved config owns) lists exactly what block_config_fields writes."""
-    samples = (
-        MambaSpec(num_heads=4, head_dim=8, state_size=16),
-        AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8),
-        MoESpec(num_experts=4, top_k=2, expert_width=8),
-        MLPSpec(width=8),
-        LinearSpec(),
-        NoOpSpec(),
-    )
-    for spec in samples:
-        assert set(hf.block_config_fields(spec)) == set(hf._KIND_FIELDS[spec.kind]), spec.kind
+SAMPLE_BLOCKS = (  # one per kind, every field away from its default where a config can carry it
+    MambaSpec(
+        num_heads=4,
+        head_dim=8,
+        state_size=16,
+        n_groups=2,
+        conv_kernel=3,
+        chunk_size=32,
+        conv_bias=False,
+        proj_bias=True,
+        dt_clamp_min=0.01,
+        dt_clamp_max=5.0,
+    ),
+    AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8, bias=True),
+    MoESpec(
+        num_experts=4,
+        top_k=2,
+        expert_width=(8, 4, 8, 6),
+        shared_width=12,
+        latent_size=6,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=False,
+        n_group=2,
+        topk_group=2,
+    ),
+    MLPSpec(width=8, activation="silu", bias=True),
+    LinearSpec(bias=True),
+    NoOpSpec(),
+)
+
+
+def test_every_kind_has_a_field_table_that_covers_its_spec():
+    """Adding a block kind or a spec field without its config mapping fails here, not in a user's save."""
+    assert set(KIND_TABLES) == set(BLOCK_SPEC_TYPES) == {block.kind for block in SAMPLE_BLOCKS}
+    for kind, table in KIND_TABLES.items():
+        carried = {field.attr for field in table.fields if field.attr is not None}
+        spec_fields = {field.name for field in dataclasses.fields(BLOCK_SPEC_TYPES[kind])}
+        assert carried | set(table.not_in_config) == spec_fields, kind
+        assert not carried & set(table.not_in_config), kind
+
+
+@pytest.mark.parametrize("block", SAMPLE_BLOCKS, ids=lambda block: block.kind)
+def test_field_table_reads_back_what_it_writes(block):
+    fields = {**nemotron_h.config.DEFAULTS, "hidden_size": 32, **block_config_fields(block)}
+    assert block_spec_from_fields(block.kind, json.loads(json.dumps(fields))) == block
+    # and through a whole config.json
+    spec = ModelSpec(vocab_size=64, hidden_size=32, blocks=(block, block))
+    assert nemotron_h.spec_from_config(json.loads(json.dumps(nemotron_h.config_from_spec(spec)))) == spec
+
+
+def test_attention_with_rope_cannot_be_written():
+    with pytest.raises(CheckpointError, match=r"attention block with rope_theta=10000\.0 cannot be written"):
+        block_config_fields(AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0))
+
+
+def test_deprecated_hf_module_still_answers():
+    import importlib
+
+    with pytest.warns(DeprecationWarning, match="puzzle.nemotron_h"):
+        import puzzle.hf
+
+        shim = importlib.reload(puzzle.hf)  # warns again even when imported earlier
+    assert shim.load is nemotron_h.load and shim.CheckpointError is CheckpointError is puzzle.CheckpointError
+    assert shim.spec_from_config is nemotron_h.spec_from_config
+    assert shim.save_pretrained is nemotron_h.save_pretrained

@@ -8,7 +8,7 @@ from nemotron_helpers import VOCAB, token_batch
 from torch.testing import assert_close
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNorm
 
-from puzzle import hf
+from puzzle import nemotron_h
 from puzzle.model import HybridLM, RMSNorm, parameter_counts
 from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, NoOpSpec
 
@@ -52,7 +52,7 @@ SUPER_120B_PARAMS = 120_668_687_360
 
 def _meta_model(config: dict) -> HybridLM:
     with torch.device("meta"):
-        return HybridLM(hf.spec_from_config(config))
+        return HybridLM(nemotron_h.spec_from_config(config))
 
 
 def test_meta_build_of_nano_30b():
@@ -230,7 +230,7 @@ def test_the_spec_follows_the_mixers(tmp_path):
     assert model.layers[1].spec == real
     after = model(ids).logits
     assert not torch.allclose(before, after)
-    loaded = hf.load(model.save_pretrained(tmp_path / "child"))
+    loaded = nemotron_h.load(model.save_pretrained(tmp_path / "child"))
     assert loaded.spec == model.spec
     assert_close(loaded(ids).logits, after, atol=0, rtol=0)
     with pytest.raises(TypeError, match=r"needs a \.spec"):
