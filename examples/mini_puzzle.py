@@ -31,8 +31,8 @@ from transformers.utils import logging as hf_logging
 
 import puzzle
 from puzzle.cost.analytic import model_active_params, model_params
-from puzzle.hf import transformers_incompatibilities
 from puzzle.model import HybridLM
+from puzzle.nemotron_h import transformers_incompatibilities
 from puzzle.prune import importance_for, init_child
 from puzzle.search import search
 from puzzle.search.budget import Budget, choices_to_spec, deployment_problem

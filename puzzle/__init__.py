@@ -19,8 +19,8 @@ __version__ = "0.1.0"
 
 # Exports that import torch load on first use, so `import puzzle` (the CLI, spec and cost code) stays light.
 _LAZY_EXPORTS = {
-    "load": "puzzle.hf",
-    "CheckpointError": "puzzle.hf",
+    "load": "puzzle.nemotron_h.checkpoint",
+    "CheckpointError": "puzzle.nemotron_h.config",
     "HybridLM": "puzzle.model",
     "Budget": "puzzle.search.budget",
     "ScenarioTarget": "puzzle.search.budget",

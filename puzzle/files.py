@@ -1,14 +1,24 @@
-"""Atomic file output: write beside the target under a temporary name, then rename over it.
+"""Atomic file and directory output: write beside the target under a temporary name, then rename over it.
 
 A reader (or a resumed stage) never sees a half-written file, and a crash leaves the old file intact.
+A directory is built in a staging directory that carries an owner marker (host, pid, process start
+time), so a later write to the same target can prove a leftover from a killed process is its own
+and remove it.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+# Written first into every staging directory (and into a directory being moved aside): who owns it.
+OWNER_MARKER = ".puzzle-owner.json"
 
 
 def default_mode(directory: bool = False) -> int:
@@ -42,9 +52,10 @@ def atomic_write(path: str | Path, writer: Callable[[str], None]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.close(handle)
-    os.chmod(temporary, default_mode())
     try:
         writer(temporary)
+        # After the writer: some writers (safetensors) recreate the file with mode 0o600.
+        os.chmod(temporary, default_mode())
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
@@ -55,3 +66,131 @@ def atomic_write(path: str | Path, writer: Callable[[str], None]) -> Path:
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     """Write `data` to `path` atomically."""
     return atomic_write(path, lambda temporary: Path(temporary).write_bytes(data))
+
+
+# ------------------------------------------------------------------------------------ directories
+
+
+def _process_start(pid: int) -> tuple[str, int] | None:
+    """(state, start time in clock ticks since boot) of process `pid` from /proc; None where unavailable."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces and parentheses
+    return fields[0], int(fields[19])
+
+
+def owner_record() -> dict[str, Any]:
+    """This process as an owner marker records it: host name, pid and start time (None off Linux)."""
+    started = _process_start(os.getpid())
+    return {"host": socket.gethostname(), "pid": os.getpid(), "start": started and started[1]}
+
+
+def owner_is_gone(record: dict[str, Any]) -> bool:
+    """True only when the process an owner record names provably no longer runs.
+
+    It must be on this host (a pid on another host cannot be checked) and either have no process
+    with its pid, be a zombie, or its pid now belong to a process started at another time (reuse).
+    """
+    pid = record.get("pid")
+    if record.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process: it exists
+        pass
+    current = _process_start(pid)
+    if current is None:
+        return False
+    state, start = current
+    return state == "Z" or (record.get("start") is not None and start != record["start"])
+
+
+def write_owner_marker(directory: Path) -> None:
+    """Mark `directory` as this process's own (see `owner_is_gone`)."""
+    (directory / OWNER_MARKER).write_text(json.dumps(owner_record()) + "\n")
+
+
+def read_owner_marker(directory: Path) -> dict[str, Any] | None:
+    """The owner record in `directory`, or None when it has none (or an unreadable one)."""
+    try:
+        record = json.loads((directory / OWNER_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _leftover_name(target: Path, role: str) -> str:
+    return f".{target.name}.{role}-"
+
+
+def make_staging_dir(target: Path) -> Path:
+    """A new marked staging directory `.NAME.tmp-XXXX` beside `target` (parents created), default mode."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=_leftover_name(target, "tmp"), dir=target.parent))
+    try:
+        staging.chmod(default_mode(directory=True))  # mkdtemp makes it 0o700, private to this user
+        write_owner_marker(staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return staging
+
+
+def swap_directory_into_place(staging: Path, target: Path) -> None:
+    """Rename `staging` to `target`; an existing `target` is moved aside (`.NAME.old-XXXX`), then removed.
+
+    The directory moved aside is marked first, so if this process is killed between the two renames
+    `remove_stale_staging` puts it back; the staging directory's marker is removed once it is in place.
+    """
+    if not target.exists():
+        os.rename(staging, target)
+    else:
+        old = Path(tempfile.mkdtemp(prefix=_leftover_name(target, "old"), dir=target.parent))
+        os.rmdir(old)
+        write_owner_marker(target)
+        os.rename(target, old)
+        try:
+            os.rename(staging, target)
+        except BaseException:
+            os.rename(old, target)
+            (target / OWNER_MARKER).unlink(missing_ok=True)
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    (target / OWNER_MARKER).unlink(missing_ok=True)
+
+
+def remove_stale_staging(target: Path) -> list[Path]:
+    """Remove what killed writes to `target` left beside it; returns the directories removed or restored.
+
+    Only `.NAME.tmp-*` and `.NAME.old-*` directories whose owner marker names a process that is
+    provably gone (`owner_is_gone`) are touched: a live writer's, another host's or an unmarked one
+    stays. A marked `.old-` directory while `target` is missing is the previous `target` (its writer
+    died between the two renames of `swap_directory_into_place`): it is renamed back, not removed.
+    """
+    if not target.parent.is_dir():
+        return []
+    handled = []
+    # .old- first: restoring a missing target must happen whatever else is found.
+    for role in ("old", "tmp"):
+        prefix = _leftover_name(target, role)
+        for entry in sorted(target.parent.iterdir()):
+            if not entry.name.startswith(prefix) or entry.is_symlink() or not entry.is_dir():
+                continue
+            record = read_owner_marker(entry)
+            if record is None or not owner_is_gone(record):
+                continue
+            if role == "old" and not target.exists():
+                try:
+                    os.rename(entry, target)
+                except OSError:  # never remove the only copy of the previous checkpoint
+                    continue
+                (target / OWNER_MARKER).unlink(missing_ok=True)
+                handled.append(entry)
+                continue
+            shutil.rmtree(entry, ignore_errors=True)
+            handled.append(entry)
+    return handled

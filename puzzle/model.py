@@ -2,7 +2,7 @@
 
 The stack is a plain list of blocks built from a `ModelSpec`, so a heterogeneous child (pruned widths,
 linear or removed blocks) needs no special case. State-dict keys are the NemotronH hub keys without
-the `backbone.` prefix; `puzzle.hf` converts checkpoints in and out.
+the `backbone.` prefix; `puzzle.nemotron_h` converts checkpoints in and out.
 """
 
 from __future__ import annotations
@@ -295,12 +295,18 @@ class HybridLM(nn.Module):
         probs = torch.softmax(logits, dim=-1)
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
-    def save_pretrained(self, path: str | Path, max_shard_bytes: int | None = None) -> Path:
-        """Write a NemotronH checkpoint (config.json + safetensors) to `path`; see `puzzle.hf.save_pretrained`."""
-        from puzzle import hf  # hf imports this module
+    def save_pretrained(
+        self, path: str | Path, max_shard_bytes: int | None = None, overwrite: bool = False
+    ) -> Path:
+        """Write a NemotronH checkpoint (config.json + safetensors) to `path`; see `puzzle.nemotron_h.save_pretrained`.
+
+        A non-empty `path` that is not an earlier checkpoint is refused unless `overwrite=True`, which
+        writes the checkpoint files beside the files already there.
+        """
+        from puzzle.nemotron_h.checkpoint import save_pretrained  # late: checkpoint imports this module
 
         kwargs = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
-        return hf.save_pretrained(self, path, **kwargs)
+        return save_pretrained(self, path, overwrite=overwrite, **kwargs)
 
     def extra_repr(self) -> str:
         return f"pattern={self.spec.pattern}"

@@ -1,7 +1,7 @@
 """The architecture as data: one frozen, hashable, JSON-round-trippable spec per block kind.
 
 A block's spec is the whole truth about its shape. Modules are built from it (`puzzle.blocks`),
-costs are computed from it (`puzzle.cost`), checkpoints record it (`puzzle.hf`).
+costs are computed from it (`puzzle.cost`), checkpoints record it (`puzzle.nemotron_h`).
 """
 
 from __future__ import annotations

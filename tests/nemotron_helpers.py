@@ -1,4 +1,4 @@
-"""Tiny random transformers NemotronH models, the oracle for tests of puzzle.model and puzzle.hf."""
+"""Tiny random transformers NemotronH models, the oracle for tests of puzzle.model and puzzle.nemotron_h."""
 
 from __future__ import annotations
 

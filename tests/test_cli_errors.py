@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 import puzzle
-from puzzle import cli, hf
+from puzzle import cli, nemotron_h
 from puzzle.presets import tiny_hybrid
 
 # name -> the value, "@name" standing for a file made by `bad_files` under a temporary directory.
@@ -92,10 +92,10 @@ def bad_files(tmp_path_factory) -> Path:
     (root / "list.json").write_text("[1, 2]")
     (root / "a-file").write_text("a regular file")
     (root / "corrupt-checkpoint").mkdir()
-    (root / "corrupt-checkpoint" / hf.CONFIG_NAME).write_text('{"model_type": "nemotron_h", ')
+    (root / "corrupt-checkpoint" / nemotron_h.CONFIG_NAME).write_text('{"model_type": "nemotron_h", ')
     (root / "config-only-checkpoint").mkdir()
-    (root / "config-only-checkpoint" / hf.CONFIG_NAME).write_text(
-        json.dumps(hf.config_from_spec(tiny_hybrid()))
+    (root / "config-only-checkpoint" / nemotron_h.CONFIG_NAME).write_text(
+        json.dumps(nemotron_h.config_from_spec(tiny_hybrid()))
     )
     (root / "library.json").write_text(json.dumps(_library()))
     return root

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from puzzle import hf
+from puzzle import nemotron_h
 from puzzle.cli import build_parser, main
 from puzzle.cost.analytic import model_active_params, model_params
 from puzzle.presets import puzzle_75b_a9b_like, tiny_hybrid
@@ -44,7 +44,7 @@ def test_preset_table(capsys):
 
 def test_puzzle_config_json_and_checkpoint_dir(capsys, tmp_path):
     spec = puzzle_75b_a9b_like()
-    config = hf.config_from_spec(spec)
+    config = nemotron_h.config_from_spec(spec)
     assert config["model_type"] == "nemotron_h_puzzle" and "block_configs" in config
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
@@ -70,7 +70,7 @@ def test_puzzle_config_json_and_checkpoint_dir(capsys, tmp_path):
         (["tiny-hybrid", "--context", "0.5x"], "expected an absolute number"),
         (["tiny-hybrid", "--context", "1e999"], "expected a finite number"),
         (["tiny-hybrid", "--memory-fraction", "1.1"], "expected a fraction in (0, 1]"),
-        (["tiny-hybrid", "--memory-fraction", "nan"], "expected a number"),
+        (["tiny-hybrid", "--memory-fraction", "nan"], "expected a finite number"),
         (["missing/config.json"], "does not exist"),
         (["/dev/null"], "/dev/null is neither a config.json file nor a checkpoint directory"),
     ],
@@ -87,14 +87,14 @@ def test_malformed_configs(capsys, tmp_path):
     code, _, err = run(capsys, str(broken))
     assert code == 2 and "not valid JSON" in err
 
-    config = hf.config_from_spec(tiny_hybrid())
+    config = nemotron_h.config_from_spec(tiny_hybrid())
     config["model_type"] = "llama"
     wrong = tmp_path / "llama.json"
     wrong.write_text(json.dumps(config))
     code, _, err = run(capsys, str(wrong))
     assert code == 2 and "unsupported model_type 'llama'" in err
 
-    config = hf.config_from_spec(puzzle_75b_a9b_like())
+    config = nemotron_h.config_from_spec(puzzle_75b_a9b_like())
     config["block_configs"] = config["block_configs"][:-1]
     short = tmp_path / "short.json"
     short.write_text(json.dumps(config))

@@ -1,25 +1,40 @@
-"""NemotronH checkpoints in and out, against transformers' NemotronHForCausalLM as the oracle (CPU, fp32, tiny)."""
+"""NemotronH checkpoints in and out (puzzle.nemotron_h), against transformers' NemotronHForCausalLM as the oracle (CPU, fp32, tiny)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from nemotron_helpers import CONFIGS, random_hf_model, save_hf, tiny_config, token_batch
+from nemotron_helpers import CONFIGS, EVERY_KIND_SPEC, random_hf_model, save_hf, tiny_config, token_batch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 from transformers import NemotronHForCausalLM
 
 import puzzle
-from puzzle import hf
-from puzzle.hf import CheckpointError
+from puzzle import nemotron_h
+from puzzle.files import OWNER_MARKER, default_mode, owner_record, remove_stale_staging
 from puzzle.model import HybridLM
-from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, NoOpSpec
+from puzzle.nemotron_h import CheckpointError
+from puzzle.nemotron_h.config import KIND_TABLES, block_config_fields, block_spec_from_fields
+from puzzle.spec import (
+    BLOCK_SPEC_TYPES,
+    AttentionSpec,
+    LinearSpec,
+    MambaSpec,
+    MLPSpec,
+    ModelSpec,
+    MoESpec,
+    NoOpSpec,
+)
 
 ATOL = 1e-5
 
@@ -296,14 +311,14 @@ def test_puzzle_config_blocks_inherit_globals():
             {"block_type": "moe"},
         ],
     }
-    spec = hf.spec_from_config(config)
+    spec = nemotron_h.spec_from_config(config)
     assert spec.pattern == "ME*E"
     mamba, moe, attention, moe_default = spec.blocks
     assert (mamba.num_heads, mamba.head_dim, mamba.state_size, mamba.n_groups) == (8, 16, 24, 2)
     assert (moe.expert_width, moe.top_k, moe.shared_width, moe.latent_size) == (24, 4, 96, 32)
     assert (moe_default.expert_width, moe_default.top_k) == (48, 6)
     assert (attention.num_heads, attention.num_kv_heads, attention.head_dim) == (8, 2, 16)
-    assert hf.spec_from_config(hf.config_from_spec(spec)) == spec
+    assert nemotron_h.spec_from_config(nemotron_h.config_from_spec(spec)) == spec
 
 
 def test_puzzle_globals_keep_the_parents_values(parents, tmp_path):
@@ -322,7 +337,7 @@ def test_puzzle_globals_keep_the_parents_values(parents, tmp_path):
         "num_experts_per_tok": 2,
     }
     assert config["block_configs"][3] == {"block_type": "moe"}
-    assert hf.spec_from_config(config) == child_spec
+    assert nemotron_h.spec_from_config(config) == child_spec
 
 
 def test_dtype_and_router_precision(parents):
@@ -389,7 +404,7 @@ def test_error_quantized_checkpoint(parents, tmp_path):
     (target / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=r"quantized checkpoint .*'modelopt'.*use the BF16 release"):
         puzzle.load(target)
-    assert hf.spec_from_config(config) == puzzle.load(path).spec  # the architecture is still readable
+    assert nemotron_h.spec_from_config(config) == puzzle.load(path).spec  # the architecture is still readable
 
 
 def _copy_with(source: Path, target: Path, change) -> Path:
@@ -466,7 +481,7 @@ def test_error_block_configs_length(tmp_path):
     with pytest.raises(
         CheckpointError, match=r"block_configs has 1 entries but the layer layout has 2 blocks"
     ):
-        hf.spec_from_config(config)
+        nemotron_h.spec_from_config(config)
 
 
 def test_error_invalid_block_in_config():
@@ -474,7 +489,7 @@ def test_error_invalid_block_in_config():
     with pytest.raises(
         CheckpointError, match=r"block 0 \(mamba\).*num_heads \(6\) must be divisible by n_groups \(4\)"
     ):
-        hf.spec_from_config(config)
+        nemotron_h.spec_from_config(config)
 
 
 # ------------------------------------------------------------------------------------------------ saving
@@ -492,33 +507,334 @@ def test_save_refuses_source_directory(parents):
     assert not (path / "child").exists()
 
 
-def test_save_replaces_existing_directory_atomically(parents, tmp_path):
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def test_save_refuses_a_directory_holding_other_files(parents, tmp_path):
+    """save_pretrained(".") in a project folder used to replace the folder's code and data."""
     _, path = parents["dense_mlp"]
     model = puzzle.load(path)
-    target = tmp_path / "out"
-    target.mkdir()
-    (target / "stale.txt").write_text("old")
-    model.save_pretrained(target)
-    assert sorted(p.name for p in target.iterdir()) == [
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    (project / "train.py").write_text("print('my code')\n")
+    (project / "data" / "tokens.bin").write_bytes(b"\x01\x02")
+    (project / "config.json").write_text('{"my": "settings"}')
+    before = _files(project)
+    with pytest.raises(
+        CheckpointError, match=r"refusing to write into .*project.*data, train\.py.*overwrite=True"
+    ):
+        model.save_pretrained(project)
+    assert _files(project) == before and (project / "data" / "tokens.bin").read_bytes() == b"\x01\x02"
+    assert [p.name for p in tmp_path.iterdir()] == ["project"]  # no staging directory left
+
+
+def test_save_overwrite_writes_beside_other_files(parents, tmp_path):
+    _, path = parents["dense_mlp"]
+    model = puzzle.load(path)
+    repo = tmp_path / "repo"  # e.g. a clone of a hub repository
+    (repo / ".git").mkdir(parents=True)
+    (repo / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (repo / "README.md").write_text("# my model\n")
+    model.save_pretrained(repo, max_shard_bytes=8_000, overwrite=True)
+    shards = sorted(p.name for p in repo.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (repo / "model.safetensors.index.json").is_file()
+    # Saved again unsharded: the earlier shards and index go (a loader would read them), the rest stays.
+    model.save_pretrained(repo, overwrite=True)
+    assert sorted(p.name for p in repo.iterdir()) == [
+        ".git",
+        "README.md",
         "config.json",
         "generation_config.json",
         "model.safetensors",
     ]
+    assert (repo / "README.md").read_text() == "# my model\n"
+    assert (repo / ".git" / "HEAD").read_text() == "ref: refs/heads/main\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["repo"]
+    ids = token_batch(seed=4)
+    assert_close(our_logits(puzzle.load(repo), ids), our_logits(model, ids), atol=0, rtol=0)
+
+
+def test_save_replaces_an_earlier_checkpoint_atomically(parents, tmp_path):
+    _, path = parents["dense_mlp"]
+    model = puzzle.load(path)
+    target = tmp_path / "out"
+    model.save_pretrained(target, max_shard_bytes=8_000)
+    assert len(list(target.glob("model-*-of-*.safetensors"))) > 2
+    child = randomised(HybridLM(model.spec), seed=1)
+    child.save_pretrained(target)  # only checkpoint files there: replaced as a whole
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging or backup directories left behind
-    plain = tmp_path / "plain"
-    plain.mkdir()  # a checkpoint is as readable as any folder the user makes (mkdtemp's is 0o700)
-    assert os.stat(target).st_mode & 0o777 == os.stat(plain).st_mode & 0o777
+    ids = token_batch(seed=4)
+    assert_close(our_logits(puzzle.load(target), ids), our_logits(child, ids), atol=0, rtol=0)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert puzzle.load(child.save_pretrained(empty)).spec == model.spec
 
 
-def test_kind_fields_are_the_fields_each_spec_writes():
-    """hf._KIND_FIELDS (the config keys a saved config owns) lists exactly what block_config_fields writes."""
-    samples = (
-        MambaSpec(num_heads=4, head_dim=8, state_size=16),
-        AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8),
-        MoESpec(num_experts=4, top_k=2, expert_width=8),
-        MLPSpec(width=8),
-        LinearSpec(),
-        NoOpSpec(),
+def test_saved_files_all_get_default_mode(parents, tmp_path):
+    """safetensors wrote its files 0o600 beside a 0o644 config.json; copied tokenizer files kept their mode."""
+    _, path = parents["dense_mlp"]
+    source = tmp_path / "source"
+    shutil.copytree(path, source)
+    (source / "tokenizer.json").write_text("{}")
+    (source / "tokenizer.json").chmod(0o600)
+    (source / "special_tokens_map.json").write_text("{}")
+    (source / "special_tokens_map.json").chmod(0o444)
+    model = puzzle.load(source)
+    for name, shard_bytes in [("single", None), ("sharded", 8_000)]:
+        out = model.save_pretrained(tmp_path / name, max_shard_bytes=shard_bytes)
+        files = sorted(out.iterdir())
+        assert {"tokenizer.json", "special_tokens_map.json", "config.json"} <= {p.name for p in files}
+        assert {p.name: os.stat(p).st_mode & 0o777 for p in files} == {p.name: default_mode() for p in files}
+        assert os.stat(out).st_mode & 0o777 == default_mode(directory=True)
+
+
+def test_failed_save_leaves_nothing_behind(parents, tmp_path):
+    """An error midway (here an extra tensor whose file vanished) leaves neither staging nor target."""
+    _, path = parents["dense_mlp"]
+    source = tmp_path / "source"
+    shutil.copytree(path, source)
+    model = puzzle.load(source)
+    model.extra_tensors["mtp.weight"] = nemotron_h.LazyTensor(
+        source / "gone.safetensors", "mtp.weight", (2,), "F32"
     )
-    for spec in samples:
-        assert set(hf.block_config_fields(spec)) == set(hf._KIND_FIELDS[spec.kind]), spec.kind
+    out = tmp_path / "out"
+    with pytest.raises(CheckpointError, match=r"gone\.safetensors"):
+        model.save_pretrained(out, max_shard_bytes=8_000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+
+
+# A process that saves `spec` (random weights from `seed`) to `target`, one tensor per shard, and stops
+# for good at `stage`: after writing shards into staging, after moving the old checkpoint aside, or
+# before removing it. The test SIGKILLs it there, as an out-of-memory killer or a scheduler would.
+_SAVER = r"""
+import os, shutil, sys, time
+import torch
+import puzzle.nemotron_h.weights as weights
+from puzzle.model import HybridLM
+from puzzle.spec import ModelSpec
+
+spec_json, seed, target, stage = sys.argv[1:]
+
+def stop():
+    print("stopped", flush=True)
+    time.sleep(600)
+
+real_save_file, real_rename, real_rmtree = weights.save_file, os.rename, shutil.rmtree
+written = []
+
+def save_file(*args, **kwargs):
+    real_save_file(*args, **kwargs)
+    written.append(args[1])
+    if stage == "shards" and len(written) == 3:
+        stop()
+
+def rename(source, destination):
+    real_rename(source, destination)
+    if stage == "swap" and ".old-" in str(destination):
+        stop()
+
+def rmtree(path, *args, **kwargs):
+    if stage == "cleanup" and ".old-" in str(path):
+        stop()
+    real_rmtree(path, *args, **kwargs)
+
+weights.save_file, os.rename, shutil.rmtree = save_file, rename, rmtree
+torch.manual_seed(int(seed))
+HybridLM(ModelSpec.from_json(spec_json)).save_pretrained(target, max_shard_bytes=1)
+"""
+
+
+def _save_killed_at(stage: str, spec: ModelSpec, seed: int, target: Path) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            [str(Path(puzzle.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]
+        ),
+    }
+    with subprocess.Popen(
+        [sys.executable, "-c", _SAVER, spec.to_json(), str(seed), str(target), stage],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    ) as saver:
+        try:
+            assert saver.stdout.readline() == "stopped\n", f"the saver did not reach {stage!r}"
+        finally:
+            saver.send_signal(signal.SIGKILL)
+            saver.wait()
+    assert saver.returncode == -signal.SIGKILL
+
+
+def _leftovers(directory: Path) -> list[str]:
+    return sorted(p.name.split("-")[0] for p in directory.iterdir() if p.name.startswith("."))
+
+
+def _seeded(spec: ModelSpec, seed: int) -> HybridLM:
+    torch.manual_seed(seed)
+    return HybridLM(spec).eval()
+
+
+@pytest.mark.parametrize("stage", ["shards", "swap", "cleanup"])
+def test_a_save_killed_midway_is_cleaned_up_by_the_next(tmp_path, stage):
+    spec = EVERY_KIND_SPEC
+    target = tmp_path / "out"
+    if stage != "shards":  # a previous checkpoint to replace
+        _seeded(spec, 1).save_pretrained(target)
+    previous = _files(target) if target.exists() else None
+    _save_killed_at(stage, spec, 2, target)
+    expected = {"shards": [".out.tmp"], "swap": [".out.old", ".out.tmp"], "cleanup": [".out.old"]}[stage]
+    assert _leftovers(tmp_path) == expected  # what used to stay forever (846 MB in one case)
+    if stage == "swap":  # killed between the renames: the previous checkpoint is brought back
+        remove_stale_staging(target)
+        assert _files(target) == previous
+    model = _seeded(spec, 3)
+    model.save_pretrained(target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
+    ids = token_batch(seed=4) % spec.vocab_size
+    assert_close(our_logits(puzzle.load(target), ids), our_logits(model, ids), atol=0, rtol=0)
+
+
+def test_a_live_save_is_not_cleaned_up(tmp_path):
+    """Another process still writing (its staging marker names a live process) is left alone."""
+    target = tmp_path / "out"
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        staging = tmp_path / ".out.tmp-live"
+        staging.mkdir()
+        (staging / OWNER_MARKER).write_text(json.dumps({**owner_record(), "pid": running.pid, "start": None}))
+        _seeded(EVERY_KIND_SPEC, 1).save_pretrained(target)
+        assert sorted(p.name for p in tmp_path.iterdir()) == [".out.tmp-live", "out"]
+    finally:
+        running.kill()
+        running.wait()
+
+
+# ------------------------------------------------------------------------------------------ dtypes, meta
+
+
+def test_error_integer_weight(parents, tmp_path):
+    """An int8 weight used to load and then fail in the forward with a bare torch RuntimeError."""
+    _, path = parents["dense_mlp"]
+
+    def quantize(tensors):
+        weight = tensors["backbone.layers.1.mixer.up_proj.weight"]
+        tensors["backbone.layers.1.mixer.up_proj.weight"] = weight.mul(100).round().to(torch.int8)
+
+    broken = _copy_with(path, tmp_path / "b", quantize)
+    with pytest.raises(
+        CheckpointError,
+        match=r"tensor 'backbone\.layers\.1\.mixer\.up_proj\.weight' is stored as I8 \(torch\.int8\); "
+        r"expected a floating-point weight, one of BF16, F16, F32, F64",
+    ):
+        puzzle.load(broken)
+
+
+def test_error_fp8_weight(parents, tmp_path):
+    _, path = parents["dense_mlp"]
+
+    def to_fp8(tensors):
+        key = "backbone.layers.0.mixer.in_proj.weight"
+        tensors[key] = tensors[key].to(torch.float8_e4m3fn)
+
+    broken = _copy_with(path, tmp_path / "b", to_fp8)
+    with pytest.raises(CheckpointError, match=r"in_proj\.weight' is stored as F8_E4M3 .*scales"):
+        puzzle.load(broken)
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, "int8", torch.float8_e4m3fn, "bogus", torch.bool])
+def test_error_load_dtype_not_float(parents, dtype):
+    _, path = parents["dense_mlp"]
+    with pytest.raises(ValueError, match=r"is not a dtype a model can be loaded in; use torch\.bfloat16"):
+        puzzle.load(path, dtype=dtype)
+
+
+def test_load_on_meta_builds_the_structure_only(parents, tmp_path):
+    _, path = parents["latent_moe"]
+    real = puzzle.load(path, dtype="bfloat16")
+    meta = puzzle.load(path, dtype="bfloat16", device="meta")
+    assert meta.spec == real.spec
+    ours, theirs = meta.state_dict(), real.state_dict()
+    assert list(ours) == list(theirs)
+    for key, tensor in ours.items():
+        assert tensor.is_meta and (tensor.shape, tensor.dtype) == (theirs[key].shape, theirs[key].dtype), key
+    with pytest.raises(CheckpointError, match="meta device"):
+        meta.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    # The checkpoint is still checked: a misshapen tensor is an error on meta as well.
+    _, dense = parents["dense_mlp"]
+
+    def shrink(tensors):
+        tensors["backbone.layers.1.mixer.up_proj.weight"] = torch.zeros(39, 32)
+
+    with pytest.raises(CheckpointError, match=r"has shape \[39, 32\], expected \[40, 32\]"):
+        puzzle.load(_copy_with(dense, tmp_path / "b", shrink), device="meta")
+
+
+SAMPLE_BLOCKS = (  # one per kind, every field away from its default where a config can carry it
+    MambaSpec(
+        num_heads=4,
+        head_dim=8,
+        state_size=16,
+        n_groups=2,
+        conv_kernel=3,
+        chunk_size=32,
+        conv_bias=False,
+        proj_bias=True,
+        dt_clamp_min=0.01,
+        dt_clamp_max=5.0,
+    ),
+    AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8, bias=True),
+    MoESpec(
+        num_experts=4,
+        top_k=2,
+        expert_width=(8, 4, 8, 6),
+        shared_width=12,
+        latent_size=6,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=False,
+        n_group=2,
+        topk_group=2,
+    ),
+    MLPSpec(width=8, activation="silu", bias=True),
+    LinearSpec(bias=True),
+    NoOpSpec(),
+)
+
+
+def test_every_kind_has_a_field_table_that_covers_its_spec():
+    """Adding a block kind or a spec field without its config mapping fails here, not in a user's save."""
+    assert set(KIND_TABLES) == set(BLOCK_SPEC_TYPES) == {block.kind for block in SAMPLE_BLOCKS}
+    for kind, table in KIND_TABLES.items():
+        carried = {field.attr for field in table.fields if field.attr is not None}
+        spec_fields = {field.name for field in dataclasses.fields(BLOCK_SPEC_TYPES[kind])}
+        assert carried | set(table.not_in_config) == spec_fields, kind
+        assert not carried & set(table.not_in_config), kind
+
+
+@pytest.mark.parametrize("block", SAMPLE_BLOCKS, ids=lambda block: block.kind)
+def test_field_table_reads_back_what_it_writes(block):
+    fields = {**nemotron_h.config.DEFAULTS, "hidden_size": 32, **block_config_fields(block)}
+    assert block_spec_from_fields(block.kind, json.loads(json.dumps(fields))) == block
+    # and through a whole config.json
+    spec = ModelSpec(vocab_size=64, hidden_size=32, blocks=(block, block))
+    assert nemotron_h.spec_from_config(json.loads(json.dumps(nemotron_h.config_from_spec(spec)))) == spec
+
+
+def test_attention_with_rope_cannot_be_written():
+    with pytest.raises(CheckpointError, match=r"attention block with rope_theta=10000\.0 cannot be written"):
+        block_config_fields(AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0))
+
+
+def test_deprecated_hf_module_still_answers():
+    import importlib
+
+    with pytest.warns(DeprecationWarning, match="puzzle.nemotron_h"):
+        import puzzle.hf
+
+        shim = importlib.reload(puzzle.hf)  # warns again even when imported earlier
+    assert shim.load is nemotron_h.load and shim.CheckpointError is CheckpointError is puzzle.CheckpointError
+    assert shim.spec_from_config is nemotron_h.spec_from_config
+    assert shim.save_pretrained is nemotron_h.save_pretrained

@@ -8,7 +8,7 @@ from nemotron_helpers import VOCAB, token_batch
 from torch.testing import assert_close
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNorm
 
-from puzzle import hf
+from puzzle import nemotron_h
 from puzzle.blocks import build_block
 from puzzle.model import Block, HybridLM, RMSNorm, parameter_counts
 from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, NoOpSpec, SpecError
@@ -53,7 +53,7 @@ SUPER_120B_PARAMS = 120_668_687_360
 
 def _meta_model(config: dict) -> HybridLM:
     with torch.device("meta"):
-        return HybridLM(hf.spec_from_config(config))
+        return HybridLM(nemotron_h.spec_from_config(config))
 
 
 def test_meta_build_of_nano_30b():
@@ -229,7 +229,7 @@ def test_the_spec_follows_the_mixers(tmp_path):
     assert model.layers[1].spec == real
     after = model(ids).logits
     assert not torch.allclose(before, after)
-    loaded = hf.load(model.save_pretrained(tmp_path / "child"))
+    loaded = nemotron_h.load(model.save_pretrained(tmp_path / "child"))
     assert loaded.spec == model.spec
     assert_close(loaded(ids).logits, after, atol=0, rtol=0)
     with pytest.raises(TypeError, match=r"needs a \.spec"):
@@ -275,7 +275,7 @@ def test_a_checkpoint_with_a_no_op_norm_still_loads(tmp_path):
     assert "backbone.layers.1.norm.weight" not in tensors  # nothing to write for a no-op block
     tensors["backbone.layers.1.norm.weight"] = torch.ones(16)  # what older saves wrote
     save_file(tensors, weights, metadata={"format": "pt"})
-    loaded = hf.load(out)
+    loaded = nemotron_h.load(out)
     assert loaded.spec == spec and "layers.1.norm.weight" not in loaded.state_dict()
     assert (
         "backbone.layers.1.norm.weight" not in loaded.extra_tensors
@@ -286,9 +286,9 @@ def test_a_checkpoint_with_a_no_op_norm_still_loads(tmp_path):
     tensors["backbone.layers.7.norm.weight"] = torch.ones(16)
     save_file(tensors, weights, metadata={"format": "pt"})
     with pytest.raises(
-        hf.CheckpointError, match=r"unexpected tensor\(s\) 'backbone\.layers\.7\.norm\.weight'"
+        nemotron_h.CheckpointError, match=r"unexpected tensor\(s\) 'backbone\.layers\.7\.norm\.weight'"
     ):
-        hf.load(out)
+        nemotron_h.load(out)
 
 
 def test_replace_mixer_moves_the_norm_with_the_no_op():

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from puzzle import hf
+from puzzle import nemotron_h
 from puzzle.cost.analytic import block_params, model_active_params, model_params
 from puzzle.presets.nemotron import (
     PUZZLE_75B_MOE,
@@ -269,7 +269,7 @@ SUPER_MTP_PARAMS = 2_942_324_736
 )
 def test_published_config_gives_the_preset_and_the_published_totals(config, preset, total, active, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
-    spec = hf.spec_from_config(hf.read_config(tmp_path), where=str(tmp_path / "config.json"))
+    spec = nemotron_h.spec_from_config(nemotron_h.read_config(tmp_path), where=str(tmp_path / "config.json"))
     assert spec == preset()
     assert model_params(spec) == total
     assert model_active_params(spec) == active
@@ -278,10 +278,10 @@ def test_published_config_gives_the_preset_and_the_published_totals(config, pres
 @pytest.mark.parametrize("config", [SUPER_120B_A12B, NANO_30B_A3B, H_8B_BASE_8K, NANO_9B_V2])
 def test_published_config_survives_our_writer(config):
     """Rewriting an unchanged parent keeps it a transformers-loadable nemotron_h config, MTP fields kept."""
-    spec = hf.spec_from_config(config)
-    written = hf.config_from_spec(spec, base=config)
+    spec = nemotron_h.spec_from_config(config)
+    written = nemotron_h.config_from_spec(spec, base=config)
     assert written["model_type"] == "nemotron_h"
-    assert hf.spec_from_config(json.loads(json.dumps(written))) == spec
+    assert nemotron_h.spec_from_config(json.loads(json.dumps(written))) == spec
     for key in ("mtp_hybrid_override_pattern", "num_nextn_predict_layers", "max_position_embeddings"):
         assert written.get(key) == config.get(key)
 
@@ -300,18 +300,20 @@ def mtp_params(config: dict[str, Any], mtp_spec: ModelSpec) -> int:
 
 def test_super_mtp_module_and_the_whole_checkpoint_match_the_safetensors_counts():
     """The MTP module (pattern "*E", global fields) is parsed like the backbone; MTP fields are ignored."""
-    mtp_spec = hf.spec_from_config(
+    mtp_spec = nemotron_h.spec_from_config(
         {**SUPER_120B_A12B, "hybrid_override_pattern": SUPER_120B_A12B["mtp_hybrid_override_pattern"]}
     )
     assert mtp_spec.pattern == "*E"
     assert mtp_params(SUPER_120B_A12B, mtp_spec) == SUPER_MTP_PARAMS
-    backbone = model_params(hf.spec_from_config(SUPER_120B_A12B))
+    backbone = model_params(nemotron_h.spec_from_config(SUPER_120B_A12B))
     assert backbone + SUPER_MTP_PARAMS + 41 * 512 == SUPER_SAFETENSORS_TOTAL
 
 
 def test_old_schema_head_dim_defaults_like_transformers():
     # Nemotron-H-8B has "attention_head_dim" and no "head_dim"; transformers' default head_dim 128 applies.
-    attention = next(b for b in hf.spec_from_config(H_8B_BASE_8K).blocks if isinstance(b, AttentionSpec))
+    attention = next(
+        b for b in nemotron_h.spec_from_config(H_8B_BASE_8K).blocks if isinstance(b, AttentionSpec)
+    )
     assert (attention.num_heads, attention.num_kv_heads, attention.head_dim) == (32, 8, 128)
 
 
@@ -382,7 +384,7 @@ def puzzle_75b_config(with_nulls: bool = False) -> dict[str, Any]:
 def test_puzzle_schema_gives_the_per_block_shapes(with_nulls, tmp_path):
     config = puzzle_75b_config(with_nulls)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    spec = hf.spec_from_config(hf.read_config_file(tmp_path / "config.json"))
+    spec = nemotron_h.spec_from_config(nemotron_h.read_config_file(tmp_path / "config.json"))
     assert spec == puzzle_75b_a9b_like()
     assert spec.num_blocks == 88 and spec.pattern.count("E") == 40
     moe = [b for b in spec.blocks if isinstance(b, MoESpec)]
@@ -398,7 +400,7 @@ def test_puzzle_schema_gives_the_per_block_shapes(with_nulls, tmp_path):
 
 def test_puzzle_mtp_block_configs_describe_the_supers_mtp_module():
     config = puzzle_75b_config()
-    mtp_spec = hf.spec_from_config(
+    mtp_spec = nemotron_h.spec_from_config(
         {**config, "layers_block_type": None, "block_configs": config["mtp_block_configs"]}
     )
     assert mtp_spec.pattern == "*E"
@@ -407,12 +409,12 @@ def test_puzzle_mtp_block_configs_describe_the_supers_mtp_module():
 
 def test_puzzle_export_roundtrips_and_keeps_the_mtp_fields():
     config = puzzle_75b_config()
-    spec = hf.spec_from_config(config)
-    written = hf.config_from_spec(spec, base=config)
+    spec = nemotron_h.spec_from_config(config)
+    written = nemotron_h.config_from_spec(spec, base=config)
     assert written["model_type"] == "nemotron_h_puzzle"
     assert written["mtp_block_configs"] == config["mtp_block_configs"]
     assert written["num_nextn_predict_layers"] == 1
-    assert hf.spec_from_config(json.loads(json.dumps(written))) == spec
+    assert nemotron_h.spec_from_config(json.loads(json.dumps(written))) == spec
 
 
 def test_export_never_relies_on_a_null_override():
@@ -420,13 +422,13 @@ def test_export_never_relies_on_a_null_override():
     spec = puzzle_75b_a9b_like()
     index = next(i for i, b in enumerate(spec.blocks) if isinstance(b, MoESpec))
     spec = spec.replace_block(index, dataclasses.replace(spec.blocks[index], latent_size=None))
-    written = hf.config_from_spec(spec, base=puzzle_75b_config())
+    written = nemotron_h.config_from_spec(spec, base=puzzle_75b_config())
     assert all(value is not None for entry in written["block_configs"] for value in entry.values())
-    assert hf.spec_from_config(json.loads(json.dumps(written))) == spec
+    assert nemotron_h.spec_from_config(json.loads(json.dumps(written))) == spec
 
 
 def test_real_configs_are_json_objects_a_file_reader_accepts(tmp_path: Path):
     for name, config in {"super": SUPER_120B_A12B, "nano": NANO_30B_A3B}.items():
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(config))
-        assert hf.read_config_file(path) == config
+        assert nemotron_h.read_config_file(path) == config

@@ -93,14 +93,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def load_target(target: str) -> tuple[ModelSpec, str]:
     """(ModelSpec, what it is) for a preset name, a checkpoint directory or a config.json path."""
-    from puzzle import hf  # late: keeps `puzzle costs PRESET` free of checkpoint machinery
+    from puzzle import nemotron_h  # late: keeps `puzzle costs PRESET` free of checkpoint machinery
 
     path = Path(target)
     if path.is_dir():
-        return hf.spec_from_config(hf.read_config(path), str(path / hf.CONFIG_NAME)), f"checkpoint {path}"
+        return nemotron_h.spec_from_config(
+            nemotron_h.read_config(path), str(path / nemotron_h.CONFIG_NAME)
+        ), f"checkpoint {path}"
     if path.is_file():
-        config = hf.read_config_file(path)
-        return hf.spec_from_config(config, str(path)), f"config {path}"
+        config = nemotron_h.read_config_file(path)
+        return nemotron_h.spec_from_config(config, str(path)), f"config {path}"
     if path.exists():  # a device, a fifo...
         raise SpecError(f"{target} is neither a config.json file nor a checkpoint directory")
     if path.suffix == ".json" or "/" in target:
@@ -258,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
             args.ssm_dtype,
             args.memory_fraction,
         )
-    except (ValueError, OSError) as error:  # SpecError and hf.CheckpointError are ValueErrors
+    except (ValueError, OSError) as error:  # SpecError and nemotron_h.CheckpointError are ValueErrors
         print(f"puzzle costs: error: {error}", file=sys.stderr)
         return 2
     if args.json:

@@ -1,0 +1,304 @@
+"""NemotronH checkpoint directories in and out: `load` builds a HybridLM, `save_pretrained` writes one.
+
+A checkpoint is config.json (`puzzle.nemotron_h.config`) plus safetensors weights
+(`puzzle.nemotron_h.weights`) and the tokenizer / generation files that travel with them. Saving
+never writes into the directory a model was loaded from, never deletes a file it did not write, and
+replaces an earlier checkpoint atomically (`puzzle.files` staging directories).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from puzzle.files import (
+    OWNER_MARKER,
+    default_mode,
+    make_staging_dir,
+    remove_stale_staging,
+    swap_directory_into_place,
+)
+from puzzle.model import HybridLM
+from puzzle.nemotron_h.config import (
+    CONFIG_NAME,
+    CheckpointError,
+    config_from_spec,
+    read_config,
+    spec_from_config,
+)
+from puzzle.nemotron_h.weights import (
+    DEFAULT_MAX_SHARD_BYTES,
+    INDEX_FILE,
+    SAFETENSORS_DTYPES,
+    SHARD_FILE,
+    SINGLE_FILE,
+    disk_name,
+    hub_state,
+    map_checkpoint,
+    open_safetensors,
+    read_tensor,
+    weight_files,
+    write_weights,
+)
+from puzzle.progress import progress
+from puzzle.spec import NoOpSpec
+
+# ---------------------------------------------------------------------------------------------------- load
+
+
+def _assign(model: nn.Module, key: str, tensor: torch.Tensor) -> None:
+    """Replace the (meta) parameter or buffer `key` of `model` by `tensor`."""
+    module_name, _, leaf = key.rpartition(".")
+    module = model.get_submodule(module_name)
+    if leaf in module._parameters:
+        module._parameters[leaf] = nn.Parameter(tensor, requires_grad=module._parameters[leaf].requires_grad)
+    else:
+        module._buffers[leaf] = tensor
+
+
+def _keeps_fp32(key: str) -> bool:
+    # The router decides which experts run; like transformers, keep its weight and bias in fp32.
+    return key.endswith(("mixer.gate.e_score_correction_bias", "mixer.gate.weight"))
+
+
+def _compute_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """`load`'s dtype argument checked: None, or a floating-point dtype of at least 16 bits."""
+    if dtype is None:
+        return None
+    found = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+    if not isinstance(found, torch.dtype) or not found.is_floating_point or found.itemsize < 2:
+        raise ValueError(
+            f"dtype {dtype!r} is not a dtype a model can be loaded in; use torch.bfloat16, torch.float16, "
+            "torch.float32 or torch.float64 (or their names)"
+        )
+    return found
+
+
+def _refuse_quantized(config: Mapping[str, Any], path: Path) -> None:
+    """Quantised releases (NVFP4 / FP8) store packed weights and scales that are not the model's tensors."""
+    quantization = config.get("quantization_config")
+    if quantization:
+        method = (
+            quantization.get("quant_method", "unknown") if isinstance(quantization, Mapping) else "unknown"
+        )
+        raise CheckpointError(
+            f"{path / CONFIG_NAME} describes a quantized checkpoint (quantization_config, quant_method "
+            f"{method!r}); puzzle loads unquantized weights (bf16 / fp16 / fp32): use the BF16 release. "
+            "Its architecture alone can still be read with puzzle.nemotron_h.spec_from_config (e.g. `puzzle costs`)."
+        )
+
+
+def load(
+    path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"
+) -> HybridLM:
+    """Load a NemotronH checkpoint directory (config.json + safetensors) as a HybridLM in eval mode.
+
+    dtype (a floating-point torch dtype of 16 bits or more, or its name) None keeps the checkpoint's
+    dtype (that of its embeddings); the router's weight and correction bias stay fp32 either way, as
+    in transformers. Tensors are read one at a time from memory-mapped files straight into the model,
+    so peak memory is about one copy of the weights. Tensors outside the backbone and lm_head (e.g.
+    `mtp.*`) are kept unread in `model.extra_tensors` and written back on save.
+
+    device "meta" builds the model's structure without reading any weight: the checkpoint's tensor
+    names, shapes and dtypes are checked as for a real load and the parameters are meta tensors of
+    the dtype a real load would give (for inspecting or costing a model, or `to_empty` + init). Such a
+    model cannot be saved.
+
+    Raises CheckpointError naming the file and tensor for a missing, unexpected, misshapen or
+    non-float (e.g. int8 or fp8) weight.
+    """
+    compute_dtype = _compute_dtype(dtype)
+    device = torch.device(device)
+    path = Path(path)
+    config = read_config(path)
+    spec = spec_from_config(config, where=str(path / CONFIG_NAME))
+    _refuse_quantized(config, path)
+    with contextlib.ExitStack() as stack:
+        handles = {file: stack.enter_context(open_safetensors(file)) for file in weight_files(path)}
+        sources, extras, prefix = map_checkpoint(handles)
+        with torch.device("meta"):
+            model = HybridLM(spec)
+        expected = {key: tuple(value.shape) for key, value in model.state_dict(keep_vars=True).items()}
+        if spec.tie_embeddings:
+            expected.pop("lm_head.weight")
+            sources.pop("lm_head.weight", None)
+        for index, block in enumerate(spec.blocks):  # older files kept a no-op block's (unused) pre-norm
+            if isinstance(block, NoOpSpec):
+                sources.pop(f"layers.{index}.norm.weight", None)
+        missing = [key for key in expected if key not in sources]
+        if missing:
+            names = ", ".join(repr(disk_name(key, prefix)) for key in missing[:5])
+            more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+            raise CheckpointError(f"{path}: checkpoint is missing tensor(s) {names}{more}")
+        unexpected = [key for key in sources if key not in expected]
+        if unexpected:
+            names = ", ".join(repr(sources[key].key) for key in unexpected[:5])
+            more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+            raise CheckpointError(
+                f"{path}: unexpected tensor(s) {names}{more} for a model with pattern {spec.pattern}"
+            )
+        for key, shape in expected.items():
+            source = sources[key]
+            if source.shape != shape:
+                raise CheckpointError(
+                    f"{source.file.name}: tensor {source.name!r} has shape {list(source.shape)}, "
+                    f"expected {list(shape)} (from {CONFIG_NAME})"
+                )
+            source.check_is_weight()  # every model tensor is a float weight or buffer
+        target_dtype = compute_dtype or SAFETENSORS_DTYPES[sources["embeddings.weight"].dtype]
+        for key in progress(expected, f"loading {path.name}", total=len(expected), unit="tensor"):
+            source = sources[key]
+            dtype_of_key = torch.float32 if _keeps_fp32(key) else target_dtype
+            if device.type == "meta":
+                tensor = torch.empty(source.shape, dtype=dtype_of_key, device=device)
+            else:
+                tensor = read_tensor(handles[source.file], source.file, source.key, source.expert)
+                tensor = tensor.to(dtype=dtype_of_key).to(device).contiguous()
+                if tensor.data_ptr() % 64:  # file data sits at any offset; CPU matmuls round by alignment
+                    tensor = tensor.clone()
+            _assign(model, key, tensor)
+    if spec.tie_embeddings:
+        model.lm_head.weight = model.embeddings.weight
+    leftover = [name for name, value in [*model.named_parameters(), *model.named_buffers()] if value.is_meta]
+    if leftover and device.type != "meta":  # a non-persistent buffer would need recomputing; none today
+        raise CheckpointError(f"{path}: no checkpoint tensor for {leftover[:5]}")
+    model.extra_tensors = dict(extras)
+    model.source_config = dict(config)
+    model.source_path = path.resolve()
+    return model.eval()
+
+
+# -------------------------------------------------------------------------------------------------- save
+
+
+# Tokenizer and generation files copied from the loaded checkpoint, so the output is usable as is
+# (never code: a `*.py` file matching these is neither copied nor counted as a checkpoint file).
+_AUX_FILES = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template*",
+    "*.jinja",
+    "vocab.*",
+    "merges.txt",
+)
+
+
+def _is_aux_file(name: str) -> bool:
+    return not name.endswith(".py") and any(fnmatch(name, pattern) for pattern in _AUX_FILES)
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """Whether a file called `name` is one a checkpoint save writes (config, weights, index, aux files)."""
+    return (
+        name in (CONFIG_NAME, SINGLE_FILE, INDEX_FILE, OWNER_MARKER)
+        or SHARD_FILE.fullmatch(name) is not None
+        or _is_aux_file(name)
+    )
+
+
+def _foreign_entries(directory: Path) -> list[str]:
+    """Entries of `directory` a checkpoint save would not write: other files and every subdirectory."""
+    return sorted(
+        entry.name for entry in directory.iterdir() if entry.is_dir() or not is_checkpoint_file(entry.name)
+    )
+
+
+def save_pretrained(
+    model: HybridLM,
+    path: str | Path,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> Path:
+    """Write `model` as a NemotronH checkpoint directory at `path`; returns the path.
+
+    Layout: config.json (see `config_from_spec`), model.safetensors, or model-0000i-of-0000n.safetensors
+    plus model.safetensors.index.json when the tensors exceed `max_shard_bytes`, and the tokenizer /
+    generation files of the checkpoint the model was loaded from. Every file gets the permissions of
+    a plainly created one (`puzzle.files.default_mode`).
+
+    What happens to `path`:
+    - missing, empty, or holding only checkpoint files (config.json, model.safetensors,
+      model-NNNNN-of-NNNNN.safetensors, model.safetensors.index.json, tokenizer* / vocab.* /
+      merges.txt / special_tokens_map.json / generation_config.json / chat templates; no
+      subdirectory), i.e. an earlier checkpoint: the checkpoint is built in a hidden staging
+      directory beside it and renamed into place, replacing the old one atomically;
+    - holding anything else (code, data, a README, a `.git` folder): refused with CheckpointError,
+      nothing written, unless `overwrite=True`, which writes the checkpoint files into it beside the
+      other files (each file replaced atomically, not the set): files with checkpoint names are
+      replaced, and stale weights of an earlier save (model.safetensors, shards, index) are removed
+      so the directory reads as the new checkpoint; no other file is touched;
+    - the directory the model was loaded from, a folder holding it, or one inside it: refused.
+
+    A save killed midway leaves a `.NAME.tmp-*` (or `.NAME.old-*`) directory beside `path`; the next
+    save to `path` removes it once its owner marker proves the process that wrote it is gone (and
+    puts a previous checkpoint moved aside back first). A save that fails leaves nothing behind.
+    """
+    target = Path(path).absolute()
+    source = model.source_path
+    # Neither over the source (or a folder holding it) nor inside it: the parent's directory stays untouched.
+    if source is not None and (
+        source.is_relative_to(target.resolve()) or target.resolve().is_relative_to(source)
+    ):
+        raise CheckpointError(
+            f"refusing to write into {target}: the model was loaded from {source}, which must stay untouched"
+        )
+    if target.exists() and not target.is_dir():
+        raise CheckpointError(f"{target} exists and is not a directory")
+    meta = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
+    if meta:
+        raise CheckpointError(f"cannot save a model with tensors on the meta device (e.g. {meta[0]!r})")
+    remove_stale_staging(target)
+    foreign = _foreign_entries(target) if target.is_dir() else []
+    if foreign and not overwrite:
+        shown = ", ".join(foreign[:5]) + (f" (and {len(foreign) - 5} more)" if len(foreign) > 5 else "")
+        raise CheckpointError(
+            f"refusing to write into {target}: it holds files that are not checkpoint files ({shown}); "
+            "save into a new or empty directory, or pass overwrite=True to write the checkpoint files "
+            "beside them"
+        )
+    config = config_from_spec(model.spec, model.source_config, dtype=model.embeddings.weight.dtype)
+    tensors = hub_state(model)
+    staging = make_staging_dir(target)
+    try:
+        write_weights(tensors, staging, max_shard_bytes)
+        (staging / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
+        if source is not None and source.is_dir():
+            for file in sorted(source.iterdir()):
+                if file.is_file() and _is_aux_file(file.name):
+                    shutil.copy2(file, staging / file.name)
+        for file in staging.iterdir():  # safetensors writes 0o600, copy2 copies the source's mode
+            file.chmod(default_mode())
+        if foreign:
+            _write_beside(staging, target)
+        else:
+            swap_directory_into_place(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _write_beside(staging: Path, target: Path) -> None:
+    """Move the checkpoint files of `staging` into the existing `target`, leaving its other files alone.
+
+    Weight files of an earlier save that this one does not rewrite are removed first (a stale index or
+    model.safetensors would be read instead of the new weights); config.json comes last.
+    """
+    written = {file.name for file in staging.iterdir() if file.name != OWNER_MARKER}
+    for entry in target.iterdir():
+        stale_weights = entry.name in (SINGLE_FILE, INDEX_FILE) or SHARD_FILE.fullmatch(entry.name)
+        if stale_weights and entry.name not in written and entry.is_file():
+            entry.unlink()
+    for name in sorted(written, key=lambda name: name == CONFIG_NAME):
+        os.replace(staging / name, target / name)
+    shutil.rmtree(staging)

@@ -1,0 +1,565 @@
+"""NemotronH config.json <-> ModelSpec, both directions driven by one field table per block kind.
+
+Reading accepts what NVIDIA and transformers write: `model_type` nemotron_h (one shape per block
+kind, `hybrid_override_pattern` or `layers_block_type`, old field aliases) and nemotron_h_puzzle
+(per-block `block_configs` whose fields override the global ones; a null field in an entry
+inherits the global, as in vLLM; `num_hidden_layers` may be null; MTP fields such as
+`mtp_block_configs` are carried, not parsed). Writing gives nemotron_h when transformers'
+NemotronHForCausalLM can represent the spec, else nemotron_h_puzzle.
+
+Our extensions of the nemotron_h_puzzle schema (read and written here, unknown to other tools):
+- `{"block_type": "linear"}`: the mixer is one [H, H] matrix `backbone.layers.{i}.mixer.linear.weight`
+  (`"linear_bias": true` adds `mixer.linear.bias`); pattern character `L`.
+- `{"block_type": "noop"}`: a removed block, no tensors (a `norm.weight` of older files is ignored); pattern `N`.
+- `moe_intermediate_size` may be a list with one width per routed expert.
+- `mamba_dt_clamp_max`: an upper clamp of dt after softplus (absent or null = none).
+
+No torch here: `puzzle costs` reads configs without loading the model machinery.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from dataclasses import fields as dataclass_fields
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from puzzle.spec import (
+    AttentionSpec,
+    BlockSpec,
+    LinearSpec,
+    MambaSpec,
+    MLPSpec,
+    ModelSpec,
+    MoESpec,
+    NoOpSpec,
+    SpecError,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be read as (or written as) a NemotronH model."""
+
+
+SUPPORTED_MODEL_TYPES = ("nemotron_h", "nemotron_h_puzzle")
+CONFIG_NAME = "config.json"
+
+# Old field name -> current name (transformers' NemotronHConfig.__post_init__); the old one wins if present.
+CONFIG_ALIASES = {
+    "mamba_n_groups": "n_groups",
+    "mamba_d_conv": "conv_kernel",
+    "mamba_expand": "expand",
+    "mamba_dt_min": "time_step_min",
+    "mamba_dt_max": "time_step_max",
+    "mamba_dt_limit": "time_step_limit",
+    "mamba_dt_init_floor": "time_step_floor",
+    "mamba_conv_bias": "use_conv_bias",
+    "mamba_chunk_size": "chunk_size",
+    "num_local_experts": "n_routed_experts",
+    "layer_types": "layers_block_type",
+}
+
+# transformers' NemotronHConfig defaults, so that a missing field means to us what it means to transformers.
+DEFAULTS: dict[str, Any] = {
+    "vocab_size": 131072,
+    "hidden_size": 4096,
+    "tie_word_embeddings": False,
+    "layer_norm_epsilon": 1e-5,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "attention_bias": False,
+    "intermediate_size": 21504,
+    "mlp_hidden_act": "relu2",
+    "mlp_bias": False,
+    "ssm_state_size": 128,
+    "mamba_num_heads": 128,
+    "mamba_head_dim": 64,
+    "mamba_hidden_act": "silu",
+    "n_groups": 8,
+    "conv_kernel": 4,
+    "expand": 2,
+    "time_step_min": 0.001,
+    "use_conv_bias": True,
+    "chunk_size": 128,
+    "use_bias": False,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 7688,
+    "moe_shared_expert_intermediate_size": 7688,
+    "moe_latent_size": None,
+    "num_experts_per_tok": 2,
+    "routed_scaling_factor": 1.0,
+    "n_group": 1,
+    "topk_group": 1,
+    "norm_topk_prob": True,
+    "mamba_dt_clamp_max": None,
+    "linear_bias": False,
+}
+
+# Every name a block kind goes by: layers_block_type (old and new), block_configs' block_type, pattern char.
+_KIND_NAMES = {
+    "mamba": "mamba",
+    "linear_attention": "mamba",
+    "M": "mamba",
+    "attention": "attention",
+    "full_attention": "attention",
+    "*": "attention",
+    "moe": "moe",
+    "E": "moe",
+    "mlp": "mlp",
+    "-": "mlp",
+    "linear": "linear",
+    "L": "linear",
+    "noop": "noop",
+    "N": "noop",
+}
+# transformers >= 5.2x spells the mixer kinds this way in layers_block_type.
+_TRANSFORMERS_NAMES = {"mamba": "linear_attention", "attention": "full_attention", "moe": "moe", "mlp": "mlp"}
+
+# ------------------------------------------------------------------------------------------- field tables
+
+# A block's config fields after merging: DEFAULTS < the global config < its block_configs entry.
+Fields = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Field:
+    """One config.json key of a block kind: how it gives a spec attribute, and how the spec gives it back.
+
+    `attr` None marks a key the kind fixes (e.g. MoE experts are relu2): `read` checks it and
+    returns nothing, `write` gives the fixed value.
+    """
+
+    key: str
+    attr: str | None
+    read: Callable[[Fields], Any]  # merged block fields -> the attribute's value
+    write: Callable[[Any], Any]  # block spec -> the key's value
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def _plain(key: str, attr: str, convert: Callable[[Any], Any] = _same) -> Field:
+    """A key that carries one spec attribute as it is (after `convert`, e.g. bool or float)."""
+    return Field(key, attr, read=lambda fields: convert(fields[key]), write=lambda spec: getattr(spec, attr))
+
+
+def _fixed(key: str, value: Any, accepts: Callable[[Any], bool], problem: str) -> Field:
+    """A key with one supported value: reading anything `accepts` refuses is a SpecError."""
+
+    def read(fields: Fields) -> None:
+        if not accepts(fields[key]):
+            raise SpecError(f"{problem}, found {key} {fields[key]!r}")
+
+    return Field(key, None, read=read, write=lambda spec: value)
+
+
+def _kv_heads(fields: Fields) -> int:
+    kv_heads = fields["num_key_value_heads"]
+    return fields["num_attention_heads"] if kv_heads is None else kv_heads
+
+
+def _head_dim(fields: Fields) -> int:
+    if fields["head_dim"] is not None:
+        return fields["head_dim"]
+    # Older NVIDIA configs: attention_head_dim, or the hidden size split over the heads.
+    return fields.get("attention_head_dim") or fields["hidden_size"] // fields["num_attention_heads"]
+
+
+def _expert_width(fields: Fields) -> int | tuple[int, ...]:
+    width = fields["moe_intermediate_size"]
+    return tuple(width) if isinstance(width, list) else width
+
+
+def _shared_width(fields: Fields) -> int:
+    # transformers multiplies the shared expert's width by n_shared_experts; we write 1 or 0 of them.
+    return fields["moe_shared_expert_intermediate_size"] * fields["n_shared_experts"]
+
+
+@dataclass(frozen=True)
+class KindTable:
+    """How one block kind reads from and writes to config.json: its fields, in the order written."""
+
+    spec_type: type[BlockSpec]
+    fields: tuple[Field, ...]
+    # Spec attributes no NemotronH config carries: read as their defaults, writable only at them.
+    not_in_config: tuple[str, ...] = ()
+
+
+KIND_TABLES: dict[str, KindTable] = {
+    table.spec_type.kind: table
+    for table in (
+        KindTable(
+            MambaSpec,
+            (
+                _plain("mamba_num_heads", "num_heads"),
+                _plain("mamba_head_dim", "head_dim"),
+                _plain("ssm_state_size", "state_size"),
+                _plain("n_groups", "n_groups"),
+                _plain("conv_kernel", "conv_kernel"),
+                _plain("chunk_size", "chunk_size"),
+                _plain("use_conv_bias", "conv_bias", bool),
+                # transformers gives in_proj / out_proj a bias from `use_bias` (mamba_proj_bias is unused).
+                _plain("use_bias", "proj_bias", bool),
+                # transformers clamps dt to (time_step_min, inf) after softplus.
+                _plain("time_step_min", "dt_clamp_min", float),
+                _plain("mamba_dt_clamp_max", "dt_clamp_max", _optional_float),
+                _fixed("mamba_hidden_act", "silu", lambda act: act == "silu", "Mamba blocks must use 'silu'"),
+            ),
+        ),
+        KindTable(
+            AttentionSpec,
+            (
+                _plain("num_attention_heads", "num_heads"),
+                Field("num_key_value_heads", "num_kv_heads", _kv_heads, lambda spec: spec.num_kv_heads),
+                Field("head_dim", "head_dim", _head_dim, lambda spec: spec.head_dim),
+                _plain("attention_bias", "bias", bool),
+            ),
+            not_in_config=("rope_theta", "rotary_fraction"),  # NemotronH attention has no position encoding
+        ),
+        KindTable(
+            MoESpec,
+            (
+                _plain("n_routed_experts", "num_experts"),
+                _plain("num_experts_per_tok", "top_k"),
+                Field(
+                    "moe_intermediate_size",
+                    "expert_width",
+                    _expert_width,
+                    lambda spec: spec.widths[0] if spec.is_uniform else list(spec.widths),
+                ),
+                Field(
+                    "moe_shared_expert_intermediate_size",
+                    "shared_width",
+                    _shared_width,
+                    lambda spec: spec.shared_width,
+                ),
+                Field(
+                    "n_shared_experts", None, lambda fields: None, lambda spec: 1 if spec.shared_width else 0
+                ),
+                _plain("moe_latent_size", "latent_size"),
+                _plain("routed_scaling_factor", "routed_scaling_factor", float),
+                _plain("norm_topk_prob", "norm_topk_prob", bool),
+                _plain("n_group", "n_group"),
+                _plain("topk_group", "topk_group"),
+                _fixed("mlp_hidden_act", "relu2", lambda act: act == "relu2", "MoE experts must use 'relu2'"),
+                _fixed(
+                    "mlp_bias",
+                    False,
+                    lambda bias: not bias,
+                    "MoE blocks with mlp_bias=true are not supported",
+                ),
+            ),
+        ),
+        KindTable(
+            MLPSpec,
+            (
+                _plain("intermediate_size", "width"),
+                _plain("mlp_hidden_act", "activation"),
+                _plain("mlp_bias", "bias", bool),
+            ),
+        ),
+        KindTable(LinearSpec, (_plain("linear_bias", "bias", bool),)),
+        KindTable(NoOpSpec, ()),
+    )
+}
+
+# Keys a saved config.json gets from the spec; anything else is carried over from the loaded config.
+_OWNED_KEYS = (
+    set(CONFIG_ALIASES)
+    | {field.key for table in KIND_TABLES.values() for field in table.fields}
+    | {
+        "model_type",
+        "architectures",
+        "auto_map",
+        "layers_block_type",
+        "hybrid_override_pattern",
+        "block_configs",
+        "num_hidden_layers",
+        "vocab_size",
+        "hidden_size",
+        "layer_norm_epsilon",
+        "tie_word_embeddings",
+        "attention_head_dim",
+        "dtype",
+        "torch_dtype",
+    }
+)
+
+
+def block_spec_from_fields(kind: str, fields: Fields) -> BlockSpec:
+    """The spec of one block of `kind` from its merged config fields (SpecError if they are unsupported)."""
+    table = KIND_TABLES[kind]
+    values = {}
+    for field in table.fields:
+        value = field.read(fields)
+        if field.attr is not None:
+            values[field.attr] = value
+    return table.spec_type(**values)
+
+
+def block_config_fields(spec: BlockSpec) -> dict[str, Any]:
+    """The config fields that describe `spec`, from its kind's table (the inverse of the reading)."""
+    table = KIND_TABLES[spec.kind]
+    defaults = {field.name: field.default for field in dataclass_fields(table.spec_type)}
+    for attr in table.not_in_config:
+        if getattr(spec, attr) != defaults[attr]:
+            raise CheckpointError(
+                f"{spec.kind} block with {attr}={getattr(spec, attr)!r} cannot be written as a NemotronH "
+                "checkpoint: its config has no field for it"
+            )
+    return {field.key: field.write(spec) for field in table.fields}
+
+
+# ----------------------------------------------------------------------------------------------- config in
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    """config.json of checkpoint directory `path`, checked to be a supported NemotronH model_type."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint directory {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory; a checkpoint is a directory with {CONFIG_NAME}")
+    config_path = path / CONFIG_NAME
+    if not config_path.is_file():
+        raise CheckpointError(f"{path} has no {CONFIG_NAME}; is it a Hugging Face checkpoint directory?")
+    return read_config_file(config_path)
+
+
+def read_config_file(config_path: str | Path) -> dict[str, Any]:
+    """A config.json file (inside a checkpoint or alone), checked to be a supported NemotronH model_type."""
+    config_path = Path(config_path)
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise CheckpointError(f"{config_path} is not valid JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path} must hold a JSON object, found {type(config).__name__}")
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise CheckpointError(
+            f"{config_path}: unsupported model_type {model_type!r}; supported: {list(SUPPORTED_MODEL_TYPES)}"
+        )
+    return config
+
+
+def normalize_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy with old field names replaced by current ones (the old value wins, as in transformers)."""
+    out = dict(config)
+    for old, new in CONFIG_ALIASES.items():
+        if old in out:
+            out[new] = out.pop(old)
+    return out
+
+
+def _kind(name: Any, where: str) -> str:
+    if name not in _KIND_NAMES:
+        raise CheckpointError(
+            f"{where}: unknown block type {name!r}; known: {sorted(set(_KIND_NAMES) - {'L', 'N'})}"
+        )
+    return _KIND_NAMES[name]
+
+
+def block_kinds(config: Mapping[str, Any], where: str = CONFIG_NAME) -> list[str]:
+    """One kind per block ("mamba", "attention", "moe", "mlp", "linear", "noop") from a normalized config.
+
+    Sources in order of precedence: layers_block_type, hybrid_override_pattern, block_configs' block_type.
+    """
+    types = config.get("layers_block_type")
+    block_configs = config.get("block_configs")
+    if types is not None:
+        if not isinstance(types, list):
+            raise CheckpointError(f"{where}: layers_block_type must be a list, found {type(types).__name__}")
+        kinds = [_kind(name, f"{where}: layers_block_type[{i}]") for i, name in enumerate(types)]
+    elif config.get("hybrid_override_pattern") is not None:
+        pattern = config["hybrid_override_pattern"]
+        if not isinstance(pattern, str):
+            raise CheckpointError(f"{where}: hybrid_override_pattern must be a string, found {pattern!r}")
+        kinds = [_kind(char, f"{where}: hybrid_override_pattern[{i}]") for i, char in enumerate(pattern)]
+    elif isinstance(block_configs, list):
+        kinds = [
+            _kind(
+                entry.get("block_type") if isinstance(entry, Mapping) else None,
+                f"{where}: block_configs[{i}]",
+            )
+            for i, entry in enumerate(block_configs)
+        ]
+    else:
+        raise CheckpointError(
+            f"{where}: no layer layout; expected layers_block_type, hybrid_override_pattern or block_configs"
+        )
+    if not kinds:
+        raise CheckpointError(f"{where}: the model has no blocks")
+    return kinds
+
+
+def _block_fields_in(config: Mapping[str, Any], index: int, kind: str, where: str) -> dict[str, Any]:
+    """The fields of block `index`: defaults < global config < its block_configs entry."""
+    fields = {**DEFAULTS, **{key: value for key, value in config.items() if key != "block_configs"}}
+    block_configs = config.get("block_configs")
+    if block_configs is not None:
+        entry = block_configs[index]
+        if not isinstance(entry, Mapping):
+            raise CheckpointError(f"{where}: block_configs[{index}] must be an object, found {entry!r}")
+        entry = normalize_config(entry)
+        if "block_type" in entry and _kind(entry["block_type"], f"{where}: block_configs[{index}]") != kind:
+            raise CheckpointError(
+                f"{where}: block {index} is {kind!r} in the layer layout but block_configs[{index}] "
+                f"says {entry['block_type']!r}"
+            )
+        # A null field inherits the global value, as vLLM's NemotronHPuzzleConfig reads it: block
+        # configs serialised from per-block dataclasses list unset fields as null.
+        fields.update(
+            {key: value for key, value in entry.items() if key != "block_type" and value is not None}
+        )
+    return fields
+
+
+def spec_from_config(config: Mapping[str, Any], where: str = CONFIG_NAME) -> ModelSpec:
+    """The ModelSpec described by a NemotronH config.json dict (nemotron_h or nemotron_h_puzzle)."""
+    config = normalize_config(config)
+    kinds = block_kinds(config, where)
+    block_configs = config.get("block_configs")
+    if block_configs is not None:
+        if not isinstance(block_configs, list):
+            raise CheckpointError(
+                f"{where}: block_configs must be a list, found {type(block_configs).__name__}"
+            )
+        if len(block_configs) != len(kinds):
+            raise CheckpointError(
+                f"{where}: block_configs has {len(block_configs)} entries but the layer layout has {len(kinds)} blocks"
+            )
+    blocks = []
+    for index, kind in enumerate(kinds):
+        fields = _block_fields_in(config, index, kind, where)
+        try:
+            blocks.append(block_spec_from_fields(kind, fields))
+        except (SpecError, TypeError, KeyError) as error:
+            raise CheckpointError(f"{where}: block {index} ({kind}): {error}") from error
+    try:
+        return ModelSpec(
+            vocab_size=config.get("vocab_size", DEFAULTS["vocab_size"]),
+            hidden_size=config.get("hidden_size", DEFAULTS["hidden_size"]),
+            blocks=tuple(blocks),
+            norm_eps=float(config.get("layer_norm_epsilon", DEFAULTS["layer_norm_epsilon"])),
+            tie_embeddings=bool(config.get("tie_word_embeddings", DEFAULTS["tie_word_embeddings"])),
+        )
+    except SpecError as error:
+        raise CheckpointError(f"{where}: {error}") from error
+
+
+# ---------------------------------------------------------------------------------------------- config out
+
+
+def transformers_incompatibilities(spec: ModelSpec) -> list[str]:
+    """Why transformers' NemotronH (model_type nemotron_h) cannot represent `spec`; empty if it can."""
+    reasons = []
+    by_kind: dict[str, set[BlockSpec]] = {}
+    for block in spec.blocks:
+        by_kind.setdefault(block.kind, set()).add(block)
+    for kind in ("linear", "noop"):
+        if kind in by_kind:
+            reasons.append(f"{kind} blocks")
+    for kind, specs in by_kind.items():
+        if len(specs) > 1:
+            reasons.append(f"{len(specs)} different {kind} shapes")
+    for block in spec.blocks:
+        if isinstance(block, MoESpec) and not block.is_uniform:
+            reasons.append("per-expert widths")
+        if isinstance(block, MoESpec) and block.shared_width == 0:
+            reasons.append("MoE without a shared expert")
+        if isinstance(block, AttentionSpec) and block.bias:
+            reasons.append("attention biases")
+        if isinstance(block, MambaSpec) and block.dt_clamp_max is not None:
+            reasons.append("an upper dt clamp")
+    shared: dict[str, Any] = {}
+    for kind in ("moe", "mlp"):
+        for block in by_kind.get(kind, ()):
+            for key in ("mlp_hidden_act", "mlp_bias"):
+                value = block_config_fields(block)[key]
+                if shared.setdefault(key, value) != value:
+                    reasons.append(f"MoE and MLP blocks disagree on {key}")
+    return sorted(set(reasons))
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def config_from_spec(
+    spec: ModelSpec, base: Mapping[str, Any] | None = None, dtype: torch.dtype | str | None = None
+) -> dict[str, Any]:
+    """A config.json dict for `spec`: nemotron_h when transformers can load it, else nemotron_h_puzzle.
+
+    Keys of `base` (the loaded checkpoint's config) that the spec does not determine (token ids,
+    MTP settings, ...) are carried over. In the puzzle format the global fields keep the base's
+    values where it has them (the MTP module reads those), and each block_configs entry lists only
+    the fields where its block differs from the globals.
+    """
+    base = normalize_config(base or {})
+    needs_puzzle = bool(transformers_incompatibilities(spec))
+    config = {key: value for key, value in base.items() if key not in _OWNED_KEYS}
+    kinds = [block.kind for block in spec.blocks]
+    # Globals: the base's values, else defaults; then the most common shape of each kind, which in the
+    # puzzle format only fills fields the base lacks (the base's globals describe its MTP module).
+    globals_ = {key: base.get(key, value) for key, value in DEFAULTS.items()}
+    from_blocks: dict[str, Any] = {}
+    for kind in ("mlp", "moe", "attention", "mamba"):  # MoE wins the mlp_* fields it shares with MLP
+        blocks = [block for block in spec.blocks if block.kind == kind]
+        if blocks:
+            from_blocks.update(block_config_fields(Counter(blocks).most_common(1)[0][0]))
+    globals_.update({key: value for key, value in from_blocks.items() if not needs_puzzle or key not in base})
+    for key in ("mamba_dt_clamp_max", "linear_bias"):  # our extensions: written only when set
+        if not globals_.get(key):
+            globals_.pop(key, None)
+    config.update(globals_)
+    config.update(
+        {
+            "vocab_size": spec.vocab_size,
+            "hidden_size": spec.hidden_size,
+            "layer_norm_epsilon": spec.norm_eps,
+            "tie_word_embeddings": spec.tie_embeddings,
+            "num_hidden_layers": spec.num_blocks,
+            "hybrid_override_pattern": spec.pattern,
+        }
+    )
+    if dtype is not None:
+        config["dtype"] = _dtype_name(dtype)
+        if "torch_dtype" in base:
+            config["torch_dtype"] = _dtype_name(dtype)
+    if not needs_puzzle:
+        config["model_type"] = "nemotron_h"
+        config["architectures"] = ["NemotronHForCausalLM"]
+        config["layers_block_type"] = [_TRANSFORMERS_NAMES[kind] for kind in kinds]
+        return dict(sorted(config.items()))
+    config["model_type"] = "nemotron_h_puzzle"
+    config["architectures"] = ["NemotronHPuzzleForCausalLM"]
+    config["layers_block_type"] = kinds
+    # A null in an entry means "inherit" (see _block_fields_in), so a block whose field is None (no
+    # latent projection, no dt clamp) makes the global None and the other blocks state their values.
+    for block in spec.blocks:
+        for key, value in block_config_fields(block).items():
+            if value is None and config.get(key, DEFAULTS.get(key)) is not None:
+                config[key] = None
+    block_configs = []
+    for block in spec.blocks:
+        entry: dict[str, Any] = {"block_type": block.kind}
+        for key, value in block_config_fields(block).items():
+            if config.get(key, DEFAULTS.get(key)) != value:
+                entry[key] = value
+        block_configs.append(entry)
+    config["block_configs"] = block_configs
+    return dict(sorted(config.items()))
