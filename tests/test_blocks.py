@@ -14,7 +14,7 @@ from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHAttentio
 from puzzle.blocks import BLOCK_TYPES, build_block
 from puzzle.blocks.attention import AttentionMixer, KVCache, apply_rope
 from puzzle.blocks.mlp import LinearMixer, MLPMixer, NoOpMixer
-from puzzle.blocks.moe import MoEMixer
+from puzzle.blocks.moe import ExpertBank, MoEMixer, allocate_banks, bank_state, hub_state
 from puzzle.spec import (
     BLOCK_SPEC_TYPES,
     AttentionSpec,
@@ -56,13 +56,13 @@ def randomize_(module: torch.nn.Module, generator: torch.Generator, scale: float
 
 
 def hf_moe_to_ours(state: dict[str, torch.Tensor], has_shared: bool) -> dict[str, torch.Tensor]:
-    """transformers' in-memory MoE keys (experts fused into [E, I, L] / [E, L, I]) -> our per-expert keys."""
+    """transformers' in-memory MoE keys (experts fused into [E, I, L] / [E, L, I]) -> our bank keys."""
     out = {}
     for key, value in state.items():
         if key == "experts.up_proj":
-            out.update({f"experts.{j}.up_proj.weight": w for j, w in enumerate(value)})
+            out["experts.up"] = bank_state(list(value), list(state["experts.down_proj"]))["up"]
         elif key == "experts.down_proj":
-            out.update({f"experts.{j}.down_proj.weight": w for j, w in enumerate(value)})
+            out["experts.down"] = bank_state(list(state["experts.up_proj"]), list(value))["down"]
         elif key.startswith("shared_experts.") and not has_shared:
             continue
         else:
@@ -176,11 +176,7 @@ def test_moe_gradients_match_transformers():
     assert set(our_grads) == set(hf_grads)
     assert our_grads["gate.weight"].abs().max() > 0  # the router is trained through the weights
     for name, grad in our_grads.items():
-        expected = hf_grads[name]
-        if grad is None:  # an expert no token chose
-            assert not expected.any(), name
-        else:
-            torch.testing.assert_close(grad, expected, atol=ATOL, rtol=1e-4, msg=name)
+        torch.testing.assert_close(grad, hf_grads[name], atol=ATOL, rtol=1e-4, msg=name)
 
 
 def test_moe_moves_from_meta_with_to_empty():
@@ -211,7 +207,7 @@ def test_moe_router_matches_transformers_weights_and_indices():
 def reference_moe(mixer: MoEMixer, x: torch.Tensor) -> torch.Tensor:
     """The MoE written out token by token and expert by expert from the mixer's weights (brute force)."""
     spec = mixer.spec
-    state = {key: value.double() for key, value in mixer.state_dict().items()}
+    state = {key: value.double() for key, value in hub_state(mixer).items()}
     group_size = spec.num_experts // spec.n_group
     out = torch.zeros(x.shape, dtype=torch.float64)
     for n, token in enumerate(x.double()):
@@ -265,7 +261,8 @@ def test_moe_heterogeneous_widths_match_brute_force(latent):
     with torch.no_grad():
         mixer.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.2)
     for j, width in enumerate(widths):
-        assert mixer.experts[j].up_proj.weight.shape == (latent or hidden, width)[::-1]
+        assert mixer.experts.up_weight(j).shape == (latent or hidden, width)[::-1]
+        assert mixer.experts.down_weight(j).shape == (latent or hidden, width)
     x = torch.randn(2, 9, hidden)
     with torch.no_grad():
         got = mixer(x)
@@ -280,10 +277,9 @@ def test_moe_dispatch_runs_only_experts_with_tokens():
         mixer.gate.weight.zero_()  # all scores equal: the bias alone decides
         mixer.gate.e_score_correction_bias.copy_(torch.arange(8.0) == 5)
     calls = []
-    for j, expert in enumerate(mixer.experts):
-        expert.register_forward_hook(lambda module, args, out, j=j: calls.append((j, args[0].shape[0])))
+    mixer.experts.register_observer(lambda j, x, a, y, w: calls.append((j, x.shape[0], a.shape, y.shape)))
     mixer(torch.randn(2, 3, 6))
-    assert calls == [(5, 6)]
+    assert calls == [(5, 6, (6, 4), (6, 6))]
 
 
 def test_moe_router_and_bias_stay_fp32_in_bf16():
@@ -313,6 +309,94 @@ def test_moe_is_stateless():
     x = torch.randn(3, 1, 8)
     assert mixer.init_cache(3) is None
     torch.testing.assert_close(mixer.step(x, None), mixer(x))
+
+
+# A shape the grouped matmuls accept (rows of 16 bytes and more), with experts that get no tokens.
+GROUPED_SPEC = MoESpec(num_experts=16, top_k=2, expert_width=8, shared_width=8, latent_size=16, n_group=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_grouped_path_equals_the_loop_and_transformers(dtype):
+    hidden = 16
+    hf = hf_moe_for(GROUPED_SPEC, hidden, seed=21)
+    ours = MoEMixer(GROUPED_SPEC, hidden).eval()
+    ours.load_state_dict(hf_moe_to_ours(hf.state_dict(), True))
+    hf.to(dtype)
+    ours.to(dtype)
+    x = torch.randn(2, 5, hidden, generator=torch.Generator().manual_seed(22)).to(dtype)
+    assert ours.experts.uses_grouped(torch.zeros(20, 16, dtype=dtype))  # auto picks it for 10 tokens x 2
+    outputs = {}
+    with torch.no_grad():
+        _, indices = ours.gate(x.reshape(-1, hidden))
+        assert len(set(indices.reshape(-1).tolist())) < GROUPED_SPEC.num_experts  # some experts idle
+        for path in ("loop", "grouped"):
+            ours.experts.path = path
+            outputs[path] = ours(x)
+        expected = hf(x)
+    # The same products in the same order (torch's CPU grouped_mm loops over the groups in C++).
+    torch.testing.assert_close(outputs["grouped"], outputs["loop"], atol=0, rtol=0)
+    tolerance = dict(atol=ATOL, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.05)
+    torch.testing.assert_close(outputs["grouped"], expected, **tolerance)
+
+
+def test_moe_grouped_path_gradients_equal_the_loop():
+    hidden = 16
+    torch.manual_seed(23)
+    mixer = MoEMixer(GROUPED_SPEC, hidden)
+    x = torch.randn(3, 4, hidden)
+    target = torch.randn(3, 4, hidden)
+    grads = {}
+    for path in ("loop", "grouped"):
+        mixer.zero_grad()
+        mixer.experts.path = path
+        (mixer(x) * target).sum().backward()
+        grads[path] = {name: p.grad.clone() for name, p in mixer.named_parameters()}
+    assert grads["loop"]["experts.up"].abs().max() > 0
+    for name, grad in grads["loop"].items():
+        torch.testing.assert_close(grads["grouped"][name], grad, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_expert_bank_picks_the_loop_where_grouped_cannot_run():
+    uniform, mixed = ExpertBank(16, (8,) * 4), ExpertBank(16, (8, 4, 8, 8))
+    pairs = torch.empty(8, 16)
+    assert uniform.uses_grouped(pairs)
+    assert not uniform.uses_grouped(pairs[:3])  # a CPU decode step: fewer pairs than experts
+    assert not uniform.uses_grouped(pairs.double())
+    assert not ExpertBank(16, (6,) * 4).uses_grouped(pairs)  # rows of 24 bytes
+    assert not mixed.uses_grouped(pairs)
+    handle = uniform.register_observer(lambda *args: None)
+    assert not uniform.uses_grouped(pairs)  # observers see expert by expert
+    handle.remove()
+    assert uniform.uses_grouped(pairs)
+    mixed.path = "grouped"
+    with pytest.raises(ValueError, match=r"one width for all experts.*widths \[4, 8\]"):
+        mixed(pairs, torch.ones(8, 1), torch.zeros(8, 1, dtype=torch.long))
+    uniform.path = "fast"
+    with pytest.raises(ValueError, match="'auto', 'loop' or 'grouped', found 'fast'"):
+        uniform(pairs, torch.ones(8, 1), torch.zeros(8, 1, dtype=torch.long))
+
+
+def test_hub_tensors_are_views_of_the_bank_and_load_back():
+    spec = MoESpec(3, 2, (4, 6, 5), latent_size=8)
+    torch.manual_seed(24)
+    mixer = MoEMixer(spec, 16)
+    hub = hub_state(mixer)
+    up = [hub[f"experts.{j}.up_proj.weight"] for j in range(3)]
+    down = [hub[f"experts.{j}.down_proj.weight"] for j in range(3)]
+    assert torch.equal(up[1], mixer.experts.up[4:10]) and torch.equal(down[2], mixer.experts.down[10:15].T)
+    x = torch.randn(7, 8)
+    torch.testing.assert_close(mixer.experts.expert(1, x), torch.relu(x @ up[1].T) ** 2 @ down[1].T)
+    assert bank_state(up, down).keys() == {"up", "down"}
+    assert torch.equal(bank_state(up, down)["down"], mixer.experts.down)
+    # Loading: a meta mixer's banks become real tensors, filled through the hub views.
+    with torch.device("meta"):
+        fresh = MoEMixer(spec, 16)
+    views = allocate_banks(fresh, torch.bfloat16, "cpu")
+    assert set(views) == {key for key in hub if key.startswith("experts.")}
+    for key, view in views.items():
+        view.copy_(hub[key])
+    assert fresh.experts.up.dtype == torch.bfloat16 and not fresh.experts.up.is_meta
+    assert torch.equal(fresh.experts.down, mixer.experts.down.bfloat16())
 
 
 # ----------------------------------------------------------------------------------- attention
@@ -454,17 +538,22 @@ def shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]]:
 def test_parameter_names_and_shapes_follow_the_contract():
     H = 16
     moe = build_block(MoESpec(3, 2, (4, 6, 5), shared_width=7, latent_size=8), H)
-    assert shapes(moe) == {
+    common = {
         "gate.weight": (3, H),
         "gate.e_score_correction_bias": (3,),
-        **{f"experts.{j}.up_proj.weight": (w, 8) for j, w in enumerate((4, 6, 5))},
-        **{f"experts.{j}.down_proj.weight": (8, w) for j, w in enumerate((4, 6, 5))},
         "fc1_latent_proj.weight": (8, H),
         "fc2_latent_proj.weight": (H, 8),
         "shared_experts.up_proj.weight": (7, H),
         "shared_experts.down_proj.weight": (H, 7),
     }
-    assert set(shapes(build_block(MoESpec(2, 1, 4), H))) == {
+    assert shapes(moe) == {"experts.up": (15, 8), "experts.down": (15, 8), **common}
+    # The hub's names: one up_proj / down_proj per expert, in place of the bank.
+    assert {key: tuple(value.shape) for key, value in hub_state(moe).items()} == {
+        **{f"experts.{j}.up_proj.weight": (w, 8) for j, w in enumerate((4, 6, 5))},
+        **{f"experts.{j}.down_proj.weight": (8, w) for j, w in enumerate((4, 6, 5))},
+        **common,
+    }
+    assert set(hub_state(build_block(MoESpec(2, 1, 4), H))) == {
         "gate.weight",
         "gate.e_score_correction_bias",
         "experts.0.up_proj.weight",

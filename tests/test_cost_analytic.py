@@ -7,6 +7,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from puzzle.blocks import build_block
+from puzzle.blocks.moe import hub_state
 from puzzle.cost.analytic import (
     ROLES,
     QuantRecipe,
@@ -58,11 +59,12 @@ TINY_SPECS = [
 
 
 @pytest.mark.parametrize("spec", TINY_SPECS, ids=lambda s: s.short_name())
-def test_block_tensors_are_the_built_modules_state_dict(spec):
+def test_block_tensors_are_the_built_modules_hub_tensors(spec):
+    """The hub's tensors (what checkpoints store and quantisers see): routed experts one by one, not the bank."""
     from puzzle.model import Block
 
     block = Block(spec, H, 1e-5)
-    expected = {name: tuple(t.shape) for name, t in block.state_dict().items()}
+    expected = {name: tuple(t.shape) for name, t in hub_state(block).items()}
     assert {t.name: t.shape for t in block_tensors(spec, H)} == expected
     assert ("norm.weight" in expected) != isinstance(spec, NoOpSpec)  # a no-op block has no pre-norm
     # Parameters exclude buffers (the router's correction bias) but include the block's norm.
@@ -102,7 +104,9 @@ def test_tensor_lists_mark_roles_and_routed_experts(spec):
 )
 def test_moe_active_params_are_top_k_of_the_experts(spec):
     mixer = build_block(spec, H)
-    expert_sizes = [sum(p.numel() for p in expert.parameters()) for expert in mixer.experts]
+    bank = mixer.experts
+    expert_sizes = [bank.up_weight(j).numel() + bank.down_weight(j).numel() for j in range(len(bank))]
+    assert sum(expert_sizes) == bank.up.numel() + bank.down.numel()
     non_expert = block_params(spec, H) - sum(expert_sizes)
     expected = non_expert + spec.top_k * sum(expert_sizes) / len(expert_sizes)
     assert block_active_params(spec, H) == round(expected)
@@ -115,7 +119,7 @@ def test_model_counts_equal_a_built_hybrid_lm():
     model = HybridLM(spec)
     assert model_params(spec) == sum(p.numel() for p in model.parameters())
     assert {t.name: t.shape for t in model_tensors(spec)} == {
-        name: tuple(t.shape) for name, t in model.state_dict().items()
+        name: tuple(t.shape) for name, t in hub_state(model).items()
     }
     # Stored bytes in bf16: every tensor 2 bytes except the router's weight and bias, which stay fp32.
     model = model.to(torch.bfloat16)
@@ -140,7 +144,7 @@ def test_full_nemotron3_super_on_meta_matches():
     with torch.device("meta"):
         model = HybridLM(spec)
     assert model_params(spec) == sum(p.numel() for p in model.parameters()) == 120_668_687_360
-    state = model.state_dict()
+    state = hub_state(model)
     assert {t.name: t.shape for t in model_tensors(spec)} == {
         name: tuple(t.shape) for name, t in state.items()
     }

@@ -56,7 +56,8 @@ def _counted_active_params(model) -> int:
     total = sum(p.numel() for p in model.parameters())
     for block in model.layers:
         if isinstance(block.spec, MoESpec):
-            experts = [sum(p.numel() for p in expert.parameters()) for expert in block.mixer.experts]
+            bank = block.mixer.experts
+            experts = [bank.up_weight(j).numel() + bank.down_weight(j).numel() for j in range(len(bank))]
             assert len(set(experts)) == 1  # the example's variants keep one expert width
             total -= (block.spec.num_experts - block.spec.top_k) * experts[0]
     return total

@@ -10,6 +10,7 @@ from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNorm
 
 from puzzle import nemotron_h
 from puzzle.blocks import build_block
+from puzzle.blocks.moe import hub_state
 from puzzle.model import Block, HybridLM, RMSNorm, parameter_counts
 from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, NoOpSpec, SpecError
 
@@ -208,7 +209,15 @@ def test_state_dict_keys_follow_the_hub_names(model):
     keys = set(model.state_dict())
     assert {"embeddings.weight", "norm_f.weight", "lm_head.weight", "layers.0.norm.weight"} <= keys
     assert {"layers.0.mixer.A_log", "layers.0.mixer.in_proj.weight", "layers.1.mixer.q_proj.weight"} <= keys
-    assert {"layers.2.mixer.experts.5.up_proj.weight", "layers.2.mixer.gate.e_score_correction_bias"} <= keys
+    # The routed experts are one bank in the model and one tensor pair per expert on the hub.
+    assert {"layers.2.mixer.experts.up", "layers.2.mixer.gate.e_score_correction_bias"} <= keys
+    hub = set(hub_state(model))
+    assert "layers.2.mixer.experts.5.up_proj.weight" in hub and "layers.2.mixer.experts.up" not in hub
+    assert hub - keys == {
+        f"layers.2.mixer.experts.{j}.{proj}_proj.weight"
+        for j in range(len(model.layers[2].mixer.experts))
+        for proj in ("up", "down")
+    }
     assert {"layers.4.mixer.linear.weight"} <= keys
     assert not any(key.startswith("layers.5.") for key in keys)  # the no-op block: no mixer, no norm
 

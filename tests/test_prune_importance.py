@@ -104,9 +104,10 @@ def test_moe_expert_scores_match_a_brute_force_dispatch(model, ids):
         for token in range(flat.shape[0]):
             for slot in range(2):
                 j, w = int(indices[token, slot]), float(weights[token, slot])
-                a = relu2(mixer.experts[j].up_proj(latent[token]))
-                saliency[j] += (w * mixer.experts[j].down_proj(a)).pow(2).sum()
-                channel[j] += (w * a[:, None] * mixer.experts[j].down_proj.weight.T).pow(2).sum(-1)
+                up, down = mixer.experts.up_weight(j), mixer.experts.down_weight(j)
+                a = relu2(up @ latent[token])
+                saliency[j] += (w * down @ a).pow(2).sum()
+                channel[j] += (w * a[:, None] * down.T).pow(2).sum(-1)
     n = flat.shape[0]
     torch.testing.assert_close(block["expert"], saliency / n, rtol=1e-4, atol=1e-6)
     for j in range(5):

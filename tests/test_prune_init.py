@@ -221,9 +221,9 @@ def test_moe_experts_widths_shared_latent_against_hand_slices():
     assert child.gate.e_score_correction_bias.dtype == torch.float32
     for i, (j, width) in enumerate(zip(experts, (4, 10, 7))):
         keep = sorted_top(imp[f"expert_channel.{j}"].tolist(), width)
-        up, down = block.experts[j].up_proj.weight, block.experts[j].down_proj.weight
-        assert torch.equal(child.experts[i].up_proj.weight, up[keep][:, latent])
-        assert torch.equal(child.experts[i].down_proj.weight, down[latent][:, keep])
+        up, down = block.experts.up_weight(j), block.experts.down_weight(j)
+        assert torch.equal(child.experts.up_weight(i), up[keep][:, latent])
+        assert torch.equal(child.experts.down_weight(i), down[latent][:, keep])
     assert torch.equal(child.fc1_latent_proj.weight, block.fc1_latent_proj.weight[latent])
     assert torch.equal(child.fc2_latent_proj.weight, block.fc2_latent_proj.weight[:, latent])
     keep = sorted_top(imp["shared_channel"].tolist(), 5)
@@ -351,7 +351,7 @@ def test_moe_latent_pca_is_exact_when_the_latent_spaces_have_low_rank():
     )  # second moments from every 4th token: 16 of them
     imp = collect_block_importance(block, [calibration], linear_fit=False)
     child = init_child(block, MOE, MoESpec(6, 2, 10, shared_width=12, latent_size=6), imp)
-    assert child.fc1_latent_proj.weight.shape == (6, H) and child.experts[0].up_proj.weight.shape == (10, 6)
+    assert child.fc1_latent_proj.weight.shape == (6, H) and child.experts.up_weight(0).shape == (10, 6)
     # The PCA bases come from fp32 second moments and relu^2 of these random weights gives outputs up to
     # ~3e5: relative errors of ~1e-4 (2e-5 even in fp64) are rounding; selecting latent dims instead of
     # projecting is off by ~50%.

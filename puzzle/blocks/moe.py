@@ -1,17 +1,24 @@
 """Mixture of relu^2 experts with a sigmoid top-k router (DeepSeek-V3 / Nemotron-3), optionally latent.
 
-Routed experts may have different widths inside one block, so each expert is its own pair of
-Linear layers and tokens are dispatched expert by expert (only experts that received tokens run).
+The routed experts of a block live in one `ExpertBank`: two matrices whose rows are the experts' channels,
+so experts of different widths share one pair of tensors. Tokens are sorted by expert once and each expert
+runs on its contiguous slice, either in a loop over views of the bank (the reference) or, when every
+expert has the same width, in two grouped matmuls (`torch.nn.functional.grouped_mm`: one CUTLASS kernel
+and no host sync on a GPU, the same loop in C++ on the CPU). Checkpoints keep the hub's per-expert
+tensors: `hub_state` and `allocate_banks` map a module's banks to and from them.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from puzzle.blocks.mlp import relu2
 from puzzle.spec import MoESpec
@@ -19,13 +26,26 @@ from puzzle.spec import MoESpec
 # transformers' NemotronHTopkRouter adds this to the sum of the chosen scores before dividing.
 _NORM_EPS = 1e-20
 
+_GROUPED_MM: Callable[..., torch.Tensor] | None = getattr(F, "grouped_mm", None) or getattr(
+    torch, "_grouped_mm", None
+)
+# Grouped GEMM kernels need every row stride to be a multiple of 16 bytes (the widths and input size).
+_GROUPED_ALIGNMENT_BYTES = 16
 
-class _ExpertLinear(nn.Linear):
-    """nn.Linear whose random initialisation is skipped on the meta device, where there is nothing to fill.
+# observer(expert, inputs [c, D], activation [c, w], output [c, D] before the routing weight, weights [c] fp32)
+ExpertObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
-    A 512-expert block has 1,024 of these; initialising them on meta (decomposed uniform_ calls)
-    was most of the time it took to build a Nemotron-3-Super spec on meta.
-    """
+
+def _relu2_(a: torch.Tensor) -> torch.Tensor:
+    """relu(a)^2 of a fresh temporary, in place when autograd does not need the intermediate."""
+    if a.requires_grad:
+        return relu2(a)
+    return torch.relu_(a).square_()
+
+
+class _Linear(nn.Linear):
+    """nn.Linear whose random initialisation is skipped on the meta device, where there is nothing to fill
+    (decomposed uniform_ calls on meta are most of the time it takes to build a large spec there)."""
 
     def reset_parameters(self) -> None:
         if not self.weight.is_meta:
@@ -33,16 +53,172 @@ class _ExpertLinear(nn.Linear):
 
 
 class Expert(nn.Module):
-    """One non-gated relu^2 expert `down(relu(up(x))**2)`: up_proj [I, D], down_proj [D, I]."""
+    """One non-gated relu^2 MLP `down(relu(up(x))**2)`: up_proj [I, D], down_proj [D, I] (the shared expert)."""
 
     def __init__(self, input_size: int, width: int) -> None:
         super().__init__()
-        self.up_proj = _ExpertLinear(input_size, width, bias=False)
-        self.down_proj = _ExpertLinear(width, input_size, bias=False)
+        self.up_proj = _Linear(input_size, width, bias=False)
+        self.down_proj = _Linear(width, input_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [..., D] -> [..., D]."""
-        return self.down_proj(relu2(self.up_proj(x)))
+        return self.down_proj(_relu2_(self.up_proj(x)))
+
+
+class ExpertBank(nn.Module):
+    """The routed experts of one block, expert j being `x -> relu(x @ up_j.T)**2 @ down_j`.
+
+    up [W, D] and down [W, D], W = sum(widths): row c of `up` is channel c's input weights (a row of its
+    expert's hub `up_proj.weight` [w_j, D]), row c of `down` its output weights (a column of the hub's
+    `down_proj.weight` [D, w_j]). Expert j owns rows offsets[j]:offsets[j+1] of both, so pruning a channel
+    removes one row of each, and with one width the bank is a [E, w, D] stack for grouped matmuls.
+
+    `path`: "auto" (grouped when it applies, see `uses_grouped`), "loop" (always the reference loop) or
+    "grouped" (an error where it cannot run). Observers (`register_observer`) see every expert's batch.
+    """
+
+    def __init__(self, input_size: int, widths: tuple[int, ...]) -> None:
+        super().__init__()
+        self.widths = tuple(widths)
+        self.offsets = tuple(itertools.accumulate(self.widths, initial=0))
+        self.up = nn.Parameter(torch.empty(self.offsets[-1], input_size))
+        self.down = nn.Parameter(torch.empty(self.offsets[-1], input_size))
+        self.path = "auto"
+        self._observers: OrderedDict[int, ExpertObserver] = OrderedDict()
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """nn.Linear's default per expert: U(+-1/sqrt(fan_in)), fan_in D for up_proj and w_j for down_proj.
+
+        Skipped on the meta device, where there is nothing to fill (and decomposed uniform_ calls are slow).
+        """
+        if self.up.is_meta:
+            return
+        with torch.no_grad():
+            bound = 1 / math.sqrt(self.up.shape[1])
+            self.up.uniform_(-bound, bound)
+            for j, width in enumerate(self.widths):
+                bound = 1 / math.sqrt(width)
+                self.down[self.offsets[j] : self.offsets[j + 1]].uniform_(-bound, bound)
+
+    def __len__(self) -> int:
+        return len(self.widths)
+
+    def extra_repr(self) -> str:
+        widths = self.widths[0] if len(set(self.widths)) == 1 else "mixed"
+        return f"experts={len(self)}, input_size={self.up.shape[1]}, width={widths}, path={self.path!r}"
+
+    def up_weight(self, j: int) -> torch.Tensor:
+        """Expert j's hub `up_proj.weight` [w_j, D]: a view of the bank."""
+        return self.up[self.offsets[j] : self.offsets[j + 1]]
+
+    def down_weight(self, j: int) -> torch.Tensor:
+        """Expert j's hub `down_proj.weight` [D, w_j]: a (transposed) view of the bank."""
+        return self.down[self.offsets[j] : self.offsets[j + 1]].T
+
+    def expert(self, j: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert j alone, unweighted: x [c, D] -> [c, D]."""
+        return relu2(x @ self.up_weight(j).T) @ self.down_weight(j).T
+
+    def hub_tensors(self) -> dict[str, torch.Tensor]:
+        """The hub's per-expert tensors, views of the bank: `{j}.up_proj.weight` [w_j, D], `{j}.down_proj.weight` [D, w_j]."""
+        out = {}
+        for j in range(len(self)):
+            out[f"{j}.up_proj.weight"] = self.up_weight(j)
+            out[f"{j}.down_proj.weight"] = self.down_weight(j)
+        return out
+
+    def register_observer(self, observer: ExpertObserver) -> RemovableHandle:
+        """Call `observer(j, inputs, activation, output, weights)` for every expert j that receives tokens.
+
+        inputs [c, D], activation relu(inputs @ up_j.T)^2 [c, w_j], output activation @ down_j.T [c, D]
+        (before the routing weight), weights [c] fp32: the routing weights of those c (token, slot) pairs,
+        which are in token order. While an observer is registered the bank runs the loop.
+        """
+        handle = RemovableHandle(self._observers)
+        self._observers[handle.id] = observer
+        return handle
+
+    def uses_grouped(self, inputs: torch.Tensor) -> bool:
+        """Whether `path` "auto" runs grouped matmuls for `inputs` [P, D] (one row per routed pair).
+
+        Needs torch's grouped_mm, one width for all experts, row strides that are multiples of 16 bytes and
+        no observer. On a GPU only bf16 (other dtypes fall back, inside torch, to a loop that syncs the host);
+        on the CPU once there are at least as many pairs as experts (a decode step with a few pairs is
+        cheaper in the loop, which skips the experts nobody chose).
+        """
+        width, size = self.widths[0], self.up.shape[1]
+        if _GROUPED_MM is None or self._observers or any(w != width for w in self.widths):
+            return False
+        item = self.up.element_size()
+        if (width * item) % _GROUPED_ALIGNMENT_BYTES or (size * item) % _GROUPED_ALIGNMENT_BYTES:
+            return False
+        if inputs.dtype != self.up.dtype or self.up.dtype not in (
+            torch.float32,
+            torch.bfloat16,
+            torch.float16,
+        ):
+            return False
+        if inputs.is_cuda:
+            return self.up.dtype == torch.bfloat16
+        return inputs.device.type == "cpu" and inputs.shape[0] >= len(self)
+
+    def forward(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """sum_k weights[:, k] * expert_{indices[:, k]}(h): h [n, D], weights / indices [n, top_k] -> [n, D].
+
+        The (token, slot) pairs are sorted by expert once; the weighted outputs are put back in pair order
+        and summed over the slots in the weights' dtype (fp32), whatever path ran, then cast to h's dtype.
+        """
+        n, top_k = indices.shape
+        expert_of_pair, order = torch.sort(indices.reshape(-1), stable=True)
+        inputs = h.index_select(0, order // top_k)
+        pair_weights = weights.reshape(-1)[order]
+        grouped = self.path == "grouped" or (self.path == "auto" and self.uses_grouped(inputs))
+        if grouped:
+            outputs = self._grouped(inputs, expert_of_pair)
+        elif self.path in ("auto", "loop"):
+            outputs = self._loop(inputs, expert_of_pair, pair_weights)
+        else:
+            raise ValueError(f"ExpertBank.path must be 'auto', 'loop' or 'grouped', found {self.path!r}")
+        weighted = outputs * pair_weights[:, None]
+        unsort = torch.empty_like(order)
+        unsort[order] = torch.arange(order.numel(), device=order.device)
+        return weighted.index_select(0, unsort).view(n, top_k, -1).sum(1).to(h.dtype)
+
+    def _loop(
+        self, inputs: torch.Tensor, expert_of_pair: torch.Tensor, pair_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """The reference: each expert that received pairs runs on its slice of `inputs` [P, D] -> [P, D]."""
+        counts = torch.bincount(expert_of_pair, minlength=len(self)).tolist()
+        outputs = []
+        start = 0
+        for j, count in enumerate(counts):
+            if count == 0:
+                continue
+            x = inputs[start : start + count]
+            a = _relu2_(x @ self.up_weight(j).T)
+            y = a @ self.down[self.offsets[j] : self.offsets[j + 1]]
+            for observer in self._observers.values():
+                observer(j, x, a, y, pair_weights[start : start + count])
+            outputs.append(y)
+            start += count
+        if not outputs:
+            return inputs.new_zeros(inputs.shape)
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+    def _grouped(self, inputs: torch.Tensor, expert_of_pair: torch.Tensor) -> torch.Tensor:
+        """Both projections as grouped matmuls over the sorted pairs, inputs [P, D] -> [P, D]; no host sync."""
+        if _GROUPED_MM is None or any(w != self.widths[0] for w in self.widths):
+            raise ValueError(
+                "ExpertBank.path 'grouped' needs torch's grouped_mm and one width for all experts, found "
+                f"grouped_mm {'present' if _GROUPED_MM else 'absent'} and widths {sorted(set(self.widths))}"
+            )
+        experts, width, size = len(self), self.widths[0], self.up.shape[1]
+        bounds = torch.arange(1, experts + 1, device=expert_of_pair.device)
+        ends = torch.searchsorted(expert_of_pair, bounds).to(torch.int32)  # pairs of experts < j+1
+        up = self.up.view(experts, width, size).transpose(1, 2)  # [E, D, w]
+        a = _relu2_(_GROUPED_MM(inputs, up, offs=ends))
+        return _GROUPED_MM(a, self.down.view(experts, width, size), offs=ends)
 
 
 def _keep_fp32(tensor: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -71,7 +247,8 @@ class TopKRouter(nn.Module):
         self.spec = spec
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts, dtype=torch.float32))
-        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's default
+        if not self.weight.is_meta:
+            nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))  # nn.Linear's default
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> TopKRouter:
         # Dtype casts of the module (model.to(torch.bfloat16)) must round neither the router weight nor the
@@ -108,20 +285,20 @@ class TopKRouter(nn.Module):
 class MoEMixer(nn.Module):
     """out = fc2(sum_k w_k * expert_k(fc1(x))) + shared(x); fc1/fc2 only when latent, shared only when width > 0.
 
-    Parameters: gate.{weight, e_score_correction_bias}, experts.{j}.{up_proj, down_proj}.weight,
-    fc1_latent_proj.weight [L, H], fc2_latent_proj.weight [H, L], shared_experts.{up_proj, down_proj}.weight.
+    Parameters: gate.{weight, e_score_correction_bias}, experts.{up, down} (the `ExpertBank`; the hub's
+    experts.{j}.{up_proj, down_proj}.weight through `hub_state`), fc1_latent_proj.weight [L, H],
+    fc2_latent_proj.weight [H, L], shared_experts.{up_proj, down_proj}.weight.
     Stateless: `init_cache` returns None and `step` is `forward`. `norm_eps` is unused.
     """
 
     def __init__(self, spec: MoESpec, hidden_size: int, norm_eps: float = 1e-5) -> None:
         super().__init__()
         self.spec = spec
-        expert_input = spec.expert_input_size(hidden_size)
         self.gate = TopKRouter(spec, hidden_size)
-        self.experts = nn.ModuleList(Expert(expert_input, width) for width in spec.widths)
+        self.experts = ExpertBank(spec.expert_input_size(hidden_size), spec.widths)
         if spec.latent_size is not None:
-            self.fc1_latent_proj = nn.Linear(hidden_size, spec.latent_size, bias=False)
-            self.fc2_latent_proj = nn.Linear(spec.latent_size, hidden_size, bias=False)
+            self.fc1_latent_proj = _Linear(hidden_size, spec.latent_size, bias=False)
+            self.fc2_latent_proj = _Linear(spec.latent_size, hidden_size, bias=False)
         if spec.shared_width > 0:
             self.shared_experts = Expert(hidden_size, spec.shared_width)
 
@@ -138,7 +315,7 @@ class MoEMixer(nn.Module):
         routed = flat
         if self.spec.latent_size is not None:
             routed = self.fc1_latent_proj(routed)
-        routed = self.dispatch(routed, weights, indices)
+        routed = self.experts(routed, weights, indices)
         if self.spec.latent_size is not None:
             routed = self.fc2_latent_proj(routed)
         out = routed.view(x.shape)
@@ -150,26 +327,60 @@ class MoEMixer(nn.Module):
         """x: [b, 1, H] -> [b, 1, H]."""
         return self.forward(x)
 
-    def dispatch(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """sum_k weights[:, k] * expert_{indices[:, k]}(h): h [n, D], weights / indices [n, top_k] -> [n, D].
 
-        The (token, slot) pairs are sorted by expert so each expert runs once on a contiguous batch;
-        the weighted sum accumulates in the weights' dtype (fp32) and is cast back to h's dtype.
-        """
-        top_k = indices.shape[1]
-        expert_of_pair = indices.reshape(-1)
-        order = torch.argsort(expert_of_pair, stable=True)
-        token_of_pair = order // top_k
-        counts = torch.bincount(expert_of_pair, minlength=len(self.experts)).tolist()
-        inputs = h[token_of_pair]
-        outputs = []
-        start = 0
-        for expert, count in zip(self.experts, counts):
-            if count:
-                outputs.append(expert(inputs[start : start + count]))
-                start += count
-        out = torch.zeros(h.shape, dtype=weights.dtype, device=h.device)
-        if outputs:
-            weighted = torch.cat(outputs) * weights.reshape(-1)[order, None]
-            out.index_add_(0, token_of_pair, weighted.to(weights.dtype))
-        return out.to(h.dtype)
+# ----------------------------------------------------------------------------------------------------------
+# Bank <-> hub tensors. The hub (and every NemotronH checkpoint) stores each routed expert as
+# `experts.{j}.up_proj.weight` [w_j, D] and `experts.{j}.down_proj.weight` [D, w_j].
+
+
+def _banks(module: nn.Module) -> dict[str, ExpertBank]:
+    """Every ExpertBank in `module`, by its state-dict prefix ("" for `module` itself, else "name.")."""
+    return {f"{name}." if name else "": m for name, m in module.named_modules() if isinstance(m, ExpertBank)}
+
+
+def hub_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """`module.state_dict()` with each bank's `up` / `down` replaced, in place, by the hub's per-expert tensors.
+
+    Keys `{prefix}{j}.up_proj.weight` [w_j, D] and `{prefix}{j}.down_proj.weight` [D, w_j] (expert by expert,
+    up then down), detached views of the bank (the down views are transposed: `.contiguous()` to write them).
+    Works on the meta device, for names and shapes.
+    """
+    banks = _banks(module)
+    up_keys = {prefix + "up": bank for prefix, bank in banks.items()}
+    down_keys = {prefix + "down" for prefix in banks}
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in module.state_dict().items():
+        if key in up_keys:
+            prefix = key.removesuffix("up")
+            with torch.no_grad():
+                out.update(
+                    {prefix + name: view.detach() for name, view in up_keys[key].hub_tensors().items()}
+                )
+        elif key not in down_keys:
+            out[key] = tensor
+    return out
+
+
+def allocate_banks(
+    module: nn.Module, dtype: torch.dtype, device: torch.device | str
+) -> dict[str, torch.Tensor]:
+    """Give every bank of `module` new, uninitialised `up` / `down` (e.g. in place of meta tensors) and return
+    the hub's per-expert tensors by `hub_state` name: writable views into them, for a loader to `copy_` into."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, bank in _banks(module).items():
+        for name in ("up", "down"):
+            old = bank._parameters[name]
+            bank._parameters[name] = nn.Parameter(
+                torch.empty(old.shape, dtype=dtype, device=device), requires_grad=old.requires_grad
+            )
+        with torch.no_grad():
+            out.update({prefix + name: view.detach() for name, view in bank.hub_tensors().items()})
+    return out
+
+
+def bank_state(up: list[torch.Tensor], down: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The bank tensors {"up", "down"} [sum w_j, D] of experts given in the hub layout.
+
+    up[j] [w_j, D] (up_proj.weight), down[j] [D, w_j] (down_proj.weight); the inverse of `hub_tensors`.
+    """
+    return {"up": torch.cat(up), "down": torch.cat([d.T for d in down])}

@@ -103,7 +103,7 @@ def outside_block_tensors(model_spec: ModelSpec) -> list[TensorInfo]:
 
 
 def model_tensors(model_spec: ModelSpec) -> list[TensorInfo]:
-    """Every tensor of a HybridLM, with full state_dict names (embeddings, layers.{i}.*, norm_f, lm_head)."""
+    """Every tensor of a HybridLM, with full hub names (embeddings, layers.{i}.*, norm_f, lm_head)."""
     H = model_spec.hidden_size
     tensors = outside_block_tensors(model_spec)
     for index, block in enumerate(model_spec.blocks):

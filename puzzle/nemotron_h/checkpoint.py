@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from puzzle.blocks.moe import allocate_banks
+from puzzle.blocks.moe import hub_state as module_hub_state
 from puzzle.files import (
     OWNER_MARKER,
     default_mode,
@@ -127,7 +129,8 @@ def load(
         sources, extras, prefix = map_checkpoint(handles)
         with torch.device("meta"):
             model = HybridLM(spec)
-        expected = {key: tuple(value.shape) for key, value in model.state_dict(keep_vars=True).items()}
+        # Hub names: the routed experts of each MoE block one by one, as checkpoints store them.
+        expected = {key: tuple(value.shape) for key, value in module_hub_state(model).items()}
         if spec.tie_embeddings:
             expected.pop("lm_head.weight")
             sources.pop("lm_head.weight", None)
@@ -155,8 +158,17 @@ def load(
                 )
             source.check_is_weight()  # every model tensor is a float weight or buffer
         target_dtype = compute_dtype or SAFETENSORS_DTYPES[sources["embeddings.weight"].dtype]
+        expert_views = allocate_banks(
+            model, target_dtype, device
+        )  # each routed expert is a slice of its bank
         for key in progress(expected, f"loading {path.name}", total=len(expected), unit="tensor"):
             source = sources[key]
+            if key in expert_views:
+                if device.type != "meta":
+                    expert_views[key].copy_(
+                        read_tensor(handles[source.file], source.file, source.key, source.expert)
+                    )
+                continue
             dtype_of_key = torch.float32 if _keeps_fp32(key) else target_dtype
             if device.type == "meta":
                 tensor = torch.empty(source.shape, dtype=dtype_of_key, device=device)

@@ -22,6 +22,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from puzzle.blocks.moe import hub_state as module_hub_state
 from puzzle.nemotron_h.config import CheckpointError
 
 if TYPE_CHECKING:
@@ -220,7 +221,7 @@ def map_checkpoint(
 def hub_state(model: HybridLM) -> dict[str, torch.Tensor | LazyTensor]:
     """Tensors to write, by hub name: `backbone.` prefix, per-expert keys, lm_head, then extra tensors."""
     out: dict[str, torch.Tensor | LazyTensor] = {}
-    for key, tensor in model.state_dict().items():
+    for key, tensor in module_hub_state(model).items():
         if key == "lm_head.weight" and model.spec.tie_embeddings:
             # NemotronHForCausalLM never ties, so it needs its own copy; safetensors refuses shared storage.
             tensor = tensor.clone()

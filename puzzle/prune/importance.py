@@ -325,16 +325,13 @@ class _MambaCollector(_Collector):
 
 
 class _MoECollector(_Collector):
-    """Relies on `MoEMixer`: `gate(x)` returns (weights [n, k], indices [n, k]) and `dispatch` feeds each
-    expert its (token, slot) pairs in stable expert order, which lets us pair expert rows with routing
-    weights exactly."""
+    """Relies on `MoEMixer`: `gate(x)` returns (weights [n, k], indices [n, k]) and its `ExpertBank` hands
+    each expert's batch (activations, output, routing weights) to an observer as it dispatches."""
 
     def __init__(self, mixer: nn.Module, hidden_size: int, fit_every: int) -> None:
         super().__init__(mixer, hidden_size, fit_every)
-        self.pending: dict[int, torch.Tensor] = {}
         self.handles.append(mixer.gate.register_forward_hook(self._gate_hook))
-        for index, expert in enumerate(mixer.experts):
-            self.handles.append(expert.down_proj.register_forward_hook(self._make_expert_hook(index)))
+        self.handles.append(mixer.experts.register_observer(self._expert_observer))
         if self.spec.shared_width > 0:
             self.handles.append(mixer.shared_experts.down_proj.register_forward_pre_hook(self._shared_hook))
         if self.spec.latent_size is not None:
@@ -342,30 +339,22 @@ class _MoECollector(_Collector):
             self.handles.append(mixer.fc1_latent_proj.register_forward_hook(self._latent_in_hook))
 
     def _gate_hook(self, module: nn.Module, args: tuple, output: tuple[torch.Tensor, torch.Tensor]) -> None:
-        weights, indices = output
+        _, indices = output
         self.tokens += indices.shape[0]
-        num_experts = self.spec.num_experts
-        flat_expert = indices.reshape(-1)
-        flat_weight = weights.detach().reshape(-1).float()
-        self._add("count", torch.bincount(flat_expert, minlength=num_experts))
-        # The routing weights of each expert's rows, in the order dispatch feeds them (stable by expert).
-        order = torch.argsort(flat_expert, stable=True)
-        counts = torch.bincount(flat_expert, minlength=num_experts).tolist()
-        self.pending = dict(enumerate(torch.split(flat_weight[order], counts)))
+        self._add("count", torch.bincount(indices.reshape(-1), minlength=self.spec.num_experts))
 
-    def _make_expert_hook(self, index: int) -> Callable:
-        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-            a = args[0].detach().float()
-            weight = self.pending.get(index)
-            if weight is None or weight.shape[0] != a.shape[0]:
-                raise RuntimeError(
-                    f"MoE importance: expert {index} received {a.shape[0]} rows but the router sent "
-                    f"{None if weight is None else weight.shape[0]}; the mixer's dispatch order changed"
-                )
-            self._add(f"act.{index}", (a * weight[:, None]).square().sum(0))
-            self._add(f"out.{index}", (output.detach().float().square().sum(-1) * weight.square()).sum())
-
-        return hook
+    def _expert_observer(
+        self,
+        j: int,
+        inputs: torch.Tensor,
+        activation: torch.Tensor,
+        output: torch.Tensor,
+        weight: torch.Tensor,
+    ) -> None:
+        """One expert's batch from the bank: activation [c, w_j], output [c, D] (unweighted), weight [c]."""
+        weight = weight.detach().float()
+        self._add(f"act.{j}", (activation.detach().float() * weight[:, None]).square().sum(0))
+        self._add(f"out.{j}", (output.detach().float().square().sum(-1) * weight.square()).sum())
 
     def _shared_hook(self, module: nn.Module, args: tuple) -> None:
         a = args[0].detach().float()
@@ -393,10 +382,11 @@ class _MoECollector(_Collector):
             ),
             "expert_frequency": self._mean("count", (spec.num_experts,)),
         }
-        for j, expert in enumerate(mixer.experts):
+        bank = mixer.experts
+        for j in range(spec.num_experts):
             # Column norms in the expert's own (latent) space: fc2 is shared by every expert.
             scores[f"expert_channel.{j}"] = (
-                self._mean(f"act.{j}", (spec.widths[j],)) * _column_norms(expert.down_proj.weight).square()
+                self._mean(f"act.{j}", (spec.widths[j],)) * _column_norms(bank.down_weight(j)).square()
             )  # energy per channel
         if spec.shared_width > 0:
             scores["shared_channel"] = (
@@ -409,9 +399,7 @@ class _MoECollector(_Collector):
             # (mean |fc2 input_l| x ||fc2[:, l]||) contributions.
             out_side = self._mean("latent", (spec.latent_size,)) * _column_norms(mixer.fc2_latent_proj.weight)
             frequency = scores["expert_frequency"]
-            up_sq = sum(
-                f * _column_norms(e.up_proj.weight).square() for f, e in zip(frequency, mixer.experts)
-            )
+            up_sq = sum(f * _column_norms(bank.up_weight(j)).square() for j, f in enumerate(frequency))
             in_side = self._mean("latent_in", (spec.latent_size,)) * up_sq.sqrt()
             scores["latent"] = (out_side * in_side).sqrt()
             L = spec.latent_size

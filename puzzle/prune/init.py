@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from puzzle.blocks import build_block
+from puzzle.blocks.moe import bank_state, hub_state
 from puzzle.prune.importance import BlockImportance
 from puzzle.spec import (
     AttentionSpec,
@@ -149,7 +150,7 @@ def init_child(
             f"(a block may only shrink, or become linear or no-op)"
         )
     _check_axes(parent_spec, child_spec)
-    state = {name: t.detach() for name, t in parent_block.state_dict().items()}
+    state = hub_state(parent_block)  # routed experts one by one (`experts.{j}.up_proj.weight`), as on the hub
     return _load(child, child_rules.shrink(state, parent_spec, child_spec, importance, kv_mode))
 
 
@@ -359,6 +360,7 @@ def _moe_state(
         "gate.weight": state["gate.weight"][experts.to(device)],
         "gate.e_score_correction_bias": state["gate.e_score_correction_bias"][experts.to(device)],
     }
+    ups, downs = [], []
     for i, j in enumerate(experts.tolist()):
         width, parent_width = child.widths[i], parent.widths[j]
         if width > parent_width:
@@ -374,8 +376,9 @@ def _moe_state(
             up, down = up[keep], down[:, keep]
         if project_in is not None:
             up, down = _mm(up, project_in.T), _mm(project_out, down)
-        new[f"experts.{i}.up_proj.weight"] = up
-        new[f"experts.{i}.down_proj.weight"] = down
+        ups.append(up)
+        downs.append(down)
+    new.update({f"experts.{name}": tensor for name, tensor in bank_state(ups, downs).items()})
     if parent.latent_size is not None:
         fc1, fc2 = state["fc1_latent_proj.weight"], state["fc2_latent_proj.weight"]
         if project_in is not None:
