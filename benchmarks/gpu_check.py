@@ -4,7 +4,9 @@ Builds a small hybrid model with every block kind, including a Mamba block whose
 multiple of 8 (what pruned children have), copies the same weights to the GPU, and compares in fp32:
 a full forward, prefill + step-by-step decode, and greedy generation. Then times prefill and decode
 on both devices (ratio GPU / CPU). Writes benchmarks/results/gpu_check.json and exits non-zero when
-an output differs beyond the tolerance. On a machine without CUDA it says so and exits 0.
+an output differs beyond the tolerance. Also checks the MoE expert bank in bf16: its grouped path (one
+grouped_mm per projection) against its loop, with no host synchronisation, and times the two.
+On a machine without CUDA it says so and exits 0.
 
     python benchmarks/gpu_check.py                 # ~1 minute on one GPU
     pip install -e '.[cuda]'                       # first, to exercise the mamba_ssm kernels
@@ -20,6 +22,7 @@ from pathlib import Path
 import torch
 
 from puzzle.blocks import mamba as mamba_module
+from puzzle.blocks.moe import ExpertBank
 from puzzle.cost.timing import median_seconds
 from puzzle.model import HybridLM
 from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, NoOpSpec
@@ -68,6 +71,43 @@ def compare(cpu_model: HybridLM, gpu_model: HybridLM, ids: torch.Tensor, atol: f
     }
 
 
+def check_expert_bank(experts: int = 128, top_k: int = 8, width: int = 256, size: int = 256) -> dict:
+    """bf16 ExpertBank on the GPU: grouped path vs the loop (max abs diff), no host sync, times of both."""
+    torch.manual_seed(2)
+    bank = ExpertBank(size, (width,) * experts).to("cuda", torch.bfloat16)
+    tokens = 512
+    h = torch.randn(tokens, size, device="cuda", dtype=torch.bfloat16)
+    weights = torch.rand(tokens, top_k, device="cuda")
+    indices = torch.rand(tokens, experts, device="cuda").topk(top_k, dim=-1).indices
+    out: dict[str, object] = {"grouped_used": bank.uses_grouped(h, indices.numel())}
+    with torch.no_grad():
+        bank.path = "loop"
+        loop = bank(h, weights, indices).float()
+        bank.path = "grouped"
+        bank(h, weights, indices)  # warm-up outside the sync check
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            grouped = bank(h, weights, indices).float()
+            out["grouped_syncs_host"] = False
+        except RuntimeError as error:  # the sync debug mode raises on a host synchronisation
+            out["grouped_syncs_host"] = str(error)[:200]
+            grouped = None
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if grouped is None:
+            grouped = bank(h, weights, indices).float()
+        out["grouped_vs_loop_max_abs"] = (grouped - loop).abs().max().item()
+        out["loop_max_abs"] = loop.abs().max().item()
+        cuda = torch.device("cuda")
+        for path in ("loop", "grouped"):
+            bank.path = path
+            out[f"{path}_ms"] = 1e3 * median_seconds(
+                lambda: bank(h, weights, indices), repeats=20, warmup=3, device=cuda
+            )
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=512)
@@ -95,6 +135,7 @@ def main() -> int:
         "mamba_kernels": kernels,
         "torch": torch.__version__,
         **compare(cpu_model, gpu_model, ids, args.atol),
+        "expert_bank_bf16": check_expert_bank(),
     }
     with torch.no_grad():
         cpu_s = median_seconds(lambda: cpu_model(ids), repeats=3, warmup=1)
@@ -104,10 +145,15 @@ def main() -> int:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
+    bank = result["expert_bank_bf16"]
     ok = (
         result["forward_max_abs"] <= args.atol
         and result["prefill_decode_max_abs"] <= args.atol
         and result["generate_equal"]
+        and bank["grouped_used"]
+        and bank["grouped_syncs_host"] is False
+        # bf16 outputs: the grouped kernel and the loop's matmuls round differently (a few bf16 ulps).
+        and bank["grouped_vs_loop_max_abs"] <= 0.02 * bank["loop_max_abs"]
     )
     return 0 if ok else 1
 

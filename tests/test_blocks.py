@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -324,7 +325,7 @@ def test_moe_grouped_path_equals_the_loop_and_transformers(dtype):
     hf.to(dtype)
     ours.to(dtype)
     x = torch.randn(2, 5, hidden, generator=torch.Generator().manual_seed(22)).to(dtype)
-    assert ours.experts.uses_grouped(torch.zeros(20, 16, dtype=dtype))  # auto picks it for 10 tokens x 2
+    assert ours.experts.uses_grouped(torch.zeros(10, 16, dtype=dtype), 20)  # auto picks it for 10 tokens x 2
     outputs = {}
     with torch.no_grad():
         _, indices = ours.gate(x.reshape(-1, hidden))
@@ -356,18 +357,37 @@ def test_moe_grouped_path_gradients_equal_the_loop():
         torch.testing.assert_close(grads["grouped"][name], grad, atol=1e-6, rtol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("widths", [8, (8, 3, 5, 8, 1, 6, 2, 7, 8, 4, 4, 4, 9, 8, 8, 8)])
+def test_moe_decode_pairs_one_by_one_equal_the_loop(widths):
+    spec = dataclasses.replace(GROUPED_SPEC, expert_width=widths)
+    torch.manual_seed(25)
+    mixer = MoEMixer(spec, 16)
+    x = torch.randn(3, 1, 16, requires_grad=True)  # 6 (token, slot) pairs for 16 experts: one by one
+    results = {}
+    for path in ("auto", "loop"):
+        mixer.zero_grad()
+        x.grad = None
+        mixer.experts.path = path
+        out = mixer(x)
+        out.square().sum().backward()
+        results[path] = (out.detach(), x.grad.clone(), mixer.experts.down.grad.clone())
+    for got, expected in zip(results["auto"], results["loop"]):
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    assert results["loop"][2].abs().max() > 0
+
+
 def test_expert_bank_picks_the_loop_where_grouped_cannot_run():
     uniform, mixed = ExpertBank(16, (8,) * 4), ExpertBank(16, (8, 4, 8, 8))
     pairs = torch.empty(8, 16)
-    assert uniform.uses_grouped(pairs)
-    assert not uniform.uses_grouped(pairs[:3])  # a CPU decode step: fewer pairs than experts
-    assert not uniform.uses_grouped(pairs.double())
-    assert not ExpertBank(16, (6,) * 4).uses_grouped(pairs)  # rows of 24 bytes
-    assert not mixed.uses_grouped(pairs)
+    assert uniform.uses_grouped(pairs, 8)
+    assert not uniform.uses_grouped(pairs, 3)  # a CPU decode step: fewer pairs than experts
+    assert not uniform.uses_grouped(pairs.double(), 8)
+    assert not ExpertBank(16, (6,) * 4).uses_grouped(pairs, 8)  # rows of 24 bytes
+    assert not mixed.uses_grouped(pairs, 8)
     handle = uniform.register_observer(lambda *args: None)
-    assert not uniform.uses_grouped(pairs)  # observers see expert by expert
+    assert not uniform.uses_grouped(pairs, 8)  # observers see expert by expert
     handle.remove()
-    assert uniform.uses_grouped(pairs)
+    assert uniform.uses_grouped(pairs, 8)
     mixed.path = "grouped"
     with pytest.raises(ValueError, match=r"one width for all experts.*widths \[4, 8\]"):
         mixed(pairs, torch.ones(8, 1), torch.zeros(8, 1, dtype=torch.long))

@@ -348,6 +348,9 @@ def test_dtype_and_router_precision(parents):
     router = model.layers[1].mixer.gate
     assert router.e_score_correction_bias.dtype == torch.float32 and router.weight.dtype == torch.float32
     assert model.layers[0].mixer.in_proj.weight.requires_grad
+    bank = model.layers[1].mixer.experts  # filled expert by expert through views
+    assert bank.up.dtype == bank.down.dtype == torch.bfloat16
+    assert isinstance(bank.down, torch.nn.Parameter) and bank.down.requires_grad
 
 
 def test_bf16_load_matches_transformers_bf16(parents):

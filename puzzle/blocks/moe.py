@@ -139,13 +139,13 @@ class ExpertBank(nn.Module):
         self._observers[handle.id] = observer
         return handle
 
-    def uses_grouped(self, inputs: torch.Tensor) -> bool:
-        """Whether `path` "auto" runs grouped matmuls for `inputs` [P, D] (one row per routed pair).
+    def uses_grouped(self, h: torch.Tensor, pairs: int) -> bool:
+        """Whether `path` "auto" runs grouped matmuls for expert inputs h [n, D] routed to `pairs` experts in all.
 
         Needs torch's grouped_mm, one width for all experts, row strides that are multiples of 16 bytes and
         no observer. On a GPU only bf16 (other dtypes fall back, inside torch, to a loop that syncs the host);
-        on the CPU once there are at least as many pairs as experts (a decode step with a few pairs is
-        cheaper in the loop, which skips the experts nobody chose).
+        on the CPU once there are at least as many pairs as experts (with fewer, e.g. a decode step, the loop
+        over the pairs is cheaper: grouped_mm visits every expert).
         """
         width, size = self.widths[0], self.up.shape[1]
         if _GROUPED_MM is None or self._observers or any(w != width for w in self.widths):
@@ -153,37 +153,49 @@ class ExpertBank(nn.Module):
         item = self.up.element_size()
         if (width * item) % _GROUPED_ALIGNMENT_BYTES or (size * item) % _GROUPED_ALIGNMENT_BYTES:
             return False
-        if inputs.dtype != self.up.dtype or self.up.dtype not in (
-            torch.float32,
-            torch.bfloat16,
-            torch.float16,
-        ):
+        if h.dtype != self.up.dtype or h.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             return False
-        if inputs.is_cuda:
-            return self.up.dtype == torch.bfloat16
-        return inputs.device.type == "cpu" and inputs.shape[0] >= len(self)
+        if h.is_cuda:
+            return h.dtype == torch.bfloat16
+        return h.device.type == "cpu" and pairs >= len(self)
 
     def forward(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """sum_k weights[:, k] * expert_{indices[:, k]}(h): h [n, D], weights / indices [n, top_k] -> [n, D].
 
-        The (token, slot) pairs are sorted by expert once; the weighted outputs are put back in pair order
-        and summed over the slots in the weights' dtype (fp32), whatever path ran, then cast to h's dtype.
+        The (token, slot) pairs are sorted by expert once, so each expert runs on one contiguous batch (a
+        few pairs run one by one instead). The weighted outputs are summed over the slots in pair order, in
+        the weights' dtype (fp32), whatever path ran, then cast to h's dtype.
         """
+        if self.path not in ("auto", "loop", "grouped"):
+            raise ValueError(f"ExpertBank.path must be 'auto', 'loop' or 'grouped', found {self.path!r}")
         n, top_k = indices.shape
+        grouped = self.path == "grouped" or (self.path == "auto" and self.uses_grouped(h, indices.numel()))
+        if self.path == "auto" and not grouped and not self._observers and indices.numel() < len(self):
+            weighted = self._each_pair(h, indices) * weights.reshape(-1, 1)
+            return weighted.view(n, top_k, -1).sum(1).to(h.dtype)
         expert_of_pair, order = torch.sort(indices.reshape(-1), stable=True)
         inputs = h.index_select(0, order // top_k)
         pair_weights = weights.reshape(-1)[order]
-        grouped = self.path == "grouped" or (self.path == "auto" and self.uses_grouped(inputs))
         if grouped:
             outputs = self._grouped(inputs, expert_of_pair)
-        elif self.path in ("auto", "loop"):
-            outputs = self._loop(inputs, expert_of_pair, pair_weights)
         else:
-            raise ValueError(f"ExpertBank.path must be 'auto', 'loop' or 'grouped', found {self.path!r}")
+            outputs = self._loop(inputs, expert_of_pair, pair_weights)
         weighted = outputs * pair_weights[:, None]
         unsort = torch.empty_like(order)
         unsort[order] = torch.arange(order.numel(), device=order.device)
         return weighted.index_select(0, unsort).view(n, top_k, -1).sum(1).to(h.dtype)
+
+    def _each_pair(self, h: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Unweighted outputs [n * top_k, D] of each (token, slot) pair in pair order, one at a time: for a few
+        pairs (a decode step) this skips the sort, gather and scatter of the batched paths."""
+        top_k = indices.shape[1]
+        up, down, offsets = self.up, self.down, self.offsets
+        outputs = []
+        for pair, j in enumerate(indices.reshape(-1).tolist()):
+            token = pair // top_k
+            a = _relu2_(h[token : token + 1] @ up[offsets[j] : offsets[j + 1]].T)
+            outputs.append(a @ down[offsets[j] : offsets[j + 1]])
+        return torch.cat(outputs) if outputs else h.new_zeros(0, h.shape[1])
 
     def _loop(
         self, inputs: torch.Tensor, expert_of_pair: torch.Tensor, pair_weights: torch.Tensor
