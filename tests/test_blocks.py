@@ -281,6 +281,9 @@ def test_moe_dispatch_runs_only_experts_with_tokens():
     mixer.experts.register_observer(lambda j, x, a, y, w: calls.append((j, x.shape[0], a.shape, y.shape)))
     mixer(torch.randn(2, 3, 6))
     assert calls == [(5, 6, (6, 4), (6, 6))]
+    mixer.experts.path = "grouped"  # observers still see expert by expert
+    mixer(torch.randn(2, 3, 6))
+    assert calls[1:] == [(5, 6, (6, 4), (6, 6))]
 
 
 def test_moe_router_and_bias_stay_fp32_in_bf16():

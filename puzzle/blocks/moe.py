@@ -1,11 +1,12 @@
 """Mixture of relu^2 experts with a sigmoid top-k router (DeepSeek-V3 / Nemotron-3), optionally latent.
 
 The routed experts of a block live in one `ExpertBank`: two matrices whose rows are the experts' channels,
-so experts of different widths share one pair of tensors. Tokens are sorted by expert once and each expert
-runs on its contiguous slice, either in a loop over views of the bank (the reference) or, when every
-expert has the same width, in two grouped matmuls (`torch.nn.functional.grouped_mm`: one CUTLASS kernel
-and no host sync on a GPU, the same loop in C++ on the CPU). Checkpoints keep the hub's per-expert
-tensors: `hub_state` and `allocate_banks` map a module's banks to and from them.
+so experts of different widths share one pair of tensors. The (token, slot) pairs are sorted by expert once
+and each expert runs on its contiguous slice, either in a loop over views of the bank (the reference) or,
+when every expert has the same width, in two grouped matmuls (`torch.nn.functional.grouped_mm`: in bf16 on a
+Hopper / Blackwell GPU one CUTLASS kernel each and no host sync; on the CPU the same loop in C++, bit for
+bit). A decode step's few pairs run one by one. Checkpoints keep the hub's per-expert tensors:
+`hub_state` and `allocate_banks` map a module's banks to and from them.
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ class ExpertBank(nn.Module):
 
         inputs [c, D], activation relu(inputs @ up_j.T)^2 [c, w_j], output activation @ down_j.T [c, D]
         (before the routing weight), weights [c] fp32: the routing weights of those c (token, slot) pairs,
-        which are in token order. While an observer is registered the bank runs the loop.
+        which are in token order. While an observer is registered the bank runs the loop, whatever `path` says.
         """
         handle = RemovableHandle(self._observers)
         self._observers[handle.id] = observer
@@ -169,7 +170,10 @@ class ExpertBank(nn.Module):
         if self.path not in ("auto", "loop", "grouped"):
             raise ValueError(f"ExpertBank.path must be 'auto', 'loop' or 'grouped', found {self.path!r}")
         n, top_k = indices.shape
-        grouped = self.path == "grouped" or (self.path == "auto" and self.uses_grouped(h, indices.numel()))
+        # Observers see each expert's batch: they need the loop, whatever the path.
+        grouped = not self._observers and (
+            self.path == "grouped" or (self.path == "auto" and self.uses_grouped(h, indices.numel()))
+        )
         if self.path == "auto" and not grouped and not self._observers and indices.numel() < len(self):
             weighted = self._each_pair(h, indices) * weights.reshape(-1, 1)
             return weighted.view(n, top_k, -1).sum(1).to(h.dtype)
