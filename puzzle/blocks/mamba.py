@@ -127,9 +127,8 @@ class MambaMixer(nn.Module):
     @torch.no_grad()
     def reset_ssm_parameters(self) -> None:
         """The Nemotron-H initial values: A = -(1..num_heads), D = 1, dt_bias = 1, norm scale 1."""
-        if (
-            self.A_log.is_meta
-        ):  # nothing to fill; decomposed arange / log on meta would cost more than the rest
+        # Nothing to fill on meta, where decomposed arange / log calls would cost more than the rest.
+        if self.A_log.is_meta:
             return
         heads = torch.arange(1, self.spec.num_heads + 1, dtype=torch.float32, device=self.A_log.device)
         self.A_log.copy_(torch.log(heads))

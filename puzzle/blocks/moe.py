@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from puzzle.blocks.mlp import relu2
+from puzzle.blocks.tensors import TensorInfo, linear_tensors
 from puzzle.spec import MoESpec
 
 # transformers' NemotronHTopkRouter adds this to the sum of the chosen scores before dividing.
@@ -35,6 +36,11 @@ _GROUPED_ALIGNMENT_BYTES = 16
 
 # observer(expert, inputs [c, D], activation [c, w], output [c, D] before the routing weight, weights [c] fp32)
 ExpertObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+def _expert_hub_names(j: int) -> tuple[str, str]:
+    """Names of expert j's up_proj and down_proj weights in the hub, relative to the bank (`experts.`)."""
+    return f"{j}.up_proj.weight", f"{j}.down_proj.weight"
 
 
 def _relu2_(a: torch.Tensor) -> torch.Tensor:
@@ -121,12 +127,13 @@ class ExpertBank(nn.Module):
         """Expert j alone, unweighted: x [c, D] -> [c, D]."""
         return relu2(x @ self.up_weight(j).T) @ self.down_weight(j).T
 
-    def hub_tensors(self) -> dict[str, torch.Tensor]:
-        """The hub's per-expert tensors, views of the bank: `{j}.up_proj.weight` [w_j, D], `{j}.down_proj.weight` [D, w_j]."""
+    def hub_views(self) -> dict[str, torch.Tensor]:
+        """The hub's per-expert tensors as views of the bank: `{j}.up_proj.weight` [w_j, D] and
+        `{j}.down_proj.weight` [D, w_j] (names relative to the bank), expert by expert."""
         out = {}
         for j in range(len(self)):
-            out[f"{j}.up_proj.weight"] = self.up_weight(j)
-            out[f"{j}.down_proj.weight"] = self.down_weight(j)
+            up_name, down_name = _expert_hub_names(j)
+            out[up_name], out[down_name] = self.up_weight(j), self.down_weight(j)
         return out
 
     def register_observer(self, observer: ExpertObserver) -> RemovableHandle:
@@ -318,6 +325,28 @@ class MoEMixer(nn.Module):
         if spec.shared_width > 0:
             self.shared_experts = Expert(hidden_size, spec.shared_width)
 
+    @staticmethod
+    def hub_tensors(spec: MoESpec, hidden_size: int) -> list[TensorInfo]:
+        """The tensors this mixer stores, NemotronH hub names relative to the mixer, routed experts marked:
+        the routed experts one by one (`hub_state` of a built mixer has exactly these names and shapes)."""
+        H, E = hidden_size, spec.num_experts
+        expert_input = spec.expert_input_size(H)
+        tensors = [
+            TensorInfo("gate.weight", (E, H), "router"),
+            TensorInfo("gate.e_score_correction_bias", (E,), "router_bias", is_parameter=False),
+        ]
+        for j, width in enumerate(spec.widths):
+            up, down = (f"experts.{name.removesuffix('.weight')}" for name in _expert_hub_names(j))
+            tensors += linear_tensors(up, width, expert_input, "routed_expert", expert=j)
+            tensors += linear_tensors(down, expert_input, width, "routed_expert", expert=j)
+        if spec.latent_size is not None:
+            tensors += linear_tensors("fc1_latent_proj", spec.latent_size, H, "latent_proj")
+            tensors += linear_tensors("fc2_latent_proj", H, spec.latent_size, "latent_proj")
+        if spec.shared_width > 0:
+            tensors += linear_tensors("shared_experts.up_proj", spec.shared_width, H, "shared_expert")
+            tensors += linear_tensors("shared_experts.down_proj", H, spec.shared_width, "shared_expert")
+        return tensors
+
     def init_cache(
         self, batch_size: int, device: torch.device | None = None, dtype: torch.dtype | None = None
     ) -> None:
@@ -369,9 +398,7 @@ def hub_state(module: nn.Module) -> dict[str, torch.Tensor]:
         if key in up_keys:
             prefix = key.removesuffix("up")
             with torch.no_grad():
-                out.update(
-                    {prefix + name: view.detach() for name, view in up_keys[key].hub_tensors().items()}
-                )
+                out.update({prefix + name: view.detach() for name, view in up_keys[key].hub_views().items()})
         elif key not in down_keys:
             out[key] = tensor
     return out
@@ -390,13 +417,13 @@ def allocate_banks(
                 torch.empty(old.shape, dtype=dtype, device=device), requires_grad=old.requires_grad
             )
         with torch.no_grad():
-            out.update({prefix + name: view.detach() for name, view in bank.hub_tensors().items()})
+            out.update({prefix + name: view.detach() for name, view in bank.hub_views().items()})
     return out
 
 
 def bank_state(up: list[torch.Tensor], down: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     """The bank tensors {"up", "down"} [sum w_j, D] of experts given in the hub layout.
 
-    up[j] [w_j, D] (up_proj.weight), down[j] [D, w_j] (down_proj.weight); the inverse of `hub_tensors`.
+    up[j] [w_j, D] (up_proj.weight), down[j] [D, w_j] (down_proj.weight); the inverse of `hub_views`.
     """
     return {"up": torch.cat(up), "down": torch.cat([d.T for d in down])}

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import ClassVar, Generic, TypeVar
 
-from puzzle.blocks.tensors import TensorInfo, linear_tensors
+from puzzle.blocks.tensors import TensorInfo
 from puzzle.cost.formats import QuantRecipe, dtype_bytes, tensor_bytes
 from puzzle.spec import (
     AttentionSpec,
@@ -211,30 +211,6 @@ class AttentionCost(BlockCost[AttentionSpec]):
 # MoE
 
 
-def moe_hub_tensors(spec: MoESpec, hidden_size: int) -> list[TensorInfo]:
-    """The tensors an MoE mixer stores, NemotronH hub names relative to the mixer; routed experts marked.
-
-    The one list of MoE tensors the cost model reads (puzzle.blocks.moe is being reorganised around an
-    expert bank; this belongs beside MoEMixer as its `hub_tensors`, like the other kinds' lists).
-    """
-    H, E = hidden_size, spec.num_experts
-    expert_input = spec.expert_input_size(H)
-    tensors = [
-        TensorInfo("gate.weight", (E, H), "router"),
-        TensorInfo("gate.e_score_correction_bias", (E,), "router_bias", is_parameter=False),
-    ]
-    for j, width in enumerate(spec.widths):
-        tensors += linear_tensors(f"experts.{j}.up_proj", width, expert_input, "routed_expert", expert=j)
-        tensors += linear_tensors(f"experts.{j}.down_proj", expert_input, width, "routed_expert", expert=j)
-    if spec.latent_size is not None:
-        tensors += linear_tensors("fc1_latent_proj", spec.latent_size, H, "latent_proj")
-        tensors += linear_tensors("fc2_latent_proj", H, spec.latent_size, "latent_proj")
-    if spec.shared_width > 0:
-        tensors += linear_tensors("shared_experts.up_proj", spec.shared_width, H, "shared_expert")
-        tensors += linear_tensors("shared_experts.down_proj", H, spec.shared_width, "shared_expert")
-    return tensors
-
-
 def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
     """Expected number of distinct experts that `tokens` tokens touch under uniform top-k routing: E(1-(1-k/E)^n)."""
     if tokens <= 0:
@@ -272,7 +248,7 @@ def routed_expert_bytes(spec: BlockSpec, hidden_size: int, recipe: QuantRecipe) 
 
 class MoECost(BlockCost[MoESpec]):
     def tensors(self, spec: MoESpec, hidden_size: int) -> Sequence[TensorInfo]:
-        return moe_hub_tensors(spec, hidden_size)
+        return _mixer_class(MoESpec).hub_tensors(spec, hidden_size)
 
     def active_params(self, spec: MoESpec, hidden_size: int, params: int) -> int:
         # Everything but the routed experts, plus top_k experts: with heterogeneous widths top_k times the
