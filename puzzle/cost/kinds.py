@@ -288,10 +288,18 @@ class MoECost(BlockCost[MoESpec]):
         return elements
 
     def eager_ops(self, spec: MoESpec, batch_size: int, tokens: int, decode: bool) -> float:
-        # ~31 + 5 per expert that receives tokens, +4 with a latent projection, +3 with a shared expert.
+        # The paths of puzzle.blocks.moe.ExpertBank (+2 ops with a latent projection, +5 with a shared expert):
+        # fewer (token, slot) pairs than experts run one by one, ~24 + 8 per pair; else one width for all
+        # experts (rows assumed 16-byte aligned) runs two grouped matmuls, ~40 in all; else the loop, ~34 + 8
+        # per expert that receives tokens.
+        pairs = batch_size * tokens * spec.top_k
+        extra = (2.0 if spec.latent_size is not None else 0.0) + (5.0 if spec.shared_width else 0.0)
+        if pairs < spec.num_experts:
+            return 24.0 + 8.0 * pairs + extra
+        if spec.is_uniform:
+            return 40.0 + extra
         touched = expected_distinct_experts(spec.num_experts, spec.top_k, batch_size * tokens)
-        extra = (4.0 if spec.latent_size is not None else 0.0) + (3.0 if spec.shared_width else 0.0)
-        return 31.0 + 5.0 * touched + extra
+        return 34.0 + 8.0 * touched + extra
 
     def fused_kernels(self, spec: MoESpec) -> float:
         # router, top-k, permute, two grouped GEMMs, un-permute; latent fc1 / fc2; shared up / down

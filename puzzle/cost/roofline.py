@@ -116,8 +116,9 @@ def eager_op_count(spec: BlockSpec, batch_size: int, tokens: int, decode: bool) 
 
     Counted with a TorchDispatchMode on that implementation (views included): the fp32 RMSNorm and
     the residual add 11; mixers: Mamba 72 + 70 per scan chunk for a prefill (the scan loops over
-    chunks), 67 for a step; attention 25 / 28; MoE ~31 + 5 per expert that receives tokens (+7 with
-    latent and shared); MLP 4; Linear 1 (each kind's `eager_ops` in `puzzle.cost.kinds`;
+    chunks), 67 for a step; attention 25 / 28; MoE ~40 with grouped expert matmuls, 24 + 8 per
+    (token, slot) pair when there are fewer pairs than experts, 34 + 8 per expert that receives tokens
+    with mixed widths (+7 with latent and shared); MLP 4; Linear 1 (each kind's `eager_ops` in `puzzle.cost.kinds`;
     tests/test_cost_roofline.py checks these against the code). A no-op block runs nothing. These
     only matter where dispatch overhead is large (eager on a CPU); a GPU server's CUDA graphs make it
     ~1 us per kernel.
