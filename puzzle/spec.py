@@ -13,7 +13,7 @@ import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 
 class SpecError(ValueError):
@@ -590,3 +590,18 @@ def blocks_of_kind(spec: ModelSpec, kinds: str | Iterable[str]) -> list[int]:
     """Indices of the blocks whose kind is one of `kinds`."""
     wanted = {kinds} if isinstance(kinds, str) else set(kinds)
     return [index for index, block in enumerate(spec.blocks) if block.kind in wanted]
+
+
+_Entry = TypeVar("_Entry")
+
+
+def kind_entry(table: Mapping[type, _Entry], spec: object, missing: str) -> _Entry:
+    """The entry of `spec`'s type in a per-kind registry (mixers, costs, child init...).
+
+    A type without one is a SpecError: `missing` followed by the type's name and the known spec types.
+    """
+    entry = table.get(type(spec))
+    if entry is None:
+        known = ", ".join(cls.__name__ for cls in table)
+        raise SpecError(f"{missing} {type(spec).__name__}; known spec types: {known}")
+    return entry

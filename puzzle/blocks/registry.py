@@ -16,7 +16,7 @@ from puzzle.spec import (
     MLPSpec,
     MoESpec,
     NoOpSpec,
-    SpecError,
+    kind_entry,
 )
 
 # Spec type -> mixer class; every mixer is built as `cls(spec, hidden_size, norm_eps)`.
@@ -35,12 +35,7 @@ def build_block(spec: BlockSpec, hidden_size: int, norm_eps: float = 1e-5) -> nn
 
     Builds on whatever device is current, `torch.device("meta")` included.
     """
-    mixer_cls = BLOCK_TYPES.get(type(spec))
-    if mixer_cls is None:
-        raise SpecError(
-            f"no mixer for a {type(spec).__name__}; known spec types: "
-            f"{', '.join(cls.__name__ for cls in BLOCK_TYPES)}"
-        )
+    mixer_cls = kind_entry(BLOCK_TYPES, spec, "no mixer for a")
     return mixer_cls(spec, hidden_size, norm_eps)
 
 

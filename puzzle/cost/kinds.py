@@ -29,7 +29,7 @@ from puzzle.spec import (
     MLPSpec,
     MoESpec,
     NoOpSpec,
-    SpecError,
+    kind_entry,
 )
 
 S = TypeVar("S")
@@ -382,13 +382,7 @@ BLOCK_COSTS: dict[type, BlockCost] = {
 
 def block_cost(spec: BlockSpec) -> BlockCost:
     """The cost rules of `spec`'s kind; SpecError for a type without an entry in BLOCK_COSTS."""
-    cost = BLOCK_COSTS.get(type(spec))
-    if cost is None:
-        raise SpecError(
-            f"no cost model for block spec type {type(spec).__name__}; known spec types: "
-            f"{', '.join(cls.__name__ for cls in BLOCK_COSTS)}"
-        )
-    return cost
+    return kind_entry(BLOCK_COSTS, spec, "no cost model for block spec type")
 
 
 @lru_cache(maxsize=4096)

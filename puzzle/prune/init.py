@@ -51,6 +51,7 @@ from puzzle.spec import (
     MoESpec,
     NoOpSpec,
     SpecError,
+    kind_entry,
 )
 
 _RIDGE = 1e-6
@@ -624,10 +625,4 @@ CHILD_INITS: dict[type, ChildInit] = {
 
 def child_init_rules(spec: BlockSpec) -> ChildInit:
     """The `ChildInit` entry of `spec`'s kind; SpecError for a type without one in CHILD_INITS."""
-    rules = CHILD_INITS.get(type(spec))
-    if rules is None:
-        raise SpecError(
-            f"kind: no child initialisation for block spec type {type(spec).__name__}; known spec types: "
-            f"{', '.join(cls.__name__ for cls in CHILD_INITS)}"
-        )
-    return rules
+    return kind_entry(CHILD_INITS, spec, "kind: no child initialisation for block spec type")
