@@ -321,3 +321,71 @@ def test_solver_options_reject_what_makes_no_sense():
         with pytest.raises(SearchError, match=r"SolverOptions|unknown solver"):
             SolverOptions(**bad)
     assert SolverOptions(gap_rel=0.0, time_limit_s=0.5).gap_rel == 0.0
+
+
+def _knapsack_library(seed: int) -> tuple[Table, list[Limit]]:
+    """2-6 blocks of 1-6 variants with real-valued scores and two costs; 1 or 2 budgets, upper, lower or
+    both (both often binding, so the knapsack search's two-row path runs, not only its relaxations)."""
+    rng = np.random.default_rng(seed)
+    num_blocks = int(rng.integers(2, 7))
+    blocks = {
+        f"b{b}": [
+            Choice(f"v{v}", float(rng.uniform(0, 1)), {key: float(rng.uniform(0, 10)) for key in ("m", "r")})
+            for v in range(int(rng.integers(1, 7)))
+        ]
+        for b in range(num_blocks)
+    }
+    table = Table.from_choices(blocks, maximize=bool(rng.integers(0, 3) == 0))
+    limits = []
+    for key in ("m", "r")[: int(rng.integers(1, 3))]:
+        parent = table.parent_total(key)
+        kind = rng.choice(["upper", "upper", "lower", "both"])
+        low, high = sorted(rng.uniform(0.3, 1.2, 2) * parent)
+        limits.append(
+            Limit(key, upper=float(high))
+            if kind == "upper"
+            else Limit(key, lower=float(low))
+            if kind == "lower"
+            else Limit(key, lower=float(low), upper=float(high))
+        )
+    return table, limits
+
+
+@pytest.mark.parametrize("gap_rel", [0.0, 1e-6, 0.1])
+def test_knapsack_search_equals_brute_force(gap_rel):
+    """The knapsack search (no rules) against enumeration: proven gap >= the true one, optimal iff the
+    proven gap is within the requested one, the exact optimum with gap 0, infeasible when nothing fits."""
+    from puzzle.search import mckp
+    from puzzle.search.exact import _objective_vector
+    from puzzle.search.mip import build_problem, resolve_limits
+
+    two_row_passes = 0
+    for seed in range(150):
+        table, limits = _knapsack_library(seed)
+        bounds = [(str(lim), table.cost(lim.key), lo, hi) for lim, lo, hi in resolve_limits(table, limits)]
+        problem = build_problem(table, _objective_vector(table), bounds, Rules())
+        assert mckp.applies(problem)
+        assert mckp.solve(problem, gap_rel, None) is not None  # small: never falls back to the MIP
+        if len(limits) == 2:
+            blocks = mckp._Blocks(problem)
+            answer = mckp._solve_blocks(problem, blocks, gap_rel, None)  # the two-row pass on its own
+            two_row_passes += 1
+        feasible = [c for c in _all_choices(table) if _meets(table, c, limits)]
+        if not feasible:
+            with pytest.raises(InfeasibleError):
+                search(table, limits, options=SolverOptions(gap_rel=gap_rel))
+            continue
+        best = _best([_objective(table, c) for c in feasible], table.maximize)
+        sign = -1.0 if table.maximize else 1.0
+        if len(limits) == 2:
+            assert answer[0] in feasible
+            assert sign * _objective(table, answer[0]) <= sign * best + gap_rel * abs(best) + 1e-9
+        solution = search(table, limits, options=SolverOptions(gap_rel=gap_rel))
+        assert solution.choices in feasible
+        true_gap = max(0.0, sign * (solution.objective - best)) / max(abs(solution.objective), 1e-12)
+        assert solution.gap is not None and solution.gap >= true_gap - 1e-9
+        assert solution.status == ("optimal" if solution.gap <= gap_rel else "time_limit")
+        assert solution.status == "optimal"  # no time limit: every solve ends proven
+        if gap_rel == 0.0:
+            assert solution.objective == pytest.approx(best, abs=1e-9)
+    assert two_row_passes > 30

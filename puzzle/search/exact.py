@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from puzzle.search import mckp
 from puzzle.search.backend import (
     REDUCED_MIP_HIGHS_OPTIONS,
     highspy,
@@ -112,6 +113,14 @@ def _solve_problem(problem: Problem, options: SolverOptions, deadline: float | N
     n_var = problem.table.num_variants
     if not options.fixing:
         return _solve_plain(problem, options, deadline)
+    if options.heuristics and mckp.applies(problem):
+        answer = mckp.solve(problem, options.gap_rel, deadline)
+        if answer is not None:
+            choices, bound, used = answer
+            if choices is None:
+                return _Outcome(None, "infeasible", None, 0)
+            return _finish(problem, choices, bound, used, options.gap_rel)
+        _log.debug("the knapsack search gave up; solving the MIP")
 
     lp = solve_lp(problem, alive, solver_name, deadline)
     if lp.status == "infeasible":
