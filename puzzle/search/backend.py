@@ -15,12 +15,14 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pulp
 
 from puzzle.search.types import SearchError
+
+if TYPE_CHECKING:
+    import pulp
 
 try:  # HiGHS is the default solver; CBC (bundled with PuLP) is the fallback.
     import highspy
@@ -171,6 +173,8 @@ def _lp_highs(problem: RowModel, columns: np.ndarray, deadline: float | None) ->
 def _pulp_model(
     problem: RowModel, columns: np.ndarray, integer: bool
 ) -> tuple[pulp.LpProblem, list[pulp.LpVariable]]:
+    import pulp
+
     model = pulp.LpProblem("puzzle_search", pulp.LpMinimize)
     category = pulp.LpBinary if integer else pulp.LpContinuous
     # PuLP hands variables to the solver sorted by name: zero-pad so that the solver sees them in block
@@ -226,6 +230,8 @@ def _pulp_solver(
     highs_options: dict[str, Any] | None = None,
     log_path: str | None = None,
 ) -> Any:
+    import pulp
+
     if name == "highs":
         return pulp.HiGHS(
             msg=False, mip=integer, gapRel=gap_rel, timeLimit=time_limit, **(highs_options or {})
@@ -278,6 +284,8 @@ def solve_with_pulp(
     answer means "the optimum, or no solution below `cutoff` exists": the caller must hold a solution of
     value <= cutoff and keep it when the one returned is no better. `highs_options` go to HiGHS as they are.
     """
+    import pulp  # on first use: a search the knapsack path answers never loads PuLP (~60 ms)
+
     if solver_name == "highs":
         new_highs()  # silence the banner before PuLP constructs its own Highs
     model, variables = _pulp_model(problem, columns, integer)

@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from puzzle.files import atomic_write_bytes
-from puzzle.progress import progress
 from puzzle.search.exact import search
 from puzzle.search.limits import BudgetError, Limit, Value, merge_limits, parse_value
 from puzzle.search.types import InfeasibleError, Rules, SearchError, Solution, SolverOptions, Table
@@ -74,6 +73,8 @@ def sweep(
 ) -> list[SweepPoint]:
     """Solve once per value of the swept bound (other limits kept; one on the same side of `key` replaced)."""
     points = []
+    from puzzle.progress import progress  # tqdm loads only when a sweep runs
+
     for value in progress(values, f"sweep {key}", total=len(values), unit="solve"):
         swept = Limit(key, upper=value) if side == "upper" else Limit(key, lower=value)
         others = [limit for limit in limits if limit.key != key]

@@ -46,7 +46,7 @@ def _numeric_leaves(tree: Mapping[str, Any], prefix: str = "") -> dict[str, floa
         if not prefix and key in _STRUCTURE_KEYS:
             continue
         path = f"{prefix}{key}"
-        if isinstance(value, Mapping):
+        if isinstance(value, (dict, Mapping)):  # dict first: the ABC check alone is slow
             leaves.update(_numeric_leaves(value, path + "."))
         elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             leaves[path] = float(value)  # booleans are flags, never costs
@@ -174,20 +174,26 @@ def library_table(
                 )
     # A fixed part is added to its cost's total, so that cost must be a column like a budgeted one.
     required = list(dict.fromkeys([*keys, *fixed]))
+    leaves = [_numeric_leaves(variant) for _, _, variant in flat]
     shared: set[str] | None = None
-    for _, _, variant in flat:
-        stats = {k for k in _numeric_leaves(variant) if k.startswith("stats.")}
+    for numbers in leaves:
+        stats = {k for k in numbers if k.startswith("stats.")}
         shared = stats if shared is None else shared & stats
     cost_keys = required + sorted((shared or set()) - set(required))
 
-    def where(layer: str, name: str) -> str:
-        return f"{source}: layer {layer!r} variant {name!r}"
+    def column(key: str) -> np.ndarray:
+        # A finite number is among the variant's numeric leaves; anything else gets _value's error.
+        return np.array(
+            [
+                numbers[key]
+                if key in numbers
+                else _value(variant, key, f"{source}: layer {layer!r} variant {name!r}")
+                for numbers, (layer, name, variant) in zip(leaves, flat)
+            ]
+        )
 
-    score = np.array([_value(variant, objective, where(layer, name)) for layer, name, variant in flat])
-    costs = {
-        key: np.array([_value(variant, key, where(layer, name)) for layer, name, variant in flat])
-        for key in cost_keys
-    }
+    score = column(objective)
+    costs = {key: column(key) for key in cost_keys}
     attrs: dict[str, list[Any]] = {}
     for attr in same_attributes:
         column = []
