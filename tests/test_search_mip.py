@@ -389,3 +389,28 @@ def test_knapsack_search_equals_brute_force(gap_rel):
         if gap_rel == 0.0:
             assert solution.objective == pytest.approx(best, abs=1e-9)
     assert two_row_passes > 30
+
+
+def test_knapsack_search_hands_over_to_the_mip_when_it_gives_up(monkeypatch):
+    """Past its state limit the knapsack search returns None and the MIP answers, still exactly."""
+    from puzzle.search import mckp
+    from puzzle.search.exact import _objective_vector
+    from puzzle.search.mip import build_problem, resolve_limits
+
+    monkeypatch.setattr(mckp, "MAX_STATES", 1)
+    monkeypatch.setattr(mckp, "BEAM_WIDTH", 1)
+    gave_up = 0
+    for seed in range(40):
+        table, limits = _knapsack_library(seed)
+        bounds = [(str(lim), table.cost(lim.key), lo, hi) for lim, lo, hi in resolve_limits(table, limits)]
+        problem = build_problem(table, _objective_vector(table), bounds, Rules())
+        feasible = [c for c in _all_choices(table) if _meets(table, c, limits)]
+        if not feasible:
+            continue
+        gave_up += mckp.solve(problem, 0.0, None) is None
+        solution = search(table, limits, options=SolverOptions(gap_rel=0.0))
+        assert solution.status == "optimal"
+        assert solution.objective == pytest.approx(
+            _best([_objective(table, c) for c in feasible], table.maximize), abs=1e-9
+        )
+    assert gave_up >= 10

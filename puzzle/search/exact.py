@@ -1,5 +1,8 @@
 """The exact search: choose one variant per block to optimise the summed score under budgets and global rules.
 
+Without rule columns or earlier solutions to differ from, `mckp` (an exact bounded dynamic programme for
+the multiple-choice knapsack) answers first; the MIP path below is the fallback when it gives up.
+
 A grouped (multiple-choice) knapsack, solved exactly and fast:
 1. presolve: per block, drop variants another one beats or ties in score and every budgeted cost;
 2. the LP relaxation (HiGHS) gives a bound z_LP and reduced costs r;

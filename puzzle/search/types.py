@@ -190,9 +190,9 @@ class SolverOptions:
     time_limit_s: wall-clock limit for one search in seconds (None = none, else > 0). gap_rel: the relative
     optimality gap to prove, in [0, 1) (see `Solution` for how the gap is measured). presolve: drop
     dominated variants. fixing: LP bound + reduced-cost fixing (off = the plain PuLP model of every
-    variant). heuristics: with HiGHS as the solver, an incumbent by LP diving and swap local search, then
-    LP probing, before the one MIP (off, and always with CBC: grow the fixing threshold until it
-    certifies)."""
+    variant). heuristics: without rules, the exact knapsack search (`mckp`) first; with HiGHS as the
+    solver, an incumbent by LP diving and swap local search, then LP probing, before the one MIP (off, and
+    always with CBC: grow the fixing threshold until it certifies)."""
 
     solver: str = "auto"
     time_limit_s: float | None = None
