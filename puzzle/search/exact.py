@@ -53,6 +53,7 @@ class _Outcome:
     status: str
     gap: float | None
     free: int
+    solver: str | None = None  # what answered, when not the MIP back end ("mckp": the knapsack search)
 
 
 def _extract(problem: Problem, columns: np.ndarray, values: np.ndarray) -> tuple[int, ...]:
@@ -122,7 +123,7 @@ def _solve_problem(problem: Problem, options: SolverOptions, deadline: float | N
             choices, bound, used = answer
             if choices is None:
                 return _Outcome(None, "infeasible", None, 0)
-            return _finish(problem, choices, bound, used, options.gap_rel)
+            return dataclasses.replace(_finish(problem, choices, bound, used, options.gap_rel), solver="mckp")
         _log.debug("the knapsack search gave up; solving the MIP")
 
     lp = solve_lp(problem, alive, solver_name, deadline)
@@ -346,7 +347,7 @@ def search(
         table,
         outcome.choices,
         outcome,
-        resolve_solver(options.solver),
+        outcome.solver or resolve_solver(options.solver),
         time.perf_counter() - started,
         problem.dropped,
     )

@@ -244,7 +244,7 @@ class Solution:
     totals: dict[str, float]
     status: str
     gap: float | None
-    solver: str
+    solver: str  # "highs" or "cbc" (the MIP back end), "mckp" when the knapsack search answered
     seconds: float
     presolve_dropped: int = 0
     free_variables: int = 0
