@@ -88,10 +88,10 @@ class _Blocks:
 def _dual_value(blocks: _Blocks, multipliers: np.ndarray) -> float:
     """The Lagrangian dual sum_b min_j (c + mu.a) - sum_k pen_k(mu_k) (a lower bound for any mu whose signs
     match the finite sides)."""
-    total = 0.0
-    folded = blocks.objective + multipliers @ blocks.weights
-    for members in blocks.members:
-        total += float(folded[members].min())
+    alive = np.concatenate(blocks.members)
+    starts = np.cumsum([0] + [len(m) for m in blocks.members[:-1]])
+    folded = blocks.objective[alive] + multipliers @ blocks.weights[:, alive]
+    total = float(np.minimum.reduceat(folded, starts).sum())
     penalty = 0.0
     for mu, lower, upper in zip(multipliers, blocks.lower, blocks.upper):
         penalty += mu * upper if mu > 0 else mu * lower if mu < 0 else 0.0
