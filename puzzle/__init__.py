@@ -29,6 +29,8 @@ _LAZY_EXPORTS = {
     "Relative": "puzzle.search.limits",
     "Scenario": "puzzle.cost",
     "get_preset": "puzzle.presets",
+    "SearchSpace": "puzzle.space",
+    "SpaceError": "puzzle.space",
     "importance_for": "puzzle.prune",
     "init_child": "puzzle.prune",
 }
@@ -57,6 +59,8 @@ __all__ = [
     "Relative",
     "Scenario",
     "ScenarioTarget",
+    "SearchSpace",
+    "SpaceError",
     "SpecError",
     "Variant",
     "__version__",

@@ -1,4 +1,4 @@
-"""Named architectures: NVIDIA's hybrid parents, the seed's Puzzle-75B-A9B-like child, a tiny demo parent."""
+"""Named architectures (NVIDIA's hybrid parents, the seed's Puzzle-75B-A9B-like child, a tiny demo parent) and search spaces."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ from collections.abc import Callable
 from puzzle.presets.nemotron import (
     nemotron3_nano,
     nemotron3_super,
+    nemotron3_super_space,
     nemotron_h_8b,
     nemotron_nano_9b_v2,
     puzzle_75b_a9b_like,
 )
 from puzzle.presets.tiny import tiny_hybrid
+from puzzle.space import SearchSpace
 from puzzle.spec import ModelSpec, SpecError
 
 PRESETS: dict[str, Callable[[], ModelSpec]] = {
@@ -32,11 +34,27 @@ def get_preset(name: str) -> ModelSpec:
     return PRESETS[key]()
 
 
+SPACE_PRESETS: dict[str, Callable[[], SearchSpace]] = {
+    "nemotron3-super": nemotron3_super_space,
+}
+
+
+def get_space_preset(name: str) -> SearchSpace:
+    """The SearchSpace of a named preset, named like its parent ("nemotron3-super"); case and _ ignored."""
+    key = name.strip().lower().replace("_", "-")
+    if key not in SPACE_PRESETS:
+        raise SpecError(f"unknown search space preset {name!r}; choose one of {sorted(SPACE_PRESETS)}")
+    return SPACE_PRESETS[key]()
+
+
 __all__ = [
     "PRESETS",
+    "SPACE_PRESETS",
     "get_preset",
+    "get_space_preset",
     "nemotron3_nano",
     "nemotron3_super",
+    "nemotron3_super_space",
     "nemotron_h_8b",
     "nemotron_nano_9b_v2",
     "puzzle_75b_a9b_like",

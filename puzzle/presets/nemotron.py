@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from puzzle.space import SearchSpace
 from puzzle.spec import AttentionSpec, BlockSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, SpecError
 
 NEMOTRON_VOCAB = 131072
@@ -142,3 +143,24 @@ def puzzle_75b_a9b_like() -> ModelSpec:
         blocks=tuple(blocks),
         norm_eps=parent.norm_eps,
     )
+
+
+# The seed's search on Nemotron-3-Super: one of three SSM state sizes per Mamba block; per MoE block a
+# width from 1280 to 2688 in steps of 128 (12 values) and an even top-k from 4 to 22 (10 values), taken
+# together; attention untouched. The Puzzle-75B-A9B-like child's choices all lie in it.
+SUPER_SEARCH_SPACE = {
+    "rounding": 128,
+    "kinds": {
+        "mamba": {"state_size": [128, 96, 64]},
+        "moe": {
+            "expert_width": {"min": 1280, "max": 2688, "step": 128},
+            "top_k": {"min": 4, "max": 22, "step": 2},
+            "mode": "coupled",
+        },
+    },
+}
+
+
+def nemotron3_super_space() -> SearchSpace:
+    """The seed's search space on Nemotron-3-Super: 3 Mamba, 120 MoE, 1 attention variant(s) per block."""
+    return SearchSpace.from_dict(SUPER_SEARCH_SPACE)
