@@ -250,12 +250,12 @@ def _read_saved_dataset(path: Path, text_field: str, dataset_split: str | None) 
 
 def _tokenise(texts: list[str], tokenizer: Any, path: Path) -> Documents:
     eos = tokenizer.eos_token_id
-    documents: list[list[int]] = []
+    parts = []  # one Documents per chunk: Python lists of ids live for one chunk only
     chunks = range(0, len(texts), _TOKENISE_CHUNK)
     for start in progress(chunks, desc=f"tokenising {path.name}", unit="chunk"):
         encoded = tokenizer(texts[start : start + _TOKENISE_CHUNK], add_special_tokens=False, verbose=False)
-        documents.extend([*ids, eos] for ids in encoded["input_ids"])
-    return Documents.from_lists(documents)
+        parts.append(Documents.from_lists([[*ids, eos] for ids in encoded["input_ids"]]))
+    return Documents.concat(parts)
 
 
 def _read_token_file(path: Path, tensor_name: str, seq_len: int, vocab_size: int | None) -> Documents:

@@ -78,6 +78,18 @@ def test_jsonl_and_text_read_pack_and_agree(tmp_path: Path, tokenizer_dir: Path)
     assert len(from_jsonl.held_out) == 0
 
 
+def test_tokenising_in_chunks_equals_one_call(
+    tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = write_jsonl(tmp_path / "a.jsonl", corpus(10, 3))
+    whole = TokenData.load(path, seq_len=4, tokenizer=tokenizer_dir)
+    monkeypatch.setattr("puzzle.data._TOKENISE_CHUNK", 3)  # 10 documents in 4 tokenizer calls
+    chunked = TokenData.load(path, seq_len=4, tokenizer=tokenizer_dir)
+    assert torch.equal(whole.documents.tokens, chunked.documents.tokens)
+    assert torch.equal(whole.documents.offsets, chunked.documents.offsets)
+    assert whole.documents.offsets.tolist() == list(range(0, 41, 4))
+
+
 def test_token_files_1d_and_2d(tmp_path: Path, tokenizer_dir: Path) -> None:
     stream = torch.arange(2, 2 + 100, dtype=torch.int64)
     save_file({"input_ids": stream}, str(tmp_path / "stream.safetensors"))
