@@ -27,13 +27,22 @@ def _is_main() -> bool:
     return dist.is_main()
 
 
-def progress(items: Iterable[T], desc: str, total: int | None = None, unit: str = "it") -> Iterator[T]:
-    """Iterate over `items` with a progress bar labelled `desc` (see the module docstring for when it shows)."""
+def _disable() -> bool | None:
+    """tqdm's `disable` for this process: True off rank 0 or when silenced, False when forced, else None."""
     setting = os.environ.get("PUZZLE_PROGRESS", "").strip()
     if setting == "0" or not _is_main():
-        disable: bool | None = True
-    elif setting == "1":
-        disable = False
-    else:
-        disable = None  # only on a terminal
-    yield from tqdm(items, desc=desc, total=total, unit=unit, disable=disable, leave=False)
+        return True
+    if setting == "1":
+        return False
+    return None  # only on a terminal
+
+
+def progress(items: Iterable[T], desc: str, total: int | None = None, unit: str = "it") -> Iterator[T]:
+    """Iterate over `items` with a progress bar labelled `desc` (see the module docstring for when it shows)."""
+    yield from tqdm(items, desc=desc, total=total, unit=unit, disable=_disable(), leave=False)
+
+
+def progress_bar(desc: str, total: int | None = None, unit: str = "it") -> tqdm:
+    """A bar to drive by hand (`update(n)`, `set_postfix(...)`, `close()`): for loops whose unit is not
+    one item, e.g. tokens per training step. Shown under the same rules as `progress`."""
+    return tqdm(desc=desc, total=total, unit=unit, unit_scale=True, disable=_disable(), leave=False)

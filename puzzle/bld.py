@@ -1,0 +1,829 @@
+"""Blockwise local distillation (BLD): every variant of block i learns to map the parent's input of block i
+to the parent's output of block i, all variants of a block fed by one parent forward.
+
+The loss of a variant of block i is the normalised squared error of its residual contribution,
+``||child(h) - parent(h)||^2 / ||parent(h)||^2`` with ``h = norm_i(x_i)`` the parent's normed input of
+block i and ``parent(h)`` the parent mixer's output (a block is ``x + mixer(norm(x))``, so the
+contribution is what the mixer adds to the residual stream). A variant is a mixer: it keeps the parent's
+pre-norm (frozen, as `HybridLM.replace_mixer` does), so the normed input is computed once per block and
+shared by every variant of that block. One training step runs the parent block by block over one batch
+of token ids and, at each block, does the forward and backward of every variant of that block on the
+detached input; no prefix is ever recomputed per block or per variant.
+
+Variants start from `puzzle.prune.init_child` (activation importance of the parent) and train with AdamW
+(one optimiser per variant: a diverging variant cannot disturb the others), linear warm-up then cosine
+decay over a token budget, gradient clipping per variant, bf16 autocast on CUDA. A variant equal to the
+parent block ("parent") or a no-op ("noop") is not trained; its held-out error is measured all the same.
+A variant whose loss or gradient norm becomes NaN / inf is recorded as "failed" with the step and reason,
+and the others go on.
+
+Memory: the variants train in waves whose estimated training bytes (`variant_training_bytes`) fit
+`BLDSettings.memory_limit_bytes`; each wave is one pass of the parent over the training data. The plan is
+printed before training starts and returned.
+
+Distributed: under torch.distributed every rank passes the same global batches; each rank runs its rows
+(round-robin), the loss is normalised by the global ``||parent(h)||^2`` (one scalar all-reduce per block
+and step) and the variants' gradients are summed over ranks before clipping, so a world of N computes the
+same library as one process up to float summation order (plain data parallelism, DDP-equivalent; the
+variants and the parent are replicated on every rank, not sharded).
+
+Resume: every `checkpoint_every` steps the wave's variant weights, AdamW states and position (step,
+tokens) are written atomically under `<directory>/bld-checkpoints/`; a finished wave writes its variants'
+final weights there. A killed run restarted with the same inputs continues from there and ends with the
+same weights as an uninterrupted run (the schedule is a function of the tokens seen, the data stream is
+replayed and skipped up to the saved position). The library is then written through `puzzle.artifacts`:
+``block{i}/{variant id}.safetensors`` per trained variant (the mixer's `state_dict()`, i.e. module keys
+relative to the mixer, as `HybridLM.layers[i].mixer` loads them; routed MoE experts in the expert-bank
+layout) and ``library.json``; the checkpoints are then removed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import shutil
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from puzzle import dist
+from puzzle.artifacts import (
+    Artifact,
+    ArtifactError,
+    fingerprint_json,
+    fingerprint_model,
+    fingerprint_tensors,
+    json_writer,
+)
+from puzzle.blocks import build_block
+from puzzle.files import atomic_write
+from puzzle.model import HybridLM
+from puzzle.progress import progress_bar
+from puzzle.prune.importance import ModelImportance
+from puzzle.prune.init import init_child
+from puzzle.spec import NoOpSpec, SpecError, Variant
+
+FORMAT_VERSION = 1
+ARTIFACT_NAME = "library"
+LIBRARY_FILE = "library.json"
+CHECKPOINT_DIR = "bld-checkpoints"
+STATUSES = ("trained", "parent", "noop", "failed")
+# Saved activations per token of a variant's training step, in units of (input widths of its matrices x
+# dtype bytes); the backward keeps each matrix's input plus a few elementwise temporaries.
+_ACTIVATION_FACTOR = 2
+
+_log = logging.getLogger(__name__)
+
+Batches = Callable[[], Iterable[torch.Tensor]] | Sequence[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class BLDSettings:
+    """How BLD trains. Token counts are global (all ranks together); bytes are per process.
+
+    `lr`: AdamW peak learning rate; `warmup_tokens`: linear warm-up from 0, then cosine decay to
+    `min_lr_ratio * lr` at `token_budget` tokens (each variant trains on `token_budget` tokens, fewer if
+    the data ends first); `clip`: max gradient norm per variant (0 = none); `checkpoint_every`: steps
+    between checkpoints (0 = never); `memory_limit_bytes`: what one wave's variants may use (None = one
+    wave); `dtype`: the variants' training dtype ("float32" or "bfloat16"); `autocast`: bf16 autocast on
+    CUDA; `seed`: seeds torch before each wave's variants are built.
+    """
+
+    lr: float = 1e-4
+    warmup_tokens: int = 0
+    token_budget: int = 1_000_000
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    clip: float = 1.0
+    checkpoint_every: int = 100
+    memory_limit_bytes: int | None = None
+    dtype: str = "float32"
+    autocast: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(self.betas))
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"BLDSettings.lr must be a positive number, found {self.lr!r}")
+        for name in ("warmup_tokens", "checkpoint_every"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"BLDSettings.{name} must be an integer >= 0, found {getattr(self, name)!r}")
+        if not isinstance(self.token_budget, int) or self.token_budget < 1:
+            raise ValueError(f"BLDSettings.token_budget must be an integer >= 1, found {self.token_budget!r}")
+        if self.clip < 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(
+                f"BLDSettings: clip >= 0 and 0 <= min_lr_ratio <= 1, found {self.clip}, {self.min_lr_ratio}"
+            )
+        if self.memory_limit_bytes is not None and self.memory_limit_bytes < 1:
+            raise ValueError(
+                f"BLDSettings.memory_limit_bytes must be positive or None, found {self.memory_limit_bytes}"
+            )
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"BLDSettings.dtype must be 'float32' or 'bfloat16', found {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "betas": list(self.betas)}
+
+
+@dataclass
+class VariantResult:
+    """What BLD did with one variant: `status` (one of STATUSES), tokens trained on, held-out normalised MSE
+    at init and at the end (None when not finite), and for a failure the step and reason."""
+
+    variant: Variant
+    status: str
+    tokens: int = 0
+    init_nmse: float | None = None
+    final_nmse: float | None = None
+    failed_step: int | None = None
+    reason: str | None = None
+
+    @property
+    def file(self) -> str | None:
+        """The library file of a trained variant (None otherwise)."""
+        return variant_file(self.variant) if self.status == "trained" else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **self.variant.to_dict(),
+            "status": self.status,
+            "file": self.file,
+            "tokens": self.tokens,
+            "init_nmse": self.init_nmse,
+            "final_nmse": self.final_nmse,
+            "failed_step": self.failed_step,
+            "reason": self.reason,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> VariantResult:
+        variant = Variant.from_dict({k: data[k] for k in ("block_index", "id", "spec")})
+        fields = ("tokens", "init_nmse", "final_nmse", "failed_step", "reason")
+        return cls(variant, data["status"], **{k: data.get(k) for k in fields})
+
+
+@dataclass
+class Library:
+    """BLD's output: one result per variant, the wave plan that trained them, and where the files are."""
+
+    directory: Path
+    parent: str
+    results: dict[Variant, VariantResult]
+    plan: list[list[Variant]] = field(default_factory=list)
+
+    def load_mixer(self, variant: Variant, hidden_size: int, norm_eps: float = 1e-5) -> nn.Module:
+        """The trained mixer of `variant` (on the CPU), built from its spec and loaded from its file."""
+        result = self.results.get(variant)
+        if result is None or result.status != "trained":
+            status = "absent" if result is None else result.status
+            raise KeyError(
+                f"variant {variant.id} of block {variant.block_index} has no trained weights ({status})"
+            )
+        artifact = Artifact(self.directory, ARTIFACT_NAME, FORMAT_VERSION)
+        mixer = build_block(variant.spec, hidden_size, norm_eps)
+        mixer.load_state_dict(artifact.load_tensors(variant_file(variant)))
+        return mixer
+
+
+def variant_file(variant: Variant) -> str:
+    """The library file of a variant, relative to the library directory."""
+    return f"block{variant.block_index}/{variant.id}.safetensors"
+
+
+def _key(variant: Variant) -> str:
+    return f"{variant.block_index}/{variant.id}"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Schedule and memory plan: pure functions.
+
+
+def learning_rate(settings: BLDSettings, tokens_seen: int) -> float:
+    """The learning rate of a step that starts after `tokens_seen` tokens: linear warm-up, then cosine."""
+    if tokens_seen < settings.warmup_tokens:
+        return settings.lr * (tokens_seen + 1) / settings.warmup_tokens
+    span = max(1, settings.token_budget - settings.warmup_tokens)
+    progress = min(1.0, (tokens_seen - settings.warmup_tokens) / span)
+    floor = settings.min_lr_ratio
+    return settings.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def variant_training_bytes(
+    variant: Variant, hidden_size: int, tokens_per_step: int, dtype: torch.dtype
+) -> int:
+    """Estimated bytes to train `variant` on one process: params + grads + 2 AdamW moments (4 x params in
+    `dtype`) plus saved activations, `_ACTIVATION_FACTOR` x the input width of every matrix per token.
+
+    `tokens_per_step`: tokens one process runs per step (its rows of the batch x sequence length).
+    """
+    with torch.device("meta"):
+        mixer = build_block(variant.spec, hidden_size)
+    size = torch.empty((), dtype=dtype).element_size()
+    params = sum(p.numel() for p in mixer.parameters())
+    widths = sum(p.shape[-1] for p in mixer.parameters() if p.ndim >= 2) + hidden_size
+    return 4 * params * size + _ACTIVATION_FACTOR * tokens_per_step * widths * size
+
+
+def plan_waves(sizes: Mapping[Variant, int], limit: int | None) -> list[list[Variant]]:
+    """Group variants into waves whose summed bytes fit `limit` (first fit, largest first); None = one wave.
+
+    Within a wave the variants are in (block, id) order; waves are ordered by their first block. A variant
+    larger than the limit alone is an error naming it.
+    """
+    if not sizes:
+        return []
+    if limit is None:
+        return [sorted(sizes, key=_order)]
+    waves: list[list[Variant]] = []
+    free: list[int] = []
+    for variant in sorted(sizes, key=lambda v: (-sizes[v], _order(v))):
+        need = sizes[variant]
+        if need > limit:
+            raise ValueError(
+                f"variant {variant.id} of block {variant.block_index} needs about {need} bytes to train, more "
+                f"than memory_limit_bytes={limit}: raise the limit or use smaller batches"
+            )
+        slot = next((w for w, room in enumerate(free) if room >= need), None)
+        if slot is None:
+            waves.append([])
+            free.append(limit)
+            slot = len(waves) - 1
+        waves[slot].append(variant)
+        free[slot] -= need
+    waves = [sorted(wave, key=_order) for wave in waves]
+    return sorted(waves, key=lambda wave: _order(wave[0]))
+
+
+def _order(variant: Variant) -> tuple[int, str]:
+    return variant.block_index, variant.id
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The parent pass shared by training and evaluation.
+
+
+def _rows(batch: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a global batch [B, T] (round-robin, as `dist.shard`)."""
+    if batch.ndim != 2:
+        raise ValueError(f"a token batch must be [batch, tokens], found shape {list(batch.shape)}")
+    world = dist.world_size()
+    if batch.shape[0] < world:
+        raise ValueError(f"a batch of {batch.shape[0]} rows cannot be split over {world} ranks")
+    return batch[dist.rank() :: world]
+
+
+def _parent_blocks(
+    parent: HybridLM, ids: torch.Tensor, last: int
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(block index, normed input h, mixer output p) of every non-no-op block up to `last`, without grad.
+
+    The residual stream advances as in `Block.forward` (x + mixer(norm(x))), one block at a time.
+    """
+    with torch.no_grad():
+        x = parent.embeddings(ids.to(parent.embeddings.weight.device))
+    for index, block in enumerate(parent.layers[: last + 1]):
+        if block.norm is None:
+            continue
+        with torch.no_grad():
+            h = block.norm(x.to(block.norm.weight.dtype))
+            p = block.mixer(h)
+        yield index, h, p
+        with torch.no_grad():
+            x = x + p
+
+
+def _autocast(settings: BLDSettings, device: torch.device) -> Any:
+    enabled = settings.autocast and device.type == "cuda"
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=enabled)
+
+
+@torch.no_grad()
+def _held_out_nmse(
+    parent: HybridLM,
+    mixers: Mapping[Variant, nn.Module],
+    held_out: Sequence[torch.Tensor],
+    settings: BLDSettings,
+) -> dict[Variant, float | None]:
+    """Held-out normalised MSE of every mixer: sum of squared errors / sum of the parent's squares, over
+    every held-out token (batches sharded over ranks, sums all-reduced)."""
+    by_block = _by_block(mixers)
+    if not by_block:
+        return {}
+    order = sorted(mixers, key=_order)
+    sums = torch.zeros(len(order) + 1, len(parent.layers), dtype=torch.float64)  # last row: parent squares
+    position = {v: n for n, v in enumerate(order)}
+    device = parent.embeddings.weight.device
+    for batch in dist.shard(held_out):
+        for index, h, p in _parent_blocks(parent, batch, max(by_block)):
+            if index not in by_block:
+                continue
+            target = p.float()
+            sums[-1, index] += target.pow(2).sum().double().cpu()
+            for variant, mixer in by_block[index]:
+                with _autocast(settings, device):
+                    out = mixer(h.to(_dtype_of(mixer, h.dtype)))
+                sums[position[variant], index] += (out.float() - target).pow(2).sum().double().cpu()
+    dist.all_reduce_sum_([sums])
+    result: dict[Variant, float | None] = {}
+    for variant in order:
+        value = float(sums[position[variant], variant.block_index] / sums[-1, variant.block_index])
+        result[variant] = value if math.isfinite(value) else None
+    return result
+
+
+def _dtype_of(mixer: nn.Module, default: torch.dtype) -> torch.dtype:
+    return next((p.dtype for p in mixer.parameters() if p.is_floating_point()), default)
+
+
+def _by_block(mixers: Mapping[Variant, nn.Module]) -> dict[int, list[tuple[Variant, nn.Module]]]:
+    grouped: dict[int, list[tuple[Variant, nn.Module]]] = {}
+    for variant in sorted(mixers, key=_order):
+        grouped.setdefault(variant.block_index, []).append((variant, mixers[variant]))
+    return grouped
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One wave: training state, step, checkpoints.
+
+
+@dataclass
+class _Wave:
+    """The training state of one wave: live mixers and optimisers, results, position in the data."""
+
+    number: int
+    mixers: dict[Variant, nn.Module]
+    optimizers: dict[Variant, torch.optim.AdamW]
+    results: dict[Variant, VariantResult]
+    step: int = 0
+    tokens: int = 0
+
+    def active(self) -> dict[Variant, nn.Module]:
+        return {v: m for v, m in self.mixers.items() if self.results[v].status == "trained"}
+
+
+def _train_step(
+    parent: HybridLM, wave: _Wave, batch: torch.Tensor, settings: BLDSettings
+) -> dict[Variant, float]:
+    """One step of every active variant of `wave` on one global batch; returns the global loss per variant.
+
+    Variants whose loss or gradient norm is not finite are marked failed and not updated.
+    """
+    active = wave.active()
+    by_block = _by_block(active)
+    device = parent.embeddings.weight.device
+    losses: dict[Variant, torch.Tensor] = {}
+    for index, h, p in _parent_blocks(parent, _rows(batch), max(by_block)):
+        if index not in by_block:
+            continue
+        target = p.float()
+        scale = target.pow(2).sum()
+        dist.all_reduce_sum_([scale])  # the global normaliser: N ranks = 1 process
+        for variant, mixer in by_block[index]:
+            with _autocast(settings, device):
+                out = mixer(h.detach().to(_dtype_of(mixer, h.dtype)))
+            loss = (out.float() - target).pow(2).sum() / scale
+            loss.backward()
+            losses[variant] = loss.detach()
+    order = sorted(active, key=_order)
+    values = torch.stack([losses[v].double().cpu() for v in order])
+    dist.all_reduce_sum_([values])
+    lr = learning_rate(settings, wave.tokens)
+    result = {}
+    for variant, value in zip(order, values.tolist()):
+        mixer, record = active[variant], wave.results[variant]
+        params = [p for p in mixer.parameters() if p.requires_grad]
+        grads = [p.grad for p in params if p.grad is not None]
+        dist.all_reduce_sum_(grads)
+        reason = None
+        if not math.isfinite(value):
+            reason = f"loss is {value}"
+        else:
+            clip = settings.clip if settings.clip > 0 else math.inf
+            norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
+            if not math.isfinite(norm):
+                reason = f"gradient norm is {norm}"
+        if reason is not None:
+            record.status, record.failed_step, record.reason = "failed", wave.step, reason
+            _log.warning(
+                "BLD: variant %s of block %d failed at step %d: %s",
+                variant.id,
+                variant.block_index,
+                wave.step,
+                reason,
+            )
+            wave.optimizers.pop(variant, None)
+            mixer.zero_grad(set_to_none=True)
+            continue
+        optimizer = wave.optimizers[variant]
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        record.tokens += batch.numel()
+        result[variant] = value
+    return result
+
+
+def _checkpoint_dir(directory: Path) -> Path:
+    return directory / CHECKPOINT_DIR
+
+
+def _save_checkpoint(directory: Path, wave: _Wave, inputs: Mapping[str, str]) -> None:
+    """Rank 0 writes the wave's weights, AdamW states and position; the JSON goes last and names the tensors
+    file, so a kill at any moment leaves the previous complete checkpoint readable."""
+    if not dist.is_main():
+        dist.barrier()
+        return
+    try:
+        folder = _checkpoint_dir(directory)
+        tensors: dict[str, torch.Tensor] = {}
+        for variant, mixer in wave.mixers.items():
+            if wave.results[variant].status != "trained":
+                continue
+            for name, value in mixer.state_dict().items():
+                tensors[f"{_key(variant)}/param/{name}"] = value.detach().cpu().contiguous()
+            state = wave.optimizers[variant].state_dict()["state"]
+            for index, entry in state.items():
+                for name, value in entry.items():
+                    tensors[f"{_key(variant)}/adam/{index}/{name}"] = (
+                        torch.as_tensor(value).detach().cpu().contiguous()
+                    )
+        name = f"wave{wave.number}-step{wave.step}.safetensors"
+        atomic_write(folder / name, lambda path: save_file(tensors, path))
+        record = {
+            "inputs": dict(inputs),
+            "wave": wave.number,
+            "step": wave.step,
+            "tokens": wave.tokens,
+            "tensors": name,
+            "results": [wave.results[v].to_dict() for v in sorted(wave.results, key=_order)],
+        }
+        json_path = folder / f"wave{wave.number}.json"
+        old = json.loads(json_path.read_text())["tensors"] if json_path.is_file() else None
+        atomic_write(json_path, json_writer(record))
+        if old and old != name:
+            (folder / old).unlink(missing_ok=True)
+    finally:
+        dist.barrier()
+
+
+def _load_checkpoint(directory: Path, wave: _Wave, inputs: Mapping[str, str]) -> bool:
+    """Restore `wave` from its checkpoint if one exists for these inputs; True when restored."""
+    json_path = _checkpoint_dir(directory) / f"wave{wave.number}.json"
+    if not json_path.is_file():
+        return False
+    record = json.loads(json_path.read_text())
+    if record.get("inputs") != dict(inputs):
+        raise ArtifactError(f"{json_path} belongs to a BLD run with other inputs")  # cleared by the caller
+    tensors = load_file(str(_checkpoint_dir(directory) / record["tensors"]))
+    wave.step, wave.tokens = int(record["step"]), int(record["tokens"])
+    for data in record["results"]:
+        result = VariantResult.from_dict(data)
+        wave.results[result.variant] = result
+    for variant, mixer in wave.mixers.items():
+        if wave.results[variant].status != "trained":
+            wave.optimizers.pop(variant, None)
+            continue
+        prefix = f"{_key(variant)}/param/"
+        state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        mixer.load_state_dict(state)
+        optimizer = wave.optimizers[variant]
+        saved = optimizer.state_dict()
+        prefix = f"{_key(variant)}/adam/"
+        for key, value in tensors.items():
+            if key.startswith(prefix):
+                index, name = key[len(prefix) :].split("/")
+                saved["state"].setdefault(int(index), {})[name] = value
+        optimizer.load_state_dict(saved)
+    return True
+
+
+def _save_finished_wave(directory: Path, wave: _Wave, inputs: Mapping[str, str]) -> None:
+    """Rank 0 writes each trained variant's final weights, then the wave's results (last: the marker)."""
+    if dist.is_main():
+        folder = _checkpoint_dir(directory) / "done"
+        for variant, mixer in wave.mixers.items():
+            if wave.results[variant].status == "trained":
+                state = {k: v.detach().cpu().contiguous() for k, v in mixer.state_dict().items()}
+                atomic_write(folder / variant_file(variant), lambda path, s=state: save_file(s, path))
+        record = {
+            "inputs": dict(inputs),
+            "results": [wave.results[v].to_dict() for v in sorted(wave.results, key=_order)],
+        }
+        atomic_write(folder / f"wave{wave.number}.json", json_writer(record))
+        for stale in _checkpoint_dir(directory).glob(f"wave{wave.number}[.-]*"):
+            stale.unlink(missing_ok=True)
+    dist.barrier()
+
+
+def _finished_wave(directory: Path, number: int, inputs: Mapping[str, str]) -> list[VariantResult] | None:
+    path = _checkpoint_dir(directory) / "done" / f"wave{number}.json"
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    if record.get("inputs") != dict(inputs):
+        return None
+    return [VariantResult.from_dict(data) for data in record["results"]]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The stage.
+
+
+def _stream(batches: Batches) -> Iterable[torch.Tensor]:
+    if callable(batches):
+        return batches()
+    if isinstance(batches, Sequence):
+        return batches
+    raise TypeError(
+        "train_batches must be a zero-argument callable returning token batches or a sequence of batches "
+        f"(each wave and each resume replays the data), found a {type(batches).__name__}"
+    )
+
+
+def default_init(parent: HybridLM, importance: ModelImportance | None) -> Callable[[Variant], nn.Module]:
+    """`init_child` of each variant from the parent's block, with the parent's importance of that block."""
+
+    def init(variant: Variant) -> nn.Module:
+        block = parent.layers[variant.block_index]
+        scores = None
+        if importance is not None and variant.block_index in importance.blocks:
+            scores = importance[variant.block_index]
+        return init_child(
+            block.mixer,
+            block.spec,
+            variant.spec,
+            scores,
+            hidden_size=parent.spec.hidden_size,
+            norm_eps=parent.spec.norm_eps,
+        )
+
+    return init
+
+
+def _classify(parent: HybridLM, variant: Variant) -> str:
+    """'parent', 'noop' or 'trained' (to train); an unusable variant is an error naming it."""
+    if not 0 <= variant.block_index < len(parent.layers):
+        raise SpecError(
+            f"variant {variant.id}: block {variant.block_index} is not in the parent ({len(parent.layers)} blocks)"
+        )
+    parent_spec = parent.layers[variant.block_index].spec
+    if variant.spec == parent_spec:
+        return "parent"
+    if isinstance(variant.spec, NoOpSpec):
+        return "noop"
+    if isinstance(parent_spec, NoOpSpec):
+        raise SpecError(
+            f"variant {variant.id} of block {variant.block_index}: the parent block is a no-op, nothing to distil"
+        )
+    return "trained"
+
+
+def build_library(
+    parent: HybridLM,
+    variants: Mapping[int, Sequence[Variant]],
+    train_batches: Batches,
+    held_out: Sequence[torch.Tensor],
+    importance: ModelImportance | None,
+    settings: BLDSettings,
+    directory: str | Path,
+    *,
+    data_fingerprint: str | None = None,
+    init: Callable[[Variant], nn.Module] | None = None,
+    max_steps: int | None = None,
+) -> Library:
+    """Train every variant by BLD and write the library to `directory`; returns it.
+
+    `variants`: {block index: [Variant, ...]}; `train_batches`: global token batches [B, T] (int64), a
+    sequence or a zero-argument callable returning a fresh iterable (replayed once per wave and on resume);
+    `held_out`: batches for the normalised MSE at init and at the end; `importance`: the parent's, for
+    `init_child`; `data_fingerprint`: identifies the training data for the reuse / resume checks (default:
+    a fingerprint of the first batch); `init`: Variant -> initial mixer (default `default_init`);
+    `max_steps`: stop every wave after this many steps (a test hook; the token budget is the normal stop).
+
+    A library already in `directory` made from the same inputs is returned without work; checkpoints of
+    the same inputs are resumed. Collective under torch.distributed (every rank passes the same arguments).
+    """
+    directory = Path(directory)
+    all_variants = [v for block in sorted(variants) for v in variants[block]]
+    for block, listed in variants.items():
+        for variant in listed:
+            if variant.block_index != block:
+                raise SpecError(
+                    f"variant {variant.id} is listed under block {block} but is for block {variant.block_index}"
+                )
+    if len(set(all_variants)) != len(all_variants):
+        raise SpecError("the same variant is listed twice")
+    statuses = {v: _classify(parent, v) for v in all_variants}
+    first = _first(train_batches)
+    if data_fingerprint is None:
+        data_fingerprint = fingerprint_tensors([first])
+    parent_fp = fingerprint_model(parent)
+    inputs = {
+        "parent": parent_fp,
+        "variants": fingerprint_json([v.to_dict() for v in sorted(all_variants, key=_order)]),
+        "train_data": data_fingerprint,
+        "held_out": fingerprint_tensors(list(held_out)),
+        "settings": fingerprint_json(
+            {**settings.to_dict(), "max_steps": max_steps, "world": dist.world_size()}
+        ),
+    }
+    artifact = Artifact(directory, ARTIFACT_NAME, FORMAT_VERSION)
+    if artifact.load_if_current(inputs) is not None:
+        return read_library(directory)
+
+    init = default_init(parent, importance) if init is None else init
+    parent.requires_grad_(False)
+    device = parent.embeddings.weight.device
+    tokens_per_step = math.ceil(first.shape[0] / dist.world_size()) * first.shape[1]
+    to_train = [v for v in all_variants if statuses[v] == "trained"]
+    sizes = {
+        v: variant_training_bytes(v, parent.spec.hidden_size, tokens_per_step, settings.torch_dtype)
+        for v in to_train
+    }
+    plan = plan_waves(sizes, settings.memory_limit_bytes)
+    _print_plan(plan, sizes, settings)
+    if dist.is_main():
+        _clear_foreign_checkpoints(directory, inputs)
+    dist.barrier()
+
+    results: dict[Variant, VariantResult] = {}
+    fixed = [v for v in all_variants if statuses[v] != "trained"]
+    if fixed:  # measured, not trained: the parent copy (~0) and the no-op (1)
+        torch.manual_seed(settings.seed)
+        mixers = {v: init(v) for v in fixed}
+        errors = _held_out_nmse(parent, mixers, held_out, settings)
+        for v in fixed:
+            results[v] = VariantResult(v, statuses[v], init_nmse=errors[v], final_nmse=errors[v])
+        del mixers
+
+    for number, members in enumerate(plan):
+        done = _finished_wave(directory, number, inputs)
+        if done is None:
+            done = _run_wave(
+                parent,
+                number,
+                members,
+                len(plan),
+                train_batches,
+                held_out,
+                settings,
+                directory,
+                inputs,
+                init,
+                device,
+                max_steps,
+            )
+        results.update({r.variant: r for r in done})
+
+    ordered = {v: results[v] for v in sorted(results, key=_order)}
+    library = Library(directory, parent_fp, ordered, plan)
+    finished = _checkpoint_dir(directory) / "done"
+    outputs = {
+        r.file: (lambda path, src=finished / r.file: shutil.copyfile(src, path))
+        for r in ordered.values()
+        if r.file is not None
+    }
+    outputs[LIBRARY_FILE] = json_writer(_library_json(library, settings))
+    summary = {s: sum(r.status == s for r in ordered.values()) for s in STATUSES}
+    artifact.write(inputs, outputs, {"variants": len(ordered), **summary})
+    if dist.is_main():
+        shutil.rmtree(_checkpoint_dir(directory), ignore_errors=True)
+    dist.barrier()
+    return library
+
+
+def _first(batches: Batches) -> torch.Tensor:
+    for batch in _stream(batches):
+        return batch
+    raise ValueError("train_batches yielded no batch")
+
+
+def _print_plan(plan: list[list[Variant]], sizes: Mapping[Variant, int], settings: BLDSettings) -> None:
+    if not dist.is_main():
+        return
+    limit = settings.memory_limit_bytes
+    print(
+        f"BLD plan: {sum(map(len, plan))} variants in {len(plan)} wave(s), memory limit {limit} bytes",
+        file=sys.stderr,
+    )
+    for number, wave in enumerate(plan):
+        total = sum(sizes[v] for v in wave)
+        names = ", ".join(f"{v.block_index}:{v.id}" for v in wave)
+        print(
+            f"  wave {number}: {len(wave)} variants, ~{total / 2**20:.1f} MiB: {names}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _clear_foreign_checkpoints(directory: Path, inputs: Mapping[str, str]) -> None:
+    """Checkpoints of a run with other inputs are useless to this one: remove them (logged)."""
+    folder = _checkpoint_dir(directory)
+    for path in list(folder.glob("wave*.json")) + list((folder / "done").glob("wave*.json")):
+        try:
+            same = json.loads(path.read_text()).get("inputs") == dict(inputs)
+        except (OSError, ValueError):
+            same = False
+        if not same:
+            _log.info("BLD: removing checkpoints of another run in %s", folder)
+            shutil.rmtree(folder, ignore_errors=True)
+            return
+
+
+def _run_wave(
+    parent: HybridLM,
+    number: int,
+    members: list[Variant],
+    waves: int,
+    train_batches: Batches,
+    held_out: Sequence[torch.Tensor],
+    settings: BLDSettings,
+    directory: Path,
+    inputs: Mapping[str, str],
+    init: Callable[[Variant], nn.Module],
+    device: torch.device,
+    max_steps: int | None,
+) -> list[VariantResult]:
+    """Train one wave to the token budget (resuming from its checkpoint), save it, return its results."""
+    torch.manual_seed(settings.seed + number)
+    mixers: dict[Variant, nn.Module] = {}
+    optimizers: dict[Variant, torch.optim.AdamW] = {}
+    for variant in members:
+        mixer = init(variant).to(device=device, dtype=settings.torch_dtype)
+        mixer.requires_grad_(True)
+        mixers[variant] = mixer
+        optimizers[variant] = torch.optim.AdamW(
+            mixer.parameters(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
+        )
+    wave = _Wave(number, mixers, optimizers, {v: VariantResult(v, "trained") for v in members})
+    if not _load_checkpoint(directory, wave, inputs):
+        for variant, value in _held_out_nmse(parent, mixers, held_out, settings).items():
+            wave.results[variant].init_nmse = value
+
+    bar = progress_bar(f"BLD wave {number + 1}/{waves}", total=settings.token_budget, unit="tok")
+    bar.update(wave.tokens)
+    started, start_tokens = time.perf_counter(), wave.tokens
+    for index, batch in enumerate(_stream(train_batches)):
+        if wave.tokens >= settings.token_budget or (max_steps is not None and wave.step >= max_steps):
+            break
+        if not wave.active():
+            break
+        if index < wave.step:  # replayed data up to the checkpoint's position
+            continue
+        losses = _train_step(parent, wave, batch, settings)
+        wave.step += 1
+        wave.tokens += batch.numel()
+        bar.update(batch.numel())
+        rate = (wave.tokens - start_tokens) / max(time.perf_counter() - started, 1e-9)
+        mean = sum(losses.values()) / len(losses) if losses else float("nan")
+        bar.set_postfix(tok_s=f"{rate:.0f}", loss=f"{mean:.4f}", active=len(losses))
+        if settings.checkpoint_every and wave.step % settings.checkpoint_every == 0:
+            _save_checkpoint(directory, wave, inputs)
+    bar.close()
+    trained = {v: m for v, m in mixers.items() if wave.results[v].status == "trained"}
+    for variant, value in _held_out_nmse(parent, trained, held_out, settings).items():
+        wave.results[variant].final_nmse = value
+    _save_finished_wave(directory, wave, inputs)
+    return [wave.results[v] for v in members]
+
+
+def _library_json(library: Library, settings: BLDSettings) -> dict[str, Any]:
+    return {
+        "format": FORMAT_VERSION,
+        "parent": library.parent,
+        "settings": settings.to_dict(),
+        "weights": "each file holds the mixer's state_dict (keys relative to layers.{i}.mixer)",
+        "plan": [[_key(v) for v in wave] for wave in library.plan],
+        "variants": [r.to_dict() for r in library.results.values()],
+    }
+
+
+def read_library(directory: str | Path) -> Library:
+    """The library written by `build_library` in `directory`; errors name the file."""
+    directory = Path(directory)
+    artifact = Artifact(directory, ARTIFACT_NAME, FORMAT_VERSION)
+    artifact.read_manifest()
+    data = artifact.load_json(LIBRARY_FILE)
+    try:
+        results = [VariantResult.from_dict(entry) for entry in data["variants"]]
+        by_key = {_key(r.variant): r.variant for r in results}
+        plan = [[by_key[key] for key in wave] for wave in data["plan"]]
+        parent = data["parent"]
+    except (KeyError, TypeError, SpecError) as error:
+        raise ArtifactError(f"{artifact.path(LIBRARY_FILE)}: malformed library ({error!r})") from error
+    return Library(directory, parent, {r.variant: r for r in results}, plan)
