@@ -399,23 +399,22 @@ def _train_step(
             loss.backward()
             losses[variant] = loss.detach()
     order = sorted(active, key=_order)
-    values = torch.stack([losses[v].double().cpu() for v in order])
+    params = {v: [p for p in active[v].parameters() if p.requires_grad] for v in order}
+    dist.all_reduce_sum_([p.grad for v in order for p in params[v] if p.grad is not None])
+    values = torch.stack([losses[v] for v in order]).double()
     dist.all_reduce_sum_([values])
+    clip = settings.clip if settings.clip > 0 else math.inf
+    norms = torch.stack([torch.nn.utils.clip_grad_norm_(params[v], clip).double() for v in order])
     lr = learning_rate(settings, wave.tokens)
     result = {}
-    for variant, value in zip(order, values.tolist()):
+    # One host sync for all variants' losses and gradient norms (not one per variant on a GPU).
+    for variant, value, norm in zip(order, values.tolist(), norms.tolist()):
         mixer, record = active[variant], wave.results[variant]
-        params = [p for p in mixer.parameters() if p.requires_grad]
-        grads = [p.grad for p in params if p.grad is not None]
-        dist.all_reduce_sum_(grads)
         reason = None
         if not math.isfinite(value):
             reason = f"loss is {value}"
-        else:
-            clip = settings.clip if settings.clip > 0 else math.inf
-            norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
-            if not math.isfinite(norm):
-                reason = f"gradient norm is {norm}"
+        elif not math.isfinite(norm):
+            reason = f"gradient norm is {norm}"
         if reason is not None:
             record.status, record.failed_step, record.reason = "failed", wave.step, reason
             _log.warning(
