@@ -9,6 +9,7 @@ batch holds says exactly which corpus positions it holds.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -122,13 +123,10 @@ def test_saved_dataset(tmp_path: Path, tokenizer_dir: Path) -> None:
     assert data.documents.tokens.numel() == 80 and token_set(data.documents.tokens) == ids(texts)
 
 
-def test_saved_dataset_without_the_package_names_the_extra(tmp_path: Path, tokenizer_dir: Path) -> None:
-    try:
-        import datasets  # noqa: F401
-
-        pytest.skip("datasets is installed")
-    except ImportError:
-        pass
+def test_saved_dataset_without_the_package_names_the_extra(
+    tmp_path: Path, tokenizer_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now fails, as where it is absent
     (tmp_path / "ds").mkdir()
     (tmp_path / "ds" / "dataset_info.json").write_text("{}")
     with pytest.raises(ImportError, match=r"datasets.*puzzle-nas\[data\]"):
