@@ -1,0 +1,498 @@
+"""Replace-one-block scoring: the parent with exactly one block swapped for a library variant, on held-out tokens.
+
+For every variant: mean KL(parent || child) of the next-token distributions (nats/token, the default search
+objective), the change in LM loss, top-1 / top-5 agreement with the parent and the normalised MSE of the
+final hidden state. Positions are those with a next token in the batch (`t - 1` per row of `[b, t]`).
+
+Work per batch: the parent runs once and keeps the input of every block that has variants to score; for
+block i every variant of block i runs on that input and only blocks i+1.. are recomputed (the suffix).
+Logits never exist over the whole vocabulary: the lm_head runs one vocabulary chunk of `vocab_chunk` rows
+at a time. The parent's per-token log-normaliser, top-5 ids and target logit are kept per batch; its chunk
+logits are recomputed from its kept final hidden state (one lm_head chunk matmul) once per (batch, block)
+and shared by all variants of that block, instead of storing `[tokens, V]` fp32 log-probabilities
+(2 GB for 4,096 tokens at V = 131,072). Per variant, pass 1 streams the chunks for the child's
+log-normaliser (online logsumexp), top-5 and target logit; pass 2 streams them again for the KL sum.
+
+Scale and resume: batches are data-parallel (`puzzle.dist.shard`), the per-variant sums all-reduced in
+fp64. Variants are scored in waves (`ScoreSettings.variants_per_wave`); after each wave rank 0 saves every
+finished variant atomically to `scores.partial.json`, so a killed run loses at most the wave in flight
+and never scores a finished variant again. The final `scores.json` goes through `puzzle.artifacts.Artifact`
+(inputs: parent, data and settings fingerprints).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from puzzle import dist
+from puzzle.artifacts import (
+    Artifact,
+    fingerprint_json,
+    fingerprint_model,
+    fingerprint_spec,
+    fingerprint_tensors,
+    json_writer,
+)
+from puzzle.files import atomic_write
+from puzzle.model import Block, HybridLM, RMSNorm
+from puzzle.progress import progress
+from puzzle.spec import NoOpSpec, Variant
+
+SCORES_FILE = "scores.json"
+PARTIAL_FILE = "scores.partial.json"
+FORMAT = 1
+TOP_K = 5
+
+# Per-variant fp64 sums, one row per variant (all-reduced together).
+_KL, _CHILD_NLL, _PARENT_NLL, _TOP1, _TOP5, _SQ_ERR, _SQ_REF, _TOKENS, _NONFINITE = range(9)
+_NUM_SUMS = 9
+
+MixerSource = Mapping[Variant, nn.Module | None] | Callable[[Variant], nn.Module | None]
+
+
+@dataclass(frozen=True)
+class ScoreSettings:
+    """How to score. `vocab_chunk`: lm_head rows per chunk (peak memory, see `score_variants`).
+    `variants_per_wave`: variants whose mixers are held at once (None: all); the parent runs once per
+    batch per wave. `parent_kl_tolerance`: the largest KL (nats/token) the parent's own mixer may score
+    before the run is stopped as not reproducible (0 on the CPU; GPU kernels may add rounding noise)."""
+
+    vocab_chunk: int = 4096
+    variants_per_wave: int | None = None
+    parent_kl_tolerance: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.vocab_chunk < 1:
+            raise ValueError(f"ScoreSettings.vocab_chunk must be >= 1, found {self.vocab_chunk}")
+        if self.variants_per_wave is not None and self.variants_per_wave < 1:
+            raise ValueError(
+                f"ScoreSettings.variants_per_wave must be >= 1 or None, found {self.variants_per_wave}"
+            )
+
+
+@dataclass(frozen=True)
+class VariantScore:
+    """One variant's scores. `kl`: mean KL(parent || child) in nats/token; `lm_loss_delta`: child minus parent
+    mean next-token cross-entropy (nats/token); `top1`: fraction of positions where the child's most likely
+    token is the parent's; `top5`: fraction where the parent's most likely token is among the child's 5 most
+    likely; `hidden_nmse`: sum |h_child - h_parent|^2 / sum |h_parent|^2 of the final hidden state (after the
+    final norm, what lm_head reads). `failed`: why there are no scores (non-finite logits), else None."""
+
+    variant: Variant
+    tokens: int
+    kl: float | None
+    lm_loss_delta: float | None
+    top1: float | None
+    top5: float | None
+    hidden_nmse: float | None
+    failed: str | None = None
+    mixer: str = ""  # the mixer's fingerprint, when known
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["variant"] = self.variant.to_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> VariantScore:
+        return cls(**{**data, "variant": Variant.from_dict(data["variant"])})
+
+
+@dataclass
+class Scores:
+    """The scores of the requested variants, the token count, the parent's mean loss and the input fingerprints."""
+
+    variants: dict[Variant, VariantScore]
+    tokens: int
+    parent_loss: float
+    inputs: dict[str, str] = field(default_factory=dict)
+
+    def __getitem__(self, variant: Variant) -> VariantScore:
+        return self.variants[variant]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Chunked next-token metrics.
+
+
+def _merge_top(values: torch.Tensor | None, ids: torch.Tensor | None, z: torch.Tensor, start: int):
+    """Running top-5 (values, ids) [N, <=5] merged with chunk logits z [N, C] whose ids start at `start`."""
+    k = min(TOP_K, z.shape[-1])
+    chunk_values, chunk_ids = z.topk(k, dim=-1)
+    chunk_ids = chunk_ids + start
+    if values is None:
+        return chunk_values, chunk_ids
+    values, picked = torch.cat([values, chunk_values], -1).topk(min(TOP_K, values.shape[-1] + k), dim=-1)
+    return values, torch.cat([ids, chunk_ids], -1).gather(-1, picked)
+
+
+@dataclass
+class _Pass1:
+    """Per token [N]: log-normaliser (fp64), target logit (fp32), top-5 ids [N, 5], and which are non-finite."""
+
+    log_normaliser: torch.Tensor
+    target_logit: torch.Tensor
+    top_ids: torch.Tensor
+    nonfinite: torch.Tensor
+
+
+def _chunks(vocab: int, chunk: int) -> list[tuple[int, int]]:
+    return [(start, min(start + chunk, vocab)) for start in range(0, vocab, chunk)]
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """hidden [N, H] -> fp32 logits [N, stop - start] of vocabulary rows start..stop (as HybridLM.forward)."""
+    return torch.nn.functional.linear(hidden, weight[start:stop]).float()
+
+
+def _pass1(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> _Pass1:
+    """Stream the vocabulary once: online logsumexp, top-5 and the target's logit of hidden [N, H]."""
+    n = hidden.shape[0]
+    running_max = torch.full((n,), -math.inf, dtype=torch.float64, device=hidden.device)
+    running_sum = torch.zeros(n, dtype=torch.float64, device=hidden.device)
+    target_logit = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+    nonfinite = torch.zeros(n, dtype=torch.bool, device=hidden.device)
+    values = ids = None
+    for start, stop in _chunks(weight.shape[0], chunk):
+        z = _logits(hidden, weight, start, stop)
+        nonfinite |= ~torch.isfinite(z).all(-1)
+        new_max = torch.maximum(running_max, z.max(-1).values.double())
+        # -inf - -inf is nan: rows with no finite logit so far keep a zero sum (they are non-finite anyway).
+        scale = torch.exp(torch.nan_to_num(running_max - new_max, nan=0.0))
+        shifted = torch.exp(z - new_max.float()[:, None]).sum(-1, dtype=torch.float64)
+        running_sum = running_sum * scale + shifted
+        running_max = new_max
+        inside = (targets >= start) & (targets < stop)
+        local = (targets - start).clamp(0, stop - start - 1)
+        target_logit = torch.where(inside, z.gather(-1, local[:, None])[:, 0], target_logit)
+        values, ids = _merge_top(values, ids, z, start)
+    return _Pass1(running_max + running_sum.log(), target_logit, ids, nonfinite)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Mixers and blocks.
+
+
+def _mixer_fingerprint(mixer: nn.Module) -> str:
+    """sha256 of a mixer's spec and a sample of each weight (as `fingerprint_model`, for a block)."""
+    digest = hashlib.sha256(fingerprint_spec(mixer.spec).encode())
+    for name, tensor in mixer.state_dict().items():
+        flat = tensor.detach().reshape(-1)
+        stride = max(1, flat.numel() // 64)
+        sample = torch.cat([flat[:64], flat[::stride][:64]]).float().cpu().contiguous()
+        digest.update(f"{name}|{tuple(tensor.shape)}|".encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _variant_block(parent: HybridLM, variant: Variant, mixer: nn.Module) -> Block:
+    """Block `variant.block_index` of the parent with `mixer` in it (as `HybridLM.replace_mixer` would make it):
+    the parent's pre-norm, or a fresh one (weight 1) where the parent's block had none; none for a no-op."""
+    index = variant.block_index
+    if getattr(mixer, "spec", None) != variant.spec:
+        found = getattr(mixer, "spec", type(mixer).__name__)
+        raise ValueError(
+            f"variant {index}:{variant.id}: its mixer's spec is {found}, expected {variant.spec}"
+        )
+    own = parent.layers[index]
+    hidden = parent.spec.hidden_size
+    block = Block(NoOpSpec(), hidden, parent.norm_f.eps, mixer)  # no norm yet: set below
+    if isinstance(variant.spec, NoOpSpec):
+        block.norm = None
+    elif own.norm is not None:
+        block.norm = own.norm
+    else:
+        weight = parent.norm_f.weight
+        block.norm = RMSNorm(hidden, parent.norm_f.eps).to(device=weight.device, dtype=weight.dtype)
+    return block
+
+
+def _get_mixer(parent: HybridLM, mixers: MixerSource, variant: Variant) -> nn.Module:
+    """The variant's mixer; None (or no entry) for the parent's own block spec means the parent's mixer."""
+    mixer = mixers(variant) if callable(mixers) else mixers.get(variant)
+    if mixer is None:
+        own = parent.layers[variant.block_index].mixer
+        if variant.spec != own.spec:
+            raise ValueError(
+                f"variant {variant.block_index}:{variant.id}: no mixer given (None is allowed only for the "
+                f"parent's own block, {own.spec.short_name()})"
+            )
+        return own
+    return mixer
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One batch.
+
+
+@torch.no_grad()
+def _score_batch(
+    parent: HybridLM,
+    ids: torch.Tensor,
+    wave: Sequence[Variant],
+    mixers: Mapping[Variant, nn.Module],
+    sums: torch.Tensor,
+    chunk: int,
+) -> None:
+    """Add this batch's sums for every variant of `wave` to `sums` [len(wave) + 1, _NUM_SUMS] (fp64); the last
+    row is the parent's own (positions and cross-entropy)."""
+    if ids.ndim != 2 or ids.dtype != torch.long:
+        raise ValueError(
+            f"a held-out batch must be int64 [batch, tokens], found {ids.dtype} {list(ids.shape)}"
+        )
+    if ids.shape[1] < 2:
+        return  # no position has a next token
+    weight = parent.lm_head.weight
+    targets = ids[:, 1:].reshape(-1)
+    blocks_needed = {v.block_index for v in wave}
+    # The parent once: the input of every block with a variant in this wave, and its final hidden state.
+    x = parent.embeddings(ids)
+    inputs: dict[int, torch.Tensor] = {}
+    for index, block in enumerate(parent.layers):
+        if index in blocks_needed:
+            inputs[index] = x
+        x = block(x)
+
+    def final(x: torch.Tensor) -> torch.Tensor:
+        return parent.norm_f(x)[:, :-1].reshape(-1, x.shape[-1])
+
+    parent_hidden = final(x)
+    parent_stats = _pass1(parent_hidden, weight, targets, chunk)
+    parent_top1 = parent_stats.top_ids[:, 0]
+    parent_nll = parent_stats.log_normaliser - parent_stats.target_logit.double()
+    parent_sq = parent_hidden.float().pow(2).sum(dtype=torch.float64)
+    sums[-1, _TOKENS] += targets.numel()
+    sums[-1, _PARENT_NLL] += parent_nll.sum()
+    rows = {variant: row for row, variant in enumerate(wave)}
+    for index in sorted(blocks_needed):
+        block_variants = [v for v in wave if v.block_index == index]
+        children: list[tuple[int, torch.Tensor, _Pass1]] = []
+        for variant in block_variants:
+            row = rows[variant]
+            y = _variant_block(parent, variant, mixers[variant])(inputs[index])
+            for block in parent.layers[index + 1 :]:
+                y = block(y)
+            hidden = final(y)
+            stats = _pass1(hidden, weight, targets, chunk)
+            bad = stats.nonfinite | ~torch.isfinite(hidden).all(-1)
+            sums[row, _TOKENS] += targets.numel()
+            if bool(bad.any()):
+                sums[row, _NONFINITE] += bad.sum()
+                continue
+            sums[row, _CHILD_NLL] += (stats.log_normaliser - stats.target_logit.double()).sum()
+            sums[row, _PARENT_NLL] += parent_nll.sum()
+            sums[row, _TOP1] += (stats.top_ids[:, 0] == parent_top1).sum()
+            sums[row, _TOP5] += (stats.top_ids == parent_top1[:, None]).any(-1).sum()
+            sums[row, _SQ_ERR] += (hidden.float() - parent_hidden.float()).pow(2).sum(dtype=torch.float64)
+            sums[row, _SQ_REF] += parent_sq
+            children.append((row, hidden, stats))
+        # Pass 2: each parent chunk once for the block, then every child's same chunk.
+        kl = {
+            row: torch.zeros(targets.numel(), dtype=torch.float64, device=ids.device)
+            for row, _, _ in children
+        }
+        for start, stop in _chunks(weight.shape[0], chunk):
+            parent_logp = (
+                _logits(parent_hidden, weight, start, stop) - parent_stats.log_normaliser.float()[:, None]
+            )
+            parent_p = parent_logp.exp()
+            for row, hidden, stats in children:
+                child_logp = _logits(hidden, weight, start, stop) - stats.log_normaliser.float()[:, None]
+                kl[row] += (parent_p * (parent_logp - child_logp)).sum(-1, dtype=torch.float64)
+                del child_logp
+        for row, value in kl.items():
+            sums[row, _KL] += value.sum()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The stage.
+
+
+def _record(variant: Variant, row: torch.Tensor, fingerprint: str) -> VariantScore:
+    """A VariantScore from the all-reduced sums of one variant."""
+    tokens = int(row[_TOKENS])
+    if row[_NONFINITE] > 0:
+        reason = f"non-finite logits or hidden states at {int(row[_NONFINITE])} of {tokens} positions"
+        return VariantScore(variant, tokens, None, None, None, None, None, reason, fingerprint)
+    if tokens == 0:
+        return VariantScore(variant, 0, None, None, None, None, None, "no held-out positions", fingerprint)
+    return VariantScore(
+        variant,
+        tokens,
+        kl=float(row[_KL] / tokens),
+        lm_loss_delta=float((row[_CHILD_NLL] - row[_PARENT_NLL]) / tokens),
+        top1=float(row[_TOP1] / tokens),
+        top5=float(row[_TOP5] / tokens),
+        hidden_nmse=float(row[_SQ_ERR] / row[_SQ_REF]) if row[_SQ_REF] > 0 else None,
+        mixer=fingerprint,
+    )
+
+
+def _key(variant: Variant) -> str:
+    return f"{variant.block_index}:{variant.id}"
+
+
+def _load_done(
+    directory: Path, inputs: Mapping[str, str]
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """(variant key -> saved record, saved totals) from scores.json and scores.partial.json made from `inputs`."""
+    done: dict[str, dict[str, Any]] = {}
+    totals: dict[str, Any] = {}
+    artifact = Artifact(directory, "scores", FORMAT)
+    if artifact.why_not_current(inputs) is None:
+        saved = artifact.load_json(SCORES_FILE)
+        totals = {"tokens": saved["tokens"], "parent_loss": saved["parent_loss"]}
+        done.update({_key(Variant.from_dict(r["variant"])): r for r in saved["variants"]})
+    partial = directory / PARTIAL_FILE
+    if partial.is_file():
+        try:
+            saved = json.loads(partial.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            saved = {}
+        if saved.get("inputs") == dict(inputs):
+            totals = totals or {"tokens": saved["tokens"], "parent_loss": saved["parent_loss"]}
+            done.update({_key(Variant.from_dict(r["variant"])): r for r in saved["variants"]})
+    return done, totals
+
+
+def _content(
+    inputs: Mapping[str, str], records: Mapping[str, dict[str, Any]], totals: Mapping[str, Any]
+) -> dict:
+    ordered = [records[key] for key in sorted(records, key=lambda k: (int(k.split(":")[0]), k))]
+    return {"inputs": dict(inputs), **totals, "variants": ordered}
+
+
+def score_variants(
+    parent: HybridLM,
+    variants: Iterable[Variant],
+    mixers: MixerSource,
+    batches: Sequence[torch.Tensor] | Callable[[], Iterable[torch.Tensor]],
+    out_dir: str | Path,
+    settings: ScoreSettings | None = None,
+    *,
+    data_fingerprint: str | None = None,
+    mixer_fingerprints: Mapping[Variant, str] | None = None,
+) -> Scores:
+    """Score every variant as the parent with only its block replaced, on held-out `batches`; write scores.json.
+
+    `mixers`: variant -> its mixer (a module from `build_block`, same device and dtype as the parent), or a
+    callable building / loading one on demand (called once per wave for the variants still to score, so a
+    big library is never all in memory); None for a variant with the parent's own block spec means the
+    parent's mixer, whose score is computed like any other and must be 0 KL and full agreement (checked).
+    `batches`: held-out int64 `[b, t]` token batches, a sequence or a zero-argument callable returning a
+    fresh iterable (the batches are read once per wave); each rank scores its `dist.shard` of them.
+    `data_fingerprint`: names the data (e.g. `fingerprint_file` of the token file); default
+    `fingerprint_tensors` of the batches. `mixer_fingerprints`: per variant, a fingerprint of its weights;
+    a saved score with another fingerprint is recomputed. Without one, a mixer given in a mapping is
+    fingerprinted from its weights; one from a callable is trusted by its id.
+
+    Peak memory beyond the forward passes, per batch of N = b * (t - 1) positions: the kept block inputs
+    (N * H per block with variants in the wave, parent dtype), each variant of the block being scored's
+    final hidden state (N * H), and for the variant in flight about 5 fp32 `[N, vocab_chunk]` tensors
+    (parent and child chunk logits, log-probabilities, product): 20 * N * vocab_chunk bytes, 335 MB for
+    N = 4,096 and the default chunk 4,096 at any vocabulary size.
+
+    Collective under torch.distributed (same arguments on every rank). Returns the requested variants'
+    scores; scores.json holds every variant scored so far from the same parent, data and settings.
+    """
+    settings = settings or ScoreSettings()
+    out_dir = Path(out_dir)
+    requested = list(dict.fromkeys(variants))
+    for variant in requested:
+        if variant.block_index >= parent.spec.num_blocks:
+            raise ValueError(f"variant {_key(variant)}: the parent has {parent.spec.num_blocks} blocks")
+    if callable(batches) and not isinstance(batches, Sequence):
+        read_batches = batches
+    else:
+        listed = list(batches)
+        read_batches = lambda: listed  # noqa: E731
+    if data_fingerprint is None:
+        data_fingerprint = fingerprint_tensors(list(read_batches()))
+    inputs = {
+        "parent": fingerprint_model(parent),
+        "data": data_fingerprint,
+        "settings": fingerprint_json({"format": FORMAT, "top_k": TOP_K}),
+    }
+
+    def fingerprint_of(variant: Variant) -> str:
+        if mixer_fingerprints is not None and variant in mixer_fingerprints:
+            return mixer_fingerprints[variant]
+        if not callable(mixers):
+            mixer = mixers.get(variant)
+            return _mixer_fingerprint(
+                mixer if mixer is not None else parent.layers[variant.block_index].mixer
+            )
+        return ""
+
+    fingerprints = {variant: fingerprint_of(variant) for variant in requested}
+    done, totals = _load_done(out_dir, inputs) if dist.is_main() else ({}, {})
+    done, totals = dist.broadcast_object((done, totals))
+    pending = [
+        v for v in requested if _key(v) not in done or done[_key(v)].get("mixer", "") != fingerprints[v]
+    ]
+    pending.sort(key=lambda v: (v.block_index, v.id))
+    size = settings.variants_per_wave or max(1, len(pending))
+    waves = [pending[start : start + size] for start in range(0, len(pending), size)]
+    device = parent.lm_head.weight.device
+    parent_was_training = parent.training
+    parent.eval()
+    try:
+        for number, wave in enumerate(waves):
+            held = {v: _get_mixer(parent, mixers, v) for v in wave}
+            sums = torch.zeros(len(wave) + 1, _NUM_SUMS, dtype=torch.float64, device=device)
+            shard = dist.shard(read_batches())
+            for ids in progress(shard, desc=f"scoring wave {number + 1}/{len(waves)}", unit="batch"):
+                _score_batch(parent, ids.to(device), wave, held, sums, settings.vocab_chunk)
+            dist.all_reduce_sum_([sums])
+            sums = sums.cpu()
+            for row, variant in enumerate(wave):
+                record = _record(variant, sums[row], fingerprints[variant])
+                own = held[variant] is parent.layers[variant.block_index].mixer
+                if own and not (record.failed is None and record.kl <= settings.parent_kl_tolerance):
+                    raise RuntimeError(
+                        f"block {variant.block_index}: the parent's own mixer scores {record}, expected KL 0 "
+                        f"and full agreement: the suffix recomputation does not reproduce the parent "
+                        f"(non-deterministic kernels?)"
+                    )
+                done[_key(variant)] = record.to_dict()
+            tokens = int(sums[-1, _TOKENS])
+            totals = {
+                "tokens": tokens,
+                "parent_loss": float(sums[-1, _PARENT_NLL] / tokens) if tokens else None,
+            }
+            del held
+            with dist.main_process_first():
+                if dist.is_main():
+                    atomic_write(out_dir / PARTIAL_FILE, json_writer(_content(inputs, done, totals)))
+    finally:
+        parent.train(parent_was_training)
+    totals = totals or {"tokens": 0, "parent_loss": None}
+    artifact = Artifact(out_dir, "scores", FORMAT)
+    if waves or artifact.why_not_current(inputs) is not None:
+        content = _content(inputs, done, totals)
+        artifact.write(inputs, {SCORES_FILE: json_writer(content)}, info={**totals, "variants": len(done)})
+    with dist.main_process_first():
+        if dist.is_main():
+            (out_dir / PARTIAL_FILE).unlink(missing_ok=True)
+    scores = {v: VariantScore.from_dict(done[_key(v)]) for v in requested}
+    return Scores(scores, totals["tokens"], totals["parent_loss"], inputs)
+
+
+def load_scores(out_dir: str | Path) -> Scores:
+    """Every variant's scores from a finished scores.json (errors name the file)."""
+    artifact = Artifact(Path(out_dir), "scores", FORMAT)
+    manifest = artifact.read_manifest()
+    saved = artifact.load_json(SCORES_FILE)
+    records = [VariantScore.from_dict(r) for r in saved["variants"]]
+    return Scores(
+        {r.variant: r for r in records}, saved["tokens"], saved["parent_loss"], dict(manifest.inputs)
+    )

@@ -1,0 +1,254 @@
+"""puzzle.score: replace-one-block scores against one full forward per variant, chunking, resume, 2 gloo ranks."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from nemotron_helpers import EVERY_KIND_SPEC as SPEC
+
+from puzzle import dist
+from puzzle.blocks import build_block
+from puzzle.model import HybridLM
+from puzzle.prune import collect_importance, init_child
+from puzzle.score import PARTIAL_FILE, SCORES_FILE, ScoreSettings, load_scores, score_variants
+from puzzle.spec import LinearSpec, MambaSpec, MLPSpec, MoESpec, NoOpSpec, Variant
+
+BATCH_SHAPES = ((2, 12), (3, 8), (1, 20))
+
+
+def _parent() -> HybridLM:
+    torch.manual_seed(0)
+    return HybridLM(SPEC).eval()
+
+
+def _batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, SPEC.vocab_size, shape, generator=generator) for shape in BATCH_SHAPES]
+
+
+def _library(parent: HybridLM) -> dict[Variant, torch.nn.Module | None]:
+    """Variants of every block: the parent's own (None: its mixer), pruned ones from init_child, new kinds."""
+    importance = collect_importance(parent, _batches())
+    blocks = parent.spec.blocks
+    pruned = {
+        0: [MambaSpec(num_heads=2, head_dim=4, state_size=6, n_groups=2, chunk_size=8)],
+        1: [NoOpSpec(), LinearSpec()],
+        2: [MoESpec(num_experts=3, top_k=1, expert_width=(8, 6, 8), shared_width=8, latent_size=12)],
+        3: [MLPSpec(width=6), NoOpSpec()],
+        4: [NoOpSpec()],
+    }
+    library: dict[Variant, torch.nn.Module | None] = {Variant(i, spec): None for i, spec in enumerate(blocks)}
+    for index, specs in pruned.items():
+        block = parent.layers[index].mixer
+        for spec in specs:
+            library[Variant(index, spec)] = init_child(block, blocks[index], spec, importance[index])
+    torch.manual_seed(2)
+    library[Variant(5, MLPSpec(width=8))] = build_block(
+        MLPSpec(width=8), SPEC.hidden_size
+    )  # into a no-op block
+    return library
+
+
+@torch.no_grad()
+def _naive(parent: HybridLM, variant: Variant, mixer, batches) -> dict[str, float]:
+    """One full forward of a copy of the parent with the block replaced; every metric from whole-vocab fp64."""
+    child = copy.deepcopy(parent)
+    if mixer is not None:
+        child.replace_mixer(variant.block_index, copy.deepcopy(mixer))
+    totals = dict.fromkeys(
+        ["kl", "child_nll", "parent_nll", "top1", "top5", "sq_err", "sq_ref", "tokens"], 0.0
+    )
+    for ids in batches:
+        targets = ids[:, 1:].reshape(-1)
+        logp = F.log_softmax(parent(ids).logits[:, :-1].reshape(targets.numel(), -1).double(), -1)
+        logq = F.log_softmax(child(ids).logits[:, :-1].reshape(targets.numel(), -1).double(), -1)
+        hp = parent.norm_f(parent.backbone(ids))[:, :-1].double()
+        hq = child.norm_f(child.backbone(ids))[:, :-1].double()
+        top = logp.argmax(-1)
+        totals["kl"] += float((logp.exp() * (logp - logq)).sum())
+        totals["child_nll"] += float(-logq.gather(-1, targets[:, None]).sum())
+        totals["parent_nll"] += float(-logp.gather(-1, targets[:, None]).sum())
+        totals["top1"] += float((logq.argmax(-1) == top).sum())
+        totals["top5"] += float((logq.topk(5, -1).indices == top[:, None]).any(-1).sum())
+        totals["sq_err"] += float((hq - hp).pow(2).sum())
+        totals["sq_ref"] += float(hp.pow(2).sum())
+        totals["tokens"] += targets.numel()
+    n = totals["tokens"]
+    return {
+        "kl": totals["kl"] / n,
+        "lm_loss_delta": (totals["child_nll"] - totals["parent_nll"]) / n,
+        "top1": totals["top1"] / n,
+        "top5": totals["top5"] / n,
+        "hidden_nmse": totals["sq_err"] / totals["sq_ref"],
+        "tokens": n,
+    }
+
+
+@pytest.mark.parametrize("chunk", [7, 16, 40])
+def test_suffix_scores_equal_one_full_forward_per_variant(tmp_path, chunk):
+    """Suffix-only recomputation with the vocabulary in chunks (7 and 16 do not divide 40) = the naive oracle."""
+    parent, batches = _parent(), _batches()
+    library = _library(parent)
+    scores = score_variants(parent, library, library, batches, tmp_path, ScoreSettings(vocab_chunk=chunk))
+    assert scores.tokens == sum(b.shape[0] * (b.shape[1] - 1) for b in batches)
+    kls = []
+    for variant, mixer in library.items():
+        got, expected = scores[variant], _naive(parent, variant, mixer, batches)
+        assert got.failed is None and got.tokens == expected["tokens"], variant
+        for name in ("kl", "lm_loss_delta", "top1", "top5", "hidden_nmse"):
+            assert getattr(got, name) == pytest.approx(expected[name], abs=1e-6, rel=1e-6), (variant, name)
+        kls.append(got.kl)
+    # The parent's own 6 score exactly 0; the 8 others really differ from the parent.
+    assert kls[:6] == [0.0] * 6 and all(kl > 1e-5 for kl in kls[6:]) and len(kls) == 14
+
+
+def test_parent_scores_zero_and_full_agreement(tmp_path):
+    parent, batches = _parent(), _batches()
+    own = {Variant(i, spec): None for i, spec in enumerate(parent.spec.blocks)}
+    scores = score_variants(parent, own, own, batches, tmp_path, ScoreSettings(vocab_chunk=16))
+    for variant in own:
+        score = scores[variant]
+        assert (score.kl, score.lm_loss_delta, score.top1, score.top5, score.hidden_nmse) == (0, 0, 1, 1, 0)
+    naive_loss = _naive(parent, Variant(0, parent.spec.blocks[0]), None, batches)
+    assert scores.parent_loss > 0 and naive_loss["lm_loss_delta"] == 0
+
+
+def test_non_finite_variant_is_failed_and_others_unaffected(tmp_path):
+    parent, batches = _parent(), _batches()
+    torch.manual_seed(3)
+    good, bad = (
+        build_block(MLPSpec(width=6), SPEC.hidden_size),
+        build_block(MLPSpec(width=4), SPEC.hidden_size),
+    )
+    with torch.no_grad():
+        next(bad.parameters())[0, 0] = float("nan")
+    library = {Variant(3, MLPSpec(width=6)): good, Variant(3, MLPSpec(width=4)): bad}
+    scores = score_variants(parent, library, library, batches, tmp_path)
+    failed = scores[Variant(3, MLPSpec(width=4))]
+    assert failed.kl is None and failed.top1 is None and "non-finite" in failed.failed
+    ok = scores[Variant(3, MLPSpec(width=6))]
+    assert ok.failed is None and ok.kl == pytest.approx(
+        _naive(parent, ok.variant, good, batches)["kl"], abs=1e-6
+    )
+    saved = json.loads((tmp_path / SCORES_FILE).read_text())
+    assert [r["failed"] is not None for r in saved["variants"]] == [True, False]  # sorted by id: mlp:w4 first
+
+
+def _forward_counter(library):
+    calls: dict[Variant, int] = {}
+    for variant, mixer in library.items():
+        if mixer is not None:
+            calls[variant] = 0
+            mixer.register_forward_hook(lambda *_, v=variant: calls.__setitem__(v, calls[v] + 1))
+    return calls
+
+
+def _runnable(parent: HybridLM) -> dict[Variant, torch.nn.Module]:
+    """The library's variants whose mixer runs (a no-op block never calls its mixer: nothing to count)."""
+    return {v: m for v, m in _library(parent).items() if m is not None and not isinstance(v.spec, NoOpSpec)}
+
+
+def test_resume_scores_only_new_variants(tmp_path):
+    parent, batches = _parent(), _batches()
+    library = _runnable(parent)
+    first, new = list(library)[:-1], list(library)[-1]
+    calls = _forward_counter(library)
+    before = score_variants(parent, first, library, batches, tmp_path)
+    assert all(calls[v] == len(batches) for v in first) and calls[new] == 0
+    calls.update(dict.fromkeys(calls, 0))
+    after = score_variants(parent, list(library), library, batches, tmp_path)
+    assert calls == {**dict.fromkeys(first, 0), new: len(batches)}  # only the new variant ran
+    assert all(after[v] == before[v] for v in first)
+    assert load_scores(tmp_path).variants == after.variants
+    # Nothing to do the third time: no mixer runs and nothing is read but the saved file.
+    calls.update(dict.fromkeys(calls, 0))
+    assert score_variants(parent, list(library), library, batches, tmp_path).variants == after.variants
+    assert set(calls.values()) == {0}
+    # Other data: everything is scored again.
+    score_variants(parent, first, library, batches[:2], tmp_path)
+    assert all(calls[v] == 2 for v in first)
+
+
+def test_killed_run_keeps_finished_waves(tmp_path):
+    """A loader that fails in the 3rd wave: the first two waves are kept and never recomputed."""
+    parent, batches = _parent(), _batches()
+    library = _runnable(parent)
+    order = sorted(library, key=lambda v: (v.block_index, v.id))
+    calls = _forward_counter(library)
+
+    def failing_loader(variant):
+        if variant == order[2]:
+            raise OSError("disk gone")
+        return library[variant]
+
+    settings = ScoreSettings(variants_per_wave=1)
+    with pytest.raises(OSError, match="disk gone"):
+        score_variants(parent, order, failing_loader, batches, tmp_path, settings)
+    partial = json.loads((tmp_path / PARTIAL_FILE).read_text())
+    assert [r["variant"]["id"] for r in partial["variants"]] == [v.id for v in order[:2]]
+    assert not (tmp_path / SCORES_FILE).exists()
+    calls.update(dict.fromkeys(calls, 0))
+    resumed = score_variants(parent, order, library.__getitem__, batches, tmp_path, settings)
+    assert [calls[v] for v in order] == [0, 0] + [len(batches)] * (len(order) - 2)
+    assert not (tmp_path / PARTIAL_FILE).exists()
+    uninterrupted = score_variants(parent, order, library, batches, tmp_path / "whole")
+    for v in order:
+        assert resumed[v].kl == pytest.approx(uninterrupted[v].kl, rel=1e-12, abs=1e-15)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Two ranks on gloo.
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, directory: str) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    assert dist.init_from_env() is True
+    try:
+        parent = _parent()
+        library = _library(parent)
+        scores = score_variants(
+            parent, library, library, _batches(), Path(directory), ScoreSettings(vocab_chunk=16)
+        )
+        records = {f"{v.block_index}:{v.id}": s.to_dict() for v, s in scores.variants.items()}
+        Path(directory, f"rank{rank}.json").write_text(json.dumps(records))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_gloo_ranks_give_the_single_process_scores(tmp_path):
+    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path / "two")), nprocs=2, join=True)
+    parent = _parent()
+    library = _library(parent)
+    one = score_variants(
+        parent, library, library, _batches(), tmp_path / "one", ScoreSettings(vocab_chunk=16)
+    )
+    ranks = [json.loads((tmp_path / "two" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+    two = load_scores(tmp_path / "two")
+    assert two.tokens == one.tokens and two.parent_loss == pytest.approx(one.parent_loss, rel=1e-12)
+    for variant, score in one.variants.items():
+        other = two[variant]
+        assert other.tokens == score.tokens and other.top1 == score.top1 and other.top5 == score.top5
+        for name in ("kl", "lm_loss_delta", "hidden_nmse"):
+            assert getattr(other, name) == pytest.approx(getattr(score, name), rel=1e-9, abs=1e-12), name
