@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -55,6 +56,8 @@ TOP_K = 5
 # Per-variant fp64 sums, one row per variant (all-reduced together).
 _KL, _CHILD_NLL, _PARENT_NLL, _TOP1, _TOP5, _SQ_ERR, _SQ_REF, _TOKENS, _NONFINITE = range(9)
 _NUM_SUMS = 9
+
+_log = logging.getLogger(__name__)
 
 MixerSource = Mapping[Variant, nn.Module | None] | Callable[[Variant], nn.Module | None]
 
@@ -341,27 +344,38 @@ def _key(variant: Variant) -> str:
     return f"{variant.block_index}:{variant.id}"
 
 
+def _saved_records(data: Any, inputs: Mapping[str, str]) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """(variant key -> record, totals) of a saved scores file made from `inputs`; ValueError etc. if malformed."""
+    if not isinstance(data, dict) or data.get("inputs") != dict(inputs):
+        raise ValueError("made from other inputs")
+    totals = {"tokens": int(data["tokens"]), "parent_loss": data["parent_loss"]}
+    records = [VariantScore.from_dict(record) for record in data["variants"]]  # validates every record
+    return {_key(r.variant): r.to_dict() for r in records}, totals
+
+
 def _load_done(
     directory: Path, inputs: Mapping[str, str]
-) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
-    """(variant key -> saved record, saved totals) from scores.json and scores.partial.json made from `inputs`."""
+) -> tuple[dict[str, dict[str, Any]], dict[str, Any], bool]:
+    """(variant key -> saved record, totals, whether scores.json is current) from scores.json and
+    scores.partial.json made from `inputs`; a damaged or foreign file is ignored (its variants are rescored)."""
     done: dict[str, dict[str, Any]] = {}
     totals: dict[str, Any] = {}
     artifact = Artifact(directory, "scores", FORMAT)
-    if artifact.why_not_current(inputs) is None:
-        saved = artifact.load_json(SCORES_FILE)
-        totals = {"tokens": saved["tokens"], "parent_loss": saved["parent_loss"]}
-        done.update({_key(Variant.from_dict(r["variant"])): r for r in saved["variants"]})
-    partial = directory / PARTIAL_FILE
-    if partial.is_file():
+    current = False
+    for path in (artifact.path(SCORES_FILE), directory / PARTIAL_FILE):
+        if path.name == SCORES_FILE and artifact.why_not_current(inputs) is not None:
+            continue
+        if not path.is_file():
+            continue
         try:
-            saved = json.loads(partial.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            saved = {}
-        if saved.get("inputs") == dict(inputs):
-            totals = totals or {"tokens": saved["tokens"], "parent_loss": saved["parent_loss"]}
-            done.update({_key(Variant.from_dict(r["variant"])): r for r in saved["variants"]})
-    return done, totals
+            records, saved_totals = _saved_records(json.loads(path.read_text()), inputs)
+        except (ValueError, KeyError, TypeError) as error:  # JSONDecodeError and SpecError are ValueErrors
+            _log.info("scores in %s are not reused: %s", path, error)
+            continue
+        current = current or path.name == SCORES_FILE
+        done.update(records)
+        totals = totals or saved_totals
+    return done, totals, current
 
 
 def _content(
@@ -434,10 +448,13 @@ def score_variants(
         return ""
 
     fingerprints = {variant: fingerprint_of(variant) for variant in requested}
-    done, totals = _load_done(out_dir, inputs) if dist.is_main() else ({}, {})
-    done, totals = dist.broadcast_object((done, totals))
+    done, totals, current = _load_done(out_dir, inputs) if dist.is_main() else ({}, {}, False)
+    done, totals, current = dist.broadcast_object((done, totals, current))
+    # An unknown fingerprint ("": a mixer from a callable) trusts the saved score of the same variant id.
     pending = [
-        v for v in requested if _key(v) not in done or done[_key(v)].get("mixer", "") != fingerprints[v]
+        v
+        for v in requested
+        if _key(v) not in done or fingerprints[v] not in ("", done[_key(v)].get("mixer", ""))
     ]
     pending.sort(key=lambda v: (v.block_index, v.id))
     size = settings.variants_per_wave or max(1, len(pending))
@@ -477,7 +494,7 @@ def score_variants(
         parent.train(parent_was_training)
     totals = totals or {"tokens": 0, "parent_loss": None}
     artifact = Artifact(out_dir, "scores", FORMAT)
-    if waves or artifact.why_not_current(inputs) is not None:
+    if waves or not current:
         content = _content(inputs, done, totals)
         artifact.write(inputs, {SCORES_FILE: json_writer(content)}, info={**totals, "variants": len(done)})
     with dist.main_process_first():

@@ -172,6 +172,12 @@ def test_resume_scores_only_new_variants(tmp_path):
     calls.update(dict.fromkeys(calls, 0))
     assert score_variants(parent, list(library), library, batches, tmp_path).variants == after.variants
     assert set(calls.values()) == {0}
+    # A retrained mixer (other weights, same id) is scored again; the others are not.
+    with torch.no_grad():
+        next(library[new].parameters()).mul_(0.5)
+    calls.update(dict.fromkeys(calls, 0))
+    changed = score_variants(parent, list(library), library, batches, tmp_path)
+    assert calls == {**dict.fromkeys(first, 0), new: len(batches)} and changed[new].kl != after[new].kl
     # Other data: everything is scored again.
     score_variants(parent, first, library, batches[:2], tmp_path)
     assert all(calls[v] == 2 for v in first)
