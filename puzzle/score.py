@@ -7,11 +7,12 @@ final hidden state. Positions are those with a next token in the batch (`t - 1` 
 Work per batch: the parent runs once and keeps the input of every block that has variants to score; for
 block i every variant of block i runs on that input and only blocks i+1.. are recomputed (the suffix).
 Logits never exist over the whole vocabulary: the lm_head runs one vocabulary chunk of `vocab_chunk` rows
-at a time. The parent's per-token log-normaliser, top-5 ids and target logit are kept per batch; its chunk
-logits are recomputed from its kept final hidden state (one lm_head chunk matmul) once per (batch, block)
-and shared by all variants of that block, instead of storing `[tokens, V]` fp32 log-probabilities
-(2 GB for 4,096 tokens at V = 131,072). Per variant, pass 1 streams the chunks for the child's
-log-normaliser (online logsumexp), top-5 and target logit; pass 2 streams them again for the KL sum.
+at a time. The parent's logits stream once per batch for its per-token log-normaliser, top-5 ids and
+target logit, which are kept with its final hidden state; its chunk logits are then recomputed from that
+hidden state (one lm_head chunk matmul) once per (batch, block) and shared by all variants of the block,
+instead of storing `[tokens, V]` fp32 log-probabilities (2 GB for 4,096 tokens at V = 131,072). Each
+variant's logits stream once: online logsumexp, top-5, target logit and the KL's cross term together
+(`_Stream.kl` shows why one pass suffices), so a variant costs one lm_head matmul, as a full forward does.
 
 Scale and resume: batches are data-parallel (`puzzle.dist.shard`), the per-variant sums all-reduced in
 fp64. Variants are scored in waves (`ScoreSettings.variants_per_wave`); after each wave rank 0 saves every
@@ -138,16 +139,6 @@ def _merge_top(values: torch.Tensor | None, ids: torch.Tensor | None, z: torch.T
     return values, torch.cat([ids, chunk_ids], -1).gather(-1, picked)
 
 
-@dataclass
-class _Pass1:
-    """Per token [N]: log-normaliser (fp64), target logit (fp32), top-5 ids [N, 5], and which are non-finite."""
-
-    log_normaliser: torch.Tensor
-    target_logit: torch.Tensor
-    top_ids: torch.Tensor
-    nonfinite: torch.Tensor
-
-
 def _chunks(vocab: int, chunk: int) -> list[tuple[int, int]]:
     return [(start, min(start + chunk, vocab)) for start in range(0, vocab, chunk)]
 
@@ -157,28 +148,61 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, start: int, stop: int) -
     return torch.nn.functional.linear(hidden, weight[start:stop]).float()
 
 
-def _pass1(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int) -> _Pass1:
-    """Stream the vocabulary once: online logsumexp, top-5 and the target's logit of hidden [N, H]."""
-    n = hidden.shape[0]
-    running_max = torch.full((n,), -math.inf, dtype=torch.float64, device=hidden.device)
-    running_sum = torch.zeros(n, dtype=torch.float64, device=hidden.device)
-    target_logit = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-    nonfinite = torch.zeros(n, dtype=torch.bool, device=hidden.device)
-    values = ids = None
-    for start, stop in _chunks(weight.shape[0], chunk):
-        z = _logits(hidden, weight, start, stop)
-        nonfinite |= ~torch.isfinite(z).all(-1)
-        new_max = torch.maximum(running_max, z.max(-1).values.double())
-        # -inf - -inf is nan: rows with no finite logit so far keep a zero sum (they are non-finite anyway).
-        scale = torch.exp(torch.nan_to_num(running_max - new_max, nan=0.0))
-        shifted = torch.exp(z - new_max.float()[:, None]).sum(-1, dtype=torch.float64)
-        running_sum = running_sum * scale + shifted
-        running_max = new_max
-        inside = (targets >= start) & (targets < stop)
-        local = (targets - start).clamp(0, stop - start - 1)
-        target_logit = torch.where(inside, z.gather(-1, local[:, None])[:, 0], target_logit)
-        values, ids = _merge_top(values, ids, z, start)
-    return _Pass1(running_max + running_sum.log(), target_logit, ids, nonfinite)
+class _Stream:
+    """Per-token statistics of one model's logits [N, V], fed one vocabulary chunk at a time.
+
+    Online logsumexp (running max and sum, fp64 across chunks), the target's logit and the top-5 ids. A
+    nan or +inf logit makes the running max, hence the log-normaliser, non-finite (checked once at the end,
+    not per chunk). With `parent` (the parent's finished stream and per-token
+    `shift`), also sum_v p_v (z_parent - z - shift) for the KL (see `kl`).
+    """
+
+    def __init__(self, n: int, targets: torch.Tensor, shift: torch.Tensor | None = None) -> None:
+        device = targets.device
+        self.targets = targets
+        self.running_max = torch.full((n,), -math.inf, dtype=torch.float64, device=device)
+        self.running_sum = torch.zeros(n, dtype=torch.float64, device=device)
+        self.target_logit = torch.zeros(n, dtype=torch.float32, device=device)
+        self.top_values: torch.Tensor | None = None
+        self.top_ids: torch.Tensor | None = None
+        self.shift = shift
+        self.cross = torch.zeros(n, dtype=torch.float64, device=device)
+
+    def update(
+        self, z: torch.Tensor, start: int, stop: int, parent: tuple[torch.Tensor, torch.Tensor] | None = None
+    ):
+        """Add chunk logits z [N, stop - start] (fp32); `parent`: its (chunk logits, probabilities) [N, C]."""
+        new_max = torch.maximum(self.running_max, z.max(-1).values.double())
+        # -inf - -inf is nan: rows with no finite logit yet keep a zero sum (they are non-finite anyway).
+        scale = torch.exp(torch.nan_to_num(self.running_max - new_max, nan=0.0))
+        chunk_sum = torch.exp(z - new_max.float()[:, None]).sum(-1).double()
+        self.running_sum = self.running_sum * scale + chunk_sum
+        self.running_max = new_max
+        inside = (self.targets >= start) & (self.targets < stop)
+        local = (self.targets - start).clamp(0, stop - start - 1)
+        self.target_logit = torch.where(inside, z.gather(-1, local[:, None])[:, 0], self.target_logit)
+        self.top_values, self.top_ids = _merge_top(self.top_values, self.top_ids, z, start)
+        if parent is not None:
+            parent_z, parent_p = parent
+            difference = parent_z - z
+            difference -= self.shift.float()[:, None]
+            self.cross += (parent_p * difference).sum(-1).double()
+
+    @property
+    def log_normaliser(self) -> torch.Tensor:
+        """log sum_v exp(z_v) per token [N] (fp64)."""
+        return self.running_max + self.running_sum.log()
+
+    def kl(self, parent: _Stream) -> torch.Tensor:
+        """KL(parent || this) per token [N] (fp64), nats.
+
+        KL = sum_v p_v (log p_v - log q_v) = sum_v p_v (zp_v - z_v - shift) + (Z - Zp + shift), with Z, Zp the
+        log-normalisers: one pass over the vocabulary, since Zp is known before it and Z only enters as a
+        per-token constant. `shift` = zp - z at the parent's top-1 token cancels a constant offset between
+        the two logit vectors before the fp32 products, so near-equal distributions keep their precision
+        (equal logits give exactly 0).
+        """
+        return self.cross + (self.log_normaliser - parent.log_normaliser + self.shift)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -256,6 +280,8 @@ def _score_batch(
         return  # no position has a next token
     weight = parent.lm_head.weight
     targets = ids[:, 1:].reshape(-1)
+    n = targets.numel()
+    chunks = _chunks(weight.shape[0], chunk)
     blocks_needed = {v.block_index for v in wave}
     # The parent once: the input of every block with a variant in this wave, and its final hidden state.
     x = parent.embeddings(ids)
@@ -266,54 +292,55 @@ def _score_batch(
         x = block(x)
 
     def final(x: torch.Tensor) -> torch.Tensor:
-        return parent.norm_f(x)[:, :-1].reshape(-1, x.shape[-1])
+        return parent.norm_f(x)[:, :-1].reshape(n, x.shape[-1])
 
     parent_hidden = final(x)
-    parent_stats = _pass1(parent_hidden, weight, targets, chunk)
-    parent_top1 = parent_stats.top_ids[:, 0]
-    parent_nll = parent_stats.log_normaliser - parent_stats.target_logit.double()
+    parent_stream = _Stream(n, targets)
+    for start, stop in chunks:
+        parent_stream.update(_logits(parent_hidden, weight, start, stop), start, stop)
+    parent_top1 = parent_stream.top_ids[:, 0]
+    top1_rows = weight[parent_top1]  # [N, H]: the logit of the parent's top-1 token, for the KL shift
+
+    def top1_logit(hidden: torch.Tensor) -> torch.Tensor:
+        return (hidden * top1_rows).float().sum(-1)
+
+    parent_top1_logit = top1_logit(parent_hidden)
+    parent_nll = parent_stream.log_normaliser - parent_stream.target_logit.double()
     parent_sq = parent_hidden.float().pow(2).sum(dtype=torch.float64)
-    sums[-1, _TOKENS] += targets.numel()
+    sums[-1, _TOKENS] += n
     sums[-1, _PARENT_NLL] += parent_nll.sum()
     rows = {variant: row for row, variant in enumerate(wave)}
     for index in sorted(blocks_needed):
-        block_variants = [v for v in wave if v.block_index == index]
-        children: list[tuple[int, torch.Tensor, _Pass1]] = []
-        for variant in block_variants:
-            row = rows[variant]
+        # Every variant of the block through the suffix; their final hidden states are kept ([N, H] each) so
+        # that each parent chunk is computed once for the block, then every variant's same chunk.
+        children: list[tuple[int, torch.Tensor, _Stream]] = []
+        for variant in (v for v in wave if v.block_index == index):
             y = _variant_block(parent, variant, mixers[variant])(inputs[index])
             for block in parent.layers[index + 1 :]:
                 y = block(y)
             hidden = final(y)
-            stats = _pass1(hidden, weight, targets, chunk)
-            bad = stats.nonfinite | ~torch.isfinite(hidden).all(-1)
-            sums[row, _TOKENS] += targets.numel()
+            shift = (parent_top1_logit - top1_logit(hidden)).double()
+            children.append((rows[variant], hidden, _Stream(n, targets, shift)))
+        for start, stop in chunks:
+            parent_z = _logits(parent_hidden, weight, start, stop)
+            parent_p = torch.exp(parent_z - parent_stream.log_normaliser.float()[:, None])
+            for _, hidden, stream in children:
+                stream.update(_logits(hidden, weight, start, stop), start, stop, (parent_z, parent_p))
+            del parent_z, parent_p
+        for row, hidden, stream in children:
+            kl = stream.kl(parent_stream)
+            bad = ~(torch.isfinite(kl) & torch.isfinite(stream.target_logit) & torch.isfinite(hidden).all(-1))
+            sums[row, _TOKENS] += n
             if bool(bad.any()):
                 sums[row, _NONFINITE] += bad.sum()
                 continue
-            sums[row, _CHILD_NLL] += (stats.log_normaliser - stats.target_logit.double()).sum()
+            sums[row, _KL] += kl.sum()
+            sums[row, _CHILD_NLL] += (stream.log_normaliser - stream.target_logit.double()).sum()
             sums[row, _PARENT_NLL] += parent_nll.sum()
-            sums[row, _TOP1] += (stats.top_ids[:, 0] == parent_top1).sum()
-            sums[row, _TOP5] += (stats.top_ids == parent_top1[:, None]).any(-1).sum()
+            sums[row, _TOP1] += (stream.top_ids[:, 0] == parent_top1).sum()
+            sums[row, _TOP5] += (stream.top_ids == parent_top1[:, None]).any(-1).sum()
             sums[row, _SQ_ERR] += (hidden.float() - parent_hidden.float()).pow(2).sum(dtype=torch.float64)
             sums[row, _SQ_REF] += parent_sq
-            children.append((row, hidden, stats))
-        # Pass 2: each parent chunk once for the block, then every child's same chunk.
-        kl = {
-            row: torch.zeros(targets.numel(), dtype=torch.float64, device=ids.device)
-            for row, _, _ in children
-        }
-        for start, stop in _chunks(weight.shape[0], chunk):
-            parent_logp = (
-                _logits(parent_hidden, weight, start, stop) - parent_stats.log_normaliser.float()[:, None]
-            )
-            parent_p = parent_logp.exp()
-            for row, hidden, stats in children:
-                child_logp = _logits(hidden, weight, start, stop) - stats.log_normaliser.float()[:, None]
-                kl[row] += (parent_p * (parent_logp - child_logp)).sum(-1, dtype=torch.float64)
-                del child_logp
-        for row, value in kl.items():
-            sums[row, _KL] += value.sum()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -411,9 +438,10 @@ def score_variants(
 
     Peak memory beyond the forward passes, per batch of N = b * (t - 1) positions: the kept block inputs
     (N * H per block with variants in the wave, parent dtype), each variant of the block being scored's
-    final hidden state (N * H), and for the variant in flight about 5 fp32 `[N, vocab_chunk]` tensors
-    (parent and child chunk logits, log-probabilities, product): 20 * N * vocab_chunk bytes, 335 MB for
-    N = 4,096 and the default chunk 4,096 at any vocabulary size.
+    final hidden state (N * H), the parent's chunk logits and probabilities and, for the variant in flight,
+    its chunk logits and two temporaries: about 5 fp32 `[N, vocab_chunk]` tensors, 20 * N * vocab_chunk
+    bytes (335 MB for N = 4,096 and the default chunk 4,096), whatever the vocabulary size; plus the
+    `[N, H]` lm_head rows of the parent's top-1 tokens.
 
     Collective under torch.distributed (same arguments on every rank). Returns the requested variants'
     scores; scores.json holds every variant scored so far from the same parent, data and settings.
