@@ -5,7 +5,10 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -183,31 +186,46 @@ def test_resume_scores_only_new_variants(tmp_path):
     assert all(calls[v] == 2 for v in first)
 
 
-def test_killed_run_keeps_finished_waves(tmp_path):
-    """A loader that fails in the 3rd wave: the first two waves are kept and never recomputed."""
+KILLED_RUN = """
+import os, signal, sys
+from test_score import _batches, _parent, _runnable
+from puzzle.score import ScoreSettings, score_variants
+
+parent = _parent()
+library = _runnable(parent)
+order = sorted(library, key=lambda v: (v.block_index, v.id))
+
+def loader(variant):
+    if variant == order[2]:  # killed while the 3rd wave loads its mixer
+        os.kill(os.getpid(), signal.SIGKILL)
+    return library[variant]
+
+score_variants(parent, order, loader, _batches(), sys.argv[1], ScoreSettings(variants_per_wave=1))
+"""
+
+
+def test_sigkilled_run_keeps_finished_waves(tmp_path):
+    """A process SIGKILLed in its 3rd wave: the first two waves are kept and never recomputed."""
+    root = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root.parent), str(root)])}
+    killed = subprocess.run([sys.executable, "-c", KILLED_RUN, str(tmp_path)], env=env, capture_output=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
     parent, batches = _parent(), _batches()
     library = _runnable(parent)
     order = sorted(library, key=lambda v: (v.block_index, v.id))
-    calls = _forward_counter(library)
-
-    def failing_loader(variant):
-        if variant == order[2]:
-            raise OSError("disk gone")
-        return library[variant]
-
-    settings = ScoreSettings(variants_per_wave=1)
-    with pytest.raises(OSError, match="disk gone"):
-        score_variants(parent, order, failing_loader, batches, tmp_path, settings)
     partial = json.loads((tmp_path / PARTIAL_FILE).read_text())
     assert [r["variant"]["id"] for r in partial["variants"]] == [v.id for v in order[:2]]
     assert not (tmp_path / SCORES_FILE).exists()
-    calls.update(dict.fromkeys(calls, 0))
-    resumed = score_variants(parent, order, library.__getitem__, batches, tmp_path, settings)
+    calls = _forward_counter(library)
+    resumed = score_variants(
+        parent, order, library.__getitem__, batches, tmp_path, ScoreSettings(variants_per_wave=1)
+    )
     assert [calls[v] for v in order] == [0, 0] + [len(batches)] * (len(order) - 2)
     assert not (tmp_path / PARTIAL_FILE).exists()
     uninterrupted = score_variants(parent, order, library, batches, tmp_path / "whole")
     for v in order:
         assert resumed[v].kl == pytest.approx(uninterrupted[v].kl, rel=1e-12, abs=1e-15)
+        assert resumed[v].top5 == uninterrupted[v].top5
 
 
 # ----------------------------------------------------------------------------------------------------------
