@@ -3,7 +3,7 @@
 Demonstrates that the pieces fit: a transformers NemotronH parent (Mamba, MoE, attention, MLP blocks)
 read with `puzzle.load`; brief training on a synthetic language so that activations mean something;
 importance (`puzzle.prune.importance_for`); a few variants per block initialised from the parent
-(`init_child`); replace-one-block KL scores; costs from `puzzle.cost` through `deployment_problem`; the MIP under
+(`init_child`); replace-one-block KL scores (`puzzle.score`); costs from `puzzle.cost` through `deployment_problem`; the MIP under
 an active-parameter budget with one Mamba state size for all Mamba blocks; the child assembled,
 measured, saved and reloaded.
 
@@ -34,10 +34,21 @@ from puzzle.cost.analytic import model_active_params, model_params
 from puzzle.model import HybridLM
 from puzzle.nemotron_h import transformers_incompatibilities
 from puzzle.prune import importance_for, init_child
+from puzzle.score import score_variants
 from puzzle.search import search
 from puzzle.search.budget import Budget, choices_to_spec, deployment_problem
 from puzzle.search.limits import Relative
-from puzzle.spec import AttentionSpec, BlockSpec, LinearSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, NoOpSpec
+from puzzle.spec import (
+    AttentionSpec,
+    BlockSpec,
+    LinearSpec,
+    MambaSpec,
+    MLPSpec,
+    ModelSpec,
+    MoESpec,
+    NoOpSpec,
+    Variant,
+)
 
 hf_logging.set_verbosity_error()  # "falling back to the PyTorch implementation" is expected on CPU
 hf_logging.disable_progress_bar()
@@ -110,20 +121,6 @@ def run_directory(out_dir: str | Path | None):
         yield Path(tmp), lambda path: f"{path} (temporary: deleted at exit; --out DIR keeps it)"
 
 
-@contextmanager
-def swapped(model: HybridLM, index: int, mixer: nn.Module):
-    """The model with block `index`'s mixer replaced (its spec follows the mixer), restored afterwards.
-
-    A no-op mixer takes the block's pre-norm away with it; the saved norm goes back with the saved mixer.
-    """
-    saved_mixer, saved_norm = model.layers[index].mixer, model.layers[index].norm
-    model.replace_mixer(index, mixer)
-    try:
-        yield model
-    finally:
-        model.replace_mixer(index, saved_mixer, norm=saved_norm)
-
-
 def candidates(block: BlockSpec) -> list[BlockSpec]:
     """The parent's block first, then smaller variants of it."""
     new = dataclasses.replace
@@ -154,16 +151,19 @@ class Library:
         return assemble(parent, spec, [self.mixers[i][c] for i, c in enumerate(choices)])
 
 
-def build_library(parent: HybridLM, importance, ids: torch.Tensor, reference: torch.Tensor) -> Library:
-    """Initialise every candidate from the parent (no training) and score it with only its block replaced."""
+def build_library(parent: HybridLM, importance, ids: torch.Tensor, out_dir: Path) -> Library:
+    """Initialise every candidate from the parent (no training) and score it with only its block replaced
+    (`puzzle.score.score_variants`: the parent's own candidate runs the parent's mixer and scores 0)."""
     library = Library([candidates(block) for block in parent.spec.blocks], [], [])
+    mixers: dict[Variant, nn.Module | None] = {}
     for i, (block, options) in enumerate(zip(parent.layers, library.variants)):
         library.mixers.append([init_child(block.mixer, block.spec, spec, importance[i]) for spec in options])
-        scores = []
-        for mixer in library.mixers[i]:
-            with swapped(parent, i, mixer):
-                scores.append(kl_divergence(reference, parent, ids))
-        library.scores.append(scores)
+        mixers |= {Variant(i, spec): mixer for spec, mixer in zip(options[1:], library.mixers[i][1:])}
+        mixers[Variant(i, options[0])] = None
+    scores = score_variants(parent, mixers, mixers, [ids], out_dir)
+    library.scores = [
+        [scores[Variant(i, spec)].kl for spec in options] for i, options in enumerate(library.variants)
+    ]
     return library
 
 
@@ -214,7 +214,7 @@ def main(settings: Settings | None = None, out_dir: str | Path | None = None, ve
         held_out = sample_tokens(settings.eval_sequences, settings.seq_len, data)
         with torch.no_grad():
             reference = F.log_softmax(parent(held_out).logits.double(), dim=-1)
-        library = build_library(parent, importance, held_out, reference)
+        library = build_library(parent, importance, held_out, run / "scores")
 
         budget = Budget(active_params=Relative(settings.budget), shared_state_size=True)
         problem = deployment_problem(parent.spec, library.variants, library.scores, budget)
