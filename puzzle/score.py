@@ -434,7 +434,8 @@ def score_variants(
     `data_fingerprint`: names the data (e.g. `fingerprint_file` of the token file); default
     `fingerprint_tensors` of the batches. `mixer_fingerprints`: per variant, a fingerprint of its weights;
     a saved score with another fingerprint is recomputed. Without one, a mixer given in a mapping is
-    fingerprinted from its weights; one from a callable is trusted by its id.
+    fingerprinted from its weights; one from a callable is trusted by its id. A failed variant (non-finite
+    logits) is a result too: it is not retried unless its fingerprint changes.
 
     Peak memory beyond the forward passes, per batch of N = b * (t - 1) positions: the kept block inputs
     (N * H per block with variants in the wave, parent dtype), each variant of the block being scored's
@@ -468,11 +469,8 @@ def score_variants(
     def fingerprint_of(variant: Variant) -> str:
         if mixer_fingerprints is not None and variant in mixer_fingerprints:
             return mixer_fingerprints[variant]
-        if not callable(mixers):
-            mixer = mixers.get(variant)
-            return _mixer_fingerprint(
-                mixer if mixer is not None else parent.layers[variant.block_index].mixer
-            )
+        if not callable(mixers):  # also checks, before any work, that every variant has a mixer
+            return _mixer_fingerprint(_get_mixer(parent, mixers, variant))
         return ""
 
     fingerprints = {variant: fingerprint_of(variant) for variant in requested}

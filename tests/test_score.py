@@ -145,6 +145,14 @@ def test_non_finite_variant_is_failed_and_others_unaffected(tmp_path):
     assert [r["failed"] is not None for r in saved["variants"]] == [True, False]  # sorted by id: mlp:w4 first
 
 
+def test_a_variant_without_a_mixer_is_an_error_before_any_work(tmp_path):
+    parent = _parent()
+    library = {Variant(3, MLPSpec(width=6)): None}
+    with pytest.raises(ValueError, match=r"variant 3:mlp:w6: no mixer given .*parent's own block, mlp:w12"):
+        score_variants(parent, library, library, _batches(), tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
 def _forward_counter(library):
     calls: dict[Variant, int] = {}
     for variant, mixer in library.items():
