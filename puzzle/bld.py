@@ -22,10 +22,18 @@ Memory: the variants train in waves whose estimated training bytes (`variant_tra
 printed before training starts and returned.
 
 Distributed: under torch.distributed every rank passes the same global batches; each rank runs its rows
-(round-robin), the loss is normalised by the global ``||parent(h)||^2`` (one scalar all-reduce per block
-and step) and the variants' gradients are summed over ranks before clipping, so a world of N computes the
-same library as one process up to float summation order (plain data parallelism, DDP-equivalent; the
-variants and the parent are replicated on every rank, not sharded).
+(round-robin) and the loss is normalised by the global ``||parent(h)||^2`` (one scalar all-reduce per block
+and step), so a world of N computes the same library as one process up to float summation order. With
+`BLDSettings.shard = "fsdp"` (the default) and more than one rank, the parent and the variants are sharded
+with FSDP2 (`torch.distributed.fsdp.fully_shard`): the parent's embeddings, lm_head and every block's mixer
+are one unit each (frozen, all-gathered for their forward and freed after it; the small pre-norms stay
+replicated because BLD calls them apart from their block), and each variant mixer is one unit, so its
+weights, gradients and AdamW moments are split over the ranks and FSDP's reduce-scatter sums its gradients
+(divide factor 1: the loss already carries the global normaliser); clipping uses the global norm of the
+sharded gradients. The parent is sharded in place (its parameters become DTensors): load a fresh one for
+later stages. With "none" the parent and the variants are replicated and the gradients all-reduced (plain
+data parallelism). One process runs the same code without sharding. Checkpoints and library files hold full
+(gathered) tensors, written by rank 0.
 
 Resume: every `checkpoint_every` steps the wave's variant weights, AdamW states and position (step,
 tokens) are written atomically under `<directory>/bld-checkpoints/`; a finished wave writes its variants'
@@ -47,6 +55,7 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +63,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from puzzle import dist
 from puzzle.artifacts import (
@@ -95,7 +106,8 @@ class BLDSettings:
     the data ends first); `clip`: max gradient norm per variant (0 = none); `checkpoint_every`: steps
     between checkpoints (0 = never); `memory_limit_bytes`: what one wave's variants may use (None = one
     wave); `dtype`: the variants' training dtype ("float32" or "bfloat16"); `autocast`: bf16 autocast on
-    CUDA; `seed`: seeds torch before each wave's variants are built.
+    CUDA; `seed`: seeds torch before each wave's variants are built; `shard`: "fsdp" shards the parent and
+    the variants over the ranks with FSDP2, "none" replicates them (no effect in a single process).
     """
 
     lr: float = 1e-4
@@ -110,6 +122,7 @@ class BLDSettings:
     dtype: str = "float32"
     autocast: bool = True
     seed: int = 0
+    shard: str = "fsdp"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
@@ -128,6 +141,8 @@ class BLDSettings:
             raise ValueError(
                 f"BLDSettings.memory_limit_bytes must be positive or None, found {self.memory_limit_bytes}"
             )
+        if self.shard not in ("fsdp", "none"):
+            raise ValueError(f"BLDSettings.shard must be 'fsdp' or 'none', found {self.shard!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"BLDSettings.dtype must be 'float32' or 'bfloat16', found {self.dtype!r}")
 
@@ -273,6 +288,94 @@ def _order(variant: Variant) -> tuple[int, str]:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# FSDP2 sharding (a no-op in a single process or with shard="none").
+
+
+def _sharded(settings: BLDSettings) -> bool:
+    return settings.shard == "fsdp" and dist.world_size() > 1
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _shard_parent(parent: HybridLM) -> None:
+    """Shard the frozen parent in place: embeddings, lm_head and each block's mixer are one FSDP unit each.
+
+    The pre-norms stay replicated: BLD calls `block.norm` and `block.mixer` apart, and FSDP all-gathers a
+    unit only when that unit's own forward runs. Already sharded units are left as they are.
+    """
+    units = [parent.embeddings] + [b.mixer for b in parent.layers if b.norm is not None]
+    tied = parent.lm_head.weight is parent.embeddings.weight
+    if not tied:
+        units.append(parent.lm_head)
+    for unit in units:
+        if _has_params(unit) and not isinstance(unit, FSDPModule):
+            # Explicit True: each unit is its own FSDP root, which by default stays gathered after forward.
+            fully_shard(unit, reshard_after_forward=True)
+    if (
+        tied
+    ):  # fully_shard replaced embeddings.weight by a sharded parameter: keep the tie (and free the copy)
+        parent.lm_head.weight = parent.embeddings.weight
+
+
+def _shard_variant(mixer: nn.Module) -> None:
+    """Make `mixer` one FSDP unit whose gradients are summed over ranks (not averaged).
+
+    The loss of each rank is already divided by the global normaliser, so the sum is the one-process
+    gradient. Sum-only collectives: gloo has no pre-multiplied sum. Resharded after every forward (a root
+    unit otherwise stays gathered after a held-out forward, and every variant of the wave with it).
+    """
+    fully_shard(mixer, reshard_after_forward=True)
+    for module in mixer.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            module.set_force_sum_reduction_for_comms(True)
+
+
+@contextmanager
+def _gathered_mixer(parent: HybridLM, index: int) -> Iterator[None]:
+    """Block `index` of the parent holds a plain, full copy of its mixer for the body (a collective).
+
+    Variants are initialised from the parent's full weights (`init_child` slices and copies them); an
+    FSDP unit's own parameters stay sharded even when unsharded, and a deep copy would carry its FSDP
+    state, so the body sees a fresh module loaded with the gathered weights, freed afterwards.
+    """
+    block = parent.layers[index]
+    sharded = block.mixer
+    if not isinstance(sharded, FSDPModule):
+        yield
+        return
+    state = {k: _full(v) for k, v in sharded.state_dict().items()}
+    device = parent.embeddings.weight.device
+    with torch.device("meta"):
+        plain = build_block(sharded.spec, parent.spec.hidden_size, parent.spec.norm_eps)
+    plain = plain.to_empty(device=device)  # meta, then loaded: no draw from the seeded RNG
+    plain.load_state_dict(state)  # strict: every parameter and (persistent) buffer is set
+    plain.requires_grad_(False)
+    block.mixer = plain
+    try:
+        yield
+    finally:
+        block.mixer = sharded
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor on the CPU (a collective for a DTensor: every rank must call it, in the same order)."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
+    return tensor.detach().cpu().contiguous()
+
+
+def _like(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """`value` (a full tensor) laid out as `reference`: this rank's shard when `reference` is a DTensor."""
+    if isinstance(reference, DTensor):
+        value = value.to(device=reference.device, dtype=reference.dtype)
+        return distribute_tensor(value, reference.device_mesh, reference.placements)
+    return value
+
+
+# ----------------------------------------------------------------------------------------------------------
 # The parent pass shared by training and evaluation.
 
 
@@ -327,7 +430,9 @@ def _held_out_nmse(
     sums = torch.zeros(len(order) + 1, len(parent.layers), dtype=torch.float64)  # last row: parent squares
     position = {v: n for n, v in enumerate(order)}
     device = parent.embeddings.weight.device
-    for batch in dist.shard(held_out):
+    # Sharded units all-gather in their forward, so every rank must run every batch (its rows of it).
+    batches = [_rows(b) for b in held_out] if _sharded(settings) else list(dist.shard(held_out))
+    for batch in batches:
         for index, h, p in _parent_blocks(parent, batch, max(by_block)):
             if index not in by_block:
                 continue
@@ -400,11 +505,15 @@ def _train_step(
             losses[variant] = loss.detach()
     order = sorted(active, key=_order)
     params = {v: [p for p in active[v].parameters() if p.requires_grad] for v in order}
-    dist.all_reduce_sum_([p.grad for v in order for p in params[v] if p.grad is not None])
+    if not _sharded(settings):  # FSDP's reduce-scatter has summed the sharded variants' gradients
+        dist.all_reduce_sum_([p.grad for v in order for p in params[v] if p.grad is not None])
     values = torch.stack([losses[v] for v in order]).double()
     dist.all_reduce_sum_([values])
     clip = settings.clip if settings.clip > 0 else math.inf
-    norms = torch.stack([torch.nn.utils.clip_grad_norm_(params[v], clip).double() for v in order])
+    # With DTensor gradients clip_grad_norm_ reduces the norm over the shards: the global norm.
+    norms = torch.stack(
+        [_replicated(torch.nn.utils.clip_grad_norm_(params[v], clip)).double() for v in order]
+    )
     lr = learning_rate(settings, wave.tokens)
     result = {}
     # One host sync for all variants' losses and gradient norms (not one per variant on a GPU).
@@ -437,30 +546,33 @@ def _train_step(
     return result
 
 
+def _replicated(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 def _checkpoint_dir(directory: Path) -> Path:
     return directory / CHECKPOINT_DIR
 
 
 def _save_checkpoint(directory: Path, wave: _Wave, inputs: Mapping[str, str]) -> None:
     """Rank 0 writes the wave's weights, AdamW states and position; the JSON goes last and names the tensors
-    file, so a kill at any moment leaves the previous complete checkpoint readable."""
+    file, so a kill at any moment leaves the previous complete checkpoint readable. Sharded tensors are
+    gathered on every rank first (collectives, in the same order everywhere)."""
+    tensors: dict[str, torch.Tensor] = {}
+    for variant in sorted(wave.mixers, key=_order):
+        if wave.results[variant].status != "trained":
+            continue
+        for name, value in wave.mixers[variant].state_dict().items():
+            tensors[f"{_key(variant)}/param/{name}"] = _full(value)
+        state = wave.optimizers[variant].state_dict()["state"]
+        for index in sorted(state):
+            for name in sorted(state[index]):
+                tensors[f"{_key(variant)}/adam/{index}/{name}"] = _full(torch.as_tensor(state[index][name]))
     if not dist.is_main():
         dist.barrier()
         return
     try:
         folder = _checkpoint_dir(directory)
-        tensors: dict[str, torch.Tensor] = {}
-        for variant, mixer in wave.mixers.items():
-            if wave.results[variant].status != "trained":
-                continue
-            for name, value in mixer.state_dict().items():
-                tensors[f"{_key(variant)}/param/{name}"] = value.detach().cpu().contiguous()
-            state = wave.optimizers[variant].state_dict()["state"]
-            for index, entry in state.items():
-                for name, value in entry.items():
-                    tensors[f"{_key(variant)}/adam/{index}/{name}"] = (
-                        torch.as_tensor(value).detach().cpu().contiguous()
-                    )
         name = f"wave{wave.number}-step{wave.step}.safetensors"
         atomic_write(folder / name, lambda path: save_file(tensors, path))
         record = {
@@ -498,14 +610,19 @@ def _load_checkpoint(directory: Path, wave: _Wave, inputs: Mapping[str, str]) ->
             wave.optimizers.pop(variant, None)
             continue
         prefix = f"{_key(variant)}/param/"
+        current = mixer.state_dict()
         state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-        mixer.load_state_dict(state)
+        mixer.load_state_dict({k: _like(v, current[k]) if k in current else v for k, v in state.items()})
         optimizer = wave.optimizers[variant]
         saved = optimizer.state_dict()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
         prefix = f"{_key(variant)}/adam/"
-        for key, value in tensors.items():
+        for key in sorted(tensors):  # sorted: the same scatter order on every rank
             if key.startswith(prefix):
                 index, name = key[len(prefix) :].split("/")
+                value = tensors[key]
+                if value.ndim > 0:  # moments are laid out as their parameter; the step count is a scalar
+                    value = _like(value, params[int(index)])
                 saved["state"].setdefault(int(index), {})[name] = value
         optimizer.load_state_dict(saved)
     return True
@@ -513,12 +630,13 @@ def _load_checkpoint(directory: Path, wave: _Wave, inputs: Mapping[str, str]) ->
 
 def _save_finished_wave(directory: Path, wave: _Wave, inputs: Mapping[str, str]) -> None:
     """Rank 0 writes each trained variant's final weights, then the wave's results (last: the marker)."""
-    if dist.is_main():
-        folder = _checkpoint_dir(directory) / "done"
-        for variant, mixer in wave.mixers.items():
-            if wave.results[variant].status == "trained":
-                state = {k: v.detach().cpu().contiguous() for k, v in mixer.state_dict().items()}
+    folder = _checkpoint_dir(directory) / "done"
+    for variant in sorted(wave.mixers, key=_order):
+        if wave.results[variant].status == "trained":
+            state = {k: _full(v) for k, v in wave.mixers[variant].state_dict().items()}  # every rank gathers
+            if dist.is_main():
                 atomic_write(folder / variant_file(variant), lambda path, s=state: save_file(s, path))
+    if dist.is_main():
         record = {
             "inputs": dict(inputs),
             "results": [wave.results[v].to_dict() for v in sorted(wave.results, key=_order)],
@@ -647,6 +765,9 @@ def build_library(
 
     init = default_init(parent, importance) if init is None else init
     parent.requires_grad_(False)
+    if _sharded(settings):
+        _shard_parent(parent)
+        init = _init_unsharded(parent, init)
     device = parent.embeddings.weight.device
     tokens_per_step = math.ceil(first.shape[0] / dist.world_size()) * first.shape[1]
     to_train = [v for v in all_variants if statuses[v] == "trained"]
@@ -704,6 +825,16 @@ def build_library(
         shutil.rmtree(_checkpoint_dir(directory), ignore_errors=True)
     dist.barrier()
     return library
+
+
+def _init_unsharded(parent: HybridLM, init: Callable[[Variant], nn.Module]) -> Callable[[Variant], nn.Module]:
+    """`init` with the variant's parent block all-gathered (init_child slices the parent's full weights)."""
+
+    def wrapped(variant: Variant) -> nn.Module:
+        with _gathered_mixer(parent, variant.block_index):
+            return init(variant)
+
+    return wrapped
 
 
 def _first(batches: Batches) -> torch.Tensor:
@@ -765,6 +896,8 @@ def _run_wave(
     for variant in members:
         mixer = init(variant).to(device=device, dtype=settings.torch_dtype)
         mixer.requires_grad_(True)
+        if _sharded(settings):
+            _shard_variant(mixer)
         mixers[variant] = mixer
         optimizers[variant] = torch.optim.AdamW(
             mixer.parameters(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay

@@ -1,6 +1,7 @@
 """Blockwise local distillation on a tiny trained parent: training lowers the held-out error, parent copies
 stay exact, waves fit the memory limit and do not change the result, a diverging variant fails alone, a
-SIGKILLed run resumes to the uninterrupted weights, and 2 gloo ranks give the 1-process library."""
+SIGKILLed run resumes to the uninterrupted weights, and 2 gloo ranks (FSDP2: about half the parent each, a
+crash and a resume) give the 1-process library."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from bld_helpers import (
     variants,
 )
 from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
 
 from puzzle import dist
 from puzzle.bld import (
@@ -216,6 +218,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+class _Crash(Exception):
+    pass
+
+
 def _worker(rank: int, world: int, port: int, setup: str, output: str) -> None:
     os.environ.update(
         RANK=str(rank),
@@ -227,7 +233,39 @@ def _worker(rank: int, world: int, port: int, setup: str, output: str) -> None:
     torch.set_num_threads(1)
     assert dist.init_from_env() is True
     try:
-        _build(Path(setup), Path(output))
+        train = token_batches(12, seed=300)
+        calls, crashed = [], []
+
+        def crashing():  # call 1 reads the first batch; in call 2 (the wave) both ranks fail at batch 7
+            calls.append(1)
+            for index, batch in enumerate(train):
+                if len(calls) == 2 and index == 7:
+                    raise _Crash
+                yield batch
+
+        # The first run dies after its step-5 checkpoint; the second resumes from it (sharded state reloaded).
+        for stream in (crashing, lambda: train):
+            parent, importance = load_setup(Path(setup))
+            try:
+                build_library(
+                    parent,
+                    variants(),
+                    stream,
+                    token_batches(2, seed=400),
+                    importance,
+                    settings(checkpoint_every=5),
+                    Path(output),
+                    data_fingerprint="train-300",
+                )
+            except _Crash:
+                assert (Path(output) / CHECKPOINT_DIR / "wave0.json").is_file()
+                crashed.append(1)
+        assert crashed, "the first run should have died mid-wave"
+        local = sum(
+            p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in parent.parameters()
+        )
+        full = sum(p.numel() for p in parent.parameters())
+        Path(f"{output}-rank{rank}.json").write_text(json.dumps({"local": local, "full": full}))
     finally:
         torch.distributed.destroy_process_group()
 
@@ -236,6 +274,9 @@ def test_two_gloo_ranks_give_the_single_process_library(one_wave, setup, tmp_pat
     library, output = one_wave
     mp.spawn(_worker, args=(2, _free_port(), str(setup), str(tmp_path)), nprocs=2, join=True)
     two = read_library(tmp_path)
+    for rank in range(2):  # FSDP sharded the parent: each rank holds about half of it
+        numels = json.loads(Path(f"{tmp_path}-rank{rank}.json").read_text())
+        assert numels["local"] < 0.6 * numels["full"], numels
     assert {v: r.status for v, r in two.results.items()} == {v: r.status for v, r in library.results.items()}
     for variant, result in two.results.items():
         assert result.final_nmse == pytest.approx(library.results[variant].final_nmse, rel=1e-4, abs=1e-9)
@@ -249,3 +290,8 @@ def test_two_gloo_ranks_give_the_single_process_library(one_wave, setup, tmp_pat
             loose = ":k1:" in name and key == "gate.weight"
             atol = 10 * settings().lr if loose else 1e-5
             torch.testing.assert_close(value, expected[name][key], rtol=1e-4, atol=atol, msg=f"{name} {key}")
+
+
+def test_an_unknown_shard_mode_is_an_error_naming_it():
+    with pytest.raises(ValueError, match=r"BLDSettings\.shard must be 'fsdp' or 'none', found 'ddp'"):
+        settings(shard="ddp")
