@@ -266,6 +266,17 @@ def _worker(rank: int, world: int, port: int, setup: str, output: str) -> None:
         )
         full = sum(p.numel() for p in parent.parameters())
         Path(f"{output}-rank{rank}.json").write_text(json.dumps({"local": local, "full": full}))
+        parent, importance = load_setup(Path(setup))  # the replicated path: gradients all-reduced
+        build_library(
+            parent,
+            variants(),
+            train,
+            token_batches(2, seed=400),
+            importance,
+            settings(shard="none"),
+            Path(f"{output}-none"),
+            data_fingerprint="train-300",
+        )
     finally:
         torch.distributed.destroy_process_group()
 
@@ -273,15 +284,20 @@ def _worker(rank: int, world: int, port: int, setup: str, output: str) -> None:
 def test_two_gloo_ranks_give_the_single_process_library(one_wave, setup, tmp_path):
     library, output = one_wave
     mp.spawn(_worker, args=(2, _free_port(), str(setup), str(tmp_path)), nprocs=2, join=True)
-    two = read_library(tmp_path)
     for rank in range(2):  # FSDP sharded the parent: each rank holds about half of it
         numels = json.loads(Path(f"{tmp_path}-rank{rank}.json").read_text())
         assert numels["local"] < 0.6 * numels["full"], numels
+    _assert_same_library(library, output, tmp_path)  # FSDP2 (default), resumed mid-wave
+    _assert_same_library(library, output, Path(f"{tmp_path}-none"))  # shard="none": replicated
+
+
+def _assert_same_library(library, output: Path, directory: Path) -> None:
+    two = read_library(directory)
     assert {v: r.status for v, r in two.results.items()} == {v: r.status for v, r in library.results.items()}
     for variant, result in two.results.items():
         assert result.final_nmse == pytest.approx(library.results[variant].final_nmse, rel=1e-4, abs=1e-9)
     expected = _weights(output)
-    got = _weights(tmp_path)
+    got = _weights(directory)
     assert got.keys() == expected.keys()
     for name, tensors in got.items():
         for key, value in tensors.items():
