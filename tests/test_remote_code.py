@@ -21,6 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, dynamic_module_utils
 
 import puzzle
 from puzzle.model import HybridLM
+from puzzle.nemotron_h import block_config_fields
 from puzzle.nemotron_h.remote import AUTO_MAP, REMOTE_CODE_FILES
 from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, NoOpSpec
 from tests.nemotron_helpers import EVERY_KIND_SPEC
@@ -152,8 +153,31 @@ def test_remote_code_logits_equal_puzzle_load(name, tmp_path, modules_cache):
         assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_remote_code_reads_the_published_schema(tmp_path, modules_cache):
+    """Block kinds from block_configs alone, num_hidden_layers null, every field in every entry (null = inherit),
+    globals that describe no block: what other writers (vLLM-style dataclass dumps) produce."""
+    spec = CHILDREN["every_kind"]
+    out = random_child(spec, seed=4).save_pretrained(tmp_path / "child")
+    config = json.loads((out / "config.json").read_text())
+    for key in ("layers_block_type", "hybrid_override_pattern"):
+        del config[key]
+    config.update(num_hidden_layers=None, ssm_state_size=99, n_routed_experts=77, intermediate_size=55)
+    config["block_configs"] = [
+        {"block_type": block.kind, "moe_latent_size": None, **block_config_fields(block)}
+        for block in spec.blocks
+    ]
+    (out / "config.json").write_text(json.dumps(config))
+    ours = puzzle.load(out)
+    assert ours.spec == spec
+    ids = torch.randint(0, spec.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert_close(load_remote(out, modules_cache)(ids).logits, ours(ids).logits, atol=1e-5, rtol=1e-5)
+
+
 def test_remote_code_generates_what_puzzle_generates(tmp_path, modules_cache):
-    out = random_child(EVERY_KIND_SPEC, seed=5).save_pretrained(tmp_path / "child")
+    child = random_child(EVERY_KIND_SPEC, seed=5)
+    child.extra_tensors = {"mtp.layers.0.norm.weight": torch.ones(16)}  # MTP weights: not part of the model
+    out = child.save_pretrained(tmp_path / "child")
     ours, remote = puzzle.load(out), load_remote(out, modules_cache)
     prompt = torch.randint(0, EVERY_KIND_SPEC.vocab_size, (1, 6), generator=torch.Generator().manual_seed(8))
     expected = ours.generate(prompt, max_new_tokens=10)
@@ -200,6 +224,16 @@ def test_resaving_over_a_puzzle_checkpoint_and_homogeneous_children(tmp_path):
     config = json.loads((target / "config.json").read_text())
     assert config["model_type"] == "nemotron_h" and "auto_map" not in config
     assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_remote_config_reads_every_field_puzzle_writes_with_the_same_defaults():
+    """The remote code keeps its own copy of the field defaults: a field added to puzzle's writer must reach it."""
+    from puzzle.nemotron_h.config import DEFAULTS, KIND_TABLES
+    from puzzle.nemotron_h.remote.configuration_nemotron_h_puzzle import BLOCK_DEFAULTS
+
+    written = {field.key for table in KIND_TABLES.values() for field in table.fields}
+    assert written <= set(BLOCK_DEFAULTS)
+    assert {key: DEFAULTS[key] for key in written} == {key: BLOCK_DEFAULTS[key] for key in written}
 
 
 def test_remote_code_imports_only_torch_transformers_and_the_standard_library():

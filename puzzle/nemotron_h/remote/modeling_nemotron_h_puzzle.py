@@ -295,7 +295,10 @@ class NemotronHPuzzlePreTrainedModel(PreTrainedModel):
     # The router decides which experts run: keep its weight and bias in fp32, as transformers' NemotronH.
     _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["e_score_correction_bias", "gate.weight"]
     # MTP weights are not part of this model; older puzzle files kept a removed block's unused norm.
-    _keys_to_ignore_on_load_unexpected: ClassVar[list[str]] = [r"^mtp\.", r"layers\.\d+\.norm\.weight"]
+    _keys_to_ignore_on_load_unexpected: ClassVar[list[str]] = [
+        r"^mtp\.",
+        r"^backbone\.layers\.\d+\.norm\.weight$",
+    ]
 
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)  # linear layers, embeddings, RMSNorms
