@@ -89,6 +89,19 @@ def _kind(name: Any, where: str) -> str:
     return KIND_NAMES[name]
 
 
+def _layer_kinds(layers_block_type: Any, pattern: Any, block_configs: Any) -> list[str]:
+    """The block kinds from layers_block_type, else hybrid_override_pattern, else block_configs' block_type."""
+    if layers_block_type is not None:
+        return [_kind(name, f"layers_block_type[{i}]") for i, name in enumerate(layers_block_type)]
+    if pattern is not None:
+        return [_kind(char, f"hybrid_override_pattern[{i}]") for i, char in enumerate(pattern)]
+    if block_configs is not None:
+        return [
+            _kind(entry.get("block_type"), f"block_configs[{i}]") for i, entry in enumerate(block_configs)
+        ]
+    return []  # an empty config, as transformers builds one to compare defaults
+
+
 class NemotronHPuzzleConfig(PretrainedConfig):
     """A NemotronH-Puzzle config: global fields plus per-block overrides (`block_fields(i)` merges them)."""
 
@@ -114,17 +127,7 @@ class NemotronHPuzzleConfig(PretrainedConfig):
         self.layers_block_type = layers_block_type
         self.block_configs = block_configs
         self.layer_norm_epsilon = layer_norm_epsilon
-        pattern = kwargs.get("hybrid_override_pattern")
-        if layers_block_type is not None:
-            kinds = [_kind(name, f"layers_block_type[{i}]") for i, name in enumerate(layers_block_type)]
-        elif pattern is not None:
-            kinds = [_kind(char, f"hybrid_override_pattern[{i}]") for i, char in enumerate(pattern)]
-        elif block_configs is not None:
-            kinds = [
-                _kind(entry.get("block_type"), f"block_configs[{i}]") for i, entry in enumerate(block_configs)
-            ]
-        else:
-            kinds = []  # an empty config, as transformers builds one to compare defaults
+        kinds = _layer_kinds(layers_block_type, kwargs.get("hybrid_override_pattern"), block_configs)
         if block_configs is not None:
             if len(block_configs) != len(kinds):
                 raise ValueError(
@@ -141,12 +144,8 @@ class NemotronHPuzzleConfig(PretrainedConfig):
 
     def block_kinds(self) -> list[str]:
         """One kind per block: "mamba", "attention", "moe", "mlp", "linear" or "noop"."""
-        if self.layers_block_type is not None:
-            return [KIND_NAMES[name] for name in self.layers_block_type]
         pattern = getattr(self, "hybrid_override_pattern", None)
-        if pattern is not None:
-            return [KIND_NAMES[char] for char in pattern]
-        return [KIND_NAMES[entry["block_type"]] for entry in self.block_configs or []]
+        return _layer_kinds(self.layers_block_type, pattern, self.block_configs)
 
     def block_fields(self, index: int) -> dict[str, Any]:
         """The fields of block `index`: defaults < the global fields < its block_configs entry (non-null values)."""

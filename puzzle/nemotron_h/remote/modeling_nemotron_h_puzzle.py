@@ -11,6 +11,7 @@ Supported: forward (logits, loss with `labels`, hidden states) and `generate` (g
 without a cache: each generation step runs the whole sequence again, which is exact but costs O(n^2)
 (use vLLM or puzzle itself for fast decoding). Not supported: padding (an `attention_mask` must be all
 ones), KV / SSM caches, fused kernels. Mamba-2 runs as a chunked scan in fp32, the router in fp32.
+Tested with transformers 5.24 and torch 2.13 (`puzzle`'s tests/test_remote_code.py).
 """
 
 from __future__ import annotations
