@@ -695,7 +695,12 @@ def test_a_save_killed_midway_is_cleaned_up_by_the_next(tmp_path, stage):
     model = _seeded(spec, 3)
     model.save_pretrained(target)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
-    assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in target.iterdir()) == [  # a puzzle child: with its trust_remote_code files
+        "config.json",
+        "configuration_nemotron_h_puzzle.py",
+        "model.safetensors",
+        "modeling_nemotron_h_puzzle.py",
+    ]
     ids = token_batch(seed=4) % spec.vocab_size
     assert_close(our_logits(puzzle.load(target), ids), our_logits(model, ids), atol=0, rtol=0)
 

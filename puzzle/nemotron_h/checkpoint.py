@@ -37,6 +37,7 @@ from puzzle.nemotron_h.config import (
     read_config,
     spec_from_config,
 )
+from puzzle.nemotron_h.remote import REMOTE_CODE_FILES, write_remote_code
 from puzzle.nemotron_h.weights import (
     DEFAULT_MAX_SHARD_BYTES,
     INDEX_FILE,
@@ -212,7 +213,7 @@ def _is_aux_file(name: str) -> bool:
 def is_checkpoint_file(name: str) -> bool:
     """Whether a file called `name` is one a checkpoint save writes (config, weights, index, aux files)."""
     return (
-        name in (CONFIG_NAME, SINGLE_FILE, INDEX_FILE, OWNER_MARKER)
+        name in (CONFIG_NAME, SINGLE_FILE, INDEX_FILE, OWNER_MARKER, *REMOTE_CODE_FILES)
         or SHARD_FILE.fullmatch(name) is not None
         or _is_aux_file(name)
     )
@@ -235,7 +236,8 @@ def save_pretrained(
 
     Layout: config.json (see `config_from_spec`), model.safetensors, or model-0000i-of-0000n.safetensors
     plus model.safetensors.index.json when the tensors exceed `max_shard_bytes`, and the tokenizer /
-    generation files of the checkpoint the model was loaded from. Every file gets the permissions of
+    generation files of the checkpoint the model was loaded from; a nemotron_h_puzzle checkpoint also gets
+    the `trust_remote_code` modelling files and `auto_map` (`puzzle.nemotron_h.remote`). Every file gets the permissions of
     a plainly created one (`puzzle.files.default_mode`).
 
     What happens to `path`:
@@ -283,6 +285,7 @@ def save_pretrained(
     staging = make_staging_dir(target)
     try:
         write_weights(tensors, staging, max_shard_bytes)
+        config = write_remote_code(staging, config)  # nemotron_h_puzzle: the trust_remote_code files
         (staging / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         if source is not None and source.is_dir():
             for file in sorted(source.iterdir()):

@@ -1,0 +1,391 @@
+"""NemotronH-Puzzle in plain PyTorch: a Nemotron-H model whose every block has its own shape.
+
+Written by the `puzzle` library next to the `nemotron_h_puzzle` checkpoints it exports, so that
+`AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` builds any of them: Mamba-2 blocks
+with their own heads / state size / groups, GQA attention (no positional encoding), mixtures of relu^2
+experts (sigmoid router with correction bias, group-limited routing, optional latent projections and
+shared expert, a width per expert), dense MLPs, and puzzle's `linear` and `noop` (removed) blocks.
+Tensor names are the hub's: `backbone.layers.{i}.mixer...`, routed experts one by one.
+
+Supported: forward (logits, loss with `labels`, hidden states) and `generate` (greedy or sampling), both
+without a cache: each generation step runs the whole sequence again, which is exact but costs O(n^2)
+(use vLLM or puzzle itself for fast decoding). Not supported: padding (an `attention_mask` must be all
+ones), KV / SSM caches, fused kernels. Mamba-2 runs as a chunked scan in fp32, the router in fp32.
+Tested with transformers 5.24 and torch 2.13 (`puzzle`'s tests/test_remote_code.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .configuration_nemotron_h_puzzle import NemotronHPuzzleConfig
+
+ACTIVATIONS = {
+    "relu2": lambda x: torch.square(F.relu(x)),
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
+
+
+class NemotronHPuzzleRMSNorm(nn.Module):
+    """RMSNorm over the last dim in fp32, scaled by `weight`, cast back to the input dtype."""
+
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * h).to(x.dtype)
+
+
+class NemotronHPuzzleGatedRMSNorm(nn.Module):
+    """RMSNorm of `y * silu(z)` over groups of d / n_groups channels, then the scale `weight` [d] (fp32 out)."""
+
+    def __init__(self, size: int, n_groups: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.n_groups = n_groups
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        h = (y.float() * F.silu(z.float())).unflatten(-1, (self.n_groups, -1))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return h.flatten(-2) * self.weight
+
+
+def ssd_scan(x, dt, A, B, C, chunk_size: int) -> torch.Tensor:
+    """The Mamba-2 SSM, S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T and y_t = S_t C_t, chunk by chunk (fp32).
+
+    x [b, t, h, p]; dt [b, t, h] (after softplus and clamp); A [h] (< 0); B, C [b, t, g, n] -> y [b, t, h, p].
+    Inside a chunk the sum over earlier positions is one masked matmul; the state carries across chunks.
+    """
+    b, t, h, p = x.shape
+    B = B.repeat_interleave(h // B.shape[2], dim=2)  # [b, t, h, n]: heads of a group share its B and C
+    C = C.repeat_interleave(h // C.shape[2], dim=2)
+    state = x.new_zeros(b, h, p, B.shape[-1])
+    outputs = []
+    for start in range(0, t, chunk_size):
+        xc, dtc, Bc, Cc = (v[:, start : start + chunk_size] for v in (x, dt, B, C))
+        q = xc.shape[1]
+        log_decay = torch.cumsum(dtc * A, dim=1)  # [b, q, h]: log decay from the chunk start
+        causal = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()[None, :, :, None]
+        gap = log_decay[:, :, None] - log_decay[:, None, :]  # [b, q (to), q (from), h]
+        decay = torch.exp(gap.masked_fill(~causal, -math.inf))
+        scores = torch.einsum("blhn,bshn->blsh", Cc, Bc) * decay
+        y = torch.einsum("blsh,bshp->blhp", scores, xc * dtc[..., None])
+        y = y + torch.einsum("blhn,bhpn->blhp", Cc, state) * torch.exp(log_decay)[..., None]
+        to_end = torch.exp(log_decay[:, -1:] - log_decay) * dtc  # [b, q, h]
+        state = state * torch.exp(log_decay[:, -1])[..., None, None] + torch.einsum(
+            "bsh,bshp,bshn->bhpn", to_end, xc, Bc
+        )
+        outputs.append(y)
+    return torch.cat(outputs, dim=1)
+
+
+class NemotronHPuzzleMamba2Mixer(nn.Module):
+    """Mamba-2: in_proj (rows z | x | B | C | dt) -> causal conv + SiLU over x | B | C -> SSM (+ D x) -> gated norm -> out_proj."""
+
+    def __init__(self, f: dict) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = f["mamba_num_heads"], f["mamba_head_dim"]
+        self.n_groups, self.state_size = f["n_groups"], f["ssm_state_size"]
+        self.chunk_size = f["chunk_size"]
+        self.dt_min, self.dt_max = f["time_step_min"], f["mamba_dt_clamp_max"]
+        if f["mamba_hidden_act"] != "silu":
+            raise ValueError(f"Mamba blocks use silu, config.json says {f['mamba_hidden_act']!r}")
+        d = self.num_heads * self.head_dim
+        conv_dim = d + 2 * self.n_groups * self.state_size
+        k = f["conv_kernel"]
+        self.in_proj = nn.Linear(f["hidden_size"], d + conv_dim + self.num_heads, bias=f["use_bias"])
+        self.conv1d = nn.Conv1d(
+            conv_dim, conv_dim, k, groups=conv_dim, padding=k - 1, bias=f["use_conv_bias"]
+        )
+        self.dt_bias = nn.Parameter(torch.ones(self.num_heads))
+        self.A_log = nn.Parameter(torch.log(torch.arange(1, self.num_heads + 1, dtype=torch.float32)))
+        self.D = nn.Parameter(torch.ones(self.num_heads))
+        self.norm = NemotronHPuzzleGatedRMSNorm(d, self.n_groups, f["layer_norm_epsilon"])
+        self.out_proj = nn.Linear(d, f["hidden_size"], bias=f["use_bias"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        d, gn = self.num_heads * self.head_dim, self.n_groups * self.state_size
+        z, xbc, dt = self.in_proj(x).split([d, d + 2 * gn, self.num_heads], dim=-1)
+        xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :t].transpose(1, 2))
+        xs, B, C = xbc.split([d, gn, gn], dim=-1)
+        xs = xs.reshape(b, t, self.num_heads, self.head_dim)
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        dt = dt.clamp(min=self.dt_min, max=math.inf if self.dt_max is None else self.dt_max)
+        A = -torch.exp(self.A_log.float())
+        y = ssd_scan(
+            xs.float(),
+            dt,
+            A,
+            B.reshape(b, t, self.n_groups, -1).float(),
+            C.reshape(b, t, self.n_groups, -1).float(),
+            self.chunk_size,
+        )
+        y = y + xs.float() * self.D.float()[:, None]
+        return self.out_proj(self.norm(y.flatten(2), z).to(x.dtype))
+
+
+class NemotronHPuzzleAttention(nn.Module):
+    """Causal grouped-query attention without positional encoding (NoPE), as in Nemotron-H."""
+
+    def __init__(self, f: dict) -> None:
+        super().__init__()
+        self.num_heads = f["num_attention_heads"]
+        self.num_kv_heads = f["num_key_value_heads"] or self.num_heads
+        self.head_dim = f["head_dim"] or f["attention_head_dim"] or f["hidden_size"] // self.num_heads
+        hidden, bias = f["hidden_size"], f["attention_bias"]
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        repeat = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class NemotronHPuzzleExpert(nn.Module):
+    """A non-gated relu^2 MLP: down(relu(up(x))^2). Routed and shared experts alike."""
+
+    def __init__(self, size: int, width: int) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(size, width, bias=False)
+        self.down_proj = nn.Linear(width, size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(torch.square(F.relu(self.up_proj(x))))
+
+
+class NemotronHPuzzleRouter(nn.Module):
+    """Sigmoid top-k router (fp32): the correction bias steers the choice, not the weights; group-limited routing."""
+
+    def __init__(self, f: dict) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = f["n_routed_experts"], f["num_experts_per_tok"]
+        self.n_group, self.topk_group = f["n_group"], f["topk_group"]
+        self.norm_topk_prob, self.scaling = f["norm_topk_prob"], f["routed_scaling_factor"]
+        self.weight = nn.Parameter(torch.empty(self.num_experts, f["hidden_size"]))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, H] -> (weights [n, top_k] fp32, expert indices [n, top_k])."""
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        if self.topk_group < self.n_group:  # only experts of the topk_group groups with the best top-2 sums
+            grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+            kept = group_scores.topk(self.topk_group, dim=-1).indices
+            mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+            choice = choice.masked_fill(~mask.repeat_interleave(grouped.shape[-1], dim=1), -math.inf)
+        indices = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, indices)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, indices
+
+
+class NemotronHPuzzleMoE(nn.Module):
+    """out = fc2(sum_k w_k expert_k(fc1(x))) + shared(x); fc1 / fc2 only when latent, shared only when its width > 0."""
+
+    def __init__(self, f: dict) -> None:
+        super().__init__()
+        hidden, latent = f["hidden_size"], f["moe_latent_size"]
+        widths = f["moe_intermediate_size"]
+        widths = list(widths) if isinstance(widths, (list, tuple)) else [widths] * f["n_routed_experts"]
+        if f["mlp_hidden_act"] != "relu2" or f["mlp_bias"]:
+            raise ValueError("MoE experts are relu2 without bias; config.json says otherwise")
+        self.gate = NemotronHPuzzleRouter(f)
+        self.experts = nn.ModuleList(NemotronHPuzzleExpert(latent or hidden, width) for width in widths)
+        self.latent = latent is not None
+        if self.latent:
+            self.fc1_latent_proj = nn.Linear(hidden, latent, bias=False)
+            self.fc2_latent_proj = nn.Linear(latent, hidden, bias=False)
+        shared = f["moe_shared_expert_intermediate_size"] * f["n_shared_experts"]
+        self.shared_experts = NemotronHPuzzleExpert(hidden, shared) if shared > 0 else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, indices = self.gate(flat)
+        h = self.fc1_latent_proj(flat) if self.latent else flat
+        routed = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+        for j in indices.unique().tolist():
+            token, slot = (indices == j).nonzero(as_tuple=True)
+            routed.index_add_(0, token, self.experts[j](h[token]).float() * weights[token, slot, None])
+        out = routed.to(h.dtype)
+        out = (self.fc2_latent_proj(out) if self.latent else out).view(x.shape)
+        return out + self.shared_experts(x) if self.shared_experts is not None else out
+
+
+class NemotronHPuzzleMLP(nn.Module):
+    """A dense non-gated MLP: down(act(up(x)))."""
+
+    def __init__(self, f: dict) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(f["hidden_size"], f["intermediate_size"], bias=f["mlp_bias"])
+        self.down_proj = nn.Linear(f["intermediate_size"], f["hidden_size"], bias=f["mlp_bias"])
+        self.act = ACTIVATIONS[f["mlp_hidden_act"]]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.up_proj(x)))
+
+
+class NemotronHPuzzleLinear(nn.Module):
+    """puzzle's `linear` block: one hidden x hidden matrix in place of the mixer."""
+
+    def __init__(self, f: dict) -> None:
+        super().__init__()
+        self.linear = nn.Linear(f["hidden_size"], f["hidden_size"], bias=f["linear_bias"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+MIXERS = {
+    "mamba": NemotronHPuzzleMamba2Mixer,
+    "attention": NemotronHPuzzleAttention,
+    "moe": NemotronHPuzzleMoE,
+    "mlp": NemotronHPuzzleMLP,
+    "linear": NemotronHPuzzleLinear,
+}
+
+
+class NemotronHPuzzleBlock(nn.Module):
+    """x + mixer(norm(x)); a `noop` block (removed) has neither norm nor mixer and returns x."""
+
+    def __init__(self, config: NemotronHPuzzleConfig, index: int) -> None:
+        super().__init__()
+        kind = config.block_kinds()[index]
+        self.block_type = kind
+        if kind == "noop":
+            self.norm = self.mixer = None
+            return
+        self.norm = NemotronHPuzzleRMSNorm(config.hidden_size, config.layer_norm_epsilon)
+        self.mixer = MIXERS[kind](config.block_fields(index))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mixer is None:
+            return x
+        return x + self.mixer(self.norm(x.to(self.norm.weight.dtype)))
+
+
+class NemotronHPuzzlePreTrainedModel(PreTrainedModel):
+    config_class = NemotronHPuzzleConfig
+    base_model_prefix = "backbone"
+    _no_split_modules: ClassVar[list[str]] = ["NemotronHPuzzleBlock"]
+    _supports_sdpa = True
+    # The router decides which experts run: keep its weight and bias in fp32, as transformers' NemotronH.
+    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["e_score_correction_bias", "gate.weight"]
+    # MTP weights are not part of this model; older puzzle files kept a removed block's unused norm.
+    _keys_to_ignore_on_load_unexpected: ClassVar[list[str]] = [
+        r"^mtp\.",
+        r"^backbone\.layers\.\d+\.norm\.weight$",
+    ]
+
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)  # linear layers, embeddings, RMSNorms
+        loaded = lambda tensor: getattr(tensor, "_is_hf_initialized", False)  # noqa: E731
+        with torch.no_grad():
+            if isinstance(module, NemotronHPuzzleMamba2Mixer) and not loaded(module.A_log):
+                module.A_log.copy_(torch.log(torch.arange(1, module.num_heads + 1, dtype=torch.float32)))
+                module.D.fill_(1.0)
+                module.dt_bias.fill_(1.0)
+            elif isinstance(module, NemotronHPuzzleRouter) and not loaded(module.weight):
+                module.weight.normal_(0.0, getattr(self.config, "initializer_range", 0.02))
+                module.e_score_correction_bias.zero_()
+
+
+class NemotronHPuzzleModel(NemotronHPuzzlePreTrainedModel):
+    """Embeddings -> blocks -> final norm."""
+
+    def __init__(self, config: NemotronHPuzzleConfig) -> None:
+        super().__init__(config)
+        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(NemotronHPuzzleBlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm_f = NemotronHPuzzleRMSNorm(config.hidden_size, config.layer_norm_epsilon)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embeddings
+
+    def set_input_embeddings(self, embeddings: nn.Embedding) -> None:
+        self.embeddings = embeddings
+
+    def forward(self, input_ids=None, inputs_embeds=None, output_hidden_states: bool = False):
+        """-> (final-normed hidden states [b, t, H], (embeddings, block 0 output, ...) or None)."""
+        x = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        hidden = [x] if output_hidden_states else None
+        for block in self.layers:
+            x = block(x)
+            if hidden is not None:
+                hidden.append(x)
+        return self.norm_f(x), tuple(hidden) if hidden is not None else None
+
+
+class NemotronHPuzzleForCausalLM(NemotronHPuzzlePreTrainedModel, GenerationMixin):
+    """The model plus lm_head; logits in fp32. No cache: see the module docstring."""
+
+    def __init__(self, config: NemotronHPuzzleConfig) -> None:
+        super().__init__(config)
+        self.backbone = NemotronHPuzzleModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.backbone.embeddings
+
+    def set_input_embeddings(self, embeddings: nn.Embedding) -> None:
+        self.backbone.embeddings = embeddings
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        inputs_embeds=None,
+        labels=None,
+        output_hidden_states=None,
+        logits_to_keep: int = 0,
+        return_dict=None,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
+        if mask is not None and mask.dim() == 2 and not bool(mask.all()):
+            raise NotImplementedError(
+                "NemotronHPuzzle remote code does not support padding (zeros in attention_mask)"
+            )
+        hidden, all_hidden = self.backbone(input_ids, inputs_embeds, bool(output_hidden_states))
+        logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden).float()
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=all_hidden)
+
+    # Generation without a cache: every step gets the whole sequence.
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False
+
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, inputs_embeds=None, **kwargs):
+        return {"input_ids": input_ids, "attention_mask": attention_mask, "logits_to_keep": 1}
