@@ -29,7 +29,7 @@ from puzzle.blocks import build_block
 from puzzle.cost import model_active_params, model_params
 from puzzle.model import HybridLM
 from puzzle.nemotron_h.config import mtp_block_specs
-from puzzle.score import ModelComparison, compare_models
+from puzzle.score import ModelComparison, Scores, compare_models
 from puzzle.search.types import Solution
 from puzzle.spec import BlockSpec, ModelSpec, SpecError, Variant, block_to_dict
 
@@ -50,12 +50,14 @@ class AssembledBlock:
 
     variant: Variant
     source: str
+    predicted_kl: float | None = None  # its replace-one-block score, when scores were given
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "block": self.variant.block_index,
             "variant": self.variant.id,
             "source": self.source,
+            "predicted_kl": self.predicted_kl,
             "spec": block_to_dict(self.variant.spec),
         }
 
@@ -243,11 +245,14 @@ def assemble(
     library: Library | str | Path,
     parent: HybridLM,
     *,
+    scores: Mapping[Variant, Any] | Scores | None = None,
     check_parent: bool = True,
 ) -> HybridLM:
     """The child of `solution`: library weights where it changes a block, the parent's elsewhere.
 
-    `solution`: see `solution_variants`. `library`: a `Library` or its directory. `parent`: the model
+    `solution`: see `solution_variants`. `library`: a `Library` or its directory. `scores`: optional
+    replace-one-block scores (`puzzle.score.Scores`, or {Variant: KL}) recorded per block, the parent's
+    own blocks at 0; their sum is the predicted KL when the solution is not a search `Solution`. `parent`: the model
     the library was built from (a fresh load: BLD shards the parent it trains on); with `check_parent`
     its fingerprint must be the library's. Returns a new HybridLM in eval mode on the parent's device,
     sharing no tensor with the parent, with `child.assembly` (an `Assembly`), the parent's extra (MTP)
@@ -278,7 +283,7 @@ def assemble(
         else:
             mixer, source = _library_mixer(library, variant, parent)
         mixers.append(mixer)
-        blocks.append(AssembledBlock(variant, source))
+        blocks.append(AssembledBlock(variant, source, _score_of(scores, variant, parent.spec)))
     spec = ModelSpec(
         vocab_size=parent.spec.vocab_size,
         hidden_size=parent.spec.hidden_size,
@@ -305,12 +310,36 @@ def assemble(
     if left:
         raise AssemblyError(f"assembly left tensors without weights: {left[:5]}")
     predicted = _check_parameter_counts(child, solution)
+    if "kl" not in predicted and scores is not None:
+        predicted["kl"] = sum(block.predicted_kl for block in blocks)
     child.extra_tensors = dict(parent.extra_tensors)
     child.source_config = None if parent.source_config is None else dict(parent.source_config)
     child.source_path = parent.source_path
     path = None if parent.source_path is None else str(parent.source_path)
     child.assembly = Assembly(blocks, path, parent_fingerprint, predicted, _mtp_record(parent))
     return child.requires_grad_(True).eval()
+
+
+def _score_of(
+    scores: Mapping[Variant, Any] | Scores | None, variant: Variant, parent_spec: ModelSpec
+) -> float | None:
+    """The variant's replace-one-block KL from `scores` (0 for the parent's own block); None without scores."""
+    if scores is None:
+        return None
+    if variant.spec == parent_spec.blocks[variant.block_index]:
+        return 0.0
+    table = scores.variants if isinstance(scores, Scores) else scores
+    if variant not in table:
+        raise AssemblyError(
+            f"block {variant.block_index}: variant {variant.id} has no score in the scores given"
+        )
+    value = table[variant]
+    value = getattr(value, "kl", value)
+    if value is None:
+        raise AssemblyError(
+            f"block {variant.block_index}: variant {variant.id} has no KL (its scoring failed)"
+        )
+    return float(value)
 
 
 def _check_parameter_counts(child: HybridLM, solution: SolutionLike) -> dict[str, Any]:

@@ -75,8 +75,10 @@ def test_search_solution_assembles_to_its_predicted_totals_and_kl_is_measured(se
     scores = library_scores(parent, library, root / "scores")
     solution = solve(parent, library, scores, params_fraction=0.8)
     assert solution.totals["params"] <= 0.8 * model_params(parent.spec)
-    child = assemble(solution, library, parent)
+    child = assemble(solution, library, parent, scores=scores)
     assert child.assembly.predicted["params"] == round(solution.totals["params"])
+    per_block = [block.predicted_kl for block in child.assembly.blocks]
+    assert sum(per_block) == pytest.approx(solution.objective, rel=1e-9, abs=1e-12)
     assert sum(p.numel() for p in child.parameters()) == round(solution.totals["params"])
     assert child.assembly.predicted_kl == solution.objective
     changed = [b.variant.block_index for b in child.assembly.blocks if b.source != "parent"]

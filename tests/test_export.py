@@ -157,9 +157,10 @@ def test_engine_rules_block_by_block():
         [("llama.cpp", 0), ("vllm", 0)],
         [("llama.cpp", 2), ("vllm", 2)],
     )
-    # vLLM takes per-block expert counts, attention heads and no shared expert; llama.cpp does not.
+    # vLLM takes per-block expert counts and no shared expert; llama.cpp does not. Neither: several
+    # attention shapes (llama.cpp reads the globals; vLLM's KV cache, conservatively).
     assert problems(moe, MoESpec(4, 2, 16, 8, 12), moe) == [("llama.cpp", 1)]
-    assert problems(attention, attention, AttentionSpec(2, 1, 4)) == [("llama.cpp", 2)]
+    assert problems(attention, attention, AttentionSpec(2, 1, 4)) == [("llama.cpp", 2), ("vllm", 2)]
     assert problems(moe, MoESpec(8, 2, 16, 0, 12)) == [("llama.cpp", 1)]
     assert problems(MLPSpec(width=8, activation="silu")) == [("llama.cpp", 0), ("vllm", 0)]
     assert problems(MLPSpec(width=8), MLPSpec(width=4)) == []

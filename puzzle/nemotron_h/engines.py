@@ -4,9 +4,10 @@ What each engine reads (their code, read in 2026; `config_from_spec` writes the 
 
 - vLLM (`model_executor/models/nemotron_h.py`, `NemotronHPuzzleConfig`): block kinds mamba, attention,
   moe, mlp only; every Mamba layer and the Mamba state cache are built from the global fields, so all
-  Mamba blocks have one shape; attention, MoE and MLP layers take their block's fields (per-block heads,
-  widths, top-k, expert counts); projections have no bias in attention; MLP and experts are relu^2; one
-  fused-MoE width per block; no upper dt clamp.
+  Mamba blocks have one shape; MoE and MLP layers take their block's fields (per-block widths, top-k,
+  expert counts, shared and latent sizes); attention layers do too, but we ask for one attention shape
+  (its hybrid KV cache is laid out per attention shape and we could not check several); attention has
+  no bias; MLP and experts are relu^2; one fused-MoE width per block; no upper dt clamp.
 - llama.cpp (`convert_hf_to_gguf.py` NemotronHPuzzleModel, `src/models/nemotron-h.cpp`): the block
   pattern from block_configs, width and top-k from each MoE entry; everything else from the globals:
   one Mamba shape, one attention shape, one expert count, shared expert (always present), latent size,
@@ -72,6 +73,7 @@ def _differs(block: BlockSpec, reference: BlockSpec, fields: Iterable[str]) -> l
 def _vllm(spec: ModelSpec) -> list[EngineProblem]:
     problems = []
     mamba = _most_common([b for b in spec.blocks if isinstance(b, MambaSpec)])
+    attention = _most_common([b for b in spec.blocks if isinstance(b, AttentionSpec)])
     for index, block in enumerate(spec.blocks):
 
         def add(reason: str, index: int = index, block: BlockSpec = block) -> None:
@@ -87,8 +89,14 @@ def _vllm(spec: ModelSpec) -> list[EngineProblem]:
                 )
             if block.dt_clamp_max is not None:
                 add("an upper dt clamp (mamba_dt_clamp_max is ours alone)")
-        elif isinstance(block, AttentionSpec) and block.bias:
-            add("attention biases (vLLM's NemotronH attention has none)")
+        elif isinstance(block, AttentionSpec):
+            if block.bias:
+                add("attention biases (vLLM's NemotronH attention has none)")
+            if block != attention:  # conservative: the hybrid KV-cache manager pages one attention shape
+                add(
+                    f"an attention shape {block.short_name()} unlike the other attention blocks' "
+                    f"{attention.short_name()} (vLLM's hybrid KV cache is laid out for one attention shape)"
+                )
         elif isinstance(block, MoESpec):
             if not block.is_uniform:
                 add("a width per expert inside one block (a fused MoE layer has one width)")
