@@ -633,11 +633,11 @@ def config_from_spec(
         config["dtype"] = _dtype_name(dtype)
         if "torch_dtype" in base:
             config["torch_dtype"] = _dtype_name(dtype)
-    if not needs_puzzle:
+    if mtp:  # in the names vLLM validates, whatever the parent's writer used
+        config["mtp_layers_block_type"] = [block.kind for block in mtp]
+    if not needs_puzzle:  # the MTP shape is the globals': only its kinds remain
         config["model_type"] = "nemotron_h"
         config["architectures"] = ["NemotronHForCausalLM"]
-        if mtp and base.get("mtp_block_configs"):  # the MTP shape is the globals': only its kinds remain
-            config["mtp_layers_block_type"] = [block.kind for block in mtp]
         return dict(sorted(config.items()))
     config["model_type"] = "nemotron_h_puzzle"
     config["architectures"] = ["NemotronHPuzzleForCausalLM"]
@@ -645,5 +645,4 @@ def config_from_spec(
     config["block_configs"] = entries[: spec.num_blocks]
     if mtp:
         config["mtp_block_configs"] = entries[spec.num_blocks :]
-        config["mtp_layers_block_type"] = [block.kind for block in mtp]
     return dict(sorted(config.items()))
