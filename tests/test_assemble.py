@@ -6,18 +6,25 @@ errors."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import shutil
+import socket
+from pathlib import Path
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 from assemble_helpers import build_small_library, held_out, library_scores, save_parent, solve
 from bld_helpers import trained_parent, variants
 from safetensors.torch import load_file
 
 import puzzle
+from puzzle import dist
 from puzzle.assemble import AssemblyError, assemble, measured_kl, solution_variants
 from puzzle.bld import variant_file
 from puzzle.cost import model_params
+from puzzle.score import compare_models
 from puzzle.search.types import Solution
 from puzzle.spec import LinearSpec, MLPSpec, NoOpSpec, Variant
 
@@ -174,3 +181,38 @@ def test_bad_solutions_are_clear_errors(setup, parent, tmp_path):
         other.norm_f.weight.add_(1.0)
     with pytest.raises(AssemblyError, match="built from another parent"):
         assemble({}, library, other)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, parent_dir: str, child_dir: str) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    assert dist.init_from_env() is True
+    try:
+        result = compare_models(puzzle.load(parent_dir), puzzle.load(child_dir), held_out(), vocab_chunk=16)
+        Path(child_dir).parent.joinpath(f"rank{rank}.json").write_text(json.dumps(result.to_dict()))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_gloo_ranks_measure_the_single_process_kl(setup, parent, tmp_path):
+    parent_dir, library, _ = setup
+    child = assemble({0: _table()[0][0], 3: _table()[3][1]}, library, parent)
+    child_dir = child.save_pretrained(tmp_path / "child")
+    mp.spawn(_worker, args=(2, _free_port(), str(parent_dir), str(child_dir)), nprocs=2, join=True)
+    one = compare_models(parent, child, held_out(), vocab_chunk=16)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1] and ranks[0]["tokens"] == one.tokens and ranks[0]["top1"] == one.top1
+    for name in ("kl", "lm_loss_delta"):
+        assert ranks[0][name] == pytest.approx(getattr(one, name), rel=1e-9, abs=1e-12)
