@@ -216,3 +216,16 @@ def test_two_gloo_ranks_measure_the_single_process_kl(setup, parent, tmp_path):
     assert ranks[0] == ranks[1] and ranks[0]["tokens"] == one.tokens and ranks[0]["top1"] == one.top1
     for name in ("kl", "lm_loss_delta"):
         assert ranks[0][name] == pytest.approx(getattr(one, name), rel=1e-9, abs=1e-12)
+
+
+def test_a_bf16_parent_gets_a_bf16_child_with_an_fp32_router(setup):
+    parent_dir, library, _ = setup
+    parent = puzzle.load(parent_dir, dtype=torch.bfloat16)
+    with pytest.raises(AssemblyError, match="in the same dtype"):
+        assemble({}, library, parent)
+    child = assemble({2: _table()[2][0], 3: _table()[3][0]}, library, parent, check_parent=False)
+    dtypes = {name: t.dtype for name, t in child.state_dict().items()}
+    fp32 = {name for name, dtype in dtypes.items() if dtype == torch.float32}
+    assert fp32 == {"layers.2.mixer.gate.weight", "layers.2.mixer.gate.e_score_correction_bias"}
+    assert set(dtypes.values()) == {torch.bfloat16, torch.float32}
+    assert torch.isfinite(child(held_out()[0]).logits).all()
