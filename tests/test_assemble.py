@@ -7,20 +7,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import shutil
 import socket
-from pathlib import Path
 
+import kl_worker
 import pytest
 import torch
 import torch.multiprocessing as mp
 from assemble_helpers import build_small_library, held_out, library_scores, save_parent, solve
 from bld_helpers import trained_parent, variants
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import puzzle
-from puzzle import dist
 from puzzle.assemble import AssemblyError, assemble, measured_kl, solution_variants
 from puzzle.bld import variant_file
 from puzzle.cost import model_params
@@ -189,28 +187,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, parent_dir: str, child_dir: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
-    assert dist.init_from_env() is True
-    try:
-        result = compare_models(puzzle.load(parent_dir), puzzle.load(child_dir), held_out(), vocab_chunk=16)
-        Path(child_dir).parent.joinpath(f"rank{rank}.json").write_text(json.dumps(result.to_dict()))
-    finally:
-        torch.distributed.destroy_process_group()
-
-
 def test_two_gloo_ranks_measure_the_single_process_kl(setup, parent, tmp_path):
     parent_dir, library, _ = setup
     child = assemble({0: _table()[0][0], 3: _table()[3][1]}, library, parent)
     child_dir = child.save_pretrained(tmp_path / "child")
-    mp.spawn(_worker, args=(2, _free_port(), str(parent_dir), str(child_dir)), nprocs=2, join=True)
+    batches_file = tmp_path / "held_out.safetensors"
+    save_file({str(index): batch for index, batch in enumerate(held_out())}, batches_file)
+    args = (2, _free_port(), str(parent_dir), str(child_dir), str(batches_file))
+    mp.spawn(kl_worker.worker, args=args, nprocs=2, join=True)
     one = compare_models(parent, child, held_out(), vocab_chunk=16)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1] and ranks[0]["tokens"] == one.tokens and ranks[0]["top1"] == one.top1
