@@ -274,9 +274,16 @@ def test_heterogeneous_roundtrip_writes_puzzle_config(tmp_path):
         "moe",
     ]
     assert len(config["block_configs"]) == spec.num_blocks
-    # Entries list only what differs from the globals (the most common shape of each kind).
-    assert config["block_configs"][1] == {"block_type": "moe"}
+    # Every entry of a kind states the keys where some block of that kind differs from the globals (the
+    # most common shape of each kind); every MoE entry also states NVIDIA's MoE fields (llama.cpp's rule).
+    moe_keys = {"n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"}
+    moe_keys |= {"moe_shared_expert_intermediate_size", "moe_latent_size", "n_shared_experts"}
+    assert {index: set(config["block_configs"][index]) - {"block_type"} for index in (1, 3, 8)} == {
+        index: moe_keys for index in (1, 3, 8)
+    }
+    assert config["block_configs"][1]["moe_intermediate_size"] == 16
     assert config["block_configs"][4] == {"block_type": "mamba", "mamba_num_heads": 2, "ssm_state_size": 4}
+    assert config["block_configs"][0] == {"block_type": "mamba", "mamba_num_heads": 4, "ssm_state_size": 8}
     assert config["block_configs"][3]["moe_intermediate_size"] == [8, 16, 12, 8, 4, 16]
     assert config["block_configs"][7] == {"block_type": "mlp", "mlp_hidden_act": "silu"}
     loaded = puzzle.load(out)
@@ -321,8 +328,9 @@ def test_puzzle_config_blocks_inherit_globals():
     assert nemotron_h.spec_from_config(nemotron_h.config_from_spec(spec)) == spec
 
 
-def test_puzzle_globals_keep_the_parents_values(parents, tmp_path):
-    """A pruned child keeps the parent's global MoE fields (its MTP module reads them); blocks override."""
+def test_puzzle_globals_describe_the_child_and_every_moe_entry_states_width_and_top_k(parents, tmp_path):
+    """llama.cpp reads width and top-k from every MoE entry (no fallback), engines read the other shapes from
+    the globals: so the globals are the child's most common shapes and each MoE entry states its own."""
     _, path = parents["latent_moe"]
     model = puzzle.load(path)
     child_spec = model.spec.replace_block(1, MoESpec(8, 2, 10, 24, 12, 2.5, True, 2, 1))
@@ -330,13 +338,19 @@ def test_puzzle_globals_keep_the_parents_values(parents, tmp_path):
     child.source_config = model.source_config
     config = json.loads((child.save_pretrained(tmp_path / "child") / "config.json").read_text())
     assert config["model_type"] == "nemotron_h_puzzle"
-    assert config["moe_intermediate_size"] == 16 and config["num_experts_per_tok"] == 3
-    assert config["block_configs"][1] == {
+    assert config["num_hidden_layers"] == 5 and config["layers_block_type"][1] == "moe"
+    assert "mtp_block_configs" not in config
+    entries = config["block_configs"]
+    assert entries[1] == {
         "block_type": "moe",
-        "moe_intermediate_size": 10,
+        "n_routed_experts": 8,
         "num_experts_per_tok": 2,
+        "moe_intermediate_size": 10,
+        "moe_shared_expert_intermediate_size": 24,
+        "moe_latent_size": 12,
     }
-    assert config["block_configs"][3] == {"block_type": "moe"}
+    assert (entries[3]["moe_intermediate_size"], entries[3]["num_experts_per_tok"]) == (16, 3)
+    assert entries[0] == entries[4] == {"block_type": "mamba"} and entries[2] == {"block_type": "attention"}
     assert nemotron_h.spec_from_config(config) == child_spec
 
 

@@ -17,12 +17,14 @@ from puzzle.nemotron_h.config import (
     block_config_fields,
     block_kinds,
     config_from_spec,
+    mtp_block_specs,
     normalize_config,
     read_config,
     read_config_file,
     spec_from_config,
     transformers_incompatibilities,
 )
+from puzzle.nemotron_h.engines import ENGINES, EngineProblem, engine_problems, engine_support
 
 _LAZY = {
     "load": "puzzle.nemotron_h.checkpoint",
@@ -66,4 +68,9 @@ __all__ = [
     "spec_from_config",
     "transformers_incompatibilities",
     "weight_files",
+    "ENGINES",
+    "EngineProblem",
+    "engine_problems",
+    "engine_support",
+    "mtp_block_specs",
 ]

@@ -210,10 +210,14 @@ def _is_aux_file(name: str) -> bool:
     return not name.endswith(".py") and any(fnmatch(name, pattern) for pattern in _AUX_FILES)
 
 
+# Written beside the weights by `puzzle.export` (what the child is and where it came from).
+EXPORT_RECORD = "puzzle.json"
+
+
 def is_checkpoint_file(name: str) -> bool:
     """Whether a file called `name` is one a checkpoint save writes (config, weights, index, aux files)."""
     return (
-        name in (CONFIG_NAME, SINGLE_FILE, INDEX_FILE, OWNER_MARKER, *REMOTE_CODE_FILES)
+        name in (CONFIG_NAME, SINGLE_FILE, INDEX_FILE, OWNER_MARKER, EXPORT_RECORD, *REMOTE_CODE_FILES)
         or SHARD_FILE.fullmatch(name) is not None
         or _is_aux_file(name)
     )
@@ -231,8 +235,17 @@ def save_pretrained(
     path: str | Path,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
+    *,
+    model_type: str = "auto",
+    aux_source: str | Path | None = None,
+    extra_files: Mapping[str, str] | None = None,
 ) -> Path:
     """Write `model` as a NemotronH checkpoint directory at `path`; returns the path.
+
+    `model_type`: as `config_from_spec` ("auto", "nemotron_h", "nemotron_h_puzzle"). `aux_source`: the
+    directory whose tokenizer / generation files are copied (default: the one the model was loaded
+    from), never written into either. `extra_files`: {file name: text} written with the checkpoint
+    (e.g. `puzzle.json`), atomically with it.
 
     Layout: config.json (see `config_from_spec`), model.safetensors, or model-0000i-of-0000n.safetensors
     plus model.safetensors.index.json when the tensors exceed `max_shard_bytes`, and the tokenizer /
@@ -259,13 +272,14 @@ def save_pretrained(
     """
     target = Path(path).absolute()
     source = model.source_path
+    aux = source if aux_source is None else Path(aux_source).resolve()
     # Neither over the source (or a folder holding it) nor inside it: the parent's directory stays untouched.
-    if source is not None and (
-        source.is_relative_to(target.resolve()) or target.resolve().is_relative_to(source)
-    ):
-        raise CheckpointError(
-            f"refusing to write into {target}: the model was loaded from {source}, which must stay untouched"
-        )
+    for protected in dict.fromkeys(p for p in (source, aux) if p is not None):
+        if protected.is_relative_to(target.resolve()) or target.resolve().is_relative_to(protected):
+            raise CheckpointError(
+                f"refusing to write into {target}: the model was loaded from {protected}, which must stay "
+                "untouched"
+            )
     if target.exists() and not target.is_dir():
         raise CheckpointError(f"{target} exists and is not a directory")
     meta = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
@@ -280,17 +294,21 @@ def save_pretrained(
             "save into a new or empty directory, or pass overwrite=True to write the checkpoint files "
             "beside them"
         )
-    config = config_from_spec(model.spec, model.source_config, dtype=model.embeddings.weight.dtype)
+    config = config_from_spec(
+        model.spec, model.source_config, dtype=model.embeddings.weight.dtype, model_type=model_type
+    )
     tensors = hub_state(model)
     staging = make_staging_dir(target)
     try:
         write_weights(tensors, staging, max_shard_bytes)
         config = write_remote_code(staging, config)  # nemotron_h_puzzle: the trust_remote_code files
         (staging / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
-        if source is not None and source.is_dir():
-            for file in sorted(source.iterdir()):
+        if aux is not None and aux.is_dir():
+            for file in sorted(aux.iterdir()):
                 if file.is_file() and _is_aux_file(file.name):
                     shutil.copy2(file, staging / file.name)
+        for name, text in (extra_files or {}).items():
+            (staging / name).write_text(text)
         for file in staging.iterdir():  # safetensors writes 0o600, copy2 copies the source's mode
             file.chmod(default_mode())
         if foreign:

@@ -120,8 +120,6 @@ _KIND_NAMES = {
     "noop": "noop",
     "N": "noop",
 }
-# transformers >= 5.2x spells the mixer kinds this way in layers_block_type.
-_TRANSFORMERS_NAMES = {"mamba": "linear_attention", "attention": "full_attention", "moe": "moe", "mlp": "mlp"}
 
 # ------------------------------------------------------------------------------------------- field tables
 
@@ -287,6 +285,7 @@ _OWNED_KEYS = (
         "layers_block_type",
         "hybrid_override_pattern",
         "block_configs",
+        "mtp_block_configs",
         "num_hidden_layers",
         "vocab_size",
         "hidden_size",
@@ -499,29 +498,122 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def config_from_spec(
-    spec: ModelSpec, base: Mapping[str, Any] | None = None, dtype: torch.dtype | str | None = None
-) -> dict[str, Any]:
-    """A config.json dict for `spec`: nemotron_h when transformers can load it, else nemotron_h_puzzle.
+# MoE fields every nemotron_h_puzzle MoE entry states, as NVIDIA's Puzzle-75B release does: llama.cpp's
+# converter reads the width and top-k of each MoE entry with no fallback to the globals, and vLLM drops
+# from the globals every field some entry sets ("blockwise members"), so an entry without it would get
+# the config class's default instead of the global.
+MOE_ENTRY_KEYS = (
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "moe_shared_expert_intermediate_size",
+    "moe_latent_size",
+)
+MODEL_TYPES = ("auto", "nemotron_h", "nemotron_h_puzzle")
 
-    Keys of `base` (the loaded checkpoint's config) that the spec does not determine (token ids,
-    MTP settings, ...) are carried over. In the puzzle format the global fields keep the base's
-    values where it has them (the MTP module reads those), and each block_configs entry lists only
-    the fields where its block differs from the globals.
+
+def mtp_block_specs(base: Mapping[str, Any]) -> list[BlockSpec]:
+    """The blocks of the checkpoint's MTP module, as specs (empty when it has none).
+
+    nemotron_h_puzzle: `mtp_block_configs` entries over the globals; nemotron_h: the kinds of
+    `mtp_layers_block_type` / `mtp_hybrid_override_pattern` (default attention + MoE) with the global
+    fields, as transformers and vLLM read them.
     """
-    base = normalize_config(base or {})
-    needs_puzzle = bool(transformers_incompatibilities(spec))
-    config = {key: value for key, value in base.items() if key not in _OWNED_KEYS}
-    kinds = [block.kind for block in spec.blocks]
-    # Globals: the base's values, else defaults; then the most common shape of each kind, which in the
-    # puzzle format only fills fields the base lacks (the base's globals describe its MTP module).
-    globals_ = {key: base.get(key, value) for key, value in DEFAULTS.items()}
-    from_blocks: dict[str, Any] = {}
+    base = normalize_config(base)
+    if not base.get("num_nextn_predict_layers"):
+        return []
+    where = "the MTP module of the base config"
+    entries = base.get("mtp_block_configs")
+    if entries:
+        mtp = {**base, "block_configs": entries, "layers_block_type": None, "hybrid_override_pattern": None}
+    else:
+        kinds = base.get("mtp_layers_block_type")
+        if kinds is None:
+            pattern = base.get("mtp_hybrid_override_pattern") or "*E"
+            kinds = [_kind(char, where) for char in pattern]
+        mtp = {**base, "layers_block_type": kinds, "block_configs": None}
+    return list(spec_from_config(mtp, where=where).blocks)
+
+
+def _global_fields(spec: ModelSpec, base: Mapping[str, Any]) -> dict[str, Any]:
+    """Global config fields: the base's, then the defaults, then the most common shape of each kind of block.
+
+    Serving engines build Mamba and attention layers (and llama.cpp every MoE field but width and top-k)
+    from the globals only, so the globals describe the child's blocks, never the parent's.
+    """
+    fields = {key: base.get(key, value) for key, value in DEFAULTS.items()}
     for kind in ("mlp", "moe", "attention", "mamba"):  # MoE wins the mlp_* fields it shares with MLP
         blocks = [block for block in spec.blocks if block.kind == kind]
         if blocks:
-            from_blocks.update(block_config_fields(Counter(blocks).most_common(1)[0][0]))
-    globals_.update({key: value for key, value in from_blocks.items() if not needs_puzzle or key not in base})
+            fields.update(block_config_fields(Counter(blocks).most_common(1)[0][0]))
+    return fields
+
+
+def _entries(blocks: list[BlockSpec], config: dict[str, Any]) -> list[dict[str, Any]]:
+    """block_configs entries for `blocks` (main and MTP together) over the globals in `config` (updated).
+
+    Per kind, every entry states the same keys: those where some block of the kind differs from the
+    global (plus MOE_ENTRY_KEYS for MoE), so that readers that inherit from the globals (ours, llama.cpp)
+    and those that drop blockwise keys from the globals (vLLM) see the same shapes. A null field would
+    mean "inherit" (see _block_fields_in): a key some block leaves None gets a None global and is left
+    out of that block's entry.
+    """
+    fields = [block_config_fields(block) for block in blocks]
+    for block_fields in fields:
+        for key, value in block_fields.items():
+            if value is None and config.get(key, DEFAULTS.get(key)) is not None:
+                config[key] = None
+    stated: dict[str, set[str]] = {}
+    for block, block_fields in zip(blocks, fields):
+        keys = stated.setdefault(block.kind, set(MOE_ENTRY_KEYS) if block.kind == "moe" else set())
+        keys.update(key for key, value in block_fields.items() if config.get(key, DEFAULTS.get(key)) != value)
+    entries = []
+    for block, block_fields in zip(blocks, fields):
+        entry: dict[str, Any] = {"block_type": block.kind}
+        for key, value in block_fields.items():  # the kind table's order
+            if key in stated[block.kind] and value is not None:
+                entry[key] = value
+        entries.append(entry)
+    return entries
+
+
+def config_from_spec(
+    spec: ModelSpec,
+    base: Mapping[str, Any] | None = None,
+    dtype: torch.dtype | str | None = None,
+    model_type: str = "auto",
+) -> dict[str, Any]:
+    """A config.json dict for `spec`: nemotron_h when transformers can load it, else nemotron_h_puzzle.
+
+    `model_type`: "auto" (the above), "nemotron_h" (CheckpointError naming the reasons when
+    transformers cannot represent the spec) or "nemotron_h_puzzle". Keys of `base` (the parent's
+    config) that the spec does not determine (token ids, MTP settings, ...) are carried over. The
+    global fields describe the child (the most common shape of each kind). The MTP module of `base`
+    keeps its own shape: in nemotron_h it is read from the globals, so a child whose globals differ
+    from its MTP blocks is written as nemotron_h_puzzle, with the MTP blocks in `mtp_block_configs`.
+    In nemotron_h_puzzle every block has an entry in `block_configs` (see `_entries`); layers_block_type
+    uses the names vLLM validates (mamba, attention, moe, mlp; ours: linear, noop).
+    """
+    if model_type not in MODEL_TYPES:
+        raise CheckpointError(f"unknown model_type {model_type!r}; choose one of {list(MODEL_TYPES)}")
+    base = normalize_config(base or {})
+    mtp = mtp_block_specs(base)
+    config = {key: value for key, value in base.items() if key not in _OWNED_KEYS}
+    globals_ = _global_fields(spec, base)
+    reasons = transformers_incompatibilities(spec)
+    mtp_conflicts = sorted(
+        {
+            f"the MTP module's {block.kind} block differs from the child's"
+            for block in mtp
+            if any(globals_.get(key) != value for key, value in block_config_fields(block).items())
+        }
+    )
+    if model_type == "nemotron_h" and (reasons or mtp_conflicts):
+        raise CheckpointError(
+            "this model cannot be written as a plain nemotron_h config (transformers' NemotronHForCausalLM): "
+            + ", ".join(reasons + mtp_conflicts)
+        )
+    needs_puzzle = model_type == "nemotron_h_puzzle" or bool(reasons or mtp_conflicts)
     for key in ("mamba_dt_clamp_max", "linear_bias"):  # our extensions: written only when set
         if not globals_.get(key):
             globals_.pop(key, None)
@@ -534,32 +626,23 @@ def config_from_spec(
             "tie_word_embeddings": spec.tie_embeddings,
             "num_hidden_layers": spec.num_blocks,
             "hybrid_override_pattern": spec.pattern,
+            "layers_block_type": [block.kind for block in spec.blocks],
         }
     )
     if dtype is not None:
         config["dtype"] = _dtype_name(dtype)
         if "torch_dtype" in base:
             config["torch_dtype"] = _dtype_name(dtype)
-    if not needs_puzzle:
+    if mtp:  # in the names vLLM validates, whatever the parent's writer used
+        config["mtp_layers_block_type"] = [block.kind for block in mtp]
+    if not needs_puzzle:  # the MTP shape is the globals': only its kinds remain
         config["model_type"] = "nemotron_h"
         config["architectures"] = ["NemotronHForCausalLM"]
-        config["layers_block_type"] = [_TRANSFORMERS_NAMES[kind] for kind in kinds]
         return dict(sorted(config.items()))
     config["model_type"] = "nemotron_h_puzzle"
     config["architectures"] = ["NemotronHPuzzleForCausalLM"]
-    config["layers_block_type"] = kinds
-    # A null in an entry means "inherit" (see _block_fields_in), so a block whose field is None (no
-    # latent projection, no dt clamp) makes the global None and the other blocks state their values.
-    for block in spec.blocks:
-        for key, value in block_config_fields(block).items():
-            if value is None and config.get(key, DEFAULTS.get(key)) is not None:
-                config[key] = None
-    block_configs = []
-    for block in spec.blocks:
-        entry: dict[str, Any] = {"block_type": block.kind}
-        for key, value in block_config_fields(block).items():
-            if config.get(key, DEFAULTS.get(key)) != value:
-                entry[key] = value
-        block_configs.append(entry)
-    config["block_configs"] = block_configs
+    entries = _entries([*spec.blocks, *mtp], config)
+    config["block_configs"] = entries[: spec.num_blocks]
+    if mtp:
+        config["mtp_block_configs"] = entries[spec.num_blocks :]
     return dict(sorted(config.items()))

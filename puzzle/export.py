@@ -1,0 +1,126 @@
+"""Export a child as a checkpoint serving engines read: weights, config.json, the parent's tokenizer and
+generation files, and `puzzle.json` (the parent, the solution, predicted and measured figures, MTP).
+
+Formats: "auto" (plain `nemotron_h` when transformers' NemotronHForCausalLM can hold the child, else
+`nemotron_h_puzzle`), "nemotron_h" and "nemotron_h_puzzle" (forced; an impossible nemotron_h is an error),
+and "engine": as "auto", after checking that vLLM and llama.cpp can load the child
+(`puzzle.nemotron_h.engines`), refusing with every reason (engine, block, why) otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from puzzle.model import HybridLM
+from puzzle.nemotron_h.checkpoint import EXPORT_RECORD, save_pretrained
+from puzzle.nemotron_h.config import CheckpointError, config_from_spec
+from puzzle.nemotron_h.engines import SERVING_ENGINES, engine_problems, engine_support
+from puzzle.nemotron_h.weights import DEFAULT_MAX_SHARD_BYTES
+from puzzle.search.types import Solution
+
+FORMATS = ("auto", "nemotron_h", "nemotron_h_puzzle", "engine")
+RECORD_FORMAT = 1
+
+
+class ExportError(CheckpointError):
+    """A child that cannot be exported in the format asked for (e.g. one an engine could not load)."""
+
+
+def _model_type(child: HybridLM, format: str, engines: Iterable[str]) -> str:
+    if format not in FORMATS:
+        raise ExportError(f"unknown export format {format!r}; choose one of {list(FORMATS)}")
+    if format == "engine":
+        problems = engine_problems(child.spec, engines)
+        if problems:
+            listed = "\n  ".join(str(problem) for problem in problems)
+            raise ExportError(
+                f"refusing an engine export: {len(problems)} reason(s) a serving engine could not load this "
+                f"child:\n  {listed}\nexport with format='auto' (puzzle.load and trust_remote_code read it)"
+            )
+        return "auto"
+    return format
+
+
+def export_config(
+    child: HybridLM, format: str = "auto", engines: Iterable[str] = SERVING_ENGINES
+) -> dict[str, Any]:
+    """The config.json `export` writes for `child` (no weights read: works for a model on the meta device)."""
+    model_type = _model_type(child, format, engines)
+    return config_from_spec(
+        child.spec, child.source_config, dtype=child.embeddings.weight.dtype, model_type=model_type
+    )
+
+
+def export_record(
+    child: HybridLM,
+    config: Mapping[str, Any],
+    parent_dir: Path | None,
+    solution: Solution | None,
+    measured: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The content of `puzzle.json`: what the child is, where it came from, how it scores and who can serve it."""
+    assembly = getattr(child, "assembly", None)
+    record: dict[str, Any] = {"format": RECORD_FORMAT, "model_type": config["model_type"]}
+    if assembly is not None:
+        record.update(assembly.to_dict())
+    else:
+        record["parent"] = {"path": None, "fingerprint": None}
+    if parent_dir is not None:
+        record["parent"]["path"] = str(parent_dir)
+    if solution is not None:
+        record["search"] = solution.to_json()
+    if measured is not None:
+        record["measured"] = dict(measured)
+    record["spec"] = child.spec.to_dict()
+    record["engines"] = engine_support(child.spec)
+    if "mtp" not in record:
+        record["mtp"] = {
+            "handling": "not assembled by puzzle: extra tensors carried as loaded",
+            "tensors": sum(name.startswith("mtp.") for name in child.extra_tensors),
+        }
+    record["mtp"]["config"] = "mtp_block_configs" if "mtp_block_configs" in config else "globals"
+    return record
+
+
+def export(
+    child: HybridLM,
+    path: str | Path,
+    *,
+    parent_dir: str | Path | None = None,
+    solution: Solution | None = None,
+    measured: Mapping[str, Any] | None = None,
+    format: str = "auto",
+    engines: Iterable[str] = SERVING_ENGINES,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> Path:
+    """Write `child` (e.g. from `puzzle.assemble.assemble`) as a checkpoint directory at `path`; returns it.
+
+    Files: config.json and safetensors weights (`puzzle.nemotron_h.save_pretrained`, atomic), the
+    tokenizer and generation_config.json files of `parent_dir` (default: the directory the parent was
+    loaded from), and `puzzle.json` (`export_record`: parent path and fingerprint, solution block by
+    block, predicted costs and KL, `measured` (e.g. `puzzle.assemble.measured_kl`, default the child's
+    `assembly.measured`), MTP handling, which engines can serve it). `format`: see the module docstring;
+    `engines`: those `format="engine"` checks. Never writes into `parent_dir` or the parent's
+    directory (CheckpointError); `overwrite` as in `save_pretrained`.
+    """
+    parent = None if parent_dir is None else Path(parent_dir).resolve()
+    if parent is not None and not parent.is_dir():
+        raise ExportError(f"parent directory {parent} does not exist")
+    engines = tuple(engines)
+    config = export_config(child, format, engines)
+    if measured is None and getattr(child, "assembly", None) is not None and child.assembly.measured:
+        measured = child.assembly.measured
+    record = export_record(child, config, parent or child.source_path, solution, measured)
+    return save_pretrained(
+        child,
+        path,
+        max_shard_bytes=max_shard_bytes,
+        overwrite=overwrite,
+        model_type=config["model_type"],
+        aux_source=parent,
+        extra_files={EXPORT_RECORD: json.dumps(record, indent=2, default=str) + "\n"},
+    )
