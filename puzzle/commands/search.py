@@ -350,7 +350,7 @@ def _run_dir(args: argparse.Namespace) -> int:
     from puzzle.layout import RunLayout
     from puzzle.search.run_dir import METRICS, CostModel, parse_budget, parse_scenario, run_problem
 
-    objective = args.objective or "kl"
+    objective = "kl" if args.objective is None else args.objective
     try:
         if objective not in METRICS:
             raise BudgetError(
@@ -359,7 +359,7 @@ def _run_dir(args: argparse.Namespace) -> int:
         bad_same = sorted(set(args.same) - {"state_size", "top_k", "kind"})
         if bad_same:
             raise BudgetError(f"--same {bad_same[0]!r}: a run's variants have state_size, top_k and kind")
-        hardware = args.hardware or "h100-80gb"
+        hardware = "h100-80gb" if args.hardware is None else args.hardware
         get_hardware(hardware)
         recipe = args.recipe or "bf16"
         defaults = {
