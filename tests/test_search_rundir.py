@@ -18,6 +18,7 @@ from bld_helpers import SPEC
 from rundir_helpers import BLD_FAILURE, SCORE_FAILURE, make_run
 
 from puzzle import cli
+from puzzle.artifacts import Artifact, json_writer
 from puzzle.bld import read_library
 from puzzle.cost import (
     max_concurrent_requests,
@@ -28,7 +29,7 @@ from puzzle.cost import (
 )
 from puzzle.cost.analytic import model_weight_bytes
 from puzzle.presets import tiny_hybrid
-from puzzle.score import load_scores
+from puzzle.score import SCORES_FILE, load_scores
 from puzzle.search.run_dir import CostModel, parse_scenario, run_problem, search_run
 from puzzle.spec import ModelSpec
 
@@ -301,3 +302,16 @@ def test_two_solutions_are_the_two_best_architectures(run, capsys):
     first, second = json.loads(out)
     assert [first["objective"], second["objective"]] == pytest.approx(values[:2], abs=1e-9)
     assert first["choices"] != second["choices"]
+
+
+def test_a_library_variant_without_a_score_is_an_error_naming_it(run, tmp_path, capsys):
+    """scores.json rewritten (through its artifact, as the scoring stage writes it) without one variant."""
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    artifact = Artifact(copy / "scores", "scores", 1)
+    content = artifact.load_json(SCORES_FILE)
+    content["variants"] = [r for r in content["variants"] if r["variant"]["id"] != "attn:q4:kv1:d4"]
+    artifact.write(artifact.read_manifest().inputs, {SCORES_FILE: json_writer(content)})
+    code, out, err = _cli(["search", str(copy), "--budget", "active_params<=0.7x"], capsys)
+    assert code == 1 and out == ""
+    assert f"{copy / 'scores' / SCORES_FILE} has no score for block 1 variant attn:q4:kv1:d4" in err
