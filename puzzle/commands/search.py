@@ -253,7 +253,9 @@ def _option(dest: str) -> str:
 def _check_combinations(parser_error: Any, args: argparse.Namespace) -> None:
     """Options that only mean something together with another one: an error, never silence."""
     if (args.run_dir is None) == (args.library is None):
-        parser_error("give either RUN_DIR or --library FILE" + (", not both" if args.run_dir else ""))
+        parser_error(
+            "give either RUN_DIR or --library FILE" + (", not both" if args.run_dir is not None else "")
+        )
     mode, others = ("RUN_DIR", _LIBRARY_ONLY) if args.run_dir is not None else ("--library", _RUN_DIR_ONLY)
     for dest in others:
         if getattr(args, dest) not in (None, False, []):
