@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import os
 import subprocess
@@ -121,9 +122,12 @@ def _slots(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     ]
 
 
-def _with_value(command: str, action: argparse.Action, value: str) -> list[str]:
-    """The baseline of `command` with `action` given `value` (a positional replaced, an option added)."""
-    baseline = list(BASELINES.get(command, []))
+def _with_value(
+    command: str, action: argparse.Action, value: str, baseline: list[str] | None = None
+) -> list[str]:
+    """The baseline of `command` (or `baseline`) with `action` given `value` (a positional replaced or
+    added, an option added)."""
+    baseline = list(BASELINES.get(command, []) if baseline is None else baseline)
     if action.option_strings:
         option = action.option_strings[-1]
         if option in baseline:  # replace the baseline's own value for it
@@ -132,9 +136,10 @@ def _with_value(command: str, action: argparse.Action, value: str) -> list[str]:
         return [command, *baseline, option, value]
     positionals = [a.dest for a in _subcommands()[command]._actions if not a.option_strings]
     position = positionals.index(action.dest)
-    values = [arg for arg in baseline if not arg.startswith("-")]  # baselines put positionals first
+    values = list(itertools.takewhile(lambda arg: not arg.startswith("-"), baseline))  # positionals first
+    given = len(values)
     values[position : position + 1] = [value]
-    return [command, *values, *baseline[len(positionals) :]]
+    return [command, *values, *baseline[given:]]
 
 
 def _cases() -> list:
@@ -182,6 +187,62 @@ def test_bad_argument_is_a_clean_error(capsys, bad_files, command, dest, name, v
     assert "Traceback" not in err, (argv, err)
     assert "unexpected error" not in err, (argv, err)
     if code == 0 and (name in ACCEPTED.get((command, dest), ()) or command not in BASELINES):
+        return
+    _assert_clean_failure(code, err, argv)
+
+
+# `puzzle search RUN_DIR`: every argument of `search` given every bad value on a run directory's command
+# line (on the --library baseline above, the run-only options are refused before anything is read).
+RUN_DIR_BASELINE = [
+    "@run",
+    "--scenario",
+    "chat:batch=2,prompt=16,generated=4",
+    "--budget",
+    "throughput[chat]>=1.1x",
+]
+RUN_DIR_ACCEPTED: dict[str, set[str]] = {
+    "keep_block": {"zero"},  # block 0 exists
+    "time_limit": {"fraction"},
+    "gap": {"zero"},
+    # A plain file name is a fine --out (written into the test's own working directory).
+    "out": {"nonsense", "negative", "zero", "fraction", "huge", "nan", "factor", "unknown-preset"},
+}
+# --out is only given the bad files it must refuse: it would overwrite the others, which later cases read.
+_OUT_FILES = {"directory", "unwritable-path"}
+
+
+@pytest.fixture(scope="module")
+def run_dir(bad_files) -> Path:
+    """A tiny real run (parent.json, a BLD library, its scores) as bad_files/run."""
+    from rundir_helpers import make_run
+
+    return make_run(bad_files / "run", failures=False, bld_steps=1).root
+
+
+def _run_dir_cases() -> list:
+    cases = []
+    for action in _slots(_subcommands()["search"]):
+        for name, value in BAD_VALUES.items():
+            if action.dest == "out" and value.startswith("@") and name not in _OUT_FILES:
+                continue
+            cases.append(pytest.param(action.dest, name, value, id=f"search-RUN_DIR-{action.dest}-{name}"))
+    return cases
+
+
+def test_the_run_dir_baseline_runs(capsys, bad_files, run_dir):
+    code, out, err = run_cli(["search", *_resolve(RUN_DIR_BASELINE, bad_files)], capsys)
+    assert code == 0 and "block_0" in out, err
+
+
+@pytest.mark.parametrize(("dest", "name", "value"), _run_dir_cases())
+def test_bad_argument_to_a_run_dir_search_is_a_clean_error(
+    capsys, bad_files, run_dir, tmp_path, monkeypatch, dest, name, value
+):
+    monkeypatch.chdir(tmp_path)
+    action = next(a for a in _slots(_subcommands()["search"]) if a.dest == dest)
+    argv = _resolve(_with_value("search", action, value, RUN_DIR_BASELINE), bad_files)
+    code, _, err = run_cli(argv, capsys)
+    if code == 0 and name in RUN_DIR_ACCEPTED.get(dest, ()):
         return
     _assert_clean_failure(code, err, argv)
 

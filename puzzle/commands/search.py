@@ -1,4 +1,5 @@
-"""`puzzle search`: solve the architecture MIP on a block library file (NVlabs Puzzle or puzzletron format)."""
+"""`puzzle search`: solve the architecture MIP on a block library file (NVlabs Puzzle or puzzletron format), or
+on a run directory (`puzzle search RUN_DIR`: its library, scores and the cost model, `puzzle.search.run_dir`)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,13 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 from typing import Any
 
+from puzzle.commands import fraction
+from puzzle.commands.costs import STATE_DTYPES
+from puzzle.cost.analytic import RECIPES
+from puzzle.cost.hardware import hardware_names
 from puzzle.search import InfeasibleError, Rules, SearchError, Solution, SolverOptions, search_k
 from puzzle.search.frontier import frontier_prefix, parse_sweep, sweep, write_frontier
 from puzzle.search.library import load_library
@@ -28,17 +34,30 @@ def register(subparsers: Any) -> None:
             "relative to the parent, the first variant of every block (0.6x). A key whose name carries "
             "its unit (stats.memory_mib, stats.runtime_ms) takes plain numbers in that unit: a suffix "
             "there is refused (70G MiB is not 70 GB). Exit code 2 when no architecture meets the "
-            "budgets or an option is malformed, 1 for other errors (unreadable library, missing keys)."
+            "budgets or an option is malformed, 1 for other errors (unreadable library, missing keys). "
+            "With RUN_DIR instead of --library: the run's library and scores, costs from the cost model "
+            "(budget keys params, active_params, weight_bytes, memory_bytes[S], concurrent_requests[S], "
+            "throughput[S], latency[S], ttft[S] for scenarios S given with --scenario; [chat,long] = each)."
         ),
     )
     parser.add_argument(
+        "run_dir",
+        nargs="?",
+        default=None,
+        metavar="RUN_DIR",
+        help="a run directory (parent.json, library/, scores/); instead of --library",
+    )
+    parser.add_argument(
         "--library",
-        required=True,
+        default=None,
         help="block library JSON (NVlabs block_library.json or "
         "puzzletron replacement_metrics_and_stats.json)",
     )
     parser.add_argument(
-        "--objective", default="metrics.kl_div", help="dotted key of the score (default metrics.kl_div)"
+        "--objective",
+        default=None,
+        help="dotted key of the score (default metrics.kl_div); with RUN_DIR a recorded metric: "
+        "kl (default), lm_loss_delta, top1, top5 (1 - agreement, minimised), hidden_nmse",
     )
     parser.add_argument(
         "--maximize", action="store_true", help="maximise the objective (accuracy-like scores)"
@@ -114,6 +133,55 @@ def register(subparsers: Any) -> None:
         "proven gap, (objective - best bound) / |objective|, is at most this",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    run_dir = parser.add_argument_group("with RUN_DIR: the cost model, as `puzzle costs` counts")
+    run_dir.add_argument(
+        "--scenario",
+        action="append",
+        default=[],
+        metavar="NAME:batch=B,prompt=P,generated=G",
+        help="a serving scenario budgets may name (repeatable; also recipe=, kv_dtype=, ssm_dtype=, "
+        "conv_dtype=, activation_dtype=, compute_dtype=)",
+    )
+    run_dir.add_argument(
+        "--hardware",
+        default=None,
+        help=f"the device that times scenarios and holds requests: one of {hardware_names()} "
+        "(default h100-80gb)",
+    )
+    run_dir.add_argument(
+        "--recipe",
+        default=None,
+        choices=sorted(RECIPES),
+        help="weight storage format of weight_bytes and of scenarios (default bf16)",
+    )
+    run_dir.add_argument(
+        "--kv-dtype", default=None, choices=STATE_DTYPES, help="scenarios' KV cache (default bf16)"
+    )
+    run_dir.add_argument(
+        "--ssm-dtype", default=None, choices=STATE_DTYPES, help="scenarios' Mamba state (default fp32)"
+    )
+    run_dir.add_argument(
+        "--memory-fraction",
+        type=fraction,
+        default=None,
+        metavar="FRACTION",
+        help="share of the device memory usable by concurrent_requests, in (0, 1] (default 0.9)",
+    )
+    run_dir.add_argument(
+        "--parent",
+        default=None,
+        metavar="TARGET",
+        help="the parent's spec as `puzzle costs` takes it (preset, checkpoint dir, config.json), "
+        "instead of RUN_DIR/parent.json",
+    )
+    run_dir.add_argument(
+        "--mixed-state-sizes",
+        action="store_true",
+        help="let Mamba blocks keep different SSM state sizes (default: one size, as serving engines need)",
+    )
+    run_dir.add_argument(
+        "--out", default=None, metavar="FILE", help="also write the JSON answer to FILE (atomically)"
+    )
     parser.set_defaults(func=run, parser_error=parser.error)
 
 
@@ -164,8 +232,34 @@ def _fixed(items: list[str]) -> dict[str, float]:
     return fixed
 
 
+_RUN_DIR_ONLY = (
+    "scenario",
+    "hardware",
+    "recipe",
+    "kv_dtype",
+    "ssm_dtype",
+    "memory_fraction",
+    "parent",
+    "mixed_state_sizes",
+    "out",
+)
+_LIBRARY_ONLY = ("fixed", "maximize", "sweep", "frontier")
+
+
+def _option(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
 def _check_combinations(parser_error: Any, args: argparse.Namespace) -> None:
     """Options that only mean something together with another one: an error, never silence."""
+    if (args.run_dir is None) == (args.library is None):
+        parser_error(
+            "give either RUN_DIR or --library FILE" + (", not both" if args.run_dir is not None else "")
+        )
+    mode, others = ("RUN_DIR", _LIBRARY_ONLY) if args.run_dir is not None else ("--library", _RUN_DIR_ONLY)
+    for dest in others:
+        if getattr(args, dest) not in (None, False, []):
+            parser_error(f"{_option(dest)} does not apply with {mode}")
     if args.frontier is not None and args.sweep is None:
         parser_error("--frontier needs --sweep (it writes the sweep's points)")
     if args.min_diff is not None and args.solutions == 1:
@@ -190,6 +284,10 @@ def _print_solution(solution: Solution, objective: str, out) -> None:
 
 def run(args: argparse.Namespace) -> int:
     _check_combinations(args.parser_error, args)
+    if args.run_dir is not None:
+        return _run_dir(args)
+    if args.objective is None:
+        args.objective = "metrics.kl_div"
     try:
         limits = merge_limits(parse_limit(text) for text in args.budget)
         swept = parse_sweep(args.sweep) if args.sweep is not None else None
@@ -240,6 +338,99 @@ def run(args: argparse.Namespace) -> int:
         if len(solutions) > 1:
             print(f"solution {index + 1}:")
         _print_solution(solution, args.objective, sys.stdout)
+    if len(solutions) < args.solutions:
+        print(f"only {len(solutions)} architectures differ in >= {min_diff} blocks", file=sys.stderr)
+    return 0
+
+
+def _run_dir(args: argparse.Namespace) -> int:
+    """`puzzle search RUN_DIR`: malformed options exit 2 before any file is read; an unusable run exits 1."""
+    # Late: the run's files are read through puzzle.bld / puzzle.score, which import torch.
+    from puzzle.commands.costs import load_target
+    from puzzle.cost import get_hardware
+    from puzzle.files import atomic_write_bytes
+    from puzzle.layout import RunLayout
+    from puzzle.search.run_dir import METRICS, CostModel, parse_budget, parse_scenario, run_problem
+
+    objective = "kl" if args.objective is None else args.objective
+    try:
+        if objective not in METRICS:
+            raise BudgetError(
+                f"--objective {objective!r} is not a recorded metric; choose one of {', '.join(METRICS)}"
+            )
+        bad_same = sorted(set(args.same) - {"state_size", "top_k", "kind"})
+        if bad_same:
+            raise BudgetError(f"--same {bad_same[0]!r}: a run's variants have state_size, top_k and kind")
+        hardware = "h100-80gb" if args.hardware is None else args.hardware
+        get_hardware(hardware)
+        recipe = args.recipe or "bf16"
+        defaults = {
+            "recipe": recipe,
+            "kv_dtype": args.kv_dtype or "bf16",
+            "ssm_dtype": args.ssm_dtype or "fp32",
+        }
+        scenarios = {}
+        for text in args.scenario:
+            scenario = parse_scenario(text, defaults)
+            if scenario.name in scenarios:
+                raise BudgetError(f"--scenario {scenario.name!r} is defined twice")
+            scenarios[scenario.name] = scenario
+        memory_fraction = 0.9 if args.memory_fraction is None else args.memory_fraction
+        cost_model = CostModel(hardware, recipe, memory_fraction, scenarios)
+        budgets = [parse_budget(text, cost_model) for text in args.budget]
+        out = Path(args.out) if args.out is not None else None
+        if out is not None and (out.is_dir() or not out.name):
+            raise BudgetError(f"--out {args.out!r} is a directory; name the file to write")
+        parent = load_target(args.parent)[0] if args.parent is not None else None
+    except ValueError as error:  # BudgetError, SpecError, CheckpointError
+        print(f"puzzle search: error: {error}", file=sys.stderr)
+        return EXIT_INFEASIBLE  # 2: bad input, as argparse's usage errors
+    try:
+        problem = run_problem(
+            RunLayout(Path(args.run_dir)),
+            budgets,
+            objective=objective,
+            cost_model=cost_model,
+            keep_blocks=args.keep_block,
+            same_attributes=args.same,
+            shared_state_size=not args.mixed_state_sizes,
+            parent=parent,
+        )
+        for note in problem.notes:
+            print(f"puzzle search: note: {note}", file=sys.stderr)
+        options = SolverOptions(args.solver, args.time_limit, args.gap)
+        min_diff = 1 if args.min_diff is None else args.min_diff
+        rules = problem.problem.rules
+        solutions = search_k(problem.table, problem.problem.limits, rules, options, args.solutions, min_diff)
+    except InfeasibleError as error:
+        if args.json:
+            print(
+                json.dumps(
+                    {"status": "infeasible", "error": str(error), "budget": error.budget, "best": error.best}
+                )
+            )
+        print(f"puzzle search: infeasible: {error}", file=sys.stderr)
+        if error.budget in problem.sources:
+            print(
+                f"puzzle search: ({error.budget} is --budget {problem.sources[error.budget]!r})",
+                file=sys.stderr,
+            )
+        return EXIT_INFEASIBLE
+    except ValueError as error:  # SearchError, RunDirError, ArtifactError, SpecError: an unusable run
+        print(f"puzzle search: error: {error}", file=sys.stderr)
+        return 1
+    payload = [s.to_json() for s in solutions]
+    answer = payload[0] if args.solutions == 1 else payload
+    if out is not None:
+        atomic_write_bytes(out, (json.dumps(answer, indent=2) + "\n").encode())
+        print(f"wrote {out}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(answer, indent=2))
+        return 0
+    for index, solution in enumerate(solutions):
+        if len(solutions) > 1:
+            print(f"solution {index + 1}:")
+        _print_solution(solution, objective, sys.stdout)
     if len(solutions) < args.solutions:
         print(f"only {len(solutions)} architectures differ in >= {min_diff} blocks", file=sys.stderr)
     return 0

@@ -6,7 +6,8 @@ Modules: `types` (Table, Choice, Rules, SolverOptions, Solution, errors), `limit
 `Limit`), `mip` (the rows and columns, dominance presolve), `exact` (`search` / `search_k`: LP bound,
 fixing, the MIP, the proven gap, infeasibility diagnosis), `heuristics` (diving, local search, probing),
 `backend` (HiGHS and CBC through PuLP), `budget` (deployment budgets through `puzzle.cost`), `library`
-(block library files measured elsewhere), `frontier` (budget sweeps and Pareto frontiers).
+(block library files measured elsewhere), `frontier` (budget sweeps and Pareto frontiers), `run_dir` (a run
+directory's library and scores under deployment budgets).
 """
 
 from typing import Any
@@ -26,6 +27,7 @@ _LAZY_EXPORTS = {
     "load_library": "puzzle.search.library",
     "sweep": "puzzle.search.frontier",
     "write_frontier": "puzzle.search.frontier",
+    "search_run": "puzzle.search.run_dir",
 }
 
 
@@ -59,6 +61,7 @@ __all__ = [
     "parse_value",
     "search",
     "search_k",
+    "search_run",
     "sweep",
     "write_frontier",
 ]

@@ -1,0 +1,102 @@
+"""Where each stage's output lives in a run directory: one place for the paths every stage and command use.
+
+    RUN_DIR/
+      config.yaml        the run config (issue 13: `puzzle run`)
+      parent.json        the parent's ModelSpec (`ModelSpec.to_json`), what the cost model reads
+      library/           BLD: library.manifest.json, library.json, block{i}/{variant id}.safetensors
+      scores/            scoring: scores.manifest.json, scores.json
+      solutions/         searches saved by the pipeline (`puzzle search RUN_DIR` writes only to --out)
+
+A stage's output counts as present when its manifest exists: `puzzle.artifacts` writes the manifest
+last, so it only ever describes complete files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from puzzle.files import atomic_write_bytes
+from puzzle.spec import ModelSpec
+
+CONFIG_FILE = "config.yaml"
+PARENT_FILE = "parent.json"
+LIBRARY_DIR = "library"
+SCORES_DIR = "scores"
+SOLUTIONS_DIR = "solutions"
+# The stages' manifests, as puzzle.artifacts names them (`{stage}.manifest.json`).
+_LIBRARY_MANIFEST = "library.manifest.json"
+_SCORES_MANIFEST = "scores.manifest.json"
+
+
+class RunDirError(ValueError):
+    """A run directory without the output a command needs; the message names the path and its stage."""
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """The paths of one run directory (nothing is created or read by building one)."""
+
+    root: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def config(self) -> Path:
+        return self.root / CONFIG_FILE
+
+    @property
+    def parent(self) -> Path:
+        return self.root / PARENT_FILE
+
+    @property
+    def library(self) -> Path:
+        """The `directory` of `puzzle.bld.build_library` / `read_library`."""
+        return self.root / LIBRARY_DIR
+
+    @property
+    def scores(self) -> Path:
+        """The `out_dir` of `puzzle.score.score_variants` / `load_scores`."""
+        return self.root / SCORES_DIR
+
+    @property
+    def solutions(self) -> Path:
+        return self.root / SOLUTIONS_DIR
+
+    def write_parent(self, spec: ModelSpec) -> Path:
+        """Record the parent's spec (atomically); the run's costs are computed from it."""
+        return atomic_write_bytes(self.parent, (spec.to_json() + "\n").encode())
+
+    def read_parent(self) -> ModelSpec:
+        """The parent's spec from parent.json; RunDirError naming the file if it is missing or malformed."""
+        self._require_root()
+        if not self.parent.is_file():
+            raise RunDirError(
+                f"{self.parent} does not exist: the run records its parent's spec there "
+                f"(RunLayout.write_parent); or name the parent with --parent"
+            )
+        try:
+            return ModelSpec.from_json(self.parent.read_text())
+        except (ValueError, UnicodeDecodeError) as error:  # JSONDecodeError and SpecError are ValueErrors
+            raise RunDirError(f"{self.parent} is not a model spec: {error}") from None
+
+    def require_library(self) -> Path:
+        """The library directory, if BLD finished there; RunDirError naming what is missing otherwise."""
+        return self._require(self.library, _LIBRARY_MANIFEST, "the BLD stage (puzzle.bld.build_library)")
+
+    def require_scores(self) -> Path:
+        """The scores directory, if scoring finished there; RunDirError naming what is missing otherwise."""
+        return self._require(self.scores, _SCORES_MANIFEST, "the scoring stage (puzzle.score.score_variants)")
+
+    def _require_root(self) -> None:
+        if not self.root.is_dir():
+            what = "is not a directory" if self.root.exists() else "does not exist"
+            raise RunDirError(f"run directory {self.root} {what}")
+
+    def _require(self, directory: Path, manifest: str, stage: str) -> Path:
+        self._require_root()
+        if not (directory / manifest).is_file():
+            missing = directory if not directory.is_dir() else directory / manifest
+            raise RunDirError(f"{missing} does not exist: {stage} writes it (the run has not reached it)")
+        return directory
