@@ -142,11 +142,11 @@ def test_numbers_read_as_numbers_and_nothing_else():
 @pytest.mark.parametrize(
     ("path", "value", "expected"),
     [
-        ("bld.lr", -1, "bld.lr: expected a positive number, got -1.0"),
+        ("bld.lr", -1, "bld.lr: expected a positive number, got -1"),
         ("bld.clip", -1, "bld: clip >= 0 and 0 <= min_lr_ratio <= 1, found -1.0, 0.1"),
         ("bld.shard", "ddp", "bld.shard: expected 'fsdp' or 'none', got 'ddp'"),
         ("scoring.vocab_chunk", 0, "scoring.vocab_chunk: expected a value >= 1, got 0"),
-        ("search.solver.gap_rel", 2, "search.solver.gap_rel: expected a relative gap in [0, 1) such as 1e-6, got 2.0"),
+        ("search.solver.gap_rel", 2, "search.solver.gap_rel: expected a relative gap in [0, 1) such as 1e-6, got 2"),
         ("search.solver.solver", "gurobi", "search.solver: unknown solver 'gurobi'; choose one of auto, highs, cbc"),
         ("hardware.scenarios.chat.batch_size", 0, "hardware.scenarios.chat.batch_size: expected a positive integer, got 0"),
         ("hardware.scenarios.chat.kv_dtype", "int3", "hardware.scenarios.chat: unknown dtype 'int3'"),
@@ -287,7 +287,7 @@ def test_a_value_error_names_the_file_line_and_key(tmp_path):
     with pytest.raises(ConfigError) as caught:
         load_config(path)
     line = text.count("\n")
-    assert str(caught.value) == f"{path}, line {line}: bld.lr: expected a positive number, got -1.0"
+    assert str(caught.value) == f"{path}, line {line}: bld.lr: expected a positive number, got -1"
     assert caught.value.key == "bld.lr" and caught.value.line == line
 
 
@@ -329,6 +329,21 @@ def test_relative_paths_are_relative_to_the_config_file(tmp_path):
     assert config.tokenizer == Path.home() / "tok"
 
 
+def test_a_space_file_is_relative_to_the_config_file_and_checked(tmp_path, parent_dir):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "space.yaml").write_text("kinds:\n  mlp: {width_fraction: [0.5, 0.25]}\n")
+    data = disk_config(tmp_path, parent_dir, space="space.yaml")
+    config = load_config(write(tmp_path / "sub", yaml.safe_dump(data)), check_paths=True)
+    assert config.space == str(tmp_path / "sub" / "space.yaml")
+    assert [v.spec.width for v in config.search_space().variants(tiny_hybrid(32, 64), 4)] == [128, 64, 32]
+    (tmp_path / "sub" / "space.yaml").write_text("kinds:\n  mlp: {widht: [64]}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(tmp_path / "sub" / "run.yaml", check_paths=True)
+    assert f"space: {tmp_path / 'sub' / 'space.yaml'}: space.kinds.mlp: unknown key(s) ['widht']" in str(
+        caught.value
+    )
+
+
 def test_round_trip_through_plain_data_and_yaml(tmp_path):
     config = load_config(write(tmp_path, BASE_YAML))
     assert load_config_data(config.to_dict()) == config
@@ -368,7 +383,7 @@ def test_generic_loader(tmp_path):
         from_data(Outer, {**data, "named": {"k": {"size": 1, "mode": "c"}}})
     with pytest.raises(ConfigError, match=r"^pair\[1\]: expected a string, got 3$"):
         from_data(Outer, {**data, "pair": [3, 3]})
-    with pytest.raises(ConfigError, match=r"^ratio: expected at most 1, got 2.0$"):
+    with pytest.raises(ConfigError, match=r"^ratio: expected at most 1, got 2$"):
         from_data(Outer, {**data, "ratio": 2})
     with pytest.raises(ConfigError, match=r"^inner\.size: missing \(required\): expected an integer$"):
         from_data(Outer, {"inner": {}})
@@ -462,7 +477,7 @@ def test_config_check_prints_the_resolved_config(tmp_path, parent_dir, capsys):
 @pytest.mark.parametrize(
     ("text", "flags", "expected"),
     [
-        (BASE_YAML + "bld: {lr: -1}\n", ["--no-paths"], "bld.lr: expected a positive number, got -1.0"),
+        (BASE_YAML + "bld: {lr: -1}\n", ["--no-paths"], "bld.lr: expected a positive number, got -1"),
         (BASE_YAML + "blld: {}\n", ["--no-paths"], "blld: unknown key; did you mean 'bld'?"),
         ("run_dir: [\n", [], "not valid YAML"),
         (BASE_YAML, [], "parent.path: checkpoint directory /models/parent does not exist"),

@@ -325,25 +325,35 @@ def _load_dataclass(cls: type, value: Any, key: str, base_dir: Path | None) -> A
     except ConfigError as error:
         raise error.within(key) from None
     except (ValueError, TypeError) as error:  # the class's own checks (SpecError, BudgetError...)
-        raise _translated(cls, str(error), key, names) from None
+        raise _translated(cls, str(error), key, value) from None
 
 
-def _translated(cls: type, message: str, key: str, names: Sequence[str]) -> ConfigError:
-    """A __post_init__ message in the config's terms: `BLDSettings.lr must be a positive number, found -1`
-    in section `bld` reads `bld.lr: expected a positive number, got -1`."""
+def _translated(cls: type, message: str, key: str, given: Mapping[str, Any]) -> ConfigError:
+    """A __post_init__ message in the config's terms: `BLDSettings.lr must be a positive number, found -1.0`
+    in section `bld` reads `bld.lr: expected a positive number, got -1` (the value as written)."""
     owner = re.escape(cls.__name__)
-    fields_pattern = "|".join(re.escape(n) for n in names)
+    fields_pattern = "|".join(re.escape(f.name) for f in dataclasses.fields(cls))
     match = re.fullmatch(rf"{owner}\.({fields_pattern}) must be (.*), found (.*)", message, re.S)
     if match:
         name, expected, found = match.groups()
         if expected[:1] in "<>=!":  # `must be >= 1` -> `expected a value >= 1`
             expected = f"a value {expected}"
+        written = given.get(name)
+        if isinstance(written, (int, float)) and not isinstance(written, bool) and _reads_as(found, written):
+            found = repr(written)  # -1, not the -1.0 it became
         return ConfigError(f"expected {expected}, got {found}", join_key(key, name))
     match = re.match(rf"{owner}\.({fields_pattern})\b\s*(.*)", message, re.S)
     if match:
         return ConfigError(match.group(2), join_key(key, match.group(1)))
     text = re.sub(rf"^{owner}:?\s*", "", message)
     return ConfigError(text, key)
+
+
+def _reads_as(text: str, number: float) -> bool:
+    try:
+        return float(text) == number
+    except ValueError:
+        return False
 
 
 def to_dict(value: Any) -> Any:

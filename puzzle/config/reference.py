@@ -12,16 +12,22 @@ import re
 import typing
 from collections.abc import Mapping
 
+from puzzle.bld import BLDSettings
 from puzzle.config.loader import join_key, to_dict, type_hints, type_name
 from puzzle.config.run import BUDGET_KEYS, RunConfig
 from puzzle.cost.roofline import Scenario
 
 # What a reused class's field means in the config, where that differs from its own documentation.
 _NOTES: dict[tuple[type, str], str] = {
-    (
-        Scenario,
-        "name",
-    ): "Set from the scenario's key under hardware.scenarios (give it only to repeat the key).",
+    (Scenario, "name"): "Set from its key under hardware.scenarios (give it only to repeat the key).",
+    (Scenario, "batch_size"): "Concurrent requests.",
+    (Scenario, "prompt_tokens"): "Tokens in, per request.",
+    (Scenario, "generated_tokens"): "Tokens out, per request.",
+    (BLDSettings, "token_budget"): "Tokens each variant trains on (fewer if the data ends first); the "
+    "cosine decay of the learning rate ends there.",
+    (BLDSettings, "min_lr_ratio"): "The learning rate at the end of the decay, as a fraction of lr.",
+    (BLDSettings, "weight_decay"): "AdamW weight decay.",
+    (BLDSettings, "betas"): "AdamW betas.",
 }
 
 
@@ -36,7 +42,8 @@ def _field_docs(cls: type) -> dict[str, str]:
         name = marker.group(1)
         if name not in docs:
             end = following.start() if following is not None else len(text)
-            docs[name] = text[marker.end() : end].strip().rstrip(";,").strip()
+            entry = text[marker.end() : end].strip().rstrip(";,").strip()
+            docs[name] = re.sub(r"\bNone\b", "null", entry)  # what YAML calls it
     return docs
 
 

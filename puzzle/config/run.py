@@ -25,12 +25,14 @@ from puzzle.config.loader import ConfigError, doc, from_data, line_of, read_yaml
 from puzzle.cost.analytic import get_recipe
 from puzzle.cost.hardware import hardware_key
 from puzzle.cost.roofline import Scenario
+from puzzle.presets import SPACE_PRESETS, get_space_preset
 from puzzle.score import ScoreSettings
 from puzzle.search.budget import Budget, ScenarioTarget
 from puzzle.search.frontier import parse_sweep
 from puzzle.search.limits import BudgetError, Limit, Relative, Value, merge_limits, parse_limit
 from puzzle.search.types import SolverOptions
 from puzzle.space import SearchSpace
+from puzzle.spec import ModelSpec
 
 # Budget keys of the run config, `KEY` or `KEY[scenario]` (a name under hardware.scenarios): the bound each
 # takes, and what it bounds. Values are absolute (7e9, 70G) or factors of the round's parent (0.6x).
@@ -520,9 +522,7 @@ class RunConfig:
         """The SearchSpace: the inline one, the preset, or the file (ConfigError naming `space` otherwise)."""
         if isinstance(self.space, SearchSpace):
             return self.space
-        from puzzle.presets import SPACE_PRESETS, get_space_preset
-
-        if self.space.strip().lower().replace("_", "-") in SPACE_PRESETS:
+        if _is_space_preset(self.space):
             return get_space_preset(self.space)
         path = Path(self.space)
         if not path.is_file():
@@ -617,7 +617,7 @@ class RunConfig:
 
     # -- checks against the disk ----------------------------------------------------------------------
 
-    def validate_paths(self) -> Any:
+    def validate_paths(self) -> ModelSpec:
         """Check what the run will read, without loading a weight; returns the parent's ModelSpec.
 
         The parent directory holds a readable NemotronH config.json and safetensors weights; the tokenizer
@@ -697,7 +697,17 @@ def load_config_data(
         bld = data.get("bld", {})
         if isinstance(bld, Mapping) and "seed" not in bld:
             data = {**data, "bld": {**bld, "seed": seed}}
-    return from_data(RunConfig, data, "", base_dir)
+    config = from_data(RunConfig, data, "", base_dir)
+    if isinstance(config.space, str) and not _is_space_preset(config.space):  # a file, like other paths
+        path = Path(config.space).expanduser()
+        if base_dir is not None and not path.is_absolute():
+            path = Path(base_dir) / path
+        config = dataclasses.replace(config, space=str(path))
+    return config
+
+
+def _is_space_preset(name: str) -> bool:
+    return name.strip().lower().replace("_", "-") in SPACE_PRESETS
 
 
 def _run_keys() -> list[str]:
