@@ -31,7 +31,6 @@ from puzzle.config.loader import type_hints
 from puzzle.data import TokenData
 from puzzle.model import HybridLM
 from puzzle.presets import nemotron3_nano, tiny_hybrid
-from puzzle.search.limits import Relative
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "configs"
@@ -41,7 +40,7 @@ BASE = {
     "parent": {"path": "/models/parent"},
     "data": {"sources": ["corpus.txt"]},
     "space": {"kinds": {"mlp": {"width_fraction": [0.5]}}},
-    "search": {"budgets": ["active_params<=0.6x", "tokens_per_s[chat]>=1.5x"]},
+    "search": {"budgets": ["active_params<=0.6x", "throughput[chat]>=1.5x"]},
     "hardware": {"scenarios": {"chat": {"batch_size": 8, "prompt_tokens": 1024, "generated_tokens": 256}}},
 }
 
@@ -120,7 +119,7 @@ def test_unknown_key_in_the_inline_space_and_a_did_you_mean():
         ("parent.dtype", "bf16", "parent.dtype: expected one of 'auto', 'bfloat16', 'float16', 'float32', got "
          "the string 'bf16' (did you mean 'bfloat16'?)"),
         ("hardware.scenarios", [1], "hardware.scenarios: expected a mapping of names to a mapping"),
-        ("gkd", 3, "gkd: expected a mapping with keys lr, warmup_steps"),
+        ("gkd", 3, "gkd: expected a mapping with keys lr, min_lr_ratio"),
         ("space", 3, "space: expected a mapping (a SearchSpace section) or a string, got 3"),
         ("bld.memory_limit_bytes", float("nan"), "bld.memory_limit_bytes: expected an integer, got nan"),
         ("data.split_seed", None, "data.split_seed: expected an integer, got null"),
@@ -154,7 +153,7 @@ def test_numbers_read_as_numbers_and_nothing_else():
         ("hardware.recipe", "int2", "hardware.recipe: unknown quantisation recipe 'int2'"),
         ("hardware.memory_fraction", 1.5, "hardware.memory_fraction: expected a fraction in (0, 1], got 1.5"),
         ("gkd.lr", 0, "gkd.lr: expected a positive number, got 0.0"),
-        ("gkd.grad_accum", 0, "gkd.grad_accum: expected a positive integer, got 0"),
+        ("gkd.micro_batch_size", 9, "gkd.micro_batch_size: expected at most batch_size (8), got 9"),
         ("data.held_out_fraction", 0, "data.held_out_fraction: expected a fraction in (0, 1), got 0.0"),
         ("data.sources", [], "data.sources: expected at least one data source"),
         ("importance.tokens", 0, "importance.tokens: expected a positive integer, got 0"),
@@ -172,16 +171,17 @@ def test_impossible_value_names_the_key(path, value, expected):
 @pytest.mark.parametrize(
     ("budgets", "expected"),
     [
-        (["active_params<=0.6x", "tokens_per_s[chatt]>=2"], "search.budgets[1]: scenario 'chatt' is not defined "
+        (["active_params<=0.6x", "throughput[chatt]>=2"], "search.budgets[1]: scenario 'chatt' is not defined "
          "under hardware.scenarios (defined: chat)"),
         (["activ_params<=0.6x"], "search.budgets[0]: unknown budget key 'activ_params'; did you mean 'active_params'?"),
-        (["active_params>=0.6x"], "search.budgets[0]: active_params takes only an upper bound: active_params<=VALUE"),
+        (["active_params>=0.6x"], "search.budgets[0]: active_params takes only a bound active_params<=VALUE"),
+        (["1<=params<=3e9"], "search.budgets[0]: params takes only a bound params<=VALUE"),
         (["params<=abc"], "search.budgets[0]: cannot read budget value 'abc'"),
-        (["tokens_per_s>=3"], "search.budgets[0]: tokens_per_s needs a scenario"),
+        (["params<=-3"], "search.budgets[0]: the bound must be positive, found 'params<=-3'"),
+        (["throughput>=3"], "search.budgets[0]: throughput needs scenarios"),
         (["params[chat]<=3"], "search.budgets[0]: params takes no scenario"),
-        (["params<=3e9", "params<=2e9"], "search.budgets: two upper bounds given for 'params'"),
-        (["concurrent_requests[chat]>=0.5x"], "search.budgets: concurrent_requests[chat]>=0.5x: expected a whole "
-         "number of requests >= 1"),
+        (["latency[chat,chat]<=3"], "search.budgets[0]: 'latency[chat,chat]<=3' names a scenario twice"),
+        (["concurrent_requests[chat]>=0.5x"], "search.budgets[0]: concurrent_requests needs a whole number"),
         ([], "search.budgets: no budget: give search.budgets"),
     ],
 )  # fmt: skip
@@ -213,42 +213,54 @@ def test_missing_required_key(path, expected):
 # Budgets, rounds, seeds.
 
 
-def test_budgets_become_deployment_budgets():
-    config = load_config_data(BASE)
-    (budget,) = config.deployment_budgets()
-    assert budget.active_params == Relative(0.6) and budget.hardware == "h100-80gb"
-    (target,) = budget.scenarios
-    assert target.scenario.name == "chat" and target.scenario.batch_size == 8
-    assert target.min_tokens_per_s == Relative(1.5)
+def test_budgets_and_the_cost_model_for_the_search():
+    config = load_config_data(with_value("hardware.profile", "H100"))
+    assert config.round_budgets() == [["active_params<=0.6x", "throughput[chat]>=1.5x"]]
+    model = config.hardware.cost_model_kwargs()
+    assert model["hardware"] == "h100-80gb" and model["recipe"] == "bf16" and model["memory_fraction"] == 0.9
+    assert model["scenarios"]["chat"].name == "chat" and model["scenarios"]["chat"].batch_size == 8
 
 
-def test_a_sweep_is_one_budget_per_value_and_the_other_budgets_hold():
-    data = with_value("search", {"sweep": "active_params<=0.5x,0.7x", "budgets": ["params<=20G"]})
-    budgets = load_config_data(data).deployment_budgets()
-    assert [b.active_params for b in budgets] == [Relative(0.5), Relative(0.7)]
-    assert [b.params for b in budgets] == [20e9, 20e9]
+def test_a_sweep_is_one_budget_list_per_value_and_the_other_budgets_hold():
+    data = with_value(
+        "search", {"sweep": "active_params<=0.5x,0.7x", "budgets": ["params<=20G", "active_params<=0.9x"]}
+    )
+    assert load_config_data(data).round_budgets() == [
+        ["params<=20G", "active_params<=0.5x"],
+        ["params<=20G", "active_params<=0.7x"],
+    ]
+    throughput = with_value("search", {"sweep": "throughput[chat]>=1.2x,1.5x"})
+    assert load_config_data(throughput).round_budgets()[1] == ["throughput[chat]>=1.5x"]
     bad = with_value("search", {"sweep": "activ_params<=0.5x"})
     assert error_of(bad).startswith("search.sweep: unknown budget key 'activ_params'")
+    missing = with_value("search", {"sweep": "throughput[long]>=1.2x,1.5x"})
+    assert error_of(missing).startswith("search.sweep: scenario 'long' is not defined")
 
 
 def test_rounds_have_one_budget_list_each():
     data = with_value("rounds", {"count": 2, "budgets": [["active_params<=0.8x"], ["active_params<=0.75x"]]})
     del data["search"]
     config = load_config_data(data)
-    assert [config.deployment_budgets(r)[0].active_params for r in (0, 1)] == [Relative(0.8), Relative(0.75)]
+    assert [config.round_budgets(r) for r in (0, 1)] == [
+        [["active_params<=0.8x"]],
+        [["active_params<=0.75x"]],
+    ]
     data["rounds"]["budgets"] = [["active_params<=0.8x"]]
     assert error_of(data).startswith("rounds.budgets: expected one list of budgets per round (2), got 1")
-    data["rounds"]["budgets"] = [["active_params<=0.8x"], ["tokens_per_s[x]>=2"]]
+    data["rounds"]["budgets"] = [["active_params<=0.8x"], ["throughput[x]>=2"]]
     assert error_of(data).startswith("rounds.budgets[1][0]: scenario 'x' is not defined")
     both = with_value("rounds", {"count": 1, "budgets": [["active_params<=0.8x"]]})
     assert error_of(both).startswith("rounds.budgets: give the budgets either per round")
 
 
-def test_the_top_level_seed_is_the_default_of_bld_seed():
-    assert load_config_data(with_value("seed", 7)).bld.seed == 7
+def test_the_top_level_seed_is_the_default_of_the_stages_seeds():
+    config = load_config_data(with_value("seed", 7))
+    assert (config.bld.seed, config.gkd.seed) == (7, 7)
     data = with_value("seed", 7)
     data["bld"] = {"seed": 3}
-    assert load_config_data(data).bld.seed == 3
+    config = load_config_data(data)
+    assert (config.bld.seed, config.gkd.seed) == (3, 7)
+    assert load_config_data(config.to_dict()) == config
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -498,11 +510,12 @@ def test_the_examples_load_and_fit_their_parents():
     nano = load_config(EXAMPLES / "nemotron3_nano.yaml")  # the parent need not exist here
     variants = nano.search_space().all_variants(nemotron3_nano())
     assert len(variants[0]) == 1 and len(variants[1]) > 10  # block 0 frozen; MoE blocks searched
-    (budget,) = nano.deployment_budgets()
-    assert budget.active_params == Relative(0.7) and budget.min_concurrent_requests == 8
+    assert nano.round_budgets() == [
+        ["active_params<=0.7x", "throughput[chat]>=1.3x", "concurrent_requests[long]>=8"]
+    ]
     assert nano.bld.dtype == "bfloat16" and nano.hardware.profile == "h100-80gb"
     demo = load_config(EXAMPLES / "demo.yaml")
-    assert len(demo.deployment_budgets()) == 2  # the demo's two budgets
+    assert demo.round_budgets() == [["active_params<=0.75x"], ["active_params<=0.5x"]]  # two budgets
     # The demo parent is NemotronH-shaped like the tiny preset: every kind has variants.
     demo_variants = demo.search_space().all_variants(tiny_hybrid())
     assert all(len(v) > 1 for v in demo_variants.values())

@@ -118,15 +118,15 @@ def reference_markdown() -> str:
         "",
         "`search.budgets`, `search.sweep` and `rounds.budgets` use the syntax of `puzzle search` "
         "(`KEY<=VALUE`, `KEY>=VALUE`; VALUE absolute such as `3e9`, `70G`, `2.5B`, or a factor of the "
-        "round's parent such as `0.6x`; for `tokens_per_s`, `1.5x` is 1.5 times the parent's tokens/s) over "
-        "these keys, `S` being a name under `hardware.scenarios`:",
+        "round's parent such as `0.6x`; for `throughput`, `1.5x` is 1.5 times the parent's tokens/s) over "
+        "these keys. `KEY[S]` names one or more scenarios under `hardware.scenarios` "
+        "(`throughput[chat,long]>=1.5x`: the bound holds in each).",
         "",
         "| key | bound | what it bounds |",
         "|---|---|---|",
     ]
-    for name, (side, meaning) in BUDGET_KEYS.items():
-        operator = "`<=`" if side == "upper" else "`>=`"
-        lines.append(f"| `{name}` | {operator} | {meaning} |")
+    for name, (side, named, meaning) in BUDGET_KEYS.items():
+        lines.append(f"| `{name}{'[S]' if named else ''}` | `{side}` | {meaning} |")
     space_doc = (puzzle.space.__doc__ or "").strip()
     lines += ["", "## `space` (inline or in a file)", "", space_doc, ""]
     return "\n".join(lines)

@@ -4,8 +4,9 @@
 `RunConfig.validate_paths()` checks what it names on disk (the parent's config.json and weights, the
 tokenizer, the data, the space file) without loading a weight. Sections reuse the stages' own settings
 where they exist (`puzzle.bld.BLDSettings`, `puzzle.score.ScoreSettings`, `puzzle.search.SolverOptions`,
-`puzzle.cost.Scenario`); budgets use the `puzzle search` syntax over deployment keys (`BUDGET_KEYS`) and
-become `puzzle.search.budget.Budget`s.
+`puzzle.cost.Scenario`). Budgets are texts in the syntax of `puzzle search RUN_DIR` over deployment keys
+(`BUDGET_KEYS`: `active_params<=0.6x`, `throughput[chat]>=1.5x`), checked here and handed to the search
+as written (`RunConfig.round_budgets`), with the cost model of the `hardware` section.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -27,67 +28,79 @@ from puzzle.cost.hardware import hardware_key
 from puzzle.cost.roofline import Scenario
 from puzzle.presets import SPACE_PRESETS, get_space_preset
 from puzzle.score import ScoreSettings
-from puzzle.search.budget import Budget, ScenarioTarget
 from puzzle.search.frontier import parse_sweep
-from puzzle.search.limits import BudgetError, Limit, Relative, Value, merge_limits, parse_limit
+from puzzle.search.limits import BudgetError, Limit, Relative, Value, parse_limit
 from puzzle.search.types import SolverOptions
 from puzzle.space import SearchSpace
 from puzzle.spec import ModelSpec
 
-# Budget keys of the run config, `KEY` or `KEY[scenario]` (a name under hardware.scenarios): the bound each
-# takes, and what it bounds. Values are absolute (7e9, 70G) or factors of the round's parent (0.6x).
-BUDGET_KEYS: dict[str, tuple[str, str]] = {
-    "params": ("upper", "total parameters (embeddings and lm_head included)"),
-    "active_params": ("upper", "parameters used per token (top-k routed experts only)"),
-    "weight_bytes": ("upper", "bytes of the weights stored in hardware.recipe"),
-    "memory_bytes[S]": ("upper", "weights + the batch's KV cache and recurrent state at scenario S"),
-    "concurrent_requests[S]": (
-        "lower",
-        "requests of scenario S's context that fit beside the weights in hardware.memory_fraction of the "
-        "profile's memory (an absolute integer)",
+# Budget keys, as `puzzle search RUN_DIR` reads them (puzzle/search/run_dir.py): key -> (the bound it takes,
+# whether it names scenarios, what it bounds). `KEY[S]` names one or more scenarios of hardware.scenarios
+# (`throughput[chat,long]>=1.5x`: the bound holds in each). Values are absolute (7e9, 70G) or factors of the
+# round's parent (0.6x; for throughput, 1.5x is 1.5 times the parent's tokens/s).
+BUDGET_KEYS: dict[str, tuple[str, bool, str]] = {
+    "params": ("<=", False, "total parameters"),
+    "active_params": ("<=", False, "parameters used per token"),
+    "weight_bytes": ("<=", False, "weight bytes in hardware.recipe"),
+    "memory_bytes": ("<=", True, "weights + the batch's KV cache and recurrent state at the scenario, bytes"),
+    "concurrent_requests": (
+        ">=",
+        True,
+        "requests of the scenario's context that fit beside the weights in hardware.memory_fraction of "
+        "the profile's memory (a whole number)",
     ),
-    "tokens_per_s[S]": ("lower", "output tokens/s of scenario S's batch on hardware.profile (roofline)"),
-    "latency_s[S]": ("upper", "seconds for scenario S's batch, prefill and generation"),
-    "ttft_s[S]": ("upper", "time to first token of scenario S (its prefill), seconds"),
+    "throughput": (">=", True, "output tokens/s of the scenario's batch on hardware.profile (roofline)"),
+    "latency": ("<=", True, "seconds for the scenario's batch (prefill + generation)"),
+    "ttft": ("<=", True, "seconds to the first token (the batch's prefill)"),
 }
-_BUDGET_KEY = re.compile(r"([a-z_]+)(?:\[([^\]]+)\])?")
+_BUDGET_KEY = re.compile(r"(\w+)(?:\[([^\[\]]*)\])?")
 
 
-def _budget_parts(text: str) -> tuple[str, str | None]:
-    """`tokens_per_s[chat]` -> ('tokens_per_s', 'chat'), checked against BUDGET_KEYS."""
-    match = _BUDGET_KEY.fullmatch(text)
-    name, scenario = (match.group(1), match.group(2)) if match else (text, None)
-    known = {k.split("[")[0]: k for k in BUDGET_KEYS}
-    if name not in known:
-        close = difflib.get_close_matches(name, list(known), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ConfigError(f"unknown budget key {text!r}; {hint}budget keys: {', '.join(BUDGET_KEYS)}")
-    wants_scenario = known[name].endswith("[S]")
-    if wants_scenario and scenario is None:
-        raise ConfigError(f"{name} needs a scenario: {name}[NAME] with NAME under hardware.scenarios")
-    if not wants_scenario and scenario is not None:
-        raise ConfigError(f"{name} takes no scenario (write {name}, not {text})")
-    return name, scenario
-
-
-def _side(limit: Limit) -> str:
-    return "lower" if limit.upper is None else "upper" if limit.lower is None else "both"
-
-
-def parse_budget(text: str) -> Limit:
-    """A run budget (`active_params<=0.6x`, `tokens_per_s[chat]>=1.5x`) as a Limit; ConfigError if malformed."""
+def parse_budget(text: str, scenarios: Mapping[str, Any] | None = None) -> tuple[Limit, tuple[str, ...]]:
+    """A run budget (`active_params<=0.6x`, `throughput[chat,long]>=1.5x`): its Limit and the scenarios it
+    names, checked against `scenarios` when given. ConfigError (without a key path) if malformed."""
     try:
         limit = parse_limit(text)
     except BudgetError as error:
         raise ConfigError(str(error)) from None
-    name, _ = _budget_parts(limit.key)
-    side = BUDGET_KEYS[next(k for k in BUDGET_KEYS if k.split("[")[0] == name)][0]
-    if _side(limit) != side:
-        operator = "<=" if side == "upper" else ">="
+    match = _BUDGET_KEY.fullmatch(limit.key)
+    if match is None or match.group(1) not in BUDGET_KEYS:
+        name = match.group(1) if match else limit.key
+        close = difflib.get_close_matches(name, list(BUDGET_KEYS), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        known = ", ".join(f"{key}[S]" if named else key for key, (_, named, _) in BUDGET_KEYS.items())
+        raise ConfigError(f"unknown budget key {limit.key!r}; {hint}budget keys: {known}")
+    key, listed = match.group(1), match.group(2)
+    side, named, _ = BUDGET_KEYS[key]
+    if named and not listed:
         raise ConfigError(
-            f"{name} takes only {'an upper' if side == 'upper' else 'a lower'} bound: {limit.key}{operator}VALUE"
+            f"{key} needs scenarios: {key}[NAME] or {key}[NAME,NAME] (names under hardware.scenarios)"
         )
-    return limit
+    if not named and listed is not None:
+        raise ConfigError(f"{key} takes no scenario (write {key}{side}VALUE)")
+    names = tuple(name.strip() for name in listed.split(",")) if listed else ()
+    if len(set(names)) != len(names):
+        raise ConfigError(f"{text!r} names a scenario twice")
+    for name in names if scenarios is not None else ():
+        if name not in scenarios:
+            defined = ", ".join(scenarios) or "none"
+            raise ConfigError(
+                f"scenario {name!r} is not defined under hardware.scenarios (defined: {defined})"
+            )
+    value, other = (limit.upper, limit.lower) if side == "<=" else (limit.lower, limit.upper)
+    if value is None or other is not None:
+        raise ConfigError(f"{key} takes only a bound {key}{side}VALUE")
+    if key == "concurrent_requests" and (isinstance(value, Relative) or not float(value).is_integer()):
+        raise ConfigError(
+            f"concurrent_requests needs a whole number of requests (not a factor), found {text!r}"
+        )
+    if not isinstance(value, Relative) and value <= 0:
+        raise ConfigError(f"the bound must be positive, found {text!r}")
+    return limit, names
+
+
+def _sweep_budget(key: str, side: str, value: Value) -> str:
+    return str(Limit(key, **{side: value}))
 
 
 @dataclass(frozen=True)
@@ -221,7 +234,7 @@ class SearchConfig:
         default_factory=tuple,
         metadata=doc(
             "Budgets in `puzzle search` syntax over the run's budget keys (see Budgets below): "
-            "`active_params<=0.6x`, `tokens_per_s[chat]>=1.5x`, `memory_bytes[long]<=70G`."
+            "`active_params<=0.6x`, `throughput[chat]>=1.5x`, `memory_bytes[long]<=70G`."
         ),
     )
     sweep: str | None = field(
@@ -234,7 +247,8 @@ class SearchConfig:
     objective: Literal["kl", "lm_loss_delta", "hidden_nmse", "top1", "top5"] = field(
         default="kl",
         metadata=doc(
-            "The replacement score summed over blocks: minimised, except top1 / top5 (agreement), maximised."
+            "The replacement score summed over blocks, minimised: kl, lm_loss_delta, hidden_nmse, or for "
+            "agreements the disagreement top1 = 1 - top-1 agreement, top5 = 1 - top-5 agreement."
         ),
     )
     solutions: int = field(default=1, metadata=doc("The K best distinct architectures per budget."))
@@ -245,12 +259,12 @@ class SearchConfig:
     shared_state_size: bool = field(
         default=True, metadata=doc("One SSM state size for every Mamba block (serving engines need it).")
     )
-    same_top_k: bool = field(default=False, metadata=doc("One top-k for every MoE block."))
+    same_attributes: tuple[Literal["state_size", "top_k", "kind"], ...] = field(
+        default_factory=tuple,
+        metadata=doc("Attributes held to one value over the chosen variants that have them (e.g. [top_k])."),
+    )
     keep_blocks: tuple[int, ...] = field(
         default_factory=tuple, metadata=doc("Blocks held at the parent's shape.")
-    )
-    min_attention_blocks: int = field(
-        default=0, metadata=doc("At least this many attention blocks in the child.")
     )
     solver: SolverOptions = field(default_factory=SolverOptions, metadata=doc("MIP solver options."))
 
@@ -260,15 +274,9 @@ class SearchConfig:
                 parse_budget(text)
             except ConfigError as error:
                 raise error.within(f"budgets[{index}]") from None
-        try:
-            merge_limits(parse_budget(text) for text in self.budgets)
-        except BudgetError as error:
-            raise ConfigError(str(error), "budgets") from None
-        if self.sweep is not None:
-            self.swept()
+        self.swept()
         _at_least(self, "solutions", 1)
         _at_least(self, "min_diff", 1)
-        _at_least(self, "min_attention_blocks", 0)
         if self.min_diff > 1 and self.solutions == 1:
             raise ConfigError("needs solutions > 1 (it spaces the solutions apart)", "min_diff")
         if self.sweep is not None and self.solutions > 1:
@@ -278,41 +286,51 @@ class SearchConfig:
         if any(block < 0 for block in self.keep_blocks):
             raise ConfigError(f"expected block indices >= 0, got {list(self.keep_blocks)}", "keep_blocks")
 
-    @property
-    def maximize(self) -> bool:
-        """Whether the objective is maximised (agreement scores)."""
-        return self.objective in ("top1", "top5")
-
-    def limits(self) -> list[Limit]:
-        """The budgets, parsed and merged (one Limit per key)."""
-        return merge_limits(parse_budget(text) for text in self.budgets)
-
     def swept(self) -> tuple[str, str, list[Value]] | None:
-        """(key, side, values) of the sweep, or None."""
+        """(key, side 'upper' / 'lower', values) of the sweep, or None."""
         if self.sweep is None:
             return None
         try:
             key, side, values = parse_sweep(self.sweep)
         except BudgetError as error:
             raise ConfigError(str(error), "sweep") from None
-        try:
-            parse_budget(f"{key}{'<=' if side == 'upper' else '>='}1")  # a known key, bounded on its side
-        except ConfigError as error:
-            raise error.within("sweep") from None
+        for value in values:  # each point is a budget like any other
+            try:
+                parse_budget(_sweep_budget(key, side, value))
+            except ConfigError as error:
+                raise error.within("sweep") from None
         return key, side, values
 
 
 @dataclass(frozen=True)
 class GKDConfig:
-    """Global knowledge distillation of the assembled child against the parent (placeholder for
-    `puzzle.gkd`'s own settings): KL on the logits plus (1 - cosine) of hidden states per block."""
+    """Global knowledge distillation of the assembled child against the parent: KL on the logits plus
+    (1 - cosine) of hidden states per block. A placeholder with the fields of `puzzle.gkd.GKDSettings`
+    (written alongside), which replaces it. Token counts and batch_size are global (all ranks together)."""
 
     lr: float = field(default=1e-5, metadata=doc("AdamW peak learning rate."))
-    warmup_steps: int = field(default=0, metadata=doc("Linear warm-up steps, then cosine decay."))
-    steps: int = field(default=1000, metadata=doc("Optimiser steps (0: skip GKD)."))
-    batch_size: int = field(default=8, metadata=doc("Sequences per global batch (all ranks together)."))
-    grad_accum: int = field(default=1, metadata=doc("Micro-batches accumulated per step."))
-    grad_clip: float = field(default=1.0, metadata=doc("Max gradient norm (0: none)."))
+    min_lr_ratio: float = field(
+        default=0.1, metadata=doc("The learning rate at the end of the cosine decay, as a fraction of lr.")
+    )
+    warmup_tokens: int = field(default=0, metadata=doc("Linear warm-up from 0 over this many tokens."))
+    weight_decay: float = field(default=0.0, metadata=doc("AdamW weight decay."))
+    betas: tuple[float, float] = field(default=(0.9, 0.95), metadata=doc("AdamW betas."))
+    token_budget: int | None = field(
+        default=100_000_000,
+        metadata=doc("Tokens to train on (null: no token limit; the run also ends after `steps`)."),
+    )
+    steps: int | None = field(
+        default=None, metadata=doc("Optimiser steps (null: no step limit); at least one limit is needed.")
+    )
+    batch_size: int = field(default=8, metadata=doc("Sequences per optimiser step."))
+    micro_batch_size: int | None = field(
+        default=None,
+        metadata=doc(
+            "Sequences per forward/backward on one rank (null: the rank's whole share); gradients "
+            "accumulate over the share."
+        ),
+    )
+    clip: float = field(default=1.0, metadata=doc("Max global gradient norm (0: none)."))
     kl_weight: float = field(default=1.0, metadata=doc("Weight of the logit KL to the parent."))
     cosine_weight: float = field(
         default=1.0, metadata=doc("Weight of the per-block (1 - cosine) of hidden states.")
@@ -321,22 +339,46 @@ class GKDConfig:
         default=0.0,
         metadata=doc("Weight of the LM loss (off by default: the Puzzle ablation found it hurts)."),
     )
+    vocab_chunk: int = field(default=4096, metadata=doc("lm_head rows per KL chunk (peak memory)."))
     eval_every: int = field(
-        default=100, metadata=doc("Steps between held-out evaluations (0: only at the end).")
+        default=100, metadata=doc("Steps between held-out evaluations (0: only before and after).")
     )
     checkpoint_every: int = field(default=100, metadata=doc("Steps between checkpoints (0: never)."))
+    seed: int = field(default=0, metadata=doc("Seeds torch and the order of the batches."))
+    dtype: Literal["float32", "bfloat16"] = field(
+        default="float32", metadata=doc("The student's training dtype.")
+    )
+    autocast: bool = field(default=True, metadata=doc("bf16 autocast on CUDA."))
+    shard: Literal["fsdp", "none"] = field(
+        default="fsdp",
+        metadata=doc("fsdp: shard student and teacher over the ranks with FSDP2; none: replicate them."),
+    )
 
     def __post_init__(self) -> None:
         _positive(self, "lr")
-        for name in ("warmup_steps", "steps", "eval_every", "checkpoint_every"):
+        for name in ("min_lr_ratio", "weight_decay", "clip", "kl_weight", "cosine_weight", "lm_weight"):
             _at_least(self, name, 0)
-        for name in ("batch_size", "grad_accum"):
+        if self.min_lr_ratio > 1:
+            raise ConfigError(f"expected a fraction in [0, 1], got {self.min_lr_ratio!r}", "min_lr_ratio")
+        if not all(0 <= beta < 1 for beta in self.betas):
+            raise ConfigError(f"expected two numbers in [0, 1), got {list(self.betas)}", "betas")
+        for name in ("warmup_tokens", "eval_every", "checkpoint_every", "seed"):
+            _at_least(self, name, 0)
+        for name in ("token_budget", "steps", "micro_batch_size"):
+            if getattr(self, name) is not None:
+                _at_least(self, name, 1)
+        for name in ("batch_size", "vocab_chunk"):
             _at_least(self, name, 1)
-        for name in ("grad_clip", "kl_weight", "cosine_weight", "lm_weight"):
-            _at_least(self, name, 0)
-        if self.kl_weight == self.cosine_weight == self.lm_weight == 0 and self.steps > 0:
+        if self.token_budget is None and self.steps is None:
+            raise ConfigError("token_budget and steps are both null: set at least one", "token_budget")
+        if self.micro_batch_size is not None and self.micro_batch_size > self.batch_size:
             raise ConfigError(
-                "every loss weight is 0: nothing to distil (set steps: 0 to skip GKD)", "kl_weight"
+                f"expected at most batch_size ({self.batch_size}), got {self.micro_batch_size}",
+                "micro_batch_size",
+            )
+        if self.kl_weight + self.cosine_weight + self.lm_weight == 0:
+            raise ConfigError(
+                "kl_weight, cosine_weight and lm_weight are all 0: nothing to train", "kl_weight"
             )
 
 
@@ -373,16 +415,12 @@ class RoundsConfig:
                     parse_budget(text)
                 except ConfigError as error:
                     raise error.within(f"budgets[{round_index}][{index}]") from None
-            try:
-                merge_limits(parse_budget(text) for text in texts)
-            except BudgetError as error:
-                raise ConfigError(str(error), f"budgets[{round_index}]") from None
 
 
 @dataclass(frozen=True)
 class HardwareConfig:
     """Where the child will be served: the accelerator profile (roofline timing, memory) and the named
-    serving scenarios that budgets refer to (`tokens_per_s[chat]`)."""
+    serving scenarios that budgets refer to (`throughput[chat]`)."""
 
     profile: str = field(
         default="h100-80gb",
@@ -426,6 +464,15 @@ class HardwareConfig:
             named[name] = dataclasses.replace(scenario, name=name)
         object.__setattr__(self, "scenarios", named)
 
+    def cost_model_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the search's cost model (`puzzle.search.run_dir.CostModel`)."""
+        return {
+            "hardware": self.profile,
+            "recipe": self.recipe,
+            "memory_fraction": self.memory_fraction,
+            "scenarios": dict(self.scenarios),
+        }
+
 
 @dataclass(frozen=True)
 class RunConfig:
@@ -465,7 +512,10 @@ class RunConfig:
     )
     seed: int = field(
         default=0,
-        metadata=doc("Seeds the data order and GKD, and is the default of bld.seed when that is not given."),
+        metadata=doc(
+            "The run's seed: the default of bld.seed and gkd.seed where those are not given, and the seed "
+            "of every other random choice of the run (the held-out split has its own, data.split_seed)."
+        ),
     )
 
     def __post_init__(self) -> None:
@@ -489,27 +539,20 @@ class RunConfig:
                 "rounds.budgets",
                 "search.budgets",
             )
-        self._check_scenario_names()
-        for index in range(rounds.count):
-            self.deployment_budgets(index)  # every budget resolves: scenarios exist, values make sense
-
-    def _check_scenario_names(self) -> None:
-        """Every `KEY[S]` budget names a scenario under hardware.scenarios (the error names the budget)."""
         places = [("search.budgets", self.search.budgets)]
-        places += [(f"rounds.budgets[{r}]", texts) for r, texts in enumerate(self.rounds.budgets or ())]
-        swept = self.search.swept()
-        if swept is not None:
-            places.append(("search.sweep", (f"{swept[0]}{'<=' if swept[1] == 'upper' else '>='}1",)))
+        places += [(f"rounds.budgets[{r}]", texts) for r, texts in enumerate(rounds.budgets or ())]
         for where, texts in places:
             for index, text in enumerate(texts):
-                _, scenario = _budget_parts(parse_budget(text).key)
-                if scenario is not None and scenario not in self.hardware.scenarios:
-                    defined = ", ".join(self.hardware.scenarios) or "none"
-                    key = where if where == "search.sweep" else f"{where}[{index}]"
-                    raise ConfigError(
-                        f"scenario {scenario!r} is not defined under hardware.scenarios (defined: {defined})",
-                        key,
-                    )
+                try:
+                    parse_budget(text, self.hardware.scenarios)
+                except ConfigError as error:
+                    raise error.within(f"{where}[{index}]") from None
+        swept = search.swept()
+        if swept is not None:
+            try:
+                parse_budget(_sweep_budget(swept[0], swept[1], swept[2][0]), self.hardware.scenarios)
+            except ConfigError as error:
+                raise error.within("search.sweep") from None
 
     # -- what the stages read -------------------------------------------------------------------------
 
@@ -536,84 +579,19 @@ class RunConfig:
         except ValueError as error:
             raise ConfigError(str(error), "space") from None
 
-    def round_limits(self, round_index: int = 0) -> list[list[Limit]]:
-        """The budgets of round `round_index` as Limits, one list per solve (one per sweep value)."""
+    def round_budgets(self, round_index: int = 0) -> list[list[str]]:
+        """The budgets of round `round_index` as `puzzle search` texts, one list per solve (one per sweep
+        value, the swept value replacing any budget on the same key)."""
         if not 0 <= round_index < self.rounds.count:
             raise IndexError(f"round {round_index} of a {self.rounds.count}-round run")
         if self.rounds.budgets is not None:
-            return [merge_limits(parse_budget(t) for t in self.rounds.budgets[round_index])]
-        limits = self.search.limits()
+            return [list(self.rounds.budgets[round_index])]
         swept = self.search.swept()
         if swept is None:
-            return [limits]
+            return [list(self.search.budgets)]
         key, side, values = swept
-        points = []
-        for value in values:
-            kept = [limit for limit in limits if limit.key != key]  # the swept value replaces it
-            points.append(merge_limits([*kept, Limit(key, **{side: value})]))
-        return points
-
-    def deployment_budgets(self, round_index: int = 0) -> list[Budget]:
-        """The `puzzle.search.Budget`s of round `round_index`: one, or one per sweep value."""
-        where = "search.sweep" if self.search.sweep else "search.budgets"
-        if self.rounds.budgets is not None:
-            where = f"rounds.budgets[{round_index}]"
-        try:
-            return [self._budget(limits) for limits in self.round_limits(round_index)]
-        except ConfigError as error:
-            raise error.within(where) from None
-        except ValueError as error:
-            raise ConfigError(str(error), where) from None
-
-    def _budget(self, limits: Sequence[Limit]) -> Budget:
-        hardware, search = self.hardware, self.search
-        kwargs: dict[str, Any] = {
-            "recipe": hardware.recipe,
-            "memory_fraction": hardware.memory_fraction,
-            "hardware": hardware.profile,
-            "shared_state_size": search.shared_state_size,
-            "same_top_k": search.same_top_k,
-            "keep_blocks": search.keep_blocks,
-            "min_attention_blocks": search.min_attention_blocks,
-        }
-        targets: dict[str, dict[str, Value]] = {}
-        target_fields = {
-            "tokens_per_s": "min_tokens_per_s",
-            "latency_s": "max_latency_s",
-            "ttft_s": "max_ttft_s",
-        }
-        for limit in limits:
-            name, scenario_name = _budget_parts(limit.key)
-            scenario = None
-            if scenario_name is not None:
-                if scenario_name not in hardware.scenarios:
-                    defined = ", ".join(hardware.scenarios) or "none"
-                    raise ConfigError(
-                        f"{limit}: scenario {scenario_name!r} is not defined under hardware.scenarios "
-                        f"(defined: {defined})"
-                    )
-                scenario = hardware.scenarios[scenario_name]
-            if name in ("params", "active_params", "weight_bytes"):
-                kwargs[name] = limit.upper
-            elif name == "memory_bytes":
-                if "memory_bytes" in kwargs:
-                    raise ConfigError(f"{limit}: one memory_bytes budget per solve")
-                kwargs.update(memory_bytes=limit.upper, memory_scenario=scenario)
-            elif name == "concurrent_requests":
-                if "min_concurrent_requests" in kwargs:
-                    raise ConfigError(f"{limit}: one concurrent_requests budget per solve")
-                requests = limit.lower
-                if isinstance(requests, Relative) or not float(requests).is_integer() or requests < 1:
-                    raise ConfigError(f"{limit}: expected a whole number of requests >= 1, such as 64")
-                kwargs.update(min_concurrent_requests=int(requests), concurrency_scenario=scenario)
-            else:
-                assert scenario_name is not None
-                bound = limit.lower if name == "tokens_per_s" else limit.upper
-                targets.setdefault(scenario_name, {})[target_fields[name]] = bound
-        kwargs["scenarios"] = tuple(
-            ScenarioTarget(hardware.scenarios[name], **values) for name, values in targets.items()
-        )
-        return Budget(**kwargs)
+        kept = [text for text in self.search.budgets if parse_budget(text)[0].key != key]
+        return [[*kept, _sweep_budget(key, side, value)] for value in values]
 
     # -- checks against the disk ----------------------------------------------------------------------
 
@@ -693,10 +671,11 @@ def load_config_data(
             "the config is empty; expected a mapping with keys " + ", ".join(_run_keys()), file=file
         )
     seed = data.get("seed") if isinstance(data, Mapping) else None
-    if isinstance(seed, int) and not isinstance(seed, bool):  # the top-level seed is bld.seed's default
-        bld = data.get("bld", {})
-        if isinstance(bld, Mapping) and "seed" not in bld:
-            data = {**data, "bld": {**bld, "seed": seed}}
+    if isinstance(seed, int) and not isinstance(seed, bool) and seed >= 0:  # the stages' seeds default
+        for section in ("bld", "gkd"):
+            settings = data.get(section, {})
+            if isinstance(settings, Mapping) and "seed" not in settings:
+                data = {**data, section: {**settings, "seed": seed}}
     config = from_data(RunConfig, data, "", base_dir)
     if isinstance(config.space, str) and not _is_space_preset(config.space):  # a file, like other paths
         path = Path(config.space).expanduser()
