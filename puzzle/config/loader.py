@@ -54,13 +54,12 @@ class ConfigError(ValueError):
         """The same error with its key under `prefix` (`lr` in section `bld` -> `bld.lr`)."""
         if not prefix:
             return self
-        key = (
-            prefix
-            if not self.key
-            else f"{prefix}{self.key}"
-            if self.key[0] == "["
-            else f"{prefix}.{self.key}"
-        )
+        if not self.key:
+            key = prefix
+        elif self.key.startswith("["):
+            key = f"{prefix}{self.key}"
+        else:
+            key = f"{prefix}.{self.key}"
         message = self.message
         if self.key and self._names_key():
             message = key + message[len(self.key) :]
@@ -88,8 +87,6 @@ def show_value(value: Any) -> str:
         return "a mapping"
     if isinstance(value, (list, tuple)):
         return f"a list of {len(value)} item(s)"
-    if isinstance(value, float) and value.is_integer() and abs(value) < 1e16:
-        return repr(value)
     return repr(value) if isinstance(value, (int, float)) else type(value).__name__
 
 
@@ -202,6 +199,7 @@ def from_data(cls: type[T], data: Any, key: str = "", base_dir: str | Path | Non
 
 
 def join_key(key: str, name: str | int) -> str:
+    """The path of `name` under `key`: `bld` + `lr` -> `bld.lr`, `search.budgets` + 1 -> `search.budgets[1]`."""
     if isinstance(name, int):
         return f"{key}[{name}]"
     return f"{key}.{name}" if key else name
