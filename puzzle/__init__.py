@@ -33,6 +33,9 @@ _LAZY_EXPORTS = {
     "SpaceError": "puzzle.space",
     "importance_for": "puzzle.prune",
     "init_child": "puzzle.prune",
+    "ConfigError": "puzzle.config",
+    "RunConfig": "puzzle.config",
+    "load_config": "puzzle.config",
 }
 
 
@@ -70,4 +73,7 @@ __all__ = [
     "init_child",
     "load",
     "deployment_problem",
+    "ConfigError",
+    "RunConfig",
+    "load_config",
 ]

@@ -16,7 +16,11 @@ import sys
 from puzzle import __version__
 
 # Each module defines `register(subparsers)`, which adds its sub-command and sets `func(args) -> int`.
-COMMAND_MODULES: tuple[str, ...] = ("puzzle.commands.search", "puzzle.commands.costs")
+COMMAND_MODULES: tuple[str, ...] = (
+    "puzzle.commands.search",
+    "puzzle.commands.costs",
+    "puzzle.commands.config",
+)
 
 DEBUG_ENV = "PUZZLE_DEBUG"
 EXIT_ERROR = 1

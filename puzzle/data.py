@@ -76,7 +76,8 @@ class DataError(ValueError):
 # Tokenizer.
 
 
-def _tokenizer_files(directory: Path) -> list[Path]:
+def tokenizer_files(directory: Path) -> list[Path]:
+    """The tokenizer files (TOKENIZER_FILES) in `directory`, sorted; empty when it holds no tokenizer."""
     found = {path for pattern in TOKENIZER_FILES for path in directory.glob(pattern) if path.is_file()}
     return sorted(found)
 
@@ -90,7 +91,7 @@ def load_tokenizer(directory: str | Path) -> Any:
     directory = Path(directory)
     if not directory.is_dir():
         raise FileNotFoundError(f"tokenizer directory {directory} does not exist (or is not a directory)")
-    if not _tokenizer_files(directory):
+    if not tokenizer_files(directory):
         raise DataError(
             f"no tokenizer in {directory}: expected one of {', '.join(TOKENIZER_FILES)} "
             "(the parent checkpoint's tokenizer files)"
@@ -109,7 +110,7 @@ def load_tokenizer(directory: str | Path) -> Any:
 def fingerprint_tokenizer(directory: str | Path) -> str:
     """sha256 over the tokenizer files in `directory` (names and bytes), not over anything else there."""
     directory = Path(directory)
-    return fingerprint_json({path.name: fingerprint_file(path) for path in _tokenizer_files(directory)})
+    return fingerprint_json({path.name: fingerprint_file(path) for path in tokenizer_files(directory)})
 
 
 # ----------------------------------------------------------------------------------------------------------

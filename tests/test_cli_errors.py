@@ -52,6 +52,7 @@ BAD_VALUES = {
 BASELINES: dict[str, list[str]] = {
     "costs": ["tiny-hybrid"],
     "search": ["--library", "@library.json"],
+    "config check": ["@run-config.yaml"],
 }
 
 # (sub-command, argument dest) -> bad-value names it legitimately accepts (exit 0).
@@ -99,7 +100,24 @@ def bad_files(tmp_path_factory) -> Path:
         json.dumps(nemotron_h.config_from_spec(tiny_hybrid()))
     )
     (root / "library.json").write_text(json.dumps(_library()))
+    _write_run_config(root)
     return root
+
+
+def _write_run_config(root: Path) -> None:
+    """A run config whose parent is a real (tiny, random) checkpoint with a tokenizer and a text file of data."""
+    import torch
+
+    from puzzle.model import HybridLM
+
+    torch.manual_seed(0)
+    nemotron_h.save_pretrained(HybridLM(tiny_hybrid(hidden_size=32, vocab_size=64)), root / "parent")
+    (root / "parent" / "tokenizer.json").write_text("{}")  # only its presence is checked
+    (root / "corpus.txt").write_text("a document\n\nanother document\n")
+    (root / "run-config.yaml").write_text(
+        "run_dir: run\nparent: {path: parent}\ndata: {sources: [corpus.txt], seq_len: 8}\n"
+        "space: {kinds: {mlp: {width_fraction: [0.5]}}}\nsearch: {budgets: ['params<=0.9x']}\n"
+    )
 
 
 def _resolve(argv: list[str], root: Path) -> list[str]:
@@ -108,9 +126,18 @@ def _resolve(argv: list[str], root: Path) -> list[str]:
 
 @functools.cache
 def _subcommands() -> dict[str, argparse.ArgumentParser]:
-    parser = cli.build_parser()
-    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    return dict(action.choices)
+    """Every sub-command by its words ("costs", "config check"), nested ones included."""
+    found: dict[str, argparse.ArgumentParser] = {}
+
+    def walk(parser: argparse.ArgumentParser, prefix: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, child in action.choices.items():
+                    found[f"{prefix}{name}"] = child
+                    walk(child, f"{prefix}{name} ")
+
+    walk(cli.build_parser(), "")
+    return found
 
 
 def _slots(parser: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -133,13 +160,13 @@ def _with_value(
         if option in baseline:  # replace the baseline's own value for it
             index = baseline.index(option)
             del baseline[index : index + 2]
-        return [command, *baseline, option, value]
+        return [*command.split(), *baseline, option, value]
     positionals = [a.dest for a in _subcommands()[command]._actions if not a.option_strings]
     position = positionals.index(action.dest)
     values = list(itertools.takewhile(lambda arg: not arg.startswith("-"), baseline))  # positionals first
     given = len(values)
     values[position : position + 1] = [value]
-    return [command, *values, *baseline[given:]]
+    return [*command.split(), *values, *baseline[given:]]
 
 
 def _cases() -> list:
@@ -174,7 +201,7 @@ def test_every_baseline_runs(capsys, bad_files):
     """The bad values below are tried against command lines that work."""
     for command, baseline in BASELINES.items():
         assert command in _subcommands()
-        code, out, err = run_cli([command, *_resolve(baseline, bad_files)], capsys)
+        code, out, err = run_cli([*command.split(), *_resolve(baseline, bad_files)], capsys)
         assert code == 0, (command, err)
         assert out
 
@@ -340,7 +367,7 @@ def test_bare_puzzle_is_a_usage_error_with_the_help(capsys):
     code, out, err = run_cli([], capsys)
     assert code == 2  # as argparse's other usage errors
     assert out == ""
-    assert err.startswith("usage: puzzle") and all(command in err for command in _subcommands())
+    assert err.startswith("usage: puzzle") and all(command.split()[0] in err for command in _subcommands())
 
 
 def _a_bug(args: argparse.Namespace) -> int:

@@ -198,9 +198,16 @@ def get_hardware(name: str | HardwareProfile) -> HardwareProfile:
     """A profile by name ("h100-80gb", "h200-141gb", "b200", "a100-80gb", "this-machine"); profiles pass through."""
     if isinstance(name, HardwareProfile):
         return name
+    key = hardware_key(name)
+    return calibrate_this_machine() if key == "this-machine" else PROFILES[key]
+
+
+def hardware_key(name: str) -> str:
+    """The canonical name of hardware `name` (aliases and case resolved), without calibrating anything.
+
+    Raises SpecError for a name `get_hardware` does not know.
+    """
     key = ALIASES.get(name.strip().lower(), name.strip().lower())
-    if key == "this-machine":
-        return calibrate_this_machine()
-    if key not in PROFILES:
+    if key != "this-machine" and key not in PROFILES:
         raise SpecError(f"unknown hardware {name!r}; choose one of {hardware_names()}")
-    return PROFILES[key]
+    return key

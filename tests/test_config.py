@@ -1,0 +1,540 @@
+"""The run config: strict loading (unknown keys, types, impossible values, missing keys, YAML errors, each
+with its key path and line), budgets, the path checks against a real tiny checkpoint, `puzzle config`'s
+exit codes, round trips, the example configs and the generated reference page."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import json
+import typing
+from pathlib import Path
+from typing import Literal
+
+import pytest
+import torch
+import yaml
+
+from puzzle import cli, nemotron_h
+from puzzle.config import (
+    ConfigError,
+    RunConfig,
+    dump_config,
+    from_data,
+    load_config,
+    load_config_data,
+    reference_markdown,
+    to_dict,
+)
+from puzzle.config.loader import type_hints
+from puzzle.data import TokenData
+from puzzle.model import HybridLM
+from puzzle.presets import nemotron3_nano, tiny_hybrid
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples" / "configs"
+
+BASE = {
+    "run_dir": "runs/x",
+    "parent": {"path": "/models/parent"},
+    "data": {"sources": ["corpus.txt"]},
+    "space": {"kinds": {"mlp": {"width_fraction": [0.5]}}},
+    "search": {"budgets": ["active_params<=0.6x", "throughput[chat]>=1.5x"]},
+    "hardware": {"scenarios": {"chat": {"batch_size": 8, "prompt_tokens": 1024, "generated_tokens": 256}}},
+}
+
+
+def error_of(data: dict) -> str:
+    with pytest.raises(ConfigError) as caught:
+        load_config_data(data)
+    return str(caught.value)
+
+
+def with_value(path: str, value) -> dict:
+    """BASE with `value` at dotted `path` (sections created as needed)."""
+    data = copy.deepcopy(BASE)
+    *parents, last = path.split(".")
+    node = data
+    for name in parents:
+        node = node.setdefault(name, {})
+    node[last] = value
+    return data
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Unknown keys, types, values, missing keys.
+
+
+def _sections(cls=RunConfig, prefix="") -> list[tuple[str, type]]:
+    """(dotted path, dataclass) of every section, nested ones included; `NAME` entries under 'chat'."""
+    out = [(prefix, cls)]
+    hints = type_hints(cls)
+    for item in dataclasses.fields(cls):
+        tp = hints[item.name]
+        path = f"{prefix}.{item.name}" if prefix else item.name
+        if typing.get_origin(tp) is dict:
+            tp, path = typing.get_args(tp)[1], f"{path}.chat"
+        if dataclasses.is_dataclass(tp) and item.name != "space":
+            out += _sections(tp, path)
+    return out
+
+
+@pytest.mark.parametrize(("path", "cls"), _sections(), ids=lambda x: x if isinstance(x, str) else "")
+def test_unknown_key_at_every_level_names_it_and_lists_the_valid_keys(path, cls):
+    data = copy.deepcopy(BASE)
+    node = data
+    for name in path.split(".") if path else []:
+        node = node.setdefault(name, {})
+    if cls.__name__ == "Scenario":
+        node.update(batch_size=1, prompt_tokens=1, generated_tokens=1)
+    node["bogus_key"] = 1
+    message = error_of(data)
+    key = f"{path}.bogus_key" if path else "bogus_key"
+    assert message.startswith(f"{key}: unknown key"), message
+    valid = message.split("valid keys", 1)[1]
+    assert all(f.name in valid for f in dataclasses.fields(cls)), message
+
+
+def test_unknown_key_in_the_inline_space_and_a_did_you_mean():
+    assert "space.kinds.moe: unknown key(s) ['topk']" in error_of(
+        with_value("space", {"kinds": {"moe": {"topk": 2}}})
+    )
+    message = error_of(with_value("bld.lrr", 1e-3))
+    assert message.startswith("bld.lrr: unknown key; did you mean 'lr'? valid keys in bld: lr, warmup_tokens")
+    assert "did you mean 'bld'?" in error_of(with_value("blld", {}))
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "expected"),
+    [
+        ("data.seq_len", "4096", "data.seq_len: expected an integer, got the string '4096'"),
+        ("bld.lr", "1e-4", "bld.lr: expected a number, got the string '1e-4'"),
+        ("bld.warmup_tokens", True, "bld.warmup_tokens: expected an integer, got true"),
+        ("bld.token_budget", 1.5, "bld.token_budget: expected an integer, got 1.5"),
+        ("importance.linear_fit", 1, "importance.linear_fit: expected true or false, got 1"),
+        ("parent.path", 5, "parent.path: expected a path (a non-empty string), got 5"),
+        ("search.budgets", "params<=1e9", "search.budgets: expected a list (each a string), got the string"),
+        ("bld.betas", [0.9], "bld.betas: expected a list of 2 items (a number, a number), got 1 item(s)"),
+        ("parent.dtype", "bf16", "parent.dtype: expected one of 'auto', 'bfloat16', 'float16', 'float32', got "
+         "the string 'bf16' (did you mean 'bfloat16'?)"),
+        ("hardware.scenarios", [1], "hardware.scenarios: expected a mapping of names to a mapping"),
+        ("gkd", 3, "gkd: expected a mapping with keys lr, min_lr_ratio"),
+        ("space", 3, "space: expected a mapping (a SearchSpace section) or a string, got 3"),
+        ("bld.memory_limit_bytes", float("nan"), "bld.memory_limit_bytes: expected an integer, got nan"),
+        ("data.split_seed", None, "data.split_seed: expected an integer, got null"),
+    ],
+)  # fmt: skip
+def test_wrong_type_names_the_key_and_what_was_expected(path, value, expected):
+    assert error_of(with_value(path, value)).startswith(expected)
+
+
+def test_numbers_read_as_numbers_and_nothing_else():
+    config = load_config_data(
+        with_value("bld", {"lr": 1, "token_budget": 2e6, "memory_limit_bytes": None, "betas": [0.9, 1]})
+    )
+    assert config.bld.lr == 1.0 and isinstance(config.bld.lr, float)  # an integer where a number goes
+    assert config.bld.token_budget == 2_000_000 and isinstance(config.bld.token_budget, int)
+    assert config.bld.betas == (0.9, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "expected"),
+    [
+        ("bld.lr", -1, "bld.lr: expected a positive number, got -1"),
+        ("bld.clip", -1, "bld: clip >= 0 and 0 <= min_lr_ratio <= 1, found -1.0, 0.1"),
+        ("bld.shard", "ddp", "bld.shard: expected 'fsdp' or 'none', got 'ddp'"),
+        ("scoring.vocab_chunk", 0, "scoring.vocab_chunk: expected a value >= 1, got 0"),
+        ("search.solver.gap_rel", 2, "search.solver.gap_rel: expected a relative gap in [0, 1) such as 1e-6, got 2"),
+        ("search.solver.solver", "gurobi", "search.solver: unknown solver 'gurobi'; choose one of auto, highs, cbc"),
+        ("hardware.scenarios.chat.batch_size", 0, "hardware.scenarios.chat.batch_size: expected a positive integer, got 0"),
+        ("hardware.scenarios.chat.kv_dtype", "int3", "hardware.scenarios.chat: unknown dtype 'int3'"),
+        ("hardware.profile", "h1000", "hardware.profile: unknown hardware 'h1000'; choose one of"),
+        ("hardware.recipe", "int2", "hardware.recipe: unknown quantisation recipe 'int2'"),
+        ("hardware.memory_fraction", 1.5, "hardware.memory_fraction: expected a fraction in (0, 1], got 1.5"),
+        ("gkd.lr", 0, "gkd.lr: expected a positive number, got 0.0"),
+        ("gkd.micro_batch_size", 9, "gkd.micro_batch_size: expected at most batch_size (8), got 9"),
+        ("data.held_out_fraction", 0, "data.held_out_fraction: expected a fraction in (0, 1), got 0.0"),
+        ("data.sources", [], "data.sources: expected at least one data source"),
+        ("importance.tokens", 0, "importance.tokens: expected a positive integer, got 0"),
+        ("seed", -1, "seed: expected an integer >= 0, got -1"),
+        ("space", {"kinds": {"moe": {"top_k": [0]}}}, "space.kinds.moe.top_k[0] must be a positive integer, found 0"),
+        ("search.min_diff", 2, "search.min_diff: needs solutions > 1"),
+        ("rounds.count", 0, "rounds.count: expected a positive integer, got 0"),
+        ("rounds.count", 2, "rounds.budgets: 2 rounds need budgets: one list of budgets per round"),
+    ],
+)  # fmt: skip
+def test_impossible_value_names_the_key(path, value, expected):
+    assert error_of(with_value(path, value)).startswith(expected)
+
+
+@pytest.mark.parametrize(
+    ("budgets", "expected"),
+    [
+        (["active_params<=0.6x", "throughput[chatt]>=2"], "search.budgets[1]: scenario 'chatt' is not defined "
+         "under hardware.scenarios (defined: chat)"),
+        (["activ_params<=0.6x"], "search.budgets[0]: unknown budget key 'activ_params'; did you mean 'active_params'?"),
+        (["active_params>=0.6x"], "search.budgets[0]: active_params takes only a bound active_params<=VALUE"),
+        (["1<=params<=3e9"], "search.budgets[0]: params takes only a bound params<=VALUE"),
+        (["params<=abc"], "search.budgets[0]: cannot read budget value 'abc'"),
+        (["params<=-3"], "search.budgets[0]: the bound must be positive, found 'params<=-3'"),
+        (["throughput>=3"], "search.budgets[0]: throughput needs scenarios"),
+        (["params[chat]<=3"], "search.budgets[0]: params takes no scenario"),
+        (["latency[chat,chat]<=3"], "search.budgets[0]: 'latency[chat,chat]<=3' names a scenario twice"),
+        (["concurrent_requests[chat]>=0.5x"], "search.budgets[0]: concurrent_requests needs a whole number"),
+        ([], "search.budgets: no budget: give search.budgets"),
+    ],
+)  # fmt: skip
+def test_bad_budget_names_its_index(budgets, expected):
+    assert error_of(with_value("search.budgets", budgets)).startswith(expected)
+
+
+@pytest.mark.parametrize(
+    ("path", "expected"),
+    [
+        ("run_dir", "run_dir: missing (required): expected a path"),
+        ("parent.path", "parent.path: missing (required): expected a path"),
+        ("hardware.scenarios.chat.prompt_tokens", "hardware.scenarios.chat.prompt_tokens: missing (required): "
+         "expected an integer"),
+        ("data", "data: missing (required): expected a mapping (a DataConfig section)"),
+    ],
+)  # fmt: skip
+def test_missing_required_key(path, expected):
+    data = copy.deepcopy(BASE)
+    *parents, last = path.split(".")
+    node = data
+    for name in parents:
+        node = node[name]
+    del node[last]
+    assert error_of(data).startswith(expected)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Budgets, rounds, seeds.
+
+
+def test_budgets_and_the_cost_model_for_the_search():
+    config = load_config_data(with_value("hardware.profile", "H100"))
+    assert config.round_budgets() == [["active_params<=0.6x", "throughput[chat]>=1.5x"]]
+    model = config.hardware.cost_model_kwargs()
+    assert model["hardware"] == "h100-80gb" and model["recipe"] == "bf16" and model["memory_fraction"] == 0.9
+    assert model["scenarios"]["chat"].name == "chat" and model["scenarios"]["chat"].batch_size == 8
+
+
+def test_a_sweep_is_one_budget_list_per_value_and_the_other_budgets_hold():
+    data = with_value(
+        "search", {"sweep": "active_params<=0.5x,0.7x", "budgets": ["params<=20G", "active_params<=0.9x"]}
+    )
+    assert load_config_data(data).round_budgets() == [
+        ["params<=20G", "active_params<=0.5x"],
+        ["params<=20G", "active_params<=0.7x"],
+    ]
+    throughput = with_value("search", {"sweep": "throughput[chat]>=1.2x,1.5x"})
+    assert load_config_data(throughput).round_budgets()[1] == ["throughput[chat]>=1.5x"]
+    bad = with_value("search", {"sweep": "activ_params<=0.5x"})
+    assert error_of(bad).startswith("search.sweep: unknown budget key 'activ_params'")
+    missing = with_value("search", {"sweep": "throughput[long]>=1.2x,1.5x"})
+    assert error_of(missing).startswith("search.sweep: scenario 'long' is not defined")
+
+
+def test_rounds_have_one_budget_list_each():
+    data = with_value("rounds", {"count": 2, "budgets": [["active_params<=0.8x"], ["active_params<=0.75x"]]})
+    del data["search"]
+    config = load_config_data(data)
+    assert [config.round_budgets(r) for r in (0, 1)] == [
+        [["active_params<=0.8x"]],
+        [["active_params<=0.75x"]],
+    ]
+    data["rounds"]["budgets"] = [["active_params<=0.8x"]]
+    assert error_of(data).startswith("rounds.budgets: expected one list of budgets per round (2), got 1")
+    data["rounds"]["budgets"] = [["active_params<=0.8x"], ["throughput[x]>=2"]]
+    assert error_of(data).startswith("rounds.budgets[1][0]: scenario 'x' is not defined")
+    both = with_value("rounds", {"count": 1, "budgets": [["active_params<=0.8x"]]})
+    assert error_of(both).startswith("rounds.budgets: give the budgets either per round")
+
+
+def test_the_top_level_seed_is_the_default_of_the_stages_seeds():
+    config = load_config_data(with_value("seed", 7))
+    assert (config.bld.seed, config.gkd.seed) == (7, 7)
+    data = with_value("seed", 7)
+    data["bld"] = {"seed": 3}
+    config = load_config_data(data)
+    assert (config.bld.seed, config.gkd.seed) == (3, 7)
+    assert load_config_data(config.to_dict()) == config
+
+
+# ----------------------------------------------------------------------------------------------------------
+# YAML files: syntax errors, lines, relative paths.
+
+
+def write(tmp_path: Path, text: str, name: str = "run.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+BASE_YAML = yaml.safe_dump(BASE, sort_keys=False)
+
+
+def test_yaml_syntax_error_names_the_file_and_line(tmp_path):
+    path = write(tmp_path, "run_dir: runs/x\nparent:\n  path: [unclosed\ndata: {}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert str(caught.value).startswith(f"{path}, line 4") and "not valid YAML" in str(caught.value)
+
+
+def test_a_key_given_twice_is_an_error_with_its_line(tmp_path):
+    path = write(tmp_path, BASE_YAML + "seed: 1\nseed: 2\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    line = BASE_YAML.count("\n") + 2
+    assert str(caught.value) == (
+        f"{path}, line {line}: not valid YAML: key 'seed' given twice (first on line {line - 1})"
+    )
+
+
+def test_a_value_error_names_the_file_line_and_key(tmp_path):
+    text = BASE_YAML + "bld:\n  warmup_tokens: 10\n  lr: -1\n"
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    line = text.count("\n")
+    assert str(caught.value) == f"{path}, line {line}: bld.lr: expected a positive number, got -1"
+    assert caught.value.key == "bld.lr" and caught.value.line == line
+
+
+def test_unreadable_files(tmp_path):
+    cases = {
+        "empty.yaml": b"",
+        "list.yaml": b"[1, 2]\n",
+        "binary.yaml": bytes(range(256)),
+    }
+    expected = {
+        "empty.yaml": "the config is empty; expected a mapping with keys run_dir, parent",
+        "list.yaml": "expected a mapping with keys run_dir, parent",
+        "binary.yaml": "not a text file",
+    }
+    for name, content in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ConfigError) as caught:
+            load_config(tmp_path / name)
+        assert str(caught.value).startswith(f"{tmp_path / name}") and expected[name] in str(caught.value)
+    with pytest.raises(ConfigError, match="cannot read the config: No such file"):
+        load_config(tmp_path / "missing.yaml")
+    with pytest.raises(ConfigError, match="is a directory"):
+        load_config(tmp_path)
+
+
+def test_yaml_numbers_are_yaml_1_2_numbers_and_quoted_ones_are_strings(tmp_path):
+    config = load_config(write(tmp_path, BASE_YAML + "bld: {lr: 1e-4, token_budget: 2_000_000}\n"))
+    assert config.bld.lr == 1e-4 and config.bld.token_budget == 2_000_000
+    with pytest.raises(ConfigError, match=r"bld\.lr: expected a number, got the string '1e-4'"):
+        load_config(write(tmp_path, BASE_YAML + "bld: {lr: '1e-4'}\n"))
+
+
+def test_relative_paths_are_relative_to_the_config_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    config = load_config(write(tmp_path / "sub", BASE_YAML + "tokenizer: ~/tok\n"))
+    assert config.run_dir == tmp_path / "sub" / "runs" / "x"
+    assert config.data.sources == (tmp_path / "sub" / "corpus.txt",)
+    assert config.parent.path == Path("/models/parent")
+    assert config.tokenizer == Path.home() / "tok"
+
+
+def test_a_space_file_is_relative_to_the_config_file_and_checked(tmp_path, parent_dir):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "space.yaml").write_text("kinds:\n  mlp: {width_fraction: [0.5, 0.25]}\n")
+    data = disk_config(tmp_path, parent_dir, space="space.yaml")
+    config = load_config(write(tmp_path / "sub", yaml.safe_dump(data)), check_paths=True)
+    assert config.space == str(tmp_path / "sub" / "space.yaml")
+    assert [v.spec.width for v in config.search_space().variants(tiny_hybrid(32, 64), 4)] == [128, 64, 32]
+    (tmp_path / "sub" / "space.yaml").write_text("kinds:\n  mlp: {widht: [64]}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(tmp_path / "sub" / "run.yaml", check_paths=True)
+    assert f"space: {tmp_path / 'sub' / 'space.yaml'}: space.kinds.mlp: unknown key(s) ['widht']" in str(
+        caught.value
+    )
+
+
+def test_round_trip_through_plain_data_and_yaml(tmp_path):
+    config = load_config(write(tmp_path, BASE_YAML))
+    assert load_config_data(config.to_dict()) == config
+    assert load_config(write(tmp_path, dump_config(config), "resolved.yaml")) == config
+    assert json.loads(json.dumps(config.to_dict())) == config.to_dict()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The generic loader on its own.
+
+
+@dataclasses.dataclass(frozen=True)
+class Inner:
+    size: int
+    mode: Literal["a", "b"] = "a"
+
+
+@dataclasses.dataclass(frozen=True)
+class Outer:
+    inner: Inner
+    pair: tuple[int, str] = (1, "x")
+    named: dict[str, Inner] = dataclasses.field(default_factory=dict)
+    where: Path | None = None
+    ratio: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.ratio is not None and self.ratio > 1:
+            raise ValueError(f"Outer.ratio must be at most 1, found {self.ratio}")
+
+
+def test_generic_loader(tmp_path):
+    data = {"inner": {"size": 2}, "pair": [3, "y"], "named": {"k": {"size": 1, "mode": "b"}}, "where": "f"}
+    loaded = from_data(Outer, data, base_dir=tmp_path)
+    assert loaded == Outer(Inner(2), (3, "y"), {"k": Inner(1, "b")}, tmp_path / "f")
+    assert from_data(Outer, to_dict(loaded)) == loaded
+    with pytest.raises(ConfigError, match=r"^named\.k\.mode: expected one of 'a', 'b', got the string 'c'$"):
+        from_data(Outer, {**data, "named": {"k": {"size": 1, "mode": "c"}}})
+    with pytest.raises(ConfigError, match=r"^pair\[1\]: expected a string, got 3$"):
+        from_data(Outer, {**data, "pair": [3, 3]})
+    with pytest.raises(ConfigError, match=r"^ratio: expected at most 1, got 2$"):
+        from_data(Outer, {**data, "ratio": 2})
+    with pytest.raises(ConfigError, match=r"^inner\.size: missing \(required\): expected an integer$"):
+        from_data(Outer, {"inner": {}})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Paths on disk, against a real tiny checkpoint.
+
+
+@pytest.fixture(scope="module")
+def parent_dir(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("parent")
+    torch.manual_seed(0)
+    nemotron_h.save_pretrained(HybridLM(tiny_hybrid(hidden_size=32, vocab_size=64)), root / "ckpt")
+    (root / "ckpt" / "tokenizer.json").write_text("{}")
+    return root / "ckpt"
+
+
+def disk_config(tmp_path: Path, parent: Path, **changes) -> dict:
+    (tmp_path / "corpus.txt").write_text("one document\n\nanother\n")
+    data = copy.deepcopy(BASE)
+    data.update(run_dir=str(tmp_path / "run"), parent={"path": str(parent)})
+    data["data"] = {"sources": [str(tmp_path / "corpus.txt")], "seq_len": 8}
+    data.update(changes)
+    return data
+
+
+def test_validate_paths_accepts_a_real_checkpoint(tmp_path, parent_dir):
+    spec = load_config_data(disk_config(tmp_path, parent_dir)).validate_paths()
+    assert spec == tiny_hybrid(hidden_size=32, vocab_size=64)
+
+
+def test_validate_paths_errors(tmp_path, parent_dir):
+    def problem(data: dict) -> str:
+        with pytest.raises(ConfigError) as caught:
+            load_config_data(data).validate_paths()
+        return str(caught.value)
+
+    missing = disk_config(tmp_path, tmp_path / "nowhere")
+    assert problem(missing) == f"parent.path: checkpoint directory {tmp_path / 'nowhere'} does not exist"
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    (config_only / "config.json").write_text((parent_dir / "config.json").read_text())
+    assert problem(disk_config(tmp_path, config_only)).startswith(
+        f"parent.path: {config_only} has no safetensors weights"
+    )
+    no_tokenizer = tmp_path / "no-tokenizer"
+    no_tokenizer.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (no_tokenizer / name).write_bytes((parent_dir / name).read_bytes())
+    assert problem(disk_config(tmp_path, no_tokenizer)).startswith("parent.path: no tokenizer files in")
+    inside = disk_config(tmp_path, parent_dir, run_dir=str(parent_dir / "run"))
+    assert "run_dir: " in problem(inside) and "never written to" in problem(inside)
+    too_wide = disk_config(tmp_path, parent_dir, space={"kinds": {"mlp": {"width": [100000]}}})
+    assert problem(too_wide).startswith(
+        "space: block 4 (mlp), axis width, value 100000: above the parent's 128"
+    )
+    no_data = disk_config(tmp_path, parent_dir)
+    no_data["data"]["sources"] = [str(tmp_path / "absent.txt")]
+    assert problem(no_data) == f"data.sources: data source {tmp_path / 'absent.txt'} does not exist"
+    no_preset = disk_config(tmp_path, parent_dir, space="nemotron3-nano")
+    assert problem(no_preset).startswith("space: 'nemotron3-nano' is neither a search space preset")
+    keep = disk_config(tmp_path, parent_dir)
+    keep["search"] = {**keep["search"], "keep_blocks": [9]}
+    assert problem(keep) == "search.keep_blocks: blocks [9] do not exist: the parent has 6"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The command line.
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        code = cli.main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_config_check_prints_the_resolved_config(tmp_path, parent_dir, capsys):
+    path = write(tmp_path, yaml.safe_dump(disk_config(tmp_path, parent_dir)))
+    code, out, err = run_cli(["config", "check", str(path)], capsys)
+    assert code == 0, err
+    assert load_config_data(yaml.safe_load(out)) == load_config(path)
+    assert err == f"{path}: valid (paths checked)\n"
+    code, out, _ = run_cli(["config", "check", str(path), "--json"], capsys)
+    assert code == 0 and json.loads(out) == load_config(path).to_dict()
+
+
+@pytest.mark.parametrize(
+    ("text", "flags", "expected"),
+    [
+        (BASE_YAML + "bld: {lr: -1}\n", ["--no-paths"], "bld.lr: expected a positive number, got -1"),
+        (BASE_YAML + "blld: {}\n", ["--no-paths"], "blld: unknown key; did you mean 'bld'?"),
+        ("run_dir: [\n", [], "not valid YAML"),
+        (BASE_YAML, [], "parent.path: checkpoint directory /models/parent does not exist"),
+    ],
+)
+def test_config_check_exits_2_with_one_line(tmp_path, capsys, text, flags, expected):
+    path = write(tmp_path, text)
+    code, out, err = run_cli(["config", "check", str(path), *flags], capsys)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and err.startswith(f"puzzle config check: error: {path}") and expected in err
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Examples and the reference page.
+
+
+def test_the_examples_load_and_fit_their_parents():
+    nano = load_config(EXAMPLES / "nemotron3_nano.yaml")  # the parent need not exist here
+    variants = nano.search_space().all_variants(nemotron3_nano())
+    assert len(variants[0]) == 1 and len(variants[1]) > 10  # block 0 frozen; MoE blocks searched
+    assert nano.round_budgets() == [
+        ["active_params<=0.7x", "throughput[chat]>=1.3x", "concurrent_requests[long]>=8"]
+    ]
+    assert nano.bld.dtype == "bfloat16" and nano.hardware.profile == "h100-80gb"
+    demo = load_config(EXAMPLES / "demo.yaml")
+    assert demo.round_budgets() == [["active_params<=0.75x"], ["active_params<=0.5x"]]  # two budgets
+    # The demo parent is NemotronH-shaped like the tiny preset: every kind has variants.
+    demo_variants = demo.search_space().all_variants(tiny_hybrid())
+    assert all(len(v) > 1 for v in demo_variants.values())
+    for config in (nano, demo):
+        assert load_config_data(config.to_dict()) == config
+
+
+def test_the_reference_page_is_up_to_date():
+    committed = (ROOT / "docs" / "CONFIG.md").read_text()
+    assert committed == reference_markdown(), "run: python -m puzzle config reference > docs/CONFIG.md"
+
+
+def test_every_field_of_the_run_config_sections_is_documented():
+    for _, cls in _sections():
+        if cls.__module__ == "puzzle.config.run":
+            assert all(item.metadata.get("doc") for item in dataclasses.fields(cls)), cls
+
+
+def test_data_settings_match_token_data_load():
+    config = load_config_data(BASE)
+    parameters = set(inspect.signature(TokenData.load).parameters) - {"cls"}
+    assert set(config.data.token_data_kwargs(config.tokenizer_dir)) == parameters
