@@ -71,7 +71,8 @@ class LogitStream:
         self, z: torch.Tensor, start: int, stop: int, parent: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> None:
         """Add chunk logits z [N, stop - start] (fp32); `parent`: its (chunk logits, probabilities) [N, C]."""
-        new_max = torch.maximum(self.running_max, z.max(-1).values.double())
+        chunk_max, chunk_argmax = z.max(-1)
+        new_max = torch.maximum(self.running_max, chunk_max.double())
         # -inf - -inf is nan: rows with no finite logit yet keep a zero sum (they are non-finite anyway).
         scale = torch.exp(torch.nan_to_num(self.running_max - new_max, nan=0.0))
         chunk_sum = torch.exp(z - new_max.float()[:, None]).sum(-1).double()
@@ -80,7 +81,15 @@ class LogitStream:
         inside = (self.targets >= start) & (self.targets < stop)
         local = (self.targets - start).clamp(0, stop - start - 1)
         self.target_logit = torch.where(inside, z.gather(-1, local[:, None])[:, 0], self.target_logit)
-        if self.top_k > 0:
+        if self.top_k == 1:  # the chunk's max is already known: no topk
+            chunk_max, chunk_ids = chunk_max[:, None], chunk_argmax[:, None] + start
+            if self.top_values is None:
+                self.top_values, self.top_ids = chunk_max, chunk_ids
+            else:
+                better = chunk_max > self.top_values
+                self.top_values = torch.where(better, chunk_max, self.top_values)
+                self.top_ids = torch.where(better, chunk_ids, self.top_ids)
+        elif self.top_k > 1:
             self.top_values, self.top_ids = merge_top(self.top_values, self.top_ids, z, start, self.top_k)
         if parent is not None:
             self.add_cross(z, *parent)
@@ -144,8 +153,8 @@ def head_pass(
             student.update(chunk_logits(hidden, weight, start, stop), start, stop)
         top1 = teacher.top_ids[:, 0]
         # The teacher-minus-student logit at the teacher's top-1 token (see LogitStream.kl).
-        teacher_top1 = (teacher_hidden * teacher_weight[top1]).float().sum(-1)
-        student.shift = (teacher_top1 - (hidden * weight[top1]).float().sum(-1)).double()
+        teacher_top1 = (teacher_hidden * teacher_weight.index_select(0, top1)).float().sum(-1)
+        student.shift = (teacher_top1 - (hidden * weight.index_select(0, top1)).float().sum(-1)).double()
         teacher_lse = teacher.log_normaliser.float()[:, None]
         student_lse = student.log_normaliser.float()[:, None]
         grad_hidden = grad_weight = None
