@@ -243,6 +243,20 @@ def load_distilled(directory: str | Path, model: HybridLM) -> HybridLM:
     return model
 
 
+def _check_not_shared(student: HybridLM, teacher: HybridLM) -> None:
+    """Training must not move the teacher: a student tensor that is a teacher tensor (e.g. a child built from
+    the parent's own block modules instead of copies) is an error naming it."""
+    teacher_storages = {
+        t.untyped_storage().data_ptr() for t in teacher.state_dict().values() if t.device.type != "meta"
+    }
+    for name, tensor in student.state_dict().items():
+        if tensor.device.type != "meta" and tensor.untyped_storage().data_ptr() in teacher_storages:
+            raise ValueError(
+                f"GKD: the student's {name} shares its storage with a teacher tensor; training would change the "
+                "teacher: give the student its own copy (e.g. copy.deepcopy of the parent's modules)"
+            )
+
+
 def _tied(model: HybridLM) -> bool:
     return model.lm_head.weight is model.embeddings.weight
 
@@ -677,6 +691,7 @@ def distill(
             f"found {student.spec.num_blocks}, {student.spec.hidden_size}, {student.spec.vocab_size} and "
             f"{teacher.spec.num_blocks}, {teacher.spec.hidden_size}, {teacher.spec.vocab_size}"
         )
+    _check_not_shared(student, teacher)
     stream = _Stream(train, settings, share)
     held = _held_out_batches(held_out, settings.batch_size)
     inputs = {

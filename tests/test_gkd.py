@@ -255,6 +255,16 @@ def test_bad_settings_are_errors_naming_the_field(changes, message):
         settings(**changes)
 
 
+def test_a_student_sharing_tensors_with_the_teacher_is_an_error_naming_them(setup, tmp_path):
+    parent, child = load_setup(setup)
+    child.layers[1].mixer = parent.layers[1].mixer  # the parent's own module, not a copy
+    with pytest.raises(
+        ValueError, match=r"student's layers\.1\.mixer\.\S+ shares its storage with a teacher"
+    ):
+        distill(child, parent, train_split(), held_out(), settings(), tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
 def test_a_batch_that_does_not_split_over_the_ranks_is_an_error_naming_the_fields():
     with pytest.raises(ValueError, match=r"micro_batch_size \(3\) must divide each rank's share"):
         GKDSettings(batch_size=8, micro_batch_size=3).micro_batches(2)
