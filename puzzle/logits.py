@@ -164,14 +164,13 @@ def head_pass(
         rows = torch.arange(n, device=targets.device)
         for start, stop in chunks:
             teacher_z = chunk_logits(teacher_hidden, teacher_weight, start, stop)
-            p = torch.exp(teacher_z - teacher_lse)
+            p = torch.sub(teacher_z, teacher_lse).exp_()
             z = chunk_logits(hidden, weight, start, stop)
             student.add_cross(z, teacher_z, p)
             del teacher_z
             if not gradients:
                 continue
-            q = torch.exp(z - student_lse)
-            del z
+            q = z.sub_(student_lse).exp_()  # in place: z is not needed any more
             g = q.mul_(kl_scale + nll_scale).sub_(p, alpha=kl_scale) if kl_scale else q.mul_(nll_scale)
             if nll_scale:
                 inside = (targets >= start) & (targets < stop)
@@ -179,7 +178,7 @@ def head_pass(
             g = g.to(weight.dtype)
             grad_hidden += (g @ weight[start:stop]).float()
             grad_weight[start:stop] = (g.t() @ hidden.to(weight.dtype)).to(weight.dtype)
-            del p, q, g
+            del p, z, q, g
         kl = student.kl(teacher)
         sums = torch.zeros(NUM_HEAD_SUMS, dtype=torch.float64, device=targets.device)
         sums[KL_SUM] = kl.sum()
