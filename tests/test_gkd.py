@@ -1,7 +1,7 @@
 """Global knowledge distillation of a child of a tiny trained parent: the chunked loss and its gradients equal a
 full-vocabulary computation, a few dozen steps lower the held-out KL to the parent, a finished output is reused, a
-SIGKILLed run resumes to the uninterrupted losses and weights, and 2 gloo ranks (FSDP2 with gradient accumulation,
-and replicated) give the 1-process run."""
+SIGKILLed run resumes to the uninterrupted losses and weights, and 2 gloo ranks (FSDP2 with a crash and a resume, and
+replicated with gradient accumulation) give the 1-process run."""
 
 from __future__ import annotations
 
@@ -189,6 +189,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+class _Crash(Exception):
+    pass
+
+
 def _worker(rank: int, world: int, port: int, setup: str, output: str) -> None:
     os.environ.update(
         RANK=str(rank),
@@ -200,16 +204,37 @@ def _worker(rank: int, world: int, port: int, setup: str, output: str) -> None:
     torch.set_num_threads(1)
     assert dist.init_from_env() is True
     try:
-        # FSDP2 over a TokenSplit, each rank's 2 sequences in 2 micro-batches (gradient accumulation).
+        # FSDP2 over a TokenSplit; the first attempt dies after step 8 (both ranks), the second resumes from the
+        # step-6 checkpoint (sharded weights and AdamW moments reloaded).
+        def crash(step: int, record: dict) -> None:
+            if step == 8:
+                raise _Crash
+
         parent, child = load_setup(Path(setup))
-        distill(child, parent, train_split(), held_out(), settings(micro_batch_size=1), Path(output) / "fsdp")
+        with pytest.raises(_Crash):
+            distill(
+                child, parent, train_split(), held_out(), settings(), Path(output) / "fsdp", callback=crash
+            )
+        assert (
+            json.loads((Path(output) / "fsdp" / CHECKPOINT_DIR / "checkpoint.json").read_text())["step"] == 6
+        )
+        parent, child = load_setup(Path(setup))
+        distill(child, parent, train_split(), held_out(), settings(), Path(output) / "fsdp")
         local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in child.parameters())
         full = sum(p.numel() for p in child.parameters())
         Path(f"{output}/rank{rank}.json").write_text(json.dumps({"local": local, "full": full}))
-        # Replicated, over the same global batches given as tensors (each rank takes its rows).
+        # Replicated, over the same global batches given as tensors (each rank takes its rows), each rank's 2
+        # sequences in 2 micro-batches (gradient accumulation).
         batches = list(train_split().batches(4, seed=0, rank=0, world=1, epochs=2))
         parent, child = load_setup(Path(setup))
-        distill(child, parent, batches, held_out(), settings(shard="none"), Path(output) / "none")
+        distill(
+            child,
+            parent,
+            batches,
+            held_out(),
+            settings(shard="none", micro_batch_size=1),
+            Path(output) / "none",
+        )
     finally:
         torch.distributed.destroy_process_group()
 
