@@ -25,7 +25,8 @@ Distributed: each optimiser step takes one global batch of `batch_size` sequence
 share in micro-batches and the loss is normalised by the global counts, so gradients summed over ranks
 and micro-batches are the one-process gradients (2 ranks equal 1 process up to float summation order).
 With `shard="fsdp"` and more than one rank, the teacher is sharded as BLD shards its parent
-(`puzzle.bld._shard_parent`: embeddings, lm_head, each block's mixer) and the student with FSDP2 per
+(`puzzle.bld._shard_parent`: embeddings, lm_head, each block's mixer; the lm_head is all-gathered with
+`FSDPModule.unshard` around the loss, which reads its weight chunk by chunk) and the student with FSDP2 per
 block plus one root unit (embeddings, final norm, lm_head) whose forward computes the loss, because FSDP
 gathers a unit's weights only for that unit's own forward; gradients are summed (divide factor 1). Both
 are sharded in place: load fresh copies for later stages (the distilled weights are in the output file).
