@@ -58,6 +58,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from puzzle import dist
 from puzzle.artifacts import (
@@ -247,11 +248,17 @@ def load_distilled(directory: str | Path, model: HybridLM) -> HybridLM:
 def _check_not_shared(student: HybridLM, teacher: HybridLM) -> None:
     """Training must not move the teacher: a student tensor that is a teacher tensor (e.g. a child built from
     the parent's own block modules instead of copies) is an error naming it."""
-    teacher_storages = {
-        t.untyped_storage().data_ptr() for t in teacher.state_dict().values() if t.device.type != "meta"
-    }
+
+    def storage(tensor: torch.Tensor) -> int | None:
+        if isinstance(tensor, DTensor):  # e.g. a teacher still sharded by BLD
+            tensor = tensor.to_local()
+        if tensor.device.type == "meta" or tensor.numel() == 0:  # no storage (every empty one is at 0)
+            return None
+        return tensor.untyped_storage().data_ptr()
+
+    teacher_storages = {storage(t) for t in teacher.state_dict().values()} - {None}
     for name, tensor in student.state_dict().items():
-        if tensor.device.type != "meta" and tensor.untyped_storage().data_ptr() in teacher_storages:
+        if storage(tensor) in teacher_storages:
             raise ValueError(
                 f"GKD: the student's {name} shares its storage with a teacher tensor; training would change the "
                 "teacher: give the student its own copy (e.g. copy.deepcopy of the parent's modules)"
