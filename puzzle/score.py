@@ -12,7 +12,7 @@ target logit, which are kept with its final hidden state; its chunk logits are t
 hidden state (one lm_head chunk matmul) once per (batch, block) and shared by all variants of the block,
 instead of storing `[tokens, V]` fp32 log-probabilities (2 GB for 4,096 tokens at V = 131,072). Each
 variant's logits stream once: online logsumexp, top-5, target logit and the KL's cross term together
-(`_Stream.kl` shows why one pass suffices), so a variant costs one lm_head matmul, as a full forward does.
+(`puzzle.logits.LogitStream.kl` shows why one pass suffices), so a variant costs one lm_head matmul, as a full forward does.
 
 Scale and resume: batches are data-parallel (`puzzle.dist.shard`), the per-variant sums all-reduced in
 fp64. Variants are scored in waves (`ScoreSettings.variants_per_wave`); after each wave rank 0 saves every
@@ -26,7 +26,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -45,6 +44,12 @@ from puzzle.artifacts import (
     json_writer,
 )
 from puzzle.files import atomic_write
+
+# Private aliases: the chunked next-token machinery moved to puzzle.logits (shared with puzzle.gkd).
+from puzzle.logits import TOP_K
+from puzzle.logits import LogitStream as _Stream
+from puzzle.logits import chunk_logits as _logits
+from puzzle.logits import vocab_chunks as _chunks
 from puzzle.model import Block, HybridLM, RMSNorm
 from puzzle.progress import progress
 from puzzle.spec import NoOpSpec, Variant
@@ -52,7 +57,6 @@ from puzzle.spec import NoOpSpec, Variant
 SCORES_FILE = "scores.json"
 PARTIAL_FILE = "scores.partial.json"
 FORMAT = 1
-TOP_K = 5
 
 # Per-variant fp64 sums, one row per variant (all-reduced together).
 _KL, _CHILD_NLL, _PARENT_NLL, _TOP1, _TOP5, _SQ_ERR, _SQ_REF, _TOKENS, _NONFINITE = range(9)
@@ -122,87 +126,6 @@ class Scores:
 
     def __getitem__(self, variant: Variant) -> VariantScore:
         return self.variants[variant]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Chunked next-token metrics.
-
-
-def _merge_top(values: torch.Tensor | None, ids: torch.Tensor | None, z: torch.Tensor, start: int):
-    """Running top-5 (values, ids) [N, <=5] merged with chunk logits z [N, C] whose ids start at `start`."""
-    k = min(TOP_K, z.shape[-1])
-    chunk_values, chunk_ids = z.topk(k, dim=-1)
-    chunk_ids = chunk_ids + start
-    if values is None:
-        return chunk_values, chunk_ids
-    values, picked = torch.cat([values, chunk_values], -1).topk(min(TOP_K, values.shape[-1] + k), dim=-1)
-    return values, torch.cat([ids, chunk_ids], -1).gather(-1, picked)
-
-
-def _chunks(vocab: int, chunk: int) -> list[tuple[int, int]]:
-    return [(start, min(start + chunk, vocab)) for start in range(0, vocab, chunk)]
-
-
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """hidden [N, H] -> fp32 logits [N, stop - start] of vocabulary rows start..stop (as HybridLM.forward)."""
-    return torch.nn.functional.linear(hidden, weight[start:stop]).float()
-
-
-class _Stream:
-    """Per-token statistics of one model's logits [N, V], fed one vocabulary chunk at a time.
-
-    Online logsumexp (running max and sum, fp64 across chunks), the target's logit and the top-5 ids. A
-    nan or +inf logit makes the running max, hence the log-normaliser, non-finite (checked once at the end,
-    not per chunk). With `parent` (the parent's finished stream and per-token
-    `shift`), also sum_v p_v (z_parent - z - shift) for the KL (see `kl`).
-    """
-
-    def __init__(self, n: int, targets: torch.Tensor, shift: torch.Tensor | None = None) -> None:
-        device = targets.device
-        self.targets = targets
-        self.running_max = torch.full((n,), -math.inf, dtype=torch.float64, device=device)
-        self.running_sum = torch.zeros(n, dtype=torch.float64, device=device)
-        self.target_logit = torch.zeros(n, dtype=torch.float32, device=device)
-        self.top_values: torch.Tensor | None = None
-        self.top_ids: torch.Tensor | None = None
-        self.shift = shift
-        self.cross = torch.zeros(n, dtype=torch.float64, device=device)
-
-    def update(
-        self, z: torch.Tensor, start: int, stop: int, parent: tuple[torch.Tensor, torch.Tensor] | None = None
-    ):
-        """Add chunk logits z [N, stop - start] (fp32); `parent`: its (chunk logits, probabilities) [N, C]."""
-        new_max = torch.maximum(self.running_max, z.max(-1).values.double())
-        # -inf - -inf is nan: rows with no finite logit yet keep a zero sum (they are non-finite anyway).
-        scale = torch.exp(torch.nan_to_num(self.running_max - new_max, nan=0.0))
-        chunk_sum = torch.exp(z - new_max.float()[:, None]).sum(-1).double()
-        self.running_sum = self.running_sum * scale + chunk_sum
-        self.running_max = new_max
-        inside = (self.targets >= start) & (self.targets < stop)
-        local = (self.targets - start).clamp(0, stop - start - 1)
-        self.target_logit = torch.where(inside, z.gather(-1, local[:, None])[:, 0], self.target_logit)
-        self.top_values, self.top_ids = _merge_top(self.top_values, self.top_ids, z, start)
-        if parent is not None:
-            parent_z, parent_p = parent
-            difference = parent_z - z
-            difference -= self.shift.float()[:, None]
-            self.cross += (parent_p * difference).sum(-1).double()
-
-    @property
-    def log_normaliser(self) -> torch.Tensor:
-        """log sum_v exp(z_v) per token [N] (fp64)."""
-        return self.running_max + self.running_sum.log()
-
-    def kl(self, parent: _Stream) -> torch.Tensor:
-        """KL(parent || this) per token [N] (fp64), nats.
-
-        KL = sum_v p_v (log p_v - log q_v) = sum_v p_v (zp_v - z_v - shift) + (Z - Zp + shift), with Z, Zp the
-        log-normalisers: one pass over the vocabulary, since Zp is known before it and Z only enters as a
-        per-token constant. `shift` = zp - z at the parent's top-1 token cancels a constant offset between
-        the two logit vectors before the fp32 products, so near-equal distributions keep their precision
-        (equal logits give exactly 0).
-        """
-        return self.cross + (self.log_normaliser - parent.log_normaliser + self.shift)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,0 +1,789 @@
+"""Global knowledge distillation (GKD): the assembled child (the student) learns to match its parent (the
+teacher) on whole sequences, healing the errors its replaced blocks add up to.
+
+Loss per global batch, with P = positions that have a next token and L = blocks:
+``kl_weight * mean_P KL(teacher || student) + cosine_weight * mean_{L, all positions} (1 - cos(s_l, t_l))
++ lm_weight * mean_P NLL(student)``, where s_l, t_l are the residual streams after block l (the hidden
+size is the parent's whatever the block shapes). The LM term is off by default (Puzzle's ablation found it
+hurts). The teacher is frozen (eval mode, no gradients) and runs block by block beside the student, so only
+one teacher hidden state is held at a time. The head never makes logits over the whole vocabulary:
+`puzzle.logits.distillation_head_loss` streams `vocab_chunk` lm_head rows at a time and makes the
+student's head gradients in the same passes. Peak memory of the loss beyond the two models' own forward
+activations, per micro-batch of N positions: about 6 fp32 [N, vocab_chunk] tensors (24 N vocab_chunk
+bytes: 400 MB for N = 4,096 and the default chunk 4,096, whatever the vocabulary), the student head's
+gradient [V, H] (which the backward produces anyway) and [N, H] fp32 hidden-state gradients; a
+full-vocabulary fp32 log-probability table would be 4 N V bytes per model (2 GB each at N = 4,096,
+V = 131,072).
+
+Training: AdamW, linear warm-up then cosine decay to `min_lr_ratio * lr` over the run's tokens (BLD's
+schedule, `puzzle.bld.learning_rate`), gradient accumulation over micro-batches, global-norm clipping, bf16
+autocast on CUDA (fp32 master weights by default). A held-out evaluation (KL to the parent, the student's
+and the parent's LM loss, top-1 agreement, cosine term) runs before the first step, every `eval_every`
+steps and at the end. The history of train steps and evaluations is returned and saved.
+
+Distributed: each optimiser step takes one global batch of `batch_size` sequences; each rank runs its
+share in micro-batches and the loss is normalised by the global counts, so gradients summed over ranks
+and micro-batches are the one-process gradients (2 ranks equal 1 process up to float summation order).
+With `shard="fsdp"` and more than one rank, the teacher is sharded as BLD shards its parent
+(`puzzle.bld._shard_parent`: embeddings, lm_head, each block's mixer; the lm_head is all-gathered with
+`FSDPModule.unshard` around the loss, which reads its weight chunk by chunk) and the student with FSDP2 per
+block plus one root unit (embeddings, final norm, lm_head) whose forward computes the loss, because FSDP
+gathers a unit's weights only for that unit's own forward; gradients are summed (divide factor 1). Both
+are sharded in place: load fresh copies for later stages (the distilled weights are in the output file).
+With "none" the models are replicated and the gradients all-reduced.
+
+Resume: every `checkpoint_every` steps the student's weights, AdamW state, step, tokens, data position,
+RNG state and history are written atomically under `<directory>/gkd-checkpoints/` (full tensors, rank 0);
+a killed run restarted with the same inputs continues from the last one and produces the same losses and
+final weights as an uninterrupted run. The output goes through `puzzle.artifacts` (stage "gkd"):
+``student.safetensors`` (the student's `state_dict()`, full tensors; a tied lm_head is stored once, as
+the embeddings) and ``history.json``; the checkpoints are then removed. A finished output made from the
+same inputs is reused without work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from puzzle import dist
+from puzzle.artifacts import (
+    Artifact,
+    ArtifactError,
+    fingerprint_json,
+    fingerprint_model,
+    fingerprint_tensors,
+    json_writer,
+    safetensors_writer,
+)
+from puzzle.bld import (
+    BLDSettings,
+    _full,
+    _like,
+    _replicated,
+    _rows,
+    _shard_parent,
+    _shard_variant,
+    learning_rate,
+)
+from puzzle.data import DataError, TokenSplit
+from puzzle.files import atomic_write
+from puzzle.logits import (
+    KL_SUM,
+    NLL_SUM,
+    POSITIONS,
+    TEACHER_NLL_SUM,
+    TOP1_SUM,
+    distillation_head_loss,
+    head_pass,
+)
+from puzzle.model import HybridLM
+from puzzle.progress import progress_bar
+
+FORMAT_VERSION = 1
+ARTIFACT_NAME = "gkd"
+WEIGHTS_FILE = "student.safetensors"
+HISTORY_FILE = "history.json"
+CHECKPOINT_DIR = "gkd-checkpoints"
+
+# Rows of a step's fp64 sums: the head's (puzzle.logits) then the cosine term's.
+_COSINE_SUM, _TOKENS = 5, 6
+_NUM_SUMS = 7
+
+TrainData = TokenSplit | Sequence[torch.Tensor] | Callable[[], Iterable[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class GKDSettings:
+    """How GKD trains. Token counts and `batch_size` are global (all ranks together).
+
+    `lr`: AdamW peak learning rate; `warmup_tokens`: linear warm-up from 0, then cosine decay to
+    `min_lr_ratio * lr` at the end of the run; the run ends after `token_budget` tokens or `steps`
+    optimiser steps, whichever comes first (None: no limit of that kind; at least one is needed), or when
+    finite training data ends. `batch_size`: sequences per optimiser step; `micro_batch_size`: sequences per
+    forward/backward on one rank (None: the rank's whole share, `batch_size / world`), the gradients
+    accumulate over the share; `clip`: max global gradient norm (0 = none); `kl_weight`, `cosine_weight`,
+    `lm_weight`: the loss terms (module docstring); `vocab_chunk`: lm_head rows per chunk (memory);
+    `eval_every`: steps between held-out evaluations (0 = only before and after training);
+    `checkpoint_every`: steps between checkpoints (0 = never); `seed`: seeds torch and the order of a
+    `TokenSplit`'s batches; `dtype`: the student's training dtype ("float32" or "bfloat16"); `autocast`:
+    bf16 autocast on CUDA; `shard`: "fsdp" shards student and teacher over the ranks with FSDP2, "none"
+    replicates them (no effect in a single process).
+    """
+
+    lr: float = 1e-5
+    min_lr_ratio: float = 0.1
+    warmup_tokens: int = 0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    token_budget: int | None = 100_000_000
+    steps: int | None = None
+    batch_size: int = 8
+    micro_batch_size: int | None = None
+    clip: float = 1.0
+    kl_weight: float = 1.0
+    cosine_weight: float = 1.0
+    lm_weight: float = 0.0
+    vocab_chunk: int = 4096
+    eval_every: int = 100
+    checkpoint_every: int = 100
+    seed: int = 0
+    dtype: str = "float32"
+    autocast: bool = True
+    shard: str = "fsdp"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(self.betas))
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"GKDSettings.lr must be a positive number, found {self.lr!r}")
+        for name in ("min_lr_ratio", "kl_weight", "cosine_weight", "lm_weight", "weight_decay", "clip"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+                raise ValueError(f"GKDSettings.{name} must be a finite number >= 0, found {value!r}")
+        if self.min_lr_ratio > 1:
+            raise ValueError(f"GKDSettings.min_lr_ratio must be in [0, 1], found {self.min_lr_ratio}")
+        if self.kl_weight + self.cosine_weight + self.lm_weight == 0:
+            raise ValueError(
+                "GKDSettings: kl_weight, cosine_weight and lm_weight are all 0: nothing to train"
+            )
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"GKDSettings.betas must be two numbers in [0, 1), found {self.betas!r}")
+        for name in ("warmup_tokens", "eval_every", "checkpoint_every", "seed"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise ValueError(f"GKDSettings.{name} must be an integer >= 0, found {value!r}")
+        for name in ("token_budget", "steps", "micro_batch_size"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                raise ValueError(f"GKDSettings.{name} must be an integer >= 1 or None, found {value!r}")
+        if self.token_budget is None and self.steps is None:
+            raise ValueError("GKDSettings: token_budget and steps are both None: set at least one")
+        for name in ("batch_size", "vocab_chunk"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"GKDSettings.{name} must be an integer >= 1, found {value!r}")
+        if self.micro_batch_size is not None and self.micro_batch_size > self.batch_size:
+            raise ValueError(
+                f"GKDSettings.micro_batch_size ({self.micro_batch_size}) must not exceed batch_size "
+                f"({self.batch_size})"
+            )
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"GKDSettings.dtype must be 'float32' or 'bfloat16', found {self.dtype!r}")
+        if self.shard not in ("fsdp", "none"):
+            raise ValueError(f"GKDSettings.shard must be 'fsdp' or 'none', found {self.shard!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "betas": list(self.betas)}
+
+    def micro_batches(self, world: int) -> tuple[int, int]:
+        """(sequences per rank and step, sequences per micro-batch) for `world` ranks; errors name the fields."""
+        if self.batch_size % world:
+            raise ValueError(
+                f"GKDSettings.batch_size ({self.batch_size}) must be a multiple of the number of ranks ({world})"
+            )
+        share = self.batch_size // world
+        micro = self.micro_batch_size or share
+        if share % micro:
+            raise ValueError(
+                f"GKDSettings.micro_batch_size ({micro}) must divide each rank's share of the batch "
+                f"(batch_size {self.batch_size} / {world} ranks = {share})"
+            )
+        return share, micro
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class GKDResult:
+    """What GKD did: where the output is, the steps and tokens trained, and the history
+    ({"train": one record per step, "eval": one record per evaluation}, as in history.json)."""
+
+    directory: Path
+    steps: int
+    tokens: int
+    history: dict[str, list[dict[str, Any]]]
+
+    @property
+    def weights_path(self) -> Path:
+        return self.directory / WEIGHTS_FILE
+
+    @property
+    def first_eval(self) -> dict[str, Any]:
+        return self.history["eval"][0]
+
+    @property
+    def last_eval(self) -> dict[str, Any]:
+        return self.history["eval"][-1]
+
+
+def load_distilled(directory: str | Path, model: HybridLM) -> HybridLM:
+    """Load the distilled weights of a finished GKD output in `directory` into `model` (a plain, unsharded
+    `HybridLM` of the student's spec) and return it; errors name the file and the tensors."""
+    artifact = Artifact(Path(directory), ARTIFACT_NAME, FORMAT_VERSION)
+    artifact.read_manifest()
+    _load_state(model, artifact.load_tensors(WEIGHTS_FILE), str(artifact.path(WEIGHTS_FILE)))
+    return model
+
+
+def _check_not_shared(student: HybridLM, teacher: HybridLM) -> None:
+    """Training must not move the teacher: a student tensor that is a teacher tensor (e.g. a child built from
+    the parent's own block modules instead of copies) is an error naming it."""
+
+    def storage(tensor: torch.Tensor) -> int | None:
+        if isinstance(tensor, DTensor):  # e.g. a teacher still sharded by BLD
+            tensor = tensor.to_local()
+        if tensor.device.type == "meta" or tensor.numel() == 0:  # no storage (every empty one is at 0)
+            return None
+        return tensor.untyped_storage().data_ptr()
+
+    teacher_storages = {storage(t) for t in teacher.state_dict().values()} - {None}
+    for name, tensor in student.state_dict().items():
+        if storage(tensor) in teacher_storages:
+            raise ValueError(
+                f"GKD: the student's {name} shares its storage with a teacher tensor; training would change the "
+                "teacher: give the student its own copy (e.g. copy.deepcopy of the parent's modules)"
+            )
+
+
+def _tied(model: HybridLM) -> bool:
+    return model.lm_head.weight is model.embeddings.weight
+
+
+def _full_state(model: HybridLM) -> dict[str, torch.Tensor]:
+    """Every tensor of the model's state_dict, full and on the CPU (collective under FSDP); a tied lm_head once."""
+    state = {k: _full(v) for k, v in model.state_dict().items()}
+    if _tied(model):
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def _load_state(model: HybridLM, tensors: Mapping[str, torch.Tensor], source: str) -> None:
+    """Load full tensors into `model` (into this rank's shards where it is sharded)."""
+    current = model.state_dict()
+    expected = set(current) - ({"lm_head.weight"} if _tied(model) else set())
+    if set(tensors) != expected:
+        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        raise ArtifactError(
+            f"{source}: tensors do not match the student (missing {missing}, unexpected {extra})"
+        )
+    for name, value in tensors.items():
+        if tuple(value.shape) != tuple(current[name].shape):
+            raise ArtifactError(
+                f"{source}: tensor {name!r} has shape {list(value.shape)}, the student's is {list(current[name].shape)}"
+            )
+    model.load_state_dict({k: _like(v, current[k]) for k, v in tensors.items()}, strict=False)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The loss: the student's forward beside the teacher's, inside one module so FSDP gathers its root weights.
+
+
+def _sharded(settings: GKDSettings) -> bool:
+    return settings.shard == "fsdp" and dist.world_size() > 1
+
+
+def _autocast(settings: GKDSettings, device: torch.device) -> Any:
+    return torch.autocast(
+        device.type, dtype=torch.bfloat16, enabled=settings.autocast and device.type == "cuda"
+    )
+
+
+@contextmanager
+def _teacher_head(teacher: HybridLM) -> Iterator[torch.Tensor]:
+    """The teacher's full lm_head weight for the body (all-gathered and freed after it when sharded)."""
+    unit = teacher.embeddings if _tied(teacher) else teacher.lm_head
+    if not isinstance(unit, FSDPModule):
+        yield unit.weight
+        return
+    unit.unshard()
+    try:
+        yield unit.weight
+    finally:
+        unit.reshard()
+
+
+class _Distiller(nn.Module):
+    """The student with the whole distillation loss in its forward (the FSDP root unit under sharding)."""
+
+    def __init__(self, student: HybridLM) -> None:
+        super().__init__()
+        self.student = student
+
+    def forward(
+        self,
+        ids: torch.Tensor,
+        teacher: HybridLM,
+        scales: tuple[float, float, float],
+        chunk: int,
+        train: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [b, t] -> (loss: fp32 scalar, with grad when `train`; sums [_NUM_SUMS] fp64).
+
+        `scales`: (KL, NLL, cosine) multipliers of the sums, the weights over the global counts.
+        """
+        student = self.student
+        kl_scale, nll_scale, cosine_scale = scales
+        with torch.no_grad():
+            t = teacher.embeddings(ids)
+        s = student.embeddings(ids)
+        cosine = torch.zeros((), dtype=torch.float32, device=ids.device)
+        for teacher_block, student_block in zip(teacher.layers, student.layers):
+            with torch.no_grad():
+                t = teacher_block(t)
+            s = student_block(s)
+            cosine = cosine + (1 - nn.functional.cosine_similarity(s.float(), t.float(), dim=-1)).sum()
+        n = ids.shape[0] * (ids.shape[1] - 1)
+        hidden = student.norm_f(s)[:, :-1].reshape(n, s.shape[-1])
+        with torch.no_grad():
+            teacher_hidden = teacher.norm_f(t)[:, :-1].reshape(n, t.shape[-1])
+        targets = ids[:, 1:].reshape(n)
+        with _teacher_head(teacher) as teacher_weight:
+            if train:
+                loss, head = distillation_head_loss(
+                    hidden,
+                    student.lm_head.weight,
+                    teacher_hidden,
+                    teacher_weight,
+                    targets,
+                    chunk,
+                    kl_scale,
+                    nll_scale,
+                )
+            else:
+                head, _, _ = head_pass(
+                    hidden, student.lm_head.weight, teacher_hidden, teacher_weight, targets, chunk
+                )
+                loss = torch.zeros((), device=ids.device)
+        sums = torch.zeros(_NUM_SUMS, dtype=torch.float64, device=ids.device)
+        sums[: head.numel()] = head
+        sums[_COSINE_SUM] = cosine.detach().double()
+        sums[_TOKENS] = ids.numel()
+        return loss + cosine_scale * cosine, sums
+
+
+def _shard_student(distiller: _Distiller) -> None:
+    """FSDP2: each block with weights one unit, the distiller (embeddings, final norm, lm_head) the root;
+    gradients summed over ranks (the loss carries the global normaliser)."""
+    for block in distiller.student.layers:
+        if any(True for _ in block.parameters()):
+            _shard_variant(block)
+    _shard_variant(distiller)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Data.
+
+
+class _Stream:
+    """This rank's rows of each global batch, and the position to resume from after each of them."""
+
+    def __init__(self, data: TrainData, settings: GKDSettings, share: int) -> None:
+        self.data, self.settings, self.share = data, settings, share
+        if isinstance(data, TokenSplit):
+            self.seq_len = data.seq_len
+            data.batches(share, settings.seed)  # fails now, naming the split, if it holds too few sequences
+        else:
+            first = next(iter(_iterable(data)), None)
+            if first is None:
+                raise DataError("GKD: the training data yielded no batch")
+            self._check(first, 0)
+            self.seq_len = first.shape[1]
+        if self.seq_len < 2:
+            raise DataError(f"GKD: sequences of {self.seq_len} token(s) have no next token to predict")
+
+    def fingerprint(self) -> str:
+        if isinstance(self.data, TokenSplit):
+            return fingerprint_json({"split": self.data.fingerprint(), "seed": self.settings.seed})
+        return fingerprint_tensors([next(iter(_iterable(self.data)))])
+
+    def _check(self, batch: torch.Tensor, index: int) -> None:
+        expected = (self.settings.batch_size, batch.shape[-1])
+        if batch.ndim != 2 or tuple(batch.shape) != expected or batch.dtype != torch.long:
+            raise DataError(
+                f"GKD: training batch {index} must be int64 [batch_size={self.settings.batch_size}, tokens], "
+                f"found {batch.dtype} {list(batch.shape)}"
+            )
+        if index and batch.shape[1] != self.seq_len:
+            raise DataError(
+                f"GKD: training batch {index} has {batch.shape[1]} tokens per row, batch 0 {self.seq_len}"
+            )
+
+    def iterate(self, position: Mapping[str, Any] | None) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
+        """(this rank's rows [share, T], position after them), from `position` (None: the start)."""
+        if isinstance(self.data, TokenSplit):
+            stream = self.data.batches(self.share, self.settings.seed, start=position)
+            for rows in stream:
+                yield rows, stream.state_dict()
+            return
+        skip = 0 if position is None else int(position["batches"])
+        for index, batch in enumerate(_iterable(self.data)):
+            if index < skip:  # replayed up to the checkpoint's position
+                continue
+            self._check(batch, index)
+            yield _rows(batch), {"batches": index + 1}
+
+
+def _iterable(data: Sequence[torch.Tensor] | Callable[[], Iterable[torch.Tensor]]) -> Iterable[torch.Tensor]:
+    if callable(data):
+        return data()
+    if isinstance(data, Sequence):
+        return data
+    raise TypeError(
+        "GKD training data must be a puzzle.data.TokenSplit, a sequence of token batches or a zero-argument "
+        f"callable returning them (a resume replays the data), found a {type(data).__name__}"
+    )
+
+
+def _held_out_batches(held_out: TokenSplit | Sequence[torch.Tensor], batch_size: int) -> list[torch.Tensor]:
+    if isinstance(held_out, TokenSplit):
+        sequences = held_out.sequences
+        batches = [
+            sequences[i : i + batch_size].long()
+            for i in range(0, len(sequences) - batch_size + 1, batch_size)
+        ]
+    else:
+        batches = list(held_out)
+    if not batches:
+        raise DataError(f"GKD: the held-out data holds no batch of {batch_size} sequences")
+    for index, batch in enumerate(batches):
+        if batch.ndim != 2 or batch.dtype != torch.long or batch.shape[1] < 2:
+            raise DataError(
+                f"GKD: held-out batch {index} must be int64 [batch, tokens >= 2], found {batch.dtype} {list(batch.shape)}"
+            )
+    return batches
+
+
+def _micro(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
+    return [rows[i : i + size] for i in range(0, rows.shape[0], size)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Steps, evaluation, checkpoints.
+
+
+@dataclass
+class _State:
+    step: int = 0
+    tokens: int = 0
+    position: dict[str, Any] | None = None
+    history: dict[str, list[dict[str, Any]]] = dataclasses.field(
+        default_factory=lambda: {"train": [], "eval": []}
+    )
+
+
+def _record(sums: torch.Tensor, settings: GKDSettings, blocks: int) -> dict[str, float]:
+    """Means over the global batch from all-reduced sums: the loss and each of its terms."""
+    positions, tokens = float(sums[POSITIONS]), float(sums[_TOKENS])
+    kl = float(sums[KL_SUM]) / positions
+    lm = float(sums[NLL_SUM]) / positions
+    cosine = float(sums[_COSINE_SUM]) / (tokens * max(blocks, 1))
+    return {
+        "loss": settings.kl_weight * kl + settings.cosine_weight * cosine + settings.lm_weight * lm,
+        "kl": kl,
+        "cosine": cosine,
+        "lm_loss": lm,
+        "parent_lm_loss": float(sums[TEACHER_NLL_SUM]) / positions,
+        "top1": float(sums[TOP1_SUM]) / positions,
+    }
+
+
+def _scales(settings: GKDSettings, sequences: int, seq_len: int, blocks: int) -> tuple[float, float, float]:
+    positions = sequences * (seq_len - 1)
+    return (
+        settings.kl_weight / positions,
+        settings.lm_weight / positions,
+        settings.cosine_weight / (sequences * seq_len * max(blocks, 1)),
+    )
+
+
+def _train_step(
+    distiller: _Distiller,
+    teacher: HybridLM,
+    optimizer: torch.optim.Optimizer,
+    rows: torch.Tensor,
+    lr: float,
+    settings: GKDSettings,
+    micro: int,
+) -> dict[str, float]:
+    """One optimiser step on this rank's `rows` [share, T] of a global batch; returns the global record."""
+    device = distiller.student.embeddings.weight.device
+    blocks = len(distiller.student.layers)
+    scales = _scales(settings, settings.batch_size, rows.shape[1], blocks)
+    sums = torch.zeros(_NUM_SUMS, dtype=torch.float64, device=device)
+    for ids in _micro(rows.to(device), micro):
+        with _autocast(settings, device):
+            loss, batch_sums = distiller(ids, teacher, scales, settings.vocab_chunk, True)
+        loss.backward()
+        sums += batch_sums
+    params = [p for p in distiller.parameters() if p.requires_grad]
+    if not _sharded(settings):  # FSDP's reduce-scatter has summed the sharded gradients
+        dist.all_reduce_sum_([p.grad for p in params if p.grad is not None])
+    dist.all_reduce_sum_([sums])
+    clip = settings.clip if settings.clip > 0 else math.inf
+    # With DTensor gradients clip_grad_norm_ reduces the norm over the shards: the global norm.
+    norm = float(_replicated(torch.nn.utils.clip_grad_norm_(params, clip)))
+    record = _record(sums.cpu(), settings, blocks)
+    if not (math.isfinite(record["loss"]) and math.isfinite(norm)):
+        raise FloatingPointError(
+            f"GKD: the loss is {record['loss']} and the gradient norm {norm}: training diverged"
+        )
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {**record, "lr": lr, "grad_norm": norm}
+
+
+@torch.no_grad()
+def _evaluate(
+    distiller: _Distiller,
+    teacher: HybridLM,
+    held_out: Sequence[torch.Tensor],
+    settings: GKDSettings,
+    micro: int,
+) -> dict[str, float]:
+    """KL to the teacher, LM losses, top-1 agreement and the cosine term on every held-out position."""
+    device = distiller.student.embeddings.weight.device
+    blocks = len(distiller.student.layers)
+    was_training = distiller.training
+    distiller.eval()
+    sums = torch.zeros(_NUM_SUMS, dtype=torch.float64, device=device)
+    # Sharded units all-gather in their forward, so every rank must run every batch (its rows of it).
+    batches = [_rows(b) for b in held_out] if _sharded(settings) else list(dist.shard(held_out))
+    for batch in batches:
+        for ids in _micro(batch.to(device), micro):
+            with _autocast(settings, device):
+                _, batch_sums = distiller(ids, teacher, (0.0, 0.0, 0.0), settings.vocab_chunk, False)
+            sums += batch_sums
+    dist.all_reduce_sum_([sums])
+    distiller.train(was_training)
+    return _record(sums.cpu(), settings, blocks)
+
+
+def _checkpoint_dir(directory: Path) -> Path:
+    return directory / CHECKPOINT_DIR
+
+
+def _save_checkpoint(
+    directory: Path,
+    state: _State,
+    student: HybridLM,
+    optimizer: torch.optim.Optimizer,
+    inputs: Mapping[str, str],
+) -> None:
+    """Rank 0 writes the tensors, then the JSON that names them (last), so a kill at any moment leaves the
+    previous complete checkpoint readable. Sharded tensors are gathered on every rank first."""
+    tensors = {f"param/{k}": v for k, v in _full_state(student).items()}
+    saved = optimizer.state_dict()["state"]
+    for index in sorted(saved):
+        for name in sorted(saved[index]):
+            tensors[f"adam/{index}/{name}"] = _full(torch.as_tensor(saved[index][name]))
+    tensors["rng/cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        tensors["rng/cuda"] = torch.cuda.get_rng_state()
+    if not dist.is_main():
+        dist.barrier()
+        return
+    try:
+        folder = _checkpoint_dir(directory)
+        name = f"step{state.step}.safetensors"
+        atomic_write(folder / name, lambda path: save_file(tensors, path))
+        record = {
+            "inputs": dict(inputs),
+            "step": state.step,
+            "tokens": state.tokens,
+            "position": state.position,
+            "tensors": name,
+            "history": state.history,
+        }
+        json_path = folder / "checkpoint.json"
+        old = json.loads(json_path.read_text())["tensors"] if json_path.is_file() else None
+        atomic_write(json_path, json_writer(record))
+        if old and old != name:
+            (folder / old).unlink(missing_ok=True)
+    finally:
+        dist.barrier()
+
+
+def _load_checkpoint(
+    directory: Path, student: HybridLM, optimizer: torch.optim.Optimizer, inputs: Mapping[str, str]
+) -> _State | None:
+    """The state of the last checkpoint of a run with these inputs (weights and AdamW restored), else None."""
+    json_path = _checkpoint_dir(directory) / "checkpoint.json"
+    if not json_path.is_file():
+        return None
+    record = json.loads(json_path.read_text())
+    if record.get("inputs") != dict(inputs):
+        return None
+    path = _checkpoint_dir(directory) / record["tensors"]
+    tensors = load_file(str(path))
+    params = {k[len("param/") :]: v for k, v in tensors.items() if k.startswith("param/")}
+    _load_state(student, params, str(path))
+    saved = optimizer.state_dict()
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    for key in sorted(tensors):  # sorted: the same scatter order on every rank
+        if key.startswith("adam/"):
+            index, name = key[len("adam/") :].split("/")
+            value = tensors[key]
+            if value.ndim > 0:  # moments are laid out as their parameter; the step count is a scalar
+                value = _like(value, parameters[int(index)])
+            saved["state"].setdefault(int(index), {})[name] = value
+    optimizer.load_state_dict(saved)
+    torch.set_rng_state(tensors["rng/cpu"])
+    if "rng/cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["rng/cuda"])
+    return _State(int(record["step"]), int(record["tokens"]), record["position"], record["history"])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The stage.
+
+
+def distill(
+    student: HybridLM,
+    teacher: HybridLM,
+    train: TrainData,
+    held_out: TokenSplit | Sequence[torch.Tensor],
+    settings: GKDSettings,
+    directory: str | Path,
+    *,
+    data_fingerprint: str | None = None,
+    callback: Callable[[int, dict[str, Any]], None] | None = None,
+) -> GKDResult:
+    """Distil `teacher` into `student` (trained in place) and write the output to `directory`; returns it.
+
+    `student`: the child (same number of blocks, hidden size and vocabulary as the teacher), on the
+    teacher's device; it is cast to `settings.dtype`. `teacher`: the parent, frozen here (eval mode, no
+    gradients). `train`: a `puzzle.data.TokenSplit` (batches drawn in a `settings.seed` order, epochs
+    repeating) or global token batches int64 `[batch_size, T]`, a sequence or a zero-argument callable
+    returning a fresh iterable (replayed on resume); `held_out`: global batches `[b, T]` or a TokenSplit
+    (cut into batches of `batch_size`). `data_fingerprint` names the training data for the reuse and resume
+    checks (default: the split's fingerprint, or a fingerprint of the first batch). `callback(step, record)`
+    is called on every rank after each optimiser step (and its evaluation and checkpoint, if any).
+
+    At the end the student holds the distilled weights (DTensor shards under FSDP: use `load_distilled` for
+    a plain copy). A finished output of the same inputs is loaded into the student and returned without
+    work; a checkpoint of the same inputs is resumed. Collective under torch.distributed (every rank passes
+    the same arguments).
+    """
+    directory = Path(directory)
+    world = dist.world_size()
+    share, micro = settings.micro_batches(world)
+    if (student.spec.num_blocks, student.spec.hidden_size, student.spec.vocab_size) != (
+        teacher.spec.num_blocks,
+        teacher.spec.hidden_size,
+        teacher.spec.vocab_size,
+    ):
+        raise ValueError(
+            "GKD: the student and the teacher must have the same number of blocks, hidden size and vocabulary, "
+            f"found {student.spec.num_blocks}, {student.spec.hidden_size}, {student.spec.vocab_size} and "
+            f"{teacher.spec.num_blocks}, {teacher.spec.hidden_size}, {teacher.spec.vocab_size}"
+        )
+    _check_not_shared(student, teacher)
+    stream = _Stream(train, settings, share)
+    held = _held_out_batches(held_out, settings.batch_size)
+    inputs = {
+        "student": fingerprint_model(student),
+        "teacher": fingerprint_model(teacher),
+        "train_data": data_fingerprint or stream.fingerprint(),
+        "held_out": fingerprint_tensors(held),
+        "settings": fingerprint_json(settings.to_dict()),
+    }
+    artifact = Artifact(directory, ARTIFACT_NAME, FORMAT_VERSION)
+    if artifact.load_if_current(inputs) is not None:
+        _load_state(student, artifact.load_tensors(WEIGHTS_FILE), str(artifact.path(WEIGHTS_FILE)))
+        manifest_info = artifact.read_manifest().info
+        return GKDResult(
+            directory, manifest_info["steps"], manifest_info["tokens"], artifact.load_json(HISTORY_FILE)
+        )
+
+    torch.manual_seed(settings.seed)
+    teacher.eval().requires_grad_(False)
+    device = teacher.embeddings.weight.device
+    student.to(device=device, dtype=settings.torch_dtype).train().requires_grad_(True)
+    distiller = _Distiller(student)
+    if _sharded(settings):
+        _shard_parent(teacher)
+        _shard_student(distiller)
+    optimizer = torch.optim.AdamW(
+        [p for p in distiller.parameters() if p.requires_grad],
+        lr=settings.lr,
+        betas=settings.betas,
+        weight_decay=settings.weight_decay,
+    )
+    tokens_per_step = settings.batch_size * stream.seq_len
+    total = settings.token_budget or math.inf
+    if settings.steps is not None:
+        total = min(total, settings.steps * tokens_per_step)
+    schedule = BLDSettings(
+        lr=settings.lr,
+        warmup_tokens=settings.warmup_tokens,
+        token_budget=int(total),
+        min_lr_ratio=settings.min_lr_ratio,
+    )
+
+    state = _load_checkpoint(directory, student, optimizer, inputs)
+    if state is None:
+        state = _State()
+        if dist.is_main():
+            shutil.rmtree(_checkpoint_dir(directory), ignore_errors=True)  # another run's, if any
+        dist.barrier()
+        state.history["eval"].append(
+            {"step": 0, "tokens": 0, **_evaluate(distiller, teacher, held, settings, micro)}
+        )
+
+    bar = progress_bar("GKD", total=int(total), unit="tok")
+    bar.update(state.tokens)
+    started, start_tokens = time.perf_counter(), state.tokens
+    for rows, position in stream.iterate(state.position):
+        if state.tokens + tokens_per_step > total:
+            break
+        lr = learning_rate(schedule, state.tokens)
+        record = _train_step(distiller, teacher, optimizer, rows, lr, settings, micro)
+        state.step += 1
+        state.tokens += tokens_per_step
+        state.position = position
+        state.history["train"].append({"step": state.step, "tokens": state.tokens, **record})
+        bar.update(tokens_per_step)
+        rate = (state.tokens - start_tokens) / max(time.perf_counter() - started, 1e-9)
+        bar.set_postfix(tok_s=f"{rate:.0f}", loss=f"{record['loss']:.4f}", kl=f"{record['kl']:.4f}")
+        if settings.eval_every and state.step % settings.eval_every == 0:
+            evaluation = _evaluate(distiller, teacher, held, settings, micro)
+            state.history["eval"].append({"step": state.step, "tokens": state.tokens, **evaluation})
+        if settings.checkpoint_every and state.step % settings.checkpoint_every == 0:
+            _save_checkpoint(directory, state, student, optimizer, inputs)
+        if callback is not None:
+            callback(state.step, record)
+    bar.close()
+    if state.history["eval"][-1]["step"] != state.step:
+        evaluation = _evaluate(distiller, teacher, held, settings, micro)
+        state.history["eval"].append({"step": state.step, "tokens": state.tokens, **evaluation})
+
+    weights = _full_state(student)
+    outputs = {WEIGHTS_FILE: safetensors_writer(weights), HISTORY_FILE: json_writer(state.history)}
+    info = {"steps": state.step, "tokens": state.tokens, "final_eval": state.history["eval"][-1]}
+    artifact.write(inputs, outputs, info)
+    if dist.is_main():
+        shutil.rmtree(_checkpoint_dir(directory), ignore_errors=True)
+    dist.barrier()
+    return GKDResult(directory, state.step, state.tokens, state.history)

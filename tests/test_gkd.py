@@ -1,0 +1,297 @@
+"""Global knowledge distillation of a child of a tiny trained parent: the chunked loss and its gradients equal a
+full-vocabulary computation, a few dozen steps lower the held-out KL to the parent, a finished output is reused, a
+SIGKILLed run resumes to the uninterrupted losses and weights, and 2 gloo ranks (FSDP2 with a crash and a resume, and
+replicated with gradient accumulation) give the 1-process run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from gkd_helpers import KILL_AT, child_spec, held_out, load_setup, save_setup, settings, train_split
+from safetensors.torch import load_file
+from torch.distributed.tensor import DTensor
+
+from puzzle import dist
+from puzzle.gkd import (
+    CHECKPOINT_DIR,
+    HISTORY_FILE,
+    WEIGHTS_FILE,
+    GKDSettings,
+    _Distiller,
+    _scales,
+    distill,
+    load_distilled,
+)
+from puzzle.logits import KL_SUM, NLL_SUM, POSITIONS, TEACHER_NLL_SUM, TOP1_SUM, distillation_head_loss
+from puzzle.model import HybridLM
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("gkd_setup")
+    save_setup(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(setup, tmp_path_factory):
+    """The reference run: settings(), one process, in this process."""
+    output = tmp_path_factory.mktemp("gkd_run") / "gkd"
+    parent, child = load_setup(setup)
+    return distill(child, parent, train_split(), held_out(), settings(), output), output
+
+
+def _full_vocabulary(student: HybridLM, teacher: HybridLM, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The oracle: full logits and hidden states of both models, log-softmax over the whole vocabulary."""
+    out = student(ids, output_hidden_states=True)
+    with torch.no_grad():
+        ref = teacher(ids, output_hidden_states=True)
+    log_q = out.logits[:, :-1].log_softmax(-1)
+    log_p = ref.logits[:, :-1].log_softmax(-1)
+    targets = ids[:, 1:, None]
+    cosines = [
+        (1 - torch.nn.functional.cosine_similarity(s, t, dim=-1)).mean()
+        for s, t in zip(out.hidden_states[1:], ref.hidden_states[1:])
+    ]
+    return {
+        "kl": (log_p.exp() * (log_p - log_q)).sum(-1).mean(),
+        "lm_loss": -log_q.gather(-1, targets).mean(),
+        "parent_lm_loss": -log_p.gather(-1, targets).mean(),
+        "top1": (log_q.argmax(-1) == log_p.argmax(-1)).float().mean(),
+        "cosine": torch.stack(cosines).mean(),
+    }
+
+
+@pytest.mark.parametrize("chunk", [7, 40, 64])
+def test_head_loss_and_gradients_equal_full_vocabulary_autograd(chunk):
+    generator = torch.Generator().manual_seed(0)
+    n, hidden_size, vocab = 24, 8, 40
+    hidden = torch.randn(n, hidden_size, generator=generator, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, generator=generator, requires_grad=True)
+    teacher_hidden = torch.randn(n, hidden_size, generator=generator)
+    teacher_weight = torch.randn(vocab, hidden_size, generator=generator)
+    targets = torch.randint(0, vocab, (n,), generator=generator)
+    loss, sums = distillation_head_loss(
+        hidden, weight, teacher_hidden, teacher_weight, targets, chunk, 0.7, 0.2
+    )
+    (3 * loss).backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+
+    log_q = (hidden @ weight.T).log_softmax(-1)
+    log_p = (teacher_hidden @ teacher_weight.T).log_softmax(-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)
+    nll = -log_q.gather(-1, targets[:, None])[:, 0]
+    (3 * (0.7 * kl.sum() + 0.2 * nll.sum())).backward()
+    torch.testing.assert_close(loss, (0.7 * kl.sum() + 0.2 * nll.sum()).detach())
+    torch.testing.assert_close(grads[0], hidden.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[1], weight.grad, rtol=1e-5, atol=1e-6)
+    kl, nll, log_q = kl.detach(), nll.detach(), log_q.detach()
+    assert float(sums[KL_SUM]) == pytest.approx(float(kl.sum()), rel=1e-6)
+    assert float(sums[NLL_SUM]) == pytest.approx(float(nll.sum()), rel=1e-6)
+    teacher_nll = -log_p.gather(-1, targets[:, None]).sum()
+    assert float(sums[TEACHER_NLL_SUM]) == pytest.approx(float(teacher_nll), rel=1e-6)
+    assert int(sums[TOP1_SUM]) == int((log_q.argmax(-1) == log_p.argmax(-1)).sum())
+    assert int(sums[POSITIONS]) == n
+
+
+def test_distillation_loss_and_gradients_equal_a_full_vocabulary_computation(setup):
+    parent, child = load_setup(setup)
+    student = child.train().requires_grad_(True)
+    ids = held_out()[0]
+    gkd = settings(kl_weight=1.0, cosine_weight=0.3, lm_weight=0.5)
+    scales = _scales(gkd, ids.shape[0], ids.shape[1], len(student.layers))
+    loss, sums = _Distiller(student)(ids, parent, scales, gkd.vocab_chunk, True)
+    loss.backward()
+    grads = {name: p.grad.clone() for name, p in student.named_parameters()}
+    student.zero_grad(set_to_none=True)
+
+    oracle = _full_vocabulary(student, parent, ids)
+    expected = oracle["kl"] + 0.3 * oracle["cosine"] + 0.5 * oracle["lm_loss"]
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-7)
+    for name, p in student.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-7, msg=name)
+    positions = float(sums[POSITIONS])
+    assert float(sums[KL_SUM]) / positions == pytest.approx(oracle["kl"].item(), rel=1e-5)
+    assert float(sums[TOP1_SUM]) / positions == pytest.approx(oracle["top1"].item())
+
+
+def test_distillation_lowers_the_held_out_kl_and_writes_weights_and_history(uninterrupted, setup):
+    result, output = uninterrupted
+    history = result.history
+    assert result.steps == 24 and result.tokens == 24 * 4 * 16
+    assert [e["step"] for e in history["eval"]] == [0, 8, 16, 24]
+    assert len(history["train"]) == 24
+    first, last = result.first_eval, result.last_eval
+    assert last["kl"] < 0.8 * first["kl"], (first, last)
+    assert last["cosine"] < first["cosine"]
+    assert json.loads((output / HISTORY_FILE).read_text()) == history
+    assert not (output / CHECKPOINT_DIR).exists()
+    # The saved weights are the distilled student: its full-vocabulary KL is the last evaluation's.
+    parent, _ = load_setup(setup)
+    student = load_distilled(output, HybridLM(child_spec()))
+    with torch.no_grad():
+        oracles = [_full_vocabulary(student, parent, ids) for ids in held_out()]
+    for key in ("kl", "lm_loss", "parent_lm_loss", "top1", "cosine"):
+        value = sum(float(o[key]) for o in oracles) / len(oracles)  # equal-sized batches
+        assert last[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+def test_a_finished_output_is_reused_and_loaded_into_the_student(uninterrupted, setup):
+    result, output = uninterrupted
+    parent, child = load_setup(setup)
+    calls = []
+    again = distill(
+        child, parent, train_split(), held_out(), settings(), output, callback=lambda *a: calls.append(a)
+    )
+    assert not calls and again.history == result.history
+    saved = load_file(str(output / WEIGHTS_FILE))
+    for name, value in child.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+
+
+def test_a_sigkilled_run_resumes_to_the_uninterrupted_losses_and_weights(uninterrupted, setup, tmp_path):
+    result, output = uninterrupted
+    script = HERE / "gkd_helpers.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)]), "PUZZLE_PROGRESS": "0"}
+    killed = tmp_path / "gkd"
+    run = subprocess.run(
+        [sys.executable, str(script), str(setup), str(killed), str(KILL_AT)], env=env, capture_output=True
+    )
+    assert run.returncode == -signal.SIGKILL, run.stderr.decode()[-2000:]
+    checkpoint = json.loads((killed / CHECKPOINT_DIR / "checkpoint.json").read_text())
+    assert checkpoint["step"] == 6 and not (killed / WEIGHTS_FILE).exists()
+
+    subprocess.run([sys.executable, str(script), str(setup), str(killed)], env=env, check=True)
+    assert json.loads((killed / HISTORY_FILE).read_text()) == result.history  # every loss, bit for bit
+    expected = load_file(str(output / WEIGHTS_FILE))
+    got = load_file(str(killed / WEIGHTS_FILE))
+    assert got.keys() == expected.keys()
+    for name, value in got.items():
+        assert torch.equal(value, expected[name]), name
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class _Crash(Exception):
+    pass
+
+
+def _worker(rank: int, world: int, port: int, setup: str, output: str) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    assert dist.init_from_env() is True
+    try:
+        # FSDP2 over a TokenSplit; the first attempt dies after step 8 (both ranks), the second resumes from the
+        # step-6 checkpoint (sharded weights and AdamW moments reloaded).
+        def crash(step: int, record: dict) -> None:
+            if step == 8:
+                raise _Crash
+
+        parent, child = load_setup(Path(setup))
+        with pytest.raises(_Crash):
+            distill(
+                child, parent, train_split(), held_out(), settings(), Path(output) / "fsdp", callback=crash
+            )
+        assert (
+            json.loads((Path(output) / "fsdp" / CHECKPOINT_DIR / "checkpoint.json").read_text())["step"] == 6
+        )
+        parent, child = load_setup(Path(setup))
+        distill(child, parent, train_split(), held_out(), settings(), Path(output) / "fsdp")
+        local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in child.parameters())
+        full = sum(p.numel() for p in child.parameters())
+        Path(f"{output}/rank{rank}.json").write_text(json.dumps({"local": local, "full": full}))
+        # Replicated, over the same global batches given as tensors (each rank takes its rows), each rank's 2
+        # sequences in 2 micro-batches (gradient accumulation).
+        batches = list(train_split().batches(4, seed=0, rank=0, world=1, epochs=2))
+        parent, child = load_setup(Path(setup))
+        distill(
+            child,
+            parent,
+            batches,
+            held_out(),
+            settings(shard="none", micro_batch_size=1),
+            Path(output) / "none",
+        )
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_gloo_ranks_give_the_single_process_run(uninterrupted, setup, tmp_path):
+    result, output = uninterrupted
+    mp.spawn(_worker, args=(2, _free_port(), str(setup), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):  # FSDP sharded the student: each rank holds about half of it
+        numels = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert numels["local"] < 0.6 * numels["full"], numels
+    expected = load_file(str(output / WEIGHTS_FILE))
+    for mode in ("fsdp", "none"):
+        history = json.loads((tmp_path / mode / HISTORY_FILE).read_text())
+        for kind in ("train", "eval"):
+            assert len(history[kind]) == len(result.history[kind])
+            for got, want in zip(history[kind], result.history[kind]):
+                for key, value in want.items():
+                    assert got[key] == pytest.approx(value, rel=1e-4, abs=1e-6), (
+                        mode,
+                        kind,
+                        got["step"],
+                        key,
+                    )
+        got = load_file(str(tmp_path / mode / WEIGHTS_FILE))
+        assert got.keys() == expected.keys()
+        for name, value in got.items():
+            torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-5, msg=f"{mode} {name}")
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"shard": "ddp"}, r"GKDSettings\.shard must be 'fsdp' or 'none', found 'ddp'"),
+        ({"lr": 0}, r"GKDSettings\.lr must be a positive number"),
+        ({"steps": None, "token_budget": None}, r"token_budget and steps are both None"),
+        ({"micro_batch_size": 0}, r"GKDSettings\.micro_batch_size must be an integer >= 1 or None"),
+        ({"kl_weight": 0, "cosine_weight": 0}, r"all 0: nothing to train"),
+        ({"dtype": "float16"}, r"GKDSettings\.dtype must be 'float32' or 'bfloat16'"),
+    ],
+)
+def test_bad_settings_are_errors_naming_the_field(changes, message):
+    with pytest.raises(ValueError, match=message):
+        settings(**changes)
+
+
+def test_a_student_sharing_tensors_with_the_teacher_is_an_error_naming_them(setup, tmp_path):
+    parent, child = load_setup(setup)
+    child.layers[1].mixer = parent.layers[1].mixer  # the parent's own module, not a copy
+    with pytest.raises(
+        ValueError, match=r"student's layers\.1\.mixer\.\S+ shares its storage with a teacher"
+    ):
+        distill(child, parent, train_split(), held_out(), settings(), tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def test_a_batch_that_does_not_split_over_the_ranks_is_an_error_naming_the_fields():
+    with pytest.raises(ValueError, match=r"micro_batch_size \(3\) must divide each rank's share"):
+        GKDSettings(batch_size=8, micro_batch_size=3).micro_batches(2)
+    with pytest.raises(ValueError, match=r"batch_size \(6\) must be a multiple of the number of ranks \(4\)"):
+        GKDSettings(batch_size=6).micro_batches(4)
