@@ -1,11 +1,20 @@
 """Where each stage's output lives in a run directory: one place for the paths every stage and command use.
 
     RUN_DIR/
-      config.yaml        the run config (issue 13: `puzzle run`)
+      config.yaml        the run config (`puzzle run`)
+      run.json           the run's manifest: each stage's status, inputs (content hashes) and outputs
       parent.json        the parent's ModelSpec (`ModelSpec.to_json`), what the cost model reads
+      importance/        activation importance of the parent (child initialisation)
       library/           BLD: library.manifest.json, library.json, block{i}/{variant id}.safetensors
       scores/            scoring: scores.manifest.json, scores.json
-      solutions/         searches saved by the pipeline (`puzzle search RUN_DIR` writes only to --out)
+      solutions/         searches saved by the pipeline, {name}.json per budget (`puzzle search RUN_DIR`
+                         writes only to --out)
+      children/{name}/   GKD of the assembled child of solution {name}: checkpoints, history.json, weights
+      exports/{name}/    the exported checkpoint of solution {name} (config.json, safetensors, puzzle.json)
+      report/            `puzzle report`: report.md and its PNG plots
+      logs/              one log file per process (rank)
+      round-{r}/         round r >= 2 of an iterative run: the same layout, its parent the previous
+                         round's distilled child
 
 A stage's output counts as present when its manifest exists: `puzzle.artifacts` writes the manifest
 last, so it only ever describes complete files.
@@ -20,6 +29,12 @@ from puzzle.files import atomic_write_bytes
 from puzzle.spec import ModelSpec
 
 CONFIG_FILE = "config.yaml"
+RUN_MANIFEST_FILE = "run.json"
+IMPORTANCE_DIR = "importance"
+CHILDREN_DIR = "children"
+EXPORTS_DIR = "exports"
+REPORT_DIR = "report"
+LOGS_DIR = "logs"
 PARENT_FILE = "parent.json"
 LIBRARY_DIR = "library"
 SCORES_DIR = "scores"
@@ -63,6 +78,40 @@ class RunLayout:
     @property
     def solutions(self) -> Path:
         return self.root / SOLUTIONS_DIR
+
+    @property
+    def manifest(self) -> Path:
+        return self.root / RUN_MANIFEST_FILE
+
+    @property
+    def importance(self) -> Path:
+        return self.root / IMPORTANCE_DIR
+
+    @property
+    def report(self) -> Path:
+        return self.root / REPORT_DIR
+
+    @property
+    def logs(self) -> Path:
+        return self.root / LOGS_DIR
+
+    def solution(self, name: str) -> Path:
+        """The saved solution of the budget called `name`."""
+        return self.solutions / f"{name}.json"
+
+    def child(self, name: str) -> Path:
+        """GKD's directory for the child of solution `name` (checkpoints, history, distilled weights)."""
+        return self.root / CHILDREN_DIR / name
+
+    def export(self, name: str) -> Path:
+        """The exported checkpoint of solution `name`."""
+        return self.root / EXPORTS_DIR / name
+
+    def round(self, number: int) -> RunLayout:
+        """Round `number` of an iterative run: round 1 is this directory, round r >= 2 `round-{r}/`."""
+        if number < 1:
+            raise ValueError(f"rounds are numbered from 1, got {number}")
+        return self if number == 1 else RunLayout(self.root / f"round-{number}")
 
     def write_parent(self, spec: ModelSpec) -> Path:
         """Record the parent's spec (atomically); the run's costs are computed from it."""
