@@ -247,7 +247,8 @@ class ExpertBank(nn.Module):
         of the routed time of a prefill whose experts do not fit in the cache).
         """
         size = h.shape[1]
-        if len(set(self.widths)) == 1 and len(hit) > 8:
+        uniform = len(set(self.widths)) == 1
+        if uniform and len(hit) > 8:
             shape = (len(self), self.widths[0], size)
             up_t = self.up.view(shape).transpose(1, 2).unbind(0)  # one call instead of a slice per expert
             downs = self.down.view(shape).unbind(0)
@@ -265,24 +266,24 @@ class ExpertBank(nn.Module):
             while last < len(hit) and end - start < _CHUNK_ROWS:
                 end += counts[last]
                 last += 1
-            token = tokens[start:end]
-            x = torch.index_select(h, 0, token, out=inputs[: end - start])
-            a, row, used = [], 0, 0
-            for j, count in zip(hit[first:last], counts[first:last]):
-                if prefetch and count >= _PREFETCH_ROWS:
+            token, experts, sizes = tokens[start:end], hit[first:last], counts[first:last]
+            x = torch.index_select(h, 0, token, out=inputs[: end - start]).split(sizes)
+            elements = [count * self.widths[j] for j, count in zip(experts, sizes)]
+            used = activations[: sum(elements)]
+            if uniform:  # one split rather than a slice and a view per expert
+                a = used.view(end - start, -1).split(sizes)
+            else:
+                a = [part.view(count, -1) for part, count in zip(used.split(elements), sizes)]
+            for j, x_j, a_j in zip(experts, x, a):
+                if prefetch and x_j.shape[0] >= _PREFETCH_ROWS:
                     up_t[j].sum()
-                a_j = activations[used : used + count * self.widths[j]].view(count, self.widths[j])
-                a.append(torch.mm(x[row : row + count], up_t[j], out=a_j))
-                row, used = row + count, used + count * self.widths[j]
-            torch.relu_(activations[:used]).square_()
-            row = 0
-            for j, count, a_j in zip(hit[first:last], counts[first:last], a):
-                y_j = torch.mm(a_j, downs[j], out=outputs[row : row + count])
-                for observer in observers:
-                    weight = pair_weights[start + row : start + row + count, 0]
-                    observer(j, x[row : row + count], a_j, y_j, weight)
-                row += count
+                torch.mm(x_j, up_t[j], out=a_j)
+            torch.relu_(used).square_()
             y, weight = outputs[: end - start], pair_weights[start:end]
+            for j, x_j, a_j, y_j, w_j in zip(experts, x, a, y.split(sizes), weight[:, 0].split(sizes)):
+                torch.mm(a_j, downs[j], out=y_j)
+                for observer in observers:
+                    observer(j, x_j, a_j, y_j, w_j)
             out.index_add_(
                 0, token, y.mul_(weight) if y.dtype == weight.dtype else y.to(weight.dtype).mul_(weight)
             )
@@ -311,11 +312,11 @@ class ExpertBank(nn.Module):
         )
         if not tracked and h.dtype == weights.dtype:
             out = torch.zeros(n, h.shape[1], dtype=weights.dtype, device=h.device)
+            rows, out_rows = (h.split(1), out.split(1)) if n > 1 else ((h,), (out,))
             pairs = zip(indices.reshape(-1).tolist(), weights.reshape(-1).tolist())
             for pair, (j, weight) in enumerate(pairs):
-                token = pair // top_k
-                a = torch.relu_(torch.mm(h[token : token + 1], up[offsets[j] : offsets[j + 1]].T)).square_()
-                out[token : token + 1].addmm_(a, down[offsets[j] : offsets[j + 1]], alpha=weight)
+                a = torch.relu_(torch.mm(rows[pair // top_k], up[offsets[j] : offsets[j + 1]].T)).square_()
+                out_rows[pair // top_k].addmm_(a, down[offsets[j] : offsets[j + 1]], alpha=weight)
             return out
         outputs = []
         for pair, j in enumerate(indices.reshape(-1).tolist()):
