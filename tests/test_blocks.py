@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy as copy_module
 import dataclasses
 import math
 
@@ -411,6 +412,33 @@ def test_moe_chunked_loop_equals_the_loop_under_autograd(widths, dtype, monkeypa
     for (_, got), (_, expected) in zip(calls, expected_calls):
         for got_tensor, expected_tensor in zip(got, expected, strict=True):
             assert torch.equal(got_tensor, expected_tensor)
+
+
+def test_expert_bank_views_follow_the_bank_tensors():
+    """The loops without autograd reuse per-expert views of the bank: new tensors must not be missed."""
+    torch.manual_seed(28)
+    mixer = MoEMixer(GROUPED_SPEC, 16)
+    x = torch.randn(2, 5, 16)
+
+    def both():
+        with torch.no_grad():
+            fast = mixer(x)
+        return fast, mixer(x).detach()  # under autograd: no cached views
+
+    fast, expected = both()
+    torch.testing.assert_close(fast, expected, atol=0, rtol=0)
+    mixer.experts.up.data = mixer.experts.up.data * 2  # new memory, no module call
+    fast, expected = both()
+    torch.testing.assert_close(fast, expected, atol=0, rtol=0)
+    mixer.double()
+    x = x.double()
+    fast, expected = both()
+    assert fast.dtype == torch.float64
+    torch.testing.assert_close(fast, expected, atol=0, rtol=0)
+    copy = copy_module.deepcopy(mixer)
+    assert copy.experts._views is None
+    with torch.no_grad():
+        torch.testing.assert_close(copy(x), expected, atol=0, rtol=0)
 
 
 def test_moe_decode_pairs_one_by_one_without_autograd_equal_the_loop():

@@ -101,6 +101,7 @@ class ExpertBank(nn.Module):
         self.down = nn.Parameter(torch.empty(self.offsets[-1], input_size))
         self.path = "auto"
         self._observers: OrderedDict[int, ExpertObserver] = OrderedDict()
+        self._views: tuple[tuple[int, int], list[torch.Tensor], list[torch.Tensor]] | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -155,6 +156,30 @@ class ExpertBank(nn.Module):
         handle = RemovableHandle(self._observers)
         self._observers[handle.id] = observer
         return handle
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ExpertBank:
+        self._views = None  # views of the old tensors would keep them alive
+        return super()._apply(fn, recurse)
+
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "_views": None}  # a copy makes its own views
+
+    def _expert_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every expert's up_j.T [D, w_j] and down_j [w_j, D], views of the bank made once per bank tensors:
+        the loops without autograd would otherwise pay a slice and a transpose per expert and call (a tenth
+        of a decode step's routed time). Kept while the bank's tensors are the same memory."""
+        key = (self.up.data_ptr(), self.down.data_ptr())
+        if self._views is None or self._views[0] != key:
+            with torch.no_grad():
+                if len(set(self.widths)) == 1:
+                    shape = (len(self), self.widths[0], self.up.shape[1])
+                    up_t = list(self.up.view(shape).transpose(1, 2).unbind(0))
+                    downs = list(self.down.view(shape).unbind(0))
+                else:
+                    up_t = [up.T for up in self.up.split(self.widths)]
+                    downs = list(self.down.split(self.widths))
+            self._views = (key, up_t, downs)
+        return self._views[1], self._views[2]
 
     def grouped_runs(self, h: torch.Tensor) -> bool:
         """Whether the grouped matmuls can run on expert inputs h [n, D] (path "grouped" raises where not).
@@ -248,13 +273,7 @@ class ExpertBank(nn.Module):
         """
         size = h.shape[1]
         uniform = len(set(self.widths)) == 1
-        if uniform and len(hit) > 8:
-            shape = (len(self), self.widths[0], size)
-            up_t = self.up.view(shape).transpose(1, 2).unbind(0)  # one call instead of a slice per expert
-            downs = self.down.view(shape).unbind(0)
-        else:
-            up_t = {j: self.up_weight(j).T for j in hit}
-            downs = {j: self.down[self.offsets[j] : self.offsets[j + 1]] for j in hit}
+        up_t, downs = self._expert_views()
         observers = tuple(self._observers.values())
         prefetch = h.device.type == "cpu"
         rows = min(tokens.numel(), _CHUNK_ROWS + max(counts))
@@ -314,9 +333,10 @@ class ExpertBank(nn.Module):
             out = torch.zeros(n, h.shape[1], dtype=weights.dtype, device=h.device)
             rows, out_rows = (h.split(1), out.split(1)) if n > 1 else ((h,), (out,))
             pairs = zip(indices.reshape(-1).tolist(), weights.reshape(-1).tolist())
+            up_t, downs = self._expert_views()
             for pair, (j, weight) in enumerate(pairs):
-                a = torch.relu_(torch.mm(rows[pair // top_k], up[offsets[j] : offsets[j + 1]].T)).square_()
-                out_rows[pair // top_k].addmm_(a, down[offsets[j] : offsets[j + 1]], alpha=weight)
+                a = torch.relu_(torch.mm(rows[pair // top_k], up_t[j])).square_()
+                out_rows[pair // top_k].addmm_(a, downs[j], alpha=weight)
             return out
         outputs = []
         for pair, j in enumerate(indices.reshape(-1).tolist()):
@@ -512,6 +532,7 @@ def allocate_banks(
     for prefix, bank in _banks(module).items():
         for name in ("up", "down"):
             old = bank._parameters[name]
+            bank._views = None
             bank._parameters[name] = nn.Parameter(
                 torch.empty(old.shape, dtype=dtype, device=device), requires_grad=old.requires_grad
             )
