@@ -152,6 +152,7 @@ class ExpertBank(nn.Module):
         inputs [c, D], activation relu(inputs @ up_j.T)^2 [c, w_j], output activation @ down_j.T [c, D]
         (before the routing weight), weights [c] fp32: the routing weights of those c (token, slot) pairs,
         which are in token order. While an observer is registered the bank runs the loop, whatever `path` says.
+        Without autograd the tensors are views of the loop's working buffers: copy what outlives the call.
         """
         handle = RemovableHandle(self._observers)
         self._observers[handle.id] = observer
