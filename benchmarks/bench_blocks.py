@@ -238,6 +238,13 @@ def main() -> None:
                 ]
                 rows.append(bench_moe(theirs, ours, label, 1, args.repeats, args.decode_steps))
 
+    if args.only is not None and args.out.exists():
+        # One kind re-measured: keep the other kind's rows of the previous results.
+        previous = json.loads(args.out.read_text()).get("rows", [])
+        kept = [row for row in previous if row["case"].startswith("MoE") != (args.only == "moe")]
+        all_rows = kept + rows if args.only == "moe" else rows + kept
+    else:
+        all_rows = rows
     keys = ("hidden", "heads", "head_dim", "state", "groups", "chunk", "threads")
     keys += ("experts", "top_k", "expert_width", "shared_width", "latent")
     config = {k: getattr(args, k) for k in keys}
@@ -248,7 +255,7 @@ def main() -> None:
         "torch": torch.__version__,
         "machine": platform.processor() or platform.machine(),
         "note": "shared, loaded machine: absolute times are noisy; ratio = of interleaved medians",
-        "rows": rows,
+        "rows": all_rows,
     }
     write_json_atomically(args.out, payload)
 

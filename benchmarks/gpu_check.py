@@ -79,7 +79,7 @@ def check_expert_bank(experts: int = 128, top_k: int = 8, width: int = 256, size
     h = torch.randn(tokens, size, device="cuda", dtype=torch.bfloat16)
     weights = torch.rand(tokens, top_k, device="cuda")
     indices = torch.rand(tokens, experts, device="cuda").topk(top_k, dim=-1).indices
-    out: dict[str, object] = {"grouped_used": bank.uses_grouped(h, indices.numel())}
+    out: dict[str, object] = {"grouped_used": bank.uses_grouped(h)}
     with torch.no_grad():
         bank.path = "loop"
         loop = bank(h, weights, indices).float()

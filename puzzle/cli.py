@@ -29,16 +29,23 @@ EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The `puzzle` parser with every sub-command of COMMAND_MODULES registered."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The `puzzle` parser with every sub-command of COMMAND_MODULES registered, or only `command`'s.
+
+    With `command` only the module whose name ends in it is imported (`puzzle search` does not pay for the
+    cost model's imports); every module when none does or when it registers no such sub-command.
+    """
+    modules = [name for name in COMMAND_MODULES if name.rsplit(".", 1)[-1] == command] or COMMAND_MODULES
     parser = argparse.ArgumentParser(
         prog="puzzle",
         description="Compress hybrid Mamba / attention / MoE language models (the Puzzle method).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module_name in COMMAND_MODULES:
+    for module_name in modules:
         importlib.import_module(module_name).register(subparsers)
+    if command is not None and command not in subparsers.choices and len(modules) < len(COMMAND_MODULES):
+        return build_parser()
     return parser
 
 
@@ -47,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
 
     argparse's own exits (--help, --version, usage errors) stay SystemExit, as argparse raises them.
     """
-    parser = build_parser()
+    if argv is None:
+        argv = sys.argv[1:]
+    parser = build_parser(argv[0] if argv and not argv[0].startswith("-") else None)
     try:
         args = parser.parse_args(argv)
     except SystemExit:

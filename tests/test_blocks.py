@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy as copy_module
 import dataclasses
 import math
 
@@ -13,6 +14,7 @@ from transformers.models.nemotron_h.configuration_nemotron_h import NemotronHCon
 from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHAttention, NemotronHMLP, NemotronHMoE
 
 from puzzle.blocks import BLOCK_TYPES, build_block
+from puzzle.blocks import moe as moe_module
 from puzzle.blocks.attention import AttentionMixer, KVCache, apply_rope
 from puzzle.blocks.mlp import LinearMixer, MLPMixer, NoOpMixer
 from puzzle.blocks.moe import ExpertBank, MoEMixer, allocate_banks, bank_state, hub_state
@@ -328,7 +330,8 @@ def test_moe_grouped_path_equals_the_loop_and_transformers(dtype):
     hf.to(dtype)
     ours.to(dtype)
     x = torch.randn(2, 5, hidden, generator=torch.Generator().manual_seed(22)).to(dtype)
-    assert ours.experts.uses_grouped(torch.zeros(10, 16, dtype=dtype), 20)  # auto picks it for 10 tokens x 2
+    assert ours.experts.grouped_runs(torch.zeros(10, 16, dtype=dtype))
+    assert not ours.experts.uses_grouped(torch.zeros(10, 16, dtype=dtype))  # auto: the loop on the CPU
     outputs = {}
     with torch.no_grad():
         _, indices = ours.gate(x.reshape(-1, hidden))
@@ -337,7 +340,8 @@ def test_moe_grouped_path_equals_the_loop_and_transformers(dtype):
             ours.experts.path = path
             outputs[path] = ours(x)
         expected = hf(x)
-    # The same products in the same order (torch's CPU grouped_mm loops over the groups in C++).
+    # The same products (torch's CPU grouped_mm loops over the groups in C++), summed in another order that
+    # two slots cannot show: a + b == b + a in floating point.
     torch.testing.assert_close(outputs["grouped"], outputs["loop"], atol=0, rtol=0)
     tolerance = dict(atol=ATOL, rtol=1e-5) if dtype == torch.float32 else dict(atol=0.05, rtol=0.05)
     torch.testing.assert_close(outputs["grouped"], expected, **tolerance)
@@ -379,18 +383,90 @@ def test_moe_decode_pairs_one_by_one_equal_the_loop(widths):
     assert results["loop"][2].abs().max() > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("widths", [8, (8, 3, 5, 8, 1, 6, 2, 7, 8, 4, 4, 4, 9, 8, 8, 8)])
+def test_moe_chunked_loop_equals_the_loop_under_autograd(widths, dtype, monkeypatch):
+    """Without autograd the loop runs chunks of experts (batched gathers, activations and scatters): the same
+    products summed in the same order as expert by expert under autograd, bit for bit, observers included."""
+    monkeypatch.setattr(moe_module, "_CHUNK_ROWS", 5)  # several chunks, some of one expert, at this size
+    monkeypatch.setattr(moe_module, "_PREFETCH_ROWS", 2)
+    spec = dataclasses.replace(GROUPED_SPEC, expert_width=widths, top_k=3)
+    torch.manual_seed(26)
+    mixer = MoEMixer(spec, 16).to(dtype)
+    mixer.experts.path = "loop"
+    x = torch.randn(2, 7, 16).to(dtype)
+    results = {}
+    for tracked in (True, False):
+        calls = []
+        handle = mixer.experts.register_observer(
+            lambda j, *tensors, calls=calls: calls.append((j, [t.detach().clone() for t in tensors]))
+        )
+        with torch.set_grad_enabled(tracked):
+            out = mixer(x)
+        handle.remove()
+        results[tracked] = (out.detach(), calls)
+    (out, calls), (expected_out, expected_calls) = results[False], results[True]
+    assert torch.equal(out, expected_out)
+    assert [j for j, _ in calls] == [j for j, _ in expected_calls] == sorted(j for j, _ in calls)
+    assert len(calls) > 7  # most of the 16 experts receive some of the 14 x 3 pairs
+    for (_, got), (_, expected) in zip(calls, expected_calls):
+        for got_tensor, expected_tensor in zip(got, expected, strict=True):
+            assert torch.equal(got_tensor, expected_tensor)
+
+
+def test_expert_bank_views_follow_the_bank_tensors():
+    """The loops without autograd reuse per-expert views of the bank: new tensors must not be missed."""
+    torch.manual_seed(28)
+    mixer = MoEMixer(GROUPED_SPEC, 16)
+    x = torch.randn(2, 5, 16)
+
+    def both():
+        with torch.no_grad():
+            fast = mixer(x)
+        return fast, mixer(x).detach()  # under autograd: no cached views
+
+    fast, expected = both()
+    torch.testing.assert_close(fast, expected, atol=0, rtol=0)
+    mixer.experts.up.data = mixer.experts.up.data * 2  # new memory, no module call
+    fast, expected = both()
+    torch.testing.assert_close(fast, expected, atol=0, rtol=0)
+    mixer.double()
+    x = x.double()
+    fast, expected = both()
+    assert fast.dtype == torch.float64
+    torch.testing.assert_close(fast, expected, atol=0, rtol=0)
+    copy = copy_module.deepcopy(mixer)
+    assert copy.experts._views is None
+    with torch.no_grad():
+        torch.testing.assert_close(copy(x), expected, atol=0, rtol=0)
+
+
+def test_moe_decode_pairs_one_by_one_without_autograd_equal_the_loop():
+    torch.manual_seed(27)
+    mixer = MoEMixer(dataclasses.replace(GROUPED_SPEC, expert_width=(8, 3, 5, 8) * 4, top_k=3), 16)
+    x = torch.randn(3, 1, 16)  # 9 (token, slot) pairs for 16 experts: one by one, added by addmm_
+    outputs = {}
+    with torch.no_grad():
+        for path in ("auto", "loop"):
+            mixer.experts.path = path
+            outputs[path] = mixer(x)
+    torch.testing.assert_close(outputs["auto"], outputs["loop"], atol=1e-6, rtol=1e-6)
+    assert outputs["loop"].abs().max() > 0.1
+
+
 def test_expert_bank_picks_the_loop_where_grouped_cannot_run():
     uniform, mixed = ExpertBank(16, (8,) * 4), ExpertBank(16, (8, 4, 8, 8))
     pairs = torch.empty(8, 16)
-    assert uniform.uses_grouped(pairs, 8)
-    assert not uniform.uses_grouped(pairs, 3)  # a CPU decode step: fewer pairs than experts
-    assert not uniform.uses_grouped(pairs.double(), 8)
-    assert not ExpertBank(16, (6,) * 4).uses_grouped(pairs, 8)  # rows of 24 bytes
-    assert not mixed.uses_grouped(pairs, 8)
+    assert uniform.grouped_runs(pairs) and ExpertBank(16, (8,) * 4).bfloat16().grouped_runs(pairs.bfloat16())
+    assert not uniform.grouped_runs(pairs.bfloat16())  # inputs in another dtype than the bank
+    assert not uniform.uses_grouped(pairs)  # on the CPU auto runs the loop, faster there
+    assert not uniform.grouped_runs(pairs.double())
+    assert not ExpertBank(16, (6,) * 4).grouped_runs(pairs)  # rows of 24 bytes
+    assert not mixed.grouped_runs(pairs)
     handle = uniform.register_observer(lambda *args: None)
-    assert not uniform.uses_grouped(pairs, 8)  # observers see expert by expert
+    assert not uniform.grouped_runs(pairs)  # observers see expert by expert
     handle.remove()
-    assert uniform.uses_grouped(pairs, 8)
+    assert uniform.grouped_runs(pairs)
     mixed.path = "grouped"
     with pytest.raises(ValueError, match=r"one width for all experts.*widths \[4, 8\]"):
         mixed(pairs, torch.ones(8, 1), torch.zeros(8, 1, dtype=torch.long))

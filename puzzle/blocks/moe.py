@@ -2,11 +2,13 @@
 
 The routed experts of a block live in one `ExpertBank`: two matrices whose rows are the experts' channels,
 so experts of different widths share one pair of tensors. The (token, slot) pairs are sorted by expert once
-and each expert runs on its contiguous slice, either in a loop over views of the bank (the reference) or,
+and each expert runs on its tokens: in a loop over views of the bank (the reference; without autograd in
+chunks of experts, one gather, activation and scatter per chunk, so only the matmuls run per expert) or,
 when every expert has the same width, in two grouped matmuls (`torch.nn.functional.grouped_mm`: in bf16 on a
-Hopper / Blackwell GPU one CUTLASS kernel each and no host sync; on the CPU the same loop in C++, bit for
-bit). A decode step's few pairs run one by one. Checkpoints keep the hub's per-expert tensors:
-`hub_state` and `allocate_banks` map a module's banks to and from them.
+Hopper / Blackwell GPU one CUTLASS kernel each and no host sync; on the CPU a C++ loop over the experts,
+slower than the chunked loop, so "auto" runs it only on a GPU). A decode step's few pairs run one by one.
+Checkpoints keep the hub's per-expert tensors: `hub_state` and `allocate_banks` map a module's banks to and
+from them.
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ _GROUPED_MM: Callable[..., torch.Tensor] | None = getattr(F, "grouped_mm", None)
 )
 # Grouped GEMM kernels need every row stride to be a multiple of 16 bytes (the widths and input size).
 _GROUPED_ALIGNMENT_BYTES = 16
+
+# The CPU loop gathers, activates, weights and scatters this many (token, slot) pairs at once (whole experts,
+# in order): few enough that a chunk's buffers stay in the L2 cache, enough to amortise the per-op overhead.
+_CHUNK_ROWS = 256
+# Experts with at least this many pairs read their `up` rows sequentially before the matmul (see _chunked).
+_PREFETCH_ROWS = 16
 
 # observer(expert, inputs [c, D], activation [c, w], output [c, D] before the routing weight, weights [c] fp32)
 ExpertObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
@@ -80,8 +88,9 @@ class ExpertBank(nn.Module):
     `down_proj.weight` [D, w_j]). Expert j owns rows offsets[j]:offsets[j+1] of both, so pruning a channel
     removes one row of each, and with one width the bank is a [E, w, D] stack for grouped matmuls.
 
-    `path`: "auto" (grouped when it applies, see `uses_grouped`), "loop" (always the reference loop) or
-    "grouped" (an error where it cannot run). Observers (`register_observer`) see every expert's batch.
+    `path`: "auto" (grouped where `uses_grouped`, a few pairs one by one, else the loop), "loop" (always the
+    reference loop) or "grouped" (an error where it cannot run). Observers (`register_observer`) see every
+    expert's batch.
     """
 
     def __init__(self, input_size: int, widths: tuple[int, ...]) -> None:
@@ -92,6 +101,7 @@ class ExpertBank(nn.Module):
         self.down = nn.Parameter(torch.empty(self.offsets[-1], input_size))
         self.path = "auto"
         self._observers: OrderedDict[int, ExpertObserver] = OrderedDict()
+        self._views: tuple[tuple[int, int], list[torch.Tensor], list[torch.Tensor]] | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -142,18 +152,41 @@ class ExpertBank(nn.Module):
         inputs [c, D], activation relu(inputs @ up_j.T)^2 [c, w_j], output activation @ down_j.T [c, D]
         (before the routing weight), weights [c] fp32: the routing weights of those c (token, slot) pairs,
         which are in token order. While an observer is registered the bank runs the loop, whatever `path` says.
+        Without autograd the tensors are views of the loop's working buffers: copy what outlives the call.
         """
         handle = RemovableHandle(self._observers)
         self._observers[handle.id] = observer
         return handle
 
-    def uses_grouped(self, h: torch.Tensor, pairs: int) -> bool:
-        """Whether `path` "auto" runs grouped matmuls for expert inputs h [n, D] routed to `pairs` experts in all.
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> ExpertBank:
+        self._views = None  # views of the old tensors would keep them alive
+        return super()._apply(fn, recurse)
 
-        Needs torch's grouped_mm, one width for all experts, row strides that are multiples of 16 bytes and
-        no observer. On a GPU only bf16 (other dtypes fall back, inside torch, to a loop that syncs the host);
-        on the CPU once there are at least as many pairs as experts (with fewer, e.g. a decode step, the loop
-        over the pairs is cheaper: grouped_mm visits every expert).
+    def __getstate__(self) -> dict:
+        return {**super().__getstate__(), "_views": None}  # a copy makes its own views
+
+    def _expert_views(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Every expert's up_j.T [D, w_j] and down_j [w_j, D], views of the bank made once per bank tensors:
+        the loops without autograd would otherwise pay a slice and a transpose per expert and call (a tenth
+        of a decode step's routed time). Kept while the bank's tensors are the same memory."""
+        key = (self.up.data_ptr(), self.down.data_ptr())
+        if self._views is None or self._views[0] != key:
+            with torch.no_grad():
+                if len(set(self.widths)) == 1:
+                    shape = (len(self), self.widths[0], self.up.shape[1])
+                    up_t = list(self.up.view(shape).transpose(1, 2).unbind(0))
+                    downs = list(self.down.view(shape).unbind(0))
+                else:
+                    up_t = [up.T for up in self.up.split(self.widths)]
+                    downs = list(self.down.split(self.widths))
+            self._views = (key, up_t, downs)
+        return self._views[1], self._views[2]
+
+    def grouped_runs(self, h: torch.Tensor) -> bool:
+        """Whether the grouped matmuls can run on expert inputs h [n, D] (path "grouped" raises where not).
+
+        Needs torch's grouped_mm, one width for all experts, row strides that are multiples of 16 bytes, h in
+        the bank's dtype (fp32, bf16 or fp16) and no observer.
         """
         width, size = self.widths[0], self.up.shape[1]
         if _GROUPED_MM is None or self._observers or any(w != width for w in self.widths):
@@ -161,73 +194,160 @@ class ExpertBank(nn.Module):
         item = self.up.element_size()
         if (width * item) % _GROUPED_ALIGNMENT_BYTES or (size * item) % _GROUPED_ALIGNMENT_BYTES:
             return False
-        if h.dtype != self.up.dtype or h.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            return False
-        if h.is_cuda:
-            return h.dtype == torch.bfloat16
-        return h.device.type == "cpu" and pairs >= len(self)
+        return h.dtype == self.up.dtype and h.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+    def uses_grouped(self, h: torch.Tensor) -> bool:
+        """Whether `path` "auto" runs the grouped matmuls on expert inputs h [n, D]: on a GPU in bf16 where they
+        can run (other dtypes fall back, inside torch, to a loop that syncs the host). Never on the CPU, where
+        torch's grouped_mm is a loop over the experts on sorted, gathered copies of all pairs, slower than
+        `_loop` (benchmarks/bench_blocks.py).
+        """
+        return h.is_cuda and h.dtype == torch.bfloat16 and self.grouped_runs(h)
 
     def forward(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """sum_k weights[:, k] * expert_{indices[:, k]}(h): h [n, D], weights / indices [n, top_k] -> [n, D].
 
-        The (token, slot) pairs are sorted by expert once, so each expert runs on one contiguous batch (a
-        few pairs run one by one instead). The weighted outputs are summed over the slots in pair order, in
-        the weights' dtype (fp32), whatever path ran, then cast to h's dtype.
+        The weighted outputs are summed in the weights' dtype (fp32), whatever path ran, then cast to h's dtype.
         """
         if self.path not in ("auto", "loop", "grouped"):
             raise ValueError(f"ExpertBank.path must be 'auto', 'loop' or 'grouped', found {self.path!r}")
-        n, top_k = indices.shape
         # Observers see each expert's batch: they need the loop, whatever the path.
         grouped = not self._observers and (
-            self.path == "grouped" or (self.path == "auto" and self.uses_grouped(h, indices.numel()))
+            self.path == "grouped" or (self.path == "auto" and self.uses_grouped(h))
         )
-        if self.path == "auto" and not grouped and not self._observers and indices.numel() < len(self):
-            weighted = self._each_pair(h, indices) * weights.reshape(-1, 1)
-            return weighted.view(n, top_k, -1).sum(1).to(h.dtype)
+        if grouped:
+            return self._grouped_forward(h, weights, indices)
+        if self.path == "auto" and not self._observers and indices.numel() < len(self):
+            return self._each_pair(h, weights, indices)
+        return self._loop(h, weights, indices)
+
+    def _loop(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The reference: each expert that received pairs runs on its tokens, and its weighted outputs are added
+        into the result expert by expert (transformers' eager order of summation).
+
+        One stable sort of the flattened (token, slot) pairs gives every expert its tokens, in token order.
+        Without autograd the experts run in chunks of consecutive experts (`_chunked`): the same products in
+        the same order, with the gather, activation, weighting and scatter done once per chunk.
+        """
+        n, top_k = indices.shape
+        experts, order = torch.sort(indices.reshape(-1), stable=True)
+        hit, counts = (t.tolist() for t in torch.unique_consecutive(experts, return_counts=True))
+        tokens = order // top_k
+        pair_weights = weights.reshape(-1)[order].unsqueeze(1)
+        out = torch.zeros(n, h.shape[1], dtype=weights.dtype, device=h.device)
+        tracked = torch.is_grad_enabled() and (
+            h.requires_grad or weights.requires_grad or self.up.requires_grad or self.down.requires_grad
+        )
+        if not hit:
+            return out.to(h.dtype)
+        if not tracked:
+            self._chunked(h, hit, counts, tokens, pair_weights, out)
+            return out.to(h.dtype)
+        start = 0
+        for j, count in zip(hit, counts):
+            token, weight = tokens[start : start + count], pair_weights[start : start + count]
+            x = h.index_select(0, token)
+            a = relu2(torch.mm(x, self.up_weight(j).T))
+            y = torch.mm(a, self.down[self.offsets[j] : self.offsets[j + 1]])
+            for observer in self._observers.values():
+                observer(j, x, a, y, weight[:, 0])
+            out.index_add_(0, token, y.to(weight.dtype) * weight)
+            start += count
+        return out.to(h.dtype)
+
+    def _chunked(
+        self,
+        h: torch.Tensor,
+        hit: list[int],
+        counts: list[int],
+        tokens: torch.Tensor,
+        pair_weights: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """`_loop` without autograd, adding into `out` [n, D]: whole experts are taken in order until a chunk
+        holds `_CHUNK_ROWS` pairs; a chunk's inputs are gathered, activated, weighted and scattered in one op
+        each (into buffers that stay in cache) and only the two matmuls run per expert.
+
+        On the CPU each expert's `up` rows are summed before its first matmul: a sequential read brings them
+        from memory at full bandwidth, which the matmul's own access pattern does not (measured: about a tenth
+        of the routed time of a prefill whose experts do not fit in the cache).
+        """
+        size = h.shape[1]
+        uniform = len(set(self.widths)) == 1
+        up_t, downs = self._expert_views()
+        observers = tuple(self._observers.values())
+        prefetch = h.device.type == "cpu"
+        rows = min(tokens.numel(), _CHUNK_ROWS + max(counts))
+        inputs, outputs = h.new_empty(rows, size), h.new_empty(rows, size)
+        activations = h.new_empty(rows * max(self.widths[j] for j in hit))
+        first = start = 0  # the chunk's first expert (index into hit) and first pair
+        while first < len(hit):
+            last, end = first, start
+            while last < len(hit) and end - start < _CHUNK_ROWS:
+                end += counts[last]
+                last += 1
+            token, experts, sizes = tokens[start:end], hit[first:last], counts[first:last]
+            x = torch.index_select(h, 0, token, out=inputs[: end - start]).split(sizes)
+            elements = [count * self.widths[j] for j, count in zip(experts, sizes)]
+            used = activations[: sum(elements)]
+            if uniform:  # one split rather than a slice and a view per expert
+                a = used.view(end - start, -1).split(sizes)
+            else:
+                a = [part.view(count, -1) for part, count in zip(used.split(elements), sizes)]
+            for j, x_j, a_j in zip(experts, x, a):
+                if prefetch and x_j.shape[0] >= _PREFETCH_ROWS:
+                    up_t[j].sum()
+                torch.mm(x_j, up_t[j], out=a_j)
+            torch.relu_(used).square_()
+            y, weight = outputs[: end - start], pair_weights[start:end]
+            for j, x_j, a_j, y_j, w_j in zip(experts, x, a, y.split(sizes), weight[:, 0].split(sizes)):
+                torch.mm(a_j, downs[j], out=y_j)
+                for observer in observers:
+                    observer(j, x_j, a_j, y_j, w_j)
+            out.index_add_(
+                0, token, y.mul_(weight) if y.dtype == weight.dtype else y.to(weight.dtype).mul_(weight)
+            )
+            first, start = last, end
+
+    def _grouped_forward(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The (token, slot) pairs sorted by expert, both projections as grouped matmuls, the weighted outputs
+        summed over the slots in pair order; no host sync."""
+        n, top_k = indices.shape
         expert_of_pair, order = torch.sort(indices.reshape(-1), stable=True)
         inputs = h.index_select(0, order // top_k)
-        pair_weights = weights.reshape(-1)[order]
-        if grouped:
-            outputs = self._grouped(inputs, expert_of_pair)
-        else:
-            outputs = self._loop(inputs, expert_of_pair, pair_weights)
-        weighted = outputs * pair_weights[:, None]
+        weighted = self._grouped(inputs, expert_of_pair) * weights.reshape(-1)[order][:, None]
         unsort = torch.empty_like(order)
         unsort[order] = torch.arange(order.numel(), device=order.device)
         return weighted.index_select(0, unsort).view(n, top_k, -1).sum(1).to(h.dtype)
 
-    def _each_pair(self, h: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        """Unweighted outputs [n * top_k, D] of each (token, slot) pair in pair order, one at a time: for a few
-        pairs (a decode step) this skips the sort, gather and scatter of the batched paths."""
-        top_k = indices.shape[1]
+    def _each_pair(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """`forward` pair by pair in pair order, for a few pairs (a decode step): no sort, gather or scatter.
+
+        Without autograd each weighted output is added into the result by the down matmul itself (`addmm_`).
+        """
+        n, top_k = indices.shape
         up, down, offsets = self.up, self.down, self.offsets
+        tracked = torch.is_grad_enabled() and (
+            h.requires_grad or weights.requires_grad or up.requires_grad or down.requires_grad
+        )
+        if not tracked and h.dtype == weights.dtype:
+            out = torch.zeros(n, h.shape[1], dtype=weights.dtype, device=h.device)
+            rows, out_rows = (h.split(1), out.split(1)) if n > 1 else ((h,), (out,))
+            pairs = zip(indices.reshape(-1).tolist(), weights.reshape(-1).tolist())
+            up_t, downs = self._expert_views()
+            for pair, (j, weight) in enumerate(pairs):
+                a = torch.relu_(torch.mm(rows[pair // top_k], up_t[j])).square_()
+                out_rows[pair // top_k].addmm_(a, downs[j], alpha=weight)
+            return out
         outputs = []
         for pair, j in enumerate(indices.reshape(-1).tolist()):
             token = pair // top_k
             a = _relu2_(h[token : token + 1] @ up[offsets[j] : offsets[j + 1]].T)
             outputs.append(a @ down[offsets[j] : offsets[j + 1]])
-        return torch.cat(outputs) if outputs else h.new_zeros(0, h.shape[1])
-
-    def _loop(
-        self, inputs: torch.Tensor, expert_of_pair: torch.Tensor, pair_weights: torch.Tensor
-    ) -> torch.Tensor:
-        """The reference: each expert that received pairs runs on its slice of `inputs` [P, D] -> [P, D]."""
-        counts = torch.bincount(expert_of_pair, minlength=len(self)).tolist()
-        outputs = []
-        start = 0
-        for j, count in enumerate(counts):
-            if count == 0:
-                continue
-            x = inputs[start : start + count]
-            a = _relu2_(x @ self.up_weight(j).T)
-            y = a @ self.down[self.offsets[j] : self.offsets[j + 1]]
-            for observer in self._observers.values():
-                observer(j, x, a, y, pair_weights[start : start + count])
-            outputs.append(y)
-            start += count
         if not outputs:
-            return inputs.new_zeros(inputs.shape)
-        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+            return h.new_zeros(n, h.shape[1])
+        weighted = torch.cat(outputs) * weights.reshape(-1, 1)
+        return weighted.view(n, top_k, -1).sum(1).to(h.dtype)
 
     def _grouped(self, inputs: torch.Tensor, expert_of_pair: torch.Tensor) -> torch.Tensor:
         """Both projections as grouped matmuls over the sorted pairs, inputs [P, D] -> [P, D]; no host sync."""
@@ -413,6 +533,7 @@ def allocate_banks(
     for prefix, bank in _banks(module).items():
         for name in ("up", "down"):
             old = bank._parameters[name]
+            bank._views = None
             bank._parameters[name] = nn.Parameter(
                 torch.empty(old.shape, dtype=dtype, device=device), requires_grad=old.requires_grad
             )

@@ -7,6 +7,8 @@ every function solves it restricted to a subset of the columns (the others are h
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib.util
 import math
 import os
 import re
@@ -24,19 +26,24 @@ from puzzle.search.types import SearchError
 if TYPE_CHECKING:
     import pulp
 
-try:  # HiGHS is the default solver; CBC (bundled with PuLP) is the fallback.
-    import highspy
-except ImportError:  # pragma: no cover - exercised only where highspy is absent
-    highspy = None
+
+@functools.cache
+def highs_installed() -> bool:
+    """Whether highspy is installed. HiGHS is the default solver, CBC (bundled with PuLP) the fallback.
+
+    Asked without importing highspy (~30 ms), which the functions that call HiGHS import on first use: a
+    search the knapsack path answers never loads it.
+    """
+    return importlib.util.find_spec("highspy") is not None
 
 
 def resolve_solver(name: str) -> str:
     """The back end a `SolverOptions.solver` stands for: "auto" is HiGHS if highspy is installed, else CBC."""
     if name == "auto":
-        return "highs" if highspy is not None else "cbc"
+        return "highs" if highs_installed() else "cbc"
     if name not in ("highs", "cbc"):
         raise SearchError(f"unknown solver {name!r}; choose 'auto', 'highs' or 'cbc'")
-    if name == "highs" and highspy is None:
+    if name == "highs" and not highs_installed():
         raise SearchError("solver 'highs' needs the highspy package (pip install highspy)")
     return name
 
@@ -79,6 +86,8 @@ _BANNER_SILENCED = False
 
 def new_highs() -> Any:
     """A silent highspy.Highs. The first one in a process prints a banner to fd 1 from C; keep stdout clean."""
+    import highspy
+
     global _BANNER_SILENCED
     if not _BANNER_SILENCED:
         _BANNER_SILENCED = True
@@ -127,6 +136,8 @@ class LPSession:
     (a few simplex iterations each). Used for diving (an incumbent) and probing (fixing columns)."""
 
     def __init__(self, problem: RowModel, columns: np.ndarray, deadline: float | None = None) -> None:
+        import highspy
+
         starts, index, value, row_lower, row_upper = _csc(problem, columns)
         lp = highspy.HighsLp()
         lp.num_col_ = len(columns)
@@ -151,6 +162,8 @@ class LPSession:
         self.solver.changeColBounds(int(column), float(lower), float(upper))
 
     def solve(self) -> BackendResult:
+        import highspy
+
         if self.deadline is not None:
             self.solver.setOptionValue("time_limit", max(0.01, self.deadline - time.perf_counter()))
         self.solver.run()
@@ -306,6 +319,8 @@ def solve_with_pulp(
     status = pulp.LpStatus[model.status]
     has_solution = model.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible)
     if solver_name == "highs" and integer and model.solverModel.getInfo().primal_solution_status != 2:
+        import highspy
+
         # No solution in hand. PuLP reads HiGHS's kObjectiveBound (the search ended: nothing below the
         # cutoff) as a feasible answer; it means "infeasible below the cutoff", unlike a limit reached.
         has_solution = False
@@ -338,6 +353,6 @@ def solve_with_pulp(
 def solve_lp(
     problem: RowModel, columns: np.ndarray, solver_name: str, deadline: float | None
 ) -> BackendResult:
-    if highspy is not None:
+    if highs_installed():
         return _lp_highs(problem, columns, deadline)
     return solve_with_pulp(problem, columns, False, solver_name, 0.0, deadline)

@@ -32,7 +32,7 @@ import numpy as np
 from puzzle.search import mckp
 from puzzle.search.backend import (
     REDUCED_MIP_HIGHS_OPTIONS,
-    highspy,
+    highs_installed,
     resolve_solver,
     solve_lp,
     solve_with_pulp,
@@ -141,7 +141,7 @@ def _solve_problem(problem: Problem, options: SolverOptions, deadline: float | N
     target = min(int(is_variant.sum()), 4 * problem.table.num_blocks + 50)
     sorted_costs = np.sort(reduced[is_variant])
     threshold = max(float(sorted_costs[target - 1]) if target > 0 else 0.0, slack)
-    if highspy is not None and options.heuristics and solver_name == "highs":
+    if highs_installed() and options.heuristics and solver_name == "highs":
         # With an incumbent the fixing is certified at once (threshold = incumbent - LP bound), and
         # probing shrinks the free set further before the only MIP. Not for CBC: its fast branch and
         # bound on the guessed fixing certified sooner than diving + probing in every benchmark row.

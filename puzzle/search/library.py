@@ -46,7 +46,13 @@ def _numeric_leaves(tree: Mapping[str, Any], prefix: str = "") -> dict[str, floa
         if not prefix and key in _STRUCTURE_KEYS:
             continue
         path = f"{prefix}{key}"
-        if isinstance(value, (dict, Mapping)):  # dict first: the ABC check alone is slow
+        kind = type(
+            value
+        )  # exact JSON types first: the Mapping ABC check is slow and most leaves are numbers
+        if kind is float or kind is int:
+            if math.isfinite(value):
+                leaves[path] = float(value)
+        elif kind is dict or (kind is not str and isinstance(value, Mapping)):
             leaves.update(_numeric_leaves(value, path + "."))
         elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
             leaves[path] = float(value)  # booleans are flags, never costs
