@@ -27,7 +27,7 @@ import hashlib
 import json
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from puzzle import dist
+from puzzle import dist, shard
 from puzzle.artifacts import (
     Artifact,
     fingerprint_json,
@@ -68,13 +68,17 @@ class ScoreSettings:
     """How to score. `vocab_chunk`: lm_head rows per chunk (peak memory, see `score_variants`).
     `variants_per_wave`: variants whose mixers are held at once (None: all); the parent runs once per
     batch per wave. `parent_kl_tolerance`: the largest KL (nats/token) the parent's own mixer may score
-    before the run is stopped as not reproducible (0 on the CPU; GPU kernels may add rounding noise)."""
+    before the run is stopped as not reproducible (0 on the CPU; GPU kernels may add rounding noise).
+    `shard`: "fsdp" shards the parent and the variants with FSDP2 under torch.distributed with more than one
+    rank (`puzzle.shard`, as BLD); "none" keeps them replicated on every rank."""
 
     vocab_chunk: int = 4096
     variants_per_wave: int | None = None
     parent_kl_tolerance: float = 1e-6
+    shard: str = "fsdp"
 
     def __post_init__(self) -> None:
+        shard.check_mode("ScoreSettings.shard", self.shard)
         if self.vocab_chunk < 1:
             raise ValueError(f"ScoreSettings.vocab_chunk must be >= 1, found {self.vocab_chunk}")
         if self.variants_per_wave is not None and self.variants_per_wave < 1:
@@ -128,17 +132,6 @@ class Scores:
 # Chunked next-token metrics.
 
 
-def _merge_top(values: torch.Tensor | None, ids: torch.Tensor | None, z: torch.Tensor, start: int):
-    """Running top-5 (values, ids) [N, <=5] merged with chunk logits z [N, C] whose ids start at `start`."""
-    k = min(TOP_K, z.shape[-1])
-    chunk_values, chunk_ids = z.topk(k, dim=-1)
-    chunk_ids = chunk_ids + start
-    if values is None:
-        return chunk_values, chunk_ids
-    values, picked = torch.cat([values, chunk_values], -1).topk(min(TOP_K, values.shape[-1] + k), dim=-1)
-    return values, torch.cat([ids, chunk_ids], -1).gather(-1, picked)
-
-
 def _chunks(vocab: int, chunk: int) -> list[tuple[int, int]]:
     return [(start, min(start + chunk, vocab)) for start in range(0, vocab, chunk)]
 
@@ -148,61 +141,132 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, start: int, stop: int) -
     return torch.nn.functional.linear(hidden, weight[start:stop]).float()
 
 
-class _Stream:
-    """Per-token statistics of one model's logits [N, V], fed one vocabulary chunk at a time.
+def _pick(values: torch.Tensor, ids: torch.Tensor, start: int, stop: int, z: torch.Tensor) -> torch.Tensor:
+    """`values` [N] with z[n, ids[n] - start] where ids[n] falls in this chunk (start..stop)."""
+    inside = (ids >= start) & (ids < stop)
+    local = (ids - start).clamp(0, stop - start - 1)
+    return torch.where(inside, z.gather(-1, local[:, None])[:, 0], values)
 
-    Online logsumexp (running max and sum, fp64 across chunks), the target's logit and the top-5 ids. A
-    nan or +inf logit makes the running max, hence the log-normaliser, non-finite (checked once at the end,
-    not per chunk). With `parent` (the parent's finished stream and per-token
-    `shift`), also sum_v p_v (z_parent - z - shift) for the KL (see `kl`).
-    """
 
-    def __init__(self, n: int, targets: torch.Tensor, shift: torch.Tensor | None = None) -> None:
-        device = targets.device
-        self.targets = targets
+class _Logsumexp:
+    """Online log-sum-exp over vocabulary chunks: running max and sum in fp64 across chunks.
+
+    A nan or +inf logit makes the running max, hence the result, non-finite (checked once at the end)."""
+
+    def __init__(self, n: int, device: torch.device) -> None:
         self.running_max = torch.full((n,), -math.inf, dtype=torch.float64, device=device)
         self.running_sum = torch.zeros(n, dtype=torch.float64, device=device)
-        self.target_logit = torch.zeros(n, dtype=torch.float32, device=device)
-        self.top_values: torch.Tensor | None = None
-        self.top_ids: torch.Tensor | None = None
-        self.shift = shift
-        self.cross = torch.zeros(n, dtype=torch.float64, device=device)
 
-    def update(
-        self, z: torch.Tensor, start: int, stop: int, parent: tuple[torch.Tensor, torch.Tensor] | None = None
-    ):
-        """Add chunk logits z [N, stop - start] (fp32); `parent`: its (chunk logits, probabilities) [N, C]."""
-        new_max = torch.maximum(self.running_max, z.max(-1).values.double())
+    def update(self, z: torch.Tensor, chunk_max: torch.Tensor, scratch: torch.Tensor) -> None:
+        """Add chunk logits z [N, C] (fp32) whose row maxima are `chunk_max` [N]; `scratch`: an [N, C] buffer."""
+        new_max = torch.maximum(self.running_max, chunk_max.double())
         # -inf - -inf is nan: rows with no finite logit yet keep a zero sum (they are non-finite anyway).
         scale = torch.exp(torch.nan_to_num(self.running_max - new_max, nan=0.0))
-        chunk_sum = torch.exp(z - new_max.float()[:, None]).sum(-1).double()
+        chunk_sum = torch.sub(z, new_max.float()[:, None], out=scratch).exp_().sum(-1).double()
         self.running_sum = self.running_sum * scale + chunk_sum
         self.running_max = new_max
-        inside = (self.targets >= start) & (self.targets < stop)
-        local = (self.targets - start).clamp(0, stop - start - 1)
-        self.target_logit = torch.where(inside, z.gather(-1, local[:, None])[:, 0], self.target_logit)
-        self.top_values, self.top_ids = _merge_top(self.top_values, self.top_ids, z, start)
-        if parent is not None:
-            parent_z, parent_p = parent
-            difference = parent_z - z
-            difference -= self.shift.float()[:, None]
-            self.cross += (parent_p * difference).sum(-1).double()
 
     @property
-    def log_normaliser(self) -> torch.Tensor:
+    def value(self) -> torch.Tensor:
         """log sum_v exp(z_v) per token [N] (fp64)."""
         return self.running_max + self.running_sum.log()
 
-    def kl(self, parent: _Stream) -> torch.Tensor:
-        """KL(parent || this) per token [N] (fp64), nats.
+
+@dataclass
+class _Parent:
+    """The parent's per-token statistics of one batch, from one pass over the vocabulary: final hidden state
+    [N, H], log-normaliser [N] (fp64), top-1 ids [N] and their lm_head rows [N, H], next-token NLL [N] (fp64)."""
+
+    hidden: torch.Tensor
+    log_normaliser: torch.Tensor
+    top1: torch.Tensor
+    top1_rows: torch.Tensor
+    nll: torch.Tensor
+
+    @classmethod
+    def of(
+        cls, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunks: list[tuple[int, int]]
+    ) -> _Parent:
+        n = targets.numel()
+        lse = _Logsumexp(n, hidden.device)
+        best = torch.full((n,), -math.inf, device=hidden.device)
+        top1 = torch.zeros(n, dtype=torch.long, device=hidden.device)
+        target_logit = torch.zeros(n, device=hidden.device)
+        for start, stop in chunks:
+            z = _logits(hidden, weight, start, stop)
+            chunk_max, chunk_ids = z.max(-1)
+            lse.update(z, chunk_max, torch.empty_like(z))
+            better = chunk_max > best  # strict: the first of equal maxima wins, as argmax over the whole row
+            top1 = torch.where(better, chunk_ids + start, top1)
+            best = torch.where(better, chunk_max, best)
+            target_logit = _pick(target_logit, targets, start, stop, z)
+        nll = lse.value - target_logit.double()
+        return cls(hidden, lse.value, top1, weight[top1], nll)
+
+    def top1_logit(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logit of the parent's top-1 token under final hidden states `hidden` [N, H] -> [N] (fp32)."""
+        return (hidden * self.top1_rows).float().sum(-1)
+
+
+class _Child:
+    """One variant's per-token statistics against the parent, fed one vocabulary chunk at a time (with the
+    parent's chunk logits and probabilities, computed once per chunk for every variant of the batch).
+
+    Kept per token: the log-normaliser, the target's logit, the child's exact logit of the parent's top-1
+    token (`watched`), how many logits exceed an estimate of it (`above`, for top-5 agreement) and the KL's
+    cross term (see `kl`). No top-k is tracked: the parent's top-1 token is the child's top-1 when its logit
+    is the child's maximum, and among the child's top 5 when fewer than 5 other logits exceed it.
+    """
+
+    def __init__(self, parent: _Parent, hidden: torch.Tensor, targets: torch.Tensor) -> None:
+        n = targets.numel()
+        device = hidden.device
+        self.hidden = hidden
+        self.targets = targets
+        self.watch = parent.top1
+        self.estimate = parent.top1_logit(hidden)  # the watched logit by a dot product, before the pass
+        self.shift = (parent.top1_logit(parent.hidden) - self.estimate).double()
+        self.lse = _Logsumexp(n, device)
+        self.target_logit = torch.zeros(n, device=device)
+        self.watched = torch.zeros(n, device=device)
+        self.above = torch.zeros(n, dtype=torch.float64, device=device)
+        self.cross = torch.zeros(n, dtype=torch.float64, device=device)
+
+    def update(
+        self,
+        z: torch.Tensor,
+        start: int,
+        stop: int,
+        parent_z: torch.Tensor,
+        parent_p: torch.Tensor,
+        scratch: torch.Tensor,
+    ) -> None:
+        """Add chunk logits z [N, C] (fp32), the parent's chunk logits and probabilities [N, C]; `scratch`:
+        an [N, C] fp32 buffer (every step below writes into it, so no temporary of the chunk's size is made)."""
+        self.lse.update(z, z.amax(-1), scratch)
+        self.target_logit = _pick(self.target_logit, self.targets, start, stop, z)
+        self.watched = _pick(self.watched, self.watch, start, stop, z)
+        self.above += torch.gt(z, self.estimate[:, None], out=scratch).sum(-1).double()
+        difference = torch.sub(parent_z, z, out=scratch).sub_(self.shift.float()[:, None])
+        self.cross += torch.linalg.vecdot(parent_p, difference).double()
+
+    def kl(self, parent: _Parent) -> torch.Tensor:
+        """KL(parent || child) per token [N] (fp64), nats.
 
         KL = sum_v p_v (log p_v - log q_v) = sum_v p_v (zp_v - z_v - shift) + (Z - Zp + shift), with Z, Zp the
         log-normalisers: one pass over the vocabulary, since Zp is known before it and Z only enters as a
         per-token constant. `shift` = zp - z at the parent's top-1 token cancels a constant offset between
-        the two logit vectors before the fp32 products, so near-equal distributions keep their precision
-        (equal logits give exactly 0).
+        the two logit vectors before the fp32 products, so near-equal distributions keep their precision.
         """
-        return self.cross + (self.log_normaliser - parent.log_normaliser + self.shift)
+        return self.cross + (self.lse.value - parent.log_normaliser + self.shift)
+
+    def agreement(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top-1, top-5) agreement per token [N] (bool): the parent's top-1 token is the child's most likely,
+        is among the child's 5 most likely. `above` counted the watched token itself when its exact logit
+        exceeds the estimate; the others are those within the estimate's rounding of it (near ties)."""
+        top1 = self.watched.double() >= self.lse.running_max
+        others = self.above - (self.watched > self.estimate).double()
+        return top1, others < TOP_K
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -213,7 +277,7 @@ def _mixer_fingerprint(mixer: nn.Module) -> str:
     """sha256 of a mixer's spec and a sample of each weight (as `fingerprint_model`, for a block)."""
     digest = hashlib.sha256(fingerprint_spec(mixer.spec).encode())
     for name, tensor in mixer.state_dict().items():
-        flat = tensor.detach().reshape(-1)
+        flat = shard.replicated(tensor).detach().reshape(-1)  # a sharded mixer: every rank gathers
         stride = max(1, flat.numel() // 64)
         sample = torch.cat([flat[:64], flat[::stride][:64]]).float().cpu().contiguous()
         digest.update(f"{name}|{tuple(tensor.shape)}|".encode())
@@ -261,29 +325,38 @@ def _get_mixer(parent: HybridLM, mixers: MixerSource, variant: Variant) -> nn.Mo
 # One batch.
 
 
+def _order(variant: Variant) -> tuple[int, str]:
+    return variant.block_index, variant.id
+
+
 @torch.no_grad()
 def _score_batch(
     parent: HybridLM,
+    weight: torch.Tensor,
     ids: torch.Tensor,
     wave: Sequence[Variant],
     mixers: Mapping[Variant, nn.Module],
     sums: torch.Tensor,
     chunk: int,
+    check: Variant | None = None,
 ) -> None:
-    """Add this batch's sums for every variant of `wave` to `sums` [len(wave) + 1, _NUM_SUMS] (fp64); the last
-    row is the parent's own (positions and cross-entropy)."""
-    if ids.ndim != 2 or ids.dtype != torch.long:
-        raise ValueError(
-            f"a held-out batch must be int64 [batch, tokens], found {ids.dtype} {list(ids.shape)}"
-        )
-    if ids.shape[1] < 2:
-        return  # no position has a next token
-    weight = parent.lm_head.weight
+    """Add this batch's sums for every variant of `wave` to `sums` [len(wave) + 2, _NUM_SUMS] (fp64).
+
+    Row len(wave) is the parent's own (positions and cross-entropy). A variant whose mixer is the parent's
+    own is the parent: its row gets the parent's sums (0 KL, full agreement) without any work. `check`, one
+    such variant, is nevertheless run through the suffix like any other, into the last row: its KL must be
+    0 if recomputing the suffix from a kept block input reproduces the parent. `weight`: the whole lm_head
+    weight [V, H] (gathered once per run when the parent is sharded).
+    """
     targets = ids[:, 1:].reshape(-1)
     n = targets.numel()
     chunks = _chunks(weight.shape[0], chunk)
-    blocks_needed = {v.block_index for v in wave}
-    # The parent once: the input of every block with a variant in this wave, and its final hidden state.
+    own = {v for v in wave if mixers[v] is parent.layers[v.block_index].mixer}
+    rows = {variant: row for row, variant in enumerate(wave) if variant not in own}
+    if check is not None:
+        rows[check] = len(wave) + 1
+    blocks_needed = {v.block_index for v in rows}
+    # The parent once: the input of every block with a variant to run, and its final hidden state.
     x = parent.embeddings(ids)
     inputs: dict[int, torch.Tensor] = {}
     for index, block in enumerate(parent.layers):
@@ -294,57 +367,96 @@ def _score_batch(
     def final(x: torch.Tensor) -> torch.Tensor:
         return parent.norm_f(x)[:, :-1].reshape(n, x.shape[-1])
 
-    parent_hidden = final(x)
-    parent_stream = _Stream(n, targets)
+    reference = _Parent.of(final(x), weight, targets, chunks)
+    parent_sq = reference.hidden.float().pow(2).sum(dtype=torch.float64)
+    parent_nll = reference.nll.sum()
+    parent_bad = ~(torch.isfinite(reference.nll) & torch.isfinite(reference.hidden).all(-1))
+    sums[len(wave), _TOKENS] += n
+    sums[len(wave), _PARENT_NLL] += parent_nll
+    for variant in own:
+        row = sums[wave.index(variant)]
+        row[_TOKENS] += n
+        if bool(parent_bad.any()):
+            row[_NONFINITE] += parent_bad.sum()
+            continue
+        row[[_CHILD_NLL, _PARENT_NLL]] += parent_nll
+        row[[_TOP1, _TOP5]] += n
+        row[_SQ_REF] += parent_sq
+    # Every variant to run through its suffix; its final hidden state is kept ([N, H] each) so that each
+    # parent chunk is computed once per batch, then every variant's same chunk.
+    children: list[tuple[int, _Child]] = []
+    for variant in sorted(rows, key=_order):
+        index = variant.block_index
+        y = _variant_block(parent, variant, mixers[variant])(inputs[index])
+        for block in parent.layers[index + 1 :]:
+            y = block(y)
+        children.append((rows[variant], _Child(reference, final(y), targets)))
+        if not any(v.block_index == index for v in rows if _order(v) > _order(variant)):
+            del inputs[index]  # the last variant of the block: free its input
+    scratch = torch.empty(n * chunk, device=weight.device)
     for start, stop in chunks:
-        parent_stream.update(_logits(parent_hidden, weight, start, stop), start, stop)
-    parent_top1 = parent_stream.top_ids[:, 0]
-    top1_rows = weight[parent_top1]  # [N, H]: the logit of the parent's top-1 token, for the KL shift
-
-    def top1_logit(hidden: torch.Tensor) -> torch.Tensor:
-        return (hidden * top1_rows).float().sum(-1)
-
-    parent_top1_logit = top1_logit(parent_hidden)
-    parent_nll = parent_stream.log_normaliser - parent_stream.target_logit.double()
-    parent_sq = parent_hidden.float().pow(2).sum(dtype=torch.float64)
-    sums[-1, _TOKENS] += n
-    sums[-1, _PARENT_NLL] += parent_nll.sum()
-    rows = {variant: row for row, variant in enumerate(wave)}
-    for index in sorted(blocks_needed):
-        # Every variant of the block through the suffix; their final hidden states are kept ([N, H] each) so
-        # that each parent chunk is computed once for the block, then every variant's same chunk.
-        children: list[tuple[int, torch.Tensor, _Stream]] = []
-        for variant in (v for v in wave if v.block_index == index):
-            y = _variant_block(parent, variant, mixers[variant])(inputs[index])
-            for block in parent.layers[index + 1 :]:
-                y = block(y)
-            hidden = final(y)
-            shift = (parent_top1_logit - top1_logit(hidden)).double()
-            children.append((rows[variant], hidden, _Stream(n, targets, shift)))
-        for start, stop in chunks:
-            parent_z = _logits(parent_hidden, weight, start, stop)
-            parent_p = torch.exp(parent_z - parent_stream.log_normaliser.float()[:, None])
-            for _, hidden, stream in children:
-                stream.update(_logits(hidden, weight, start, stop), start, stop, (parent_z, parent_p))
-            del parent_z, parent_p
-        for row, hidden, stream in children:
-            kl = stream.kl(parent_stream)
-            bad = ~(torch.isfinite(kl) & torch.isfinite(stream.target_logit) & torch.isfinite(hidden).all(-1))
-            sums[row, _TOKENS] += n
-            if bool(bad.any()):
-                sums[row, _NONFINITE] += bad.sum()
-                continue
-            sums[row, _KL] += kl.sum()
-            sums[row, _CHILD_NLL] += (stream.log_normaliser - stream.target_logit.double()).sum()
-            sums[row, _PARENT_NLL] += parent_nll.sum()
-            sums[row, _TOP1] += (stream.top_ids[:, 0] == parent_top1).sum()
-            sums[row, _TOP5] += (stream.top_ids == parent_top1[:, None]).any(-1).sum()
-            sums[row, _SQ_ERR] += (hidden.float() - parent_hidden.float()).pow(2).sum(dtype=torch.float64)
-            sums[row, _SQ_REF] += parent_sq
+        parent_z = _logits(reference.hidden, weight, start, stop)
+        parent_p = torch.exp(parent_z - reference.log_normaliser.float()[:, None])
+        view = scratch[: n * (stop - start)].view(n, stop - start)
+        for _, child in children:
+            child.update(_logits(child.hidden, weight, start, stop), start, stop, parent_z, parent_p, view)
+    for row, child in children:
+        kl = child.kl(reference)
+        hidden = child.hidden
+        bad = ~(torch.isfinite(kl) & torch.isfinite(child.target_logit) & torch.isfinite(hidden).all(-1))
+        sums[row, _TOKENS] += n
+        if bool(bad.any()):
+            sums[row, _NONFINITE] += bad.sum()
+            continue
+        top1, top5 = child.agreement()
+        sums[row, _KL] += kl.sum()
+        sums[row, _CHILD_NLL] += (child.lse.value - child.target_logit.double()).sum()
+        sums[row, _PARENT_NLL] += parent_nll
+        sums[row, _TOP1] += top1.sum()
+        sums[row, _TOP5] += top5.sum()
+        sums[row, _SQ_ERR] += (hidden.float() - reference.hidden.float()).pow(2).sum(dtype=torch.float64)
+        sums[row, _SQ_REF] += parent_sq
 
 
 # ----------------------------------------------------------------------------------------------------------
 # The stage.
+
+
+def _valid(batches: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The batches with a next-token position, each checked to be int64 [batch, tokens]."""
+    for ids in batches:
+        if ids.ndim != 2 or ids.dtype != torch.long:
+            raise ValueError(
+                f"a held-out batch must be int64 [batch, tokens], found {ids.dtype} {list(ids.shape)}"
+            )
+        if ids.shape[1] >= 2:  # else no position has a next token
+            yield ids
+
+
+def _steps(
+    read_batches: Callable[[], Iterable[torch.Tensor]], sharded: bool
+) -> Iterable[tuple[torch.Tensor, bool]]:
+    """This rank's (batch, counted) steps: its round-robin share of the batches (`dist.shard`).
+
+    Sharded units all-gather in every forward, so then every rank runs as many steps as rank 0: a rank with
+    one batch fewer runs one more on the first batch, not counted (at most one batch per wave of extra work).
+    """
+    if not sharded:
+        return ((ids, True) for ids in dist.shard(_valid(read_batches())))
+    every = list(_valid(read_batches()))
+    mine = [(ids, True) for ids in dist.shard(every)]
+    return mine + [(every[0], False)] * (-(-len(every) // dist.world_size()) - len(mine))
+
+
+def _check_parent(variant: Variant, row: torch.Tensor, tolerance: float) -> None:
+    """RuntimeError unless the parent's own mixer, run through the suffix, scored the parent (KL <= tolerance)."""
+    tokens = int(row[_TOKENS])
+    if tokens and (row[_NONFINITE] > 0 or float(row[_KL] / tokens) > tolerance):
+        raise RuntimeError(
+            f"block {variant.block_index}: the parent's own mixer scores {_record(variant, row, '')}, "
+            f"expected KL <= {tolerance} and finite: the suffix recomputation does not reproduce the parent "
+            f"(non-deterministic kernels?)"
+        )
 
 
 def _record(variant: Variant, row: torch.Tensor, fingerprint: str) -> VariantScore:
@@ -482,35 +594,44 @@ def score_variants(
         for v in requested
         if _key(v) not in done or fingerprints[v] not in ("", done[_key(v)].get("mixer", ""))
     ]
-    pending.sort(key=lambda v: (v.block_index, v.id))
+    pending.sort(key=_order)
     size = settings.variants_per_wave or max(1, len(pending))
     waves = [pending[start : start + size] for start in range(0, len(pending), size)]
-    device = parent.lm_head.weight.device
+    sharded = shard.active(settings.shard)
+    if sharded and waves:
+        shard.shard_parent(parent)
+    # The whole lm_head for the chunk matmuls, all-gathered once when sharded (every rank, same order).
+    weight = shard.replicated(parent.lm_head.weight) if waves else parent.lm_head.weight
+    device = weight.device
     parent_was_training = parent.training
     parent.eval()
     try:
         for number, wave in enumerate(waves):
-            held = {v: _get_mixer(parent, mixers, v) for v in wave}
-            sums = torch.zeros(len(wave) + 1, _NUM_SUMS, dtype=torch.float64, device=device)
-            shard = dist.shard(read_batches())
-            for ids in progress(shard, desc=f"scoring wave {number + 1}/{len(waves)}", unit="batch"):
-                _score_batch(parent, ids.to(device), wave, held, sums, settings.vocab_chunk)
+            held = {}
+            for v in wave:
+                held[v] = mixer = _get_mixer(parent, mixers, v)
+                if sharded:  # one variant at a time is whole, as loaded: shard it before the next
+                    shard.shard_variant(mixer)
+            own = [v for v in wave if held[v] is parent.layers[v.block_index].mixer]
+            check = min(own, key=_order) if own else None
+            sums = torch.zeros(len(wave) + 2, _NUM_SUMS, dtype=torch.float64, device=device)
+            steps = _steps(read_batches, sharded)
+            for step, (ids, counted) in enumerate(
+                progress(steps, desc=f"scoring wave {number + 1}/{len(waves)}", unit="batch")
+            ):
+                into = sums if counted else torch.zeros_like(sums)  # a padding batch: collectives only
+                checked = check if step == 0 else None
+                _score_batch(parent, weight, ids.to(device), wave, held, into, settings.vocab_chunk, checked)
             dist.all_reduce_sum_([sums])
             sums = sums.cpu()
+            if check is not None:
+                _check_parent(check, sums[-1], settings.parent_kl_tolerance)
             for row, variant in enumerate(wave):
-                record = _record(variant, sums[row], fingerprints[variant])
-                own = held[variant] is parent.layers[variant.block_index].mixer
-                if own and not (record.failed is None and record.kl <= settings.parent_kl_tolerance):
-                    raise RuntimeError(
-                        f"block {variant.block_index}: the parent's own mixer scores {record}, expected KL 0 "
-                        f"and full agreement: the suffix recomputation does not reproduce the parent "
-                        f"(non-deterministic kernels?)"
-                    )
-                done[_key(variant)] = record.to_dict()
-            tokens = int(sums[-1, _TOKENS])
+                done[_key(variant)] = _record(variant, sums[row], fingerprints[variant]).to_dict()
+            tokens = int(sums[len(wave), _TOKENS])
             totals = {
                 "tokens": tokens,
-                "parent_loss": float(sums[-1, _PARENT_NLL] / tokens) if tokens else None,
+                "parent_loss": float(sums[len(wave), _PARENT_NLL] / tokens) if tokens else None,
             }
             del held
             with dist.main_process_first():
