@@ -5,20 +5,37 @@ objective), the change in LM loss, top-1 / top-5 agreement with the parent and t
 final hidden state. Positions are those with a next token in the batch (`t - 1` per row of `[b, t]`).
 
 Work per batch: the parent runs once and keeps the input of every block that has variants to score; for
-block i every variant of block i runs on that input and only blocks i+1.. are recomputed (the suffix).
-Logits never exist over the whole vocabulary: the lm_head runs one vocabulary chunk of `vocab_chunk` rows
-at a time. The parent's logits stream once per batch for its per-token log-normaliser, top-5 ids and
-target logit, which are kept with its final hidden state; its chunk logits are then recomputed from that
-hidden state (one lm_head chunk matmul) once per (batch, block) and shared by all variants of the block,
-instead of storing `[tokens, V]` fp32 log-probabilities (2 GB for 4,096 tokens at V = 131,072). Each
-variant's logits stream once: online logsumexp, top-5, target logit and the KL's cross term together
-(`_Stream.kl` shows why one pass suffices), so a variant costs one lm_head matmul, as a full forward does.
+block i every variant of block i runs on that input and only blocks i+1.. are recomputed (the suffix). A
+variant whose mixer is the parent's own is the parent: it gets the parent's sums (0 KL, full agreement)
+without running anything; once per wave (first batch) one of them does run through its suffix, and its KL
+must be 0 (`ScoreSettings.parent_kl_tolerance`), which checks that recomputing a suffix from a kept input
+reproduces the parent. Logits never exist over the whole vocabulary: the lm_head runs one vocabulary chunk
+of `vocab_chunk` rows at a time. The parent's logits stream once per batch for its per-token
+log-normaliser, top-1 id and target logit; then one more pass over the chunks serves every variant of the
+wave: each parent chunk (logits and probabilities) is computed once, then every variant's same chunk,
+whose statistics (online logsumexp, target logit, the logit of the parent's top-1 token, the count of
+logits above it, the KL's cross term; `_Child`) are taken in one pass, without a top-k. So a variant costs
+its block, its suffix and one lm_head matmul, and the parent two lm_head matmuls per batch.
 
-Scale and resume: batches are data-parallel (`puzzle.dist.shard`), the per-variant sums all-reduced in
-fp64. Variants are scored in waves (`ScoreSettings.variants_per_wave`); after each wave rank 0 saves every
-finished variant atomically to `scores.partial.json`, so a killed run loses at most the wave in flight
-and never scores a finished variant again. The final `scores.json` goes through `puzzle.artifacts.Artifact`
-(inputs: parent, data and settings fingerprints).
+Scale: batches are data-parallel (`puzzle.dist.shard`, whole batches per rank), the per-variant sums
+all-reduced in fp64. With `ScoreSettings.shard = "fsdp"` (the default) under torch.distributed with more
+than one rank, the parent is sharded with FSDP2 exactly as in BLD (`puzzle.shard.shard_parent`: embeddings,
+lm_head and each block's mixer one unit each, gathered for their own forward), in place; the lm_head weight
+is all-gathered once per call for the chunk matmuls (V x H per rank while scoring). Variant mixers are
+sharded too, each one as it is loaded (`puzzle.shard.shard_variant`, in place): they need no gradients, but
+a wave of large variants (a Super MoE block is gigabytes) held whole on every rank would cost wave-size
+times a variant per rank, where sharded it costs 1/world of that plus one variant gathered at a time; the
+price is one all-gather of a variant per batch, small next to its suffix forward. Every rank then runs the
+same number of batches (a rank short of one re-runs its first batch without counting it), since each
+unit's forward is a collective. "none" keeps everything replicated.
+
+Resume: variants are scored in waves (`ScoreSettings.variants_per_wave`); every variant of a wave finishes
+at the wave's last batch, and after each wave rank 0 saves every finished variant atomically to
+`scores.partial.json`. So the granularity is the wave: a killed run keeps every variant already scored
+(those of finished waves) and never scores one again, and loses only the partial sums of the wave in
+flight (set `variants_per_wave` to bound that loss; each wave reads the held-out batches once more). The
+final `scores.json` goes through `puzzle.artifacts.Artifact` (inputs: parent, data and settings
+fingerprints).
 """
 
 from __future__ import annotations
@@ -540,7 +557,9 @@ def score_variants(
     `mixers`: variant -> its mixer (a module from `build_block`, same device and dtype as the parent), or a
     callable building / loading one on demand (called once per wave for the variants still to score, so a
     big library is never all in memory); None for a variant with the parent's own block spec means the
-    parent's mixer, whose score is computed like any other and must be 0 KL and full agreement (checked).
+    parent's mixer: that variant is the parent and scores 0 KL and full agreement (its suffix recomputation
+    is checked once per wave, see the module docstring). Under FSDP (`ScoreSettings.shard`) the parent and
+    the mixers are sharded in place: load fresh ones for other work.
     `batches`: held-out int64 `[b, t]` token batches, a sequence or a zero-argument callable returning a
     fresh iterable (the batches are read once per wave); each rank scores its `dist.shard` of them.
     `data_fingerprint`: names the data (e.g. `fingerprint_file` of the token file); default
@@ -550,11 +569,12 @@ def score_variants(
     logits) is a result too: it is not retried unless its fingerprint changes.
 
     Peak memory beyond the forward passes, per batch of N = b * (t - 1) positions: the kept block inputs
-    (N * H per block with variants in the wave, parent dtype), each variant of the block being scored's
-    final hidden state (N * H), the parent's chunk logits and probabilities and, for the variant in flight,
-    its chunk logits and two temporaries: about 5 fp32 `[N, vocab_chunk]` tensors, 20 * N * vocab_chunk
-    bytes (335 MB for N = 4,096 and the default chunk 4,096), whatever the vocabulary size; plus the
-    `[N, H]` lm_head rows of the parent's top-1 tokens.
+    (N * H per block with variants in the wave, parent dtype, each freed once its variants have run), the
+    final hidden state of every variant of the wave that runs (N * H each: they wait for the shared chunk
+    pass), and for the chunk pass the parent's chunk logits and probabilities, the chunk logits of the
+    variant in flight and one scratch buffer: 4 fp32 `[N, vocab_chunk]` tensors, 16 * N * vocab_chunk bytes
+    (268 MB for N = 4,096 and the default chunk 4,096) whatever the vocabulary size; plus the `[N, H]`
+    lm_head rows of the parent's top-1 tokens. Under FSDP add the whole lm_head weight.
 
     Collective under torch.distributed (same arguments on every rank). Returns the requested variants'
     scores; scores.json holds every variant scored so far from the same parent, data and settings.
