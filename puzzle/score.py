@@ -68,6 +68,7 @@ from puzzle.spec import NoOpSpec, Variant
 
 SCORES_FILE = "scores.json"
 PARTIAL_FILE = "scores.partial.json"
+WAVE_FILE = "scores.wave.json"
 FORMAT = 1
 TOP_K = 5
 
@@ -87,14 +88,21 @@ class ScoreSettings:
     batch per wave. `parent_kl_tolerance`: the largest KL (nats/token) the parent's own mixer may score
     before the run is stopped as not reproducible (0 on the CPU; GPU kernels may add rounding noise).
     `shard`: "fsdp" shards the parent and the variants with FSDP2 under torch.distributed with more than one
-    rank (`puzzle.shard`, as BLD); "none" keeps them replicated on every rank."""
+    rank (`puzzle.shard`, as BLD); "none" keeps them replicated on every rank. `checkpoint_every`: batches
+    (per rank) between saves of the running sums of the wave in flight (None: only finished waves are
+    saved)."""
 
     vocab_chunk: int = 4096
     variants_per_wave: int | None = None
     parent_kl_tolerance: float = 1e-6
     shard: str = "fsdp"
+    checkpoint_every: int | None = 20
 
     def __post_init__(self) -> None:
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ValueError(
+                f"ScoreSettings.checkpoint_every must be >= 1 or None, found {self.checkpoint_every}"
+            )
         shard.check_mode("ScoreSettings.shard", self.shard)
         if self.vocab_chunk < 1:
             raise ValueError(f"ScoreSettings.vocab_chunk must be >= 1, found {self.vocab_chunk}")
@@ -452,17 +460,57 @@ def _valid(batches: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
 
 def _steps(
     read_batches: Callable[[], Iterable[torch.Tensor]], sharded: bool
-) -> Iterable[tuple[torch.Tensor, bool]]:
-    """This rank's (batch, counted) steps: its round-robin share of the batches (`dist.shard`).
+) -> tuple[list[tuple[torch.Tensor, bool]], int]:
+    """This rank's (batch, counted) steps, its round-robin share of the batches (`dist.shard`), and how many
+    steps every rank has (where a wave's running sums may be saved).
 
     Sharded units all-gather in every forward, so then every rank runs as many steps as rank 0: a rank with
     one batch fewer runs one more on the first batch, not counted (at most one batch per wave of extra work).
     """
-    if not sharded:
-        return ((ids, True) for ids in dist.shard(_valid(read_batches())))
     every = list(_valid(read_batches()))
     mine = [(ids, True) for ids in dist.shard(every)]
-    return mine + [(every[0], False)] * (-(-len(every) // dist.world_size()) - len(mine))
+    world = dist.world_size()
+    if not sharded:
+        return mine, len(every) // world
+    padded = -(-len(every) // world)
+    return mine + [(every[0], False)] * (padded - len(mine)), padded
+
+
+def _wave_state(inputs: Mapping[str, str], wave: Sequence[Variant], sharded: bool) -> dict:
+    """What a wave's checkpoint must match: the inputs, the wave's variants, the world size and the sharding."""
+    return {
+        "inputs": dict(inputs),
+        "wave": [_key(v) for v in wave],
+        "world": dist.world_size(),
+        "sharded": sharded,
+    }
+
+
+def _load_wave(directory: Path, state: Mapping[str, Any], rows: int) -> tuple[int, list] | None:
+    """(steps done, running sums) of the wave in flight saved by a killed run with the same `state`, or None."""
+    path = directory / WAVE_FILE
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        if {k: saved[k] for k in state} != dict(state):
+            return None
+        step, sums = int(saved["step"]), saved["sums"]
+        if step < 1 or len(sums) != rows or any(len(row) != _NUM_SUMS for row in sums):
+            raise ValueError(f"expected {rows} rows of {_NUM_SUMS} sums after at least 1 step")
+    except (ValueError, KeyError, TypeError) as error:
+        _log.info("the wave checkpoint %s is not reused: %s", path, error)
+        return None
+    return step, sums
+
+
+def _save_wave(directory: Path, state: Mapping[str, Any], step: int, sums: torch.Tensor) -> None:
+    """Rank 0 saves the wave's running sums over every rank after `step` steps of each (a collective)."""
+    total = sums.clone()
+    dist.all_reduce_sum_([total])
+    with dist.main_process_first():
+        if dist.is_main():
+            atomic_write(directory / WAVE_FILE, json_writer({**state, "step": step, "sums": total.tolist()}))
 
 
 def _check_parent(variant: Variant, row: torch.Tensor, tolerance: float) -> None:
@@ -635,13 +683,22 @@ def score_variants(
             own = [v for v in wave if held[v] is parent.layers[v.block_index].mixer]
             check = min(own, key=_order) if own else None
             sums = torch.zeros(len(wave) + 2, _NUM_SUMS, dtype=torch.float64, device=device)
-            steps = _steps(read_batches, sharded)
-            for step, (ids, counted) in enumerate(
-                progress(steps, desc=f"scoring wave {number + 1}/{len(waves)}", unit="batch")
-            ):
+            steps, common = _steps(read_batches, sharded)
+            state = _wave_state(inputs, wave, sharded)
+            resumed = _load_wave(out_dir, state, len(sums)) if dist.is_main() else None
+            first, saved = dist.broadcast_object(resumed) or (0, None)
+            if saved is not None and dist.is_main():  # the sums of every rank so far, on rank 0
+                sums.copy_(torch.tensor(saved, dtype=torch.float64))
+            desc = f"scoring wave {number + 1}/{len(waves)}"
+            for step, (ids, counted) in enumerate(progress(steps, desc=desc, unit="batch")):
+                if step < first:
+                    continue  # scored before the run was killed
                 into = sums if counted else torch.zeros_like(sums)  # a padding batch: collectives only
                 checked = check if step == 0 else None
                 _score_batch(parent, weight, ids.to(device), wave, held, into, settings.vocab_chunk, checked)
+                every = settings.checkpoint_every
+                if every and (step + 1) % every == 0 and step + 1 < common:  # same steps on every rank
+                    _save_wave(out_dir, state, step + 1, sums)
             dist.all_reduce_sum_([sums])
             sums = sums.cpu()
             if check is not None:
@@ -657,6 +714,7 @@ def score_variants(
             with dist.main_process_first():
                 if dist.is_main():
                     atomic_write(out_dir / PARTIAL_FILE, json_writer(_content(inputs, done, totals)))
+                    (out_dir / WAVE_FILE).unlink(missing_ok=True)
     finally:
         parent.train(parent_was_training)
     totals = totals or {"tokens": 0, "parent_loss": None}
@@ -667,6 +725,7 @@ def score_variants(
     with dist.main_process_first():
         if dist.is_main():
             (out_dir / PARTIAL_FILE).unlink(missing_ok=True)
+            (out_dir / WAVE_FILE).unlink(missing_ok=True)
     scores = {v: VariantScore.from_dict(done[_key(v)]) for v in requested}
     return Scores(scores, totals["tokens"], totals["parent_loss"], inputs)
 

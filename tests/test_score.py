@@ -27,6 +27,7 @@ from puzzle.score import (
     _TOKENS,
     PARTIAL_FILE,
     SCORES_FILE,
+    WAVE_FILE,
     ScoreSettings,
     _check_parent,
     load_scores,
@@ -263,6 +264,46 @@ def test_sigkilled_run_keeps_finished_waves(tmp_path):
     for v in order:
         assert resumed[v].kl == pytest.approx(uninterrupted[v].kl, rel=1e-12, abs=1e-15)
         assert resumed[v].top5 == uninterrupted[v].top5
+
+
+KILLED_MID_WAVE = """
+import os, signal, sys
+from test_score import _batches, _parent, _runnable
+from puzzle.score import ScoreSettings, score_variants
+
+parent = _parent()
+library = _runnable(parent)
+calls = []
+
+def die_in_the_third_batch(*_):
+    calls.append(1)
+    if len(calls) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+library[min(library, key=lambda v: (v.block_index, v.id))].register_forward_hook(die_in_the_third_batch)
+score_variants(parent, library, library, _batches(), sys.argv[1], ScoreSettings(checkpoint_every=1))
+"""
+
+
+def test_sigkilled_run_resumes_inside_its_wave(tmp_path):
+    """One wave, killed in its 3rd (last) batch: the resumed run scores only that batch, and gives exactly the
+    uninterrupted scores (the saved fp64 sums continue in the same order)."""
+    root = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root.parent), str(root)])}
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_MID_WAVE, str(tmp_path)], env=env, capture_output=True
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    saved = json.loads((tmp_path / WAVE_FILE).read_text())
+    assert saved["step"] == 2 and not (tmp_path / PARTIAL_FILE).exists()
+    parent, batches = _parent(), _batches()
+    library = _runnable(parent)
+    calls = _forward_counter(library)
+    resumed = score_variants(parent, library, library, batches, tmp_path, ScoreSettings(checkpoint_every=1))
+    assert set(calls.values()) == {1}  # every variant ran on the last batch only
+    assert not (tmp_path / WAVE_FILE).exists() and not (tmp_path / PARTIAL_FILE).exists()
+    uninterrupted = score_variants(parent, library, library, batches, tmp_path / "whole")
+    assert resumed.variants == uninterrupted.variants and resumed.tokens == uninterrupted.tokens
 
 
 # ----------------------------------------------------------------------------------------------------------
