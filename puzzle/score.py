@@ -669,7 +669,8 @@ def score_variants(
     if sharded and waves:
         shard.shard_parent(parent)
     # The whole lm_head for the chunk matmuls, all-gathered once when sharded (every rank, same order).
-    weight = shard.replicated(parent.lm_head.weight) if waves else parent.lm_head.weight
+    with torch.no_grad():
+        weight = shard.replicated(parent.lm_head.weight) if waves else parent.lm_head.weight
     device = weight.device
     parent_was_training = parent.training
     parent.eval()
