@@ -117,7 +117,7 @@ class VariantScore:
     """One variant's scores. `kl`: mean KL(parent || child) in nats/token; `lm_loss_delta`: child minus parent
     mean next-token cross-entropy (nats/token); `top1`: fraction of positions where the child's most likely
     token is the parent's; `top5`: fraction where the parent's most likely token is among the child's 5 most
-    likely; `hidden_nmse`: sum |h_child - h_parent|^2 / sum |h_parent|^2 of the final hidden state (after the
+    likely (a tie with the child's maximum, or its 5th largest, counts as agreement); `hidden_nmse`: sum |h_child - h_parent|^2 / sum |h_parent|^2 of the final hidden state (after the
     final norm, what lm_head reads). `failed`: why there are no scores (non-finite logits), else None."""
 
     variant: Variant
@@ -229,8 +229,9 @@ class _Parent:
         return cls(hidden, lse.value, top1, weight[top1], nll)
 
     def top1_logit(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The logit of the parent's top-1 token under final hidden states `hidden` [N, H] -> [N] (fp32)."""
-        return (hidden * self.top1_rows).float().sum(-1)
+        """The logit of the parent's top-1 token under final hidden states `hidden` [N, H] -> [N] (fp32, then
+        rounded to the logits' dtype, as `_logits` rounds the matmul's output)."""
+        return (hidden.float() * self.top1_rows.float()).sum(-1).to(hidden.dtype).float()
 
 
 class _Child:
@@ -240,7 +241,8 @@ class _Child:
     Kept per token: the log-normaliser, the target's logit, the child's exact logit of the parent's top-1
     token (`watched`), how many logits exceed an estimate of it (`above`, for top-5 agreement) and the KL's
     cross term (see `kl`). No top-k is tracked: the parent's top-1 token is the child's top-1 when its logit
-    is the child's maximum, and among the child's top 5 when fewer than 5 other logits exceed it.
+    is the child's maximum, and among the child's top 5 when fewer than 5 other logits exceed it (strictly:
+    a tie at the 5th place counts as agreement, where a top-k would pick by index).
     """
 
     def __init__(self, parent: _Parent, hidden: torch.Tensor, targets: torch.Tensor) -> None:
