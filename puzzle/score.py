@@ -31,11 +31,12 @@ unit's forward is a collective. "none" keeps everything replicated.
 
 Resume: variants are scored in waves (`ScoreSettings.variants_per_wave`); every variant of a wave finishes
 at the wave's last batch, and after each wave rank 0 saves every finished variant atomically to
-`scores.partial.json`. So the granularity is the wave: a killed run keeps every variant already scored
-(those of finished waves) and never scores one again, and loses only the partial sums of the wave in
-flight (set `variants_per_wave` to bound that loss; each wave reads the held-out batches once more). The
-final `scores.json` goes through `puzzle.artifacts.Artifact` (inputs: parent, data and settings
-fingerprints).
+`scores.partial.json`: a killed run keeps every variant already scored and never scores one again. Within
+the wave in flight, every `ScoreSettings.checkpoint_every` batches rank 0 saves the running fp64 sums of all
+ranks (`scores.wave.json`, after an all-reduce; a few numbers per variant), so a killed run also resumes
+inside its wave, at the last saved batch, to exactly the sums of an uninterrupted run (same world size and
+sharding; else the wave starts over). The final `scores.json` goes through `puzzle.artifacts.Artifact`
+(inputs: parent, data and settings fingerprints).
 """
 
 from __future__ import annotations
@@ -84,8 +85,8 @@ MixerSource = Mapping[Variant, nn.Module | None] | Callable[[Variant], nn.Module
 @dataclass(frozen=True)
 class ScoreSettings:
     """How to score. `vocab_chunk`: lm_head rows per chunk (peak memory, see `score_variants`).
-    `variants_per_wave`: variants whose mixers are held at once (None: all); the parent runs once per
-    batch per wave. `parent_kl_tolerance`: the largest KL (nats/token) the parent's own mixer may score
+    `variants_per_wave`: variants whose mixers (and, per batch, final hidden states) are held at once (None:
+    all); the parent runs once per batch per wave. `parent_kl_tolerance`: the largest KL (nats/token) the parent's own mixer may score
     before the run is stopped as not reproducible (0 on the CPU; GPU kernels may add rounding noise).
     `shard`: "fsdp" shards the parent and the variants with FSDP2 under torch.distributed with more than one
     rank (`puzzle.shard`, as BLD); "none" keeps them replicated on every rank. `checkpoint_every`: batches
