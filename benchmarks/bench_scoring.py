@@ -10,7 +10,8 @@ loss change, top-5 and hidden-state NMSE, streams the vocabulary in chunks and w
 merit: the ratios of medians and of minima of the times, and the ratio of peak memory above the loaded
 parent and batches (each measured once in a fresh process: peak RSS on the CPU, with glibc returning large
 frees to the system so that the baseline is not inflated; `max_memory_allocated` on CUDA). The CPU is shared
-with other jobs, so absolute times are noisy; ratios less so.
+with other jobs, so wall times are noisy; on the CPU (one torch thread) the process CPU time of each run
+is also recorded, which other jobs disturb much less.
 """
 
 from __future__ import annotations
@@ -151,14 +152,16 @@ def memory_in_child(args: argparse.Namespace, argv: list[str], num_blocks: int, 
 def bench(args: argparse.Namespace, argv: list[str], num_blocks: int) -> dict:
     setup = Setup(args, num_blocks)
     times: dict[str, list[float]] = {name: [] for name in RUNS}
+    cpu_times: dict[str, list[float]] = {name: [] for name in RUNS}
     results: dict[str, dict[Variant, float]] = {}
     for _ in range(args.repeats):
         for name in RUNS:
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             results[name] = setup.run(name)
             if setup.device.type == "cuda":
                 torch.cuda.synchronize()
             times[name].append(time.perf_counter() - start)
+            cpu_times[name].append(time.process_time() - cpu_start)
     worst = max(abs(results["score_variants"][v] - results["naive_full_forward"][v]) for v in setup.library)
     setup.close()
     peaks = {name: memory_in_child(args, argv, num_blocks, name) for name in RUNS}
@@ -171,6 +174,10 @@ def bench(args: argparse.Namespace, argv: list[str], num_blocks: int) -> dict:
             "min_s": min(values),
             "ratio_to_naive": statistics.median(values) / base,
             "ratio_of_mins": min(values) / base_min,
+            "cpu_times_s": cpu_times[name],
+            "cpu_ratio_of_medians": statistics.median(cpu_times[name])
+            / statistics.median(cpu_times[RUNS[0]]),
+            "cpu_ratio_of_mins": min(cpu_times[name]) / min(cpu_times[RUNS[0]]),
             "peak_bytes": peaks[name],
             "peak_ratio_to_naive": peaks[name] / peaks[RUNS[0]],
         }
@@ -227,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "depths": depths,
-        "note": "shared CPU (other jobs running): absolute times are noisy; compare the ratios",
+        "note": "shared CPU (other jobs running): wall times are noisy; compare the ratios, CPU-time ones first",
     }
     args.output.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.output.with_suffix(".json.tmp")
@@ -235,14 +242,16 @@ def main(argv: list[str] | None = None) -> int:
     os.replace(tmp, args.output)
     print(f"H={args.hidden}, V={args.vocab}, chunk {args.vocab_chunk}, {result['tokens']} tokens\n")
     print(
-        "| blocks | variants | run | median s | min s | ratio of medians | ratio of mins | peak MB | peak ratio |"
+        "| blocks | variants | run | median s | min s | ratio of medians | ratio of mins | CPU-time ratio "
+        "(medians / mins) | peak MB | peak ratio |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for depth in depths:
         for row in depth["rows"]:
             print(
                 f"| {depth['blocks']} | {depth['variants']} | {row['run']} | {row['median_s']:.2f} | "
                 f"{row['min_s']:.2f} | {row['ratio_to_naive']:.2f}x | {row['ratio_of_mins']:.2f}x | "
+                f"{row['cpu_ratio_of_medians']:.2f}x / {row['cpu_ratio_of_mins']:.2f}x | "
                 f"{row['peak_bytes'] / 2**20:.1f} | {row['peak_ratio_to_naive']:.2f}x |"
             )
         print(f"(blocks {depth['blocks']}: max |KL difference| {depth['max_abs_kl_difference']:.1e})")
