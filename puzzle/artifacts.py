@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor
 
 from puzzle import __version__, dist
 from puzzle.files import atomic_write
@@ -111,6 +112,8 @@ def fingerprint_model(model: torch.nn.Module) -> str:
     """
     digest = hashlib.sha256(model.spec.to_json(indent=None).encode())
     for name, tensor in model.state_dict().items():
+        if isinstance(tensor, DTensor):  # a sharded (FSDP2) model: the whole tensor, gathered on every rank
+            tensor = tensor.full_tensor()
         flat = tensor.detach().reshape(-1)
         stride = max(1, flat.numel() // 64)
         sample = torch.cat([flat[:64], flat[::stride][:64]]).float().cpu().contiguous()

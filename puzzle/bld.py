@@ -55,7 +55,6 @@ import shutil
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -63,10 +62,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-from puzzle import dist
+from puzzle import dist, shard
 from puzzle.artifacts import (
     Artifact,
     ArtifactError,
@@ -141,8 +138,7 @@ class BLDSettings:
             raise ValueError(
                 f"BLDSettings.memory_limit_bytes must be positive or None, found {self.memory_limit_bytes}"
             )
-        if self.shard not in ("fsdp", "none"):
-            raise ValueError(f"BLDSettings.shard must be 'fsdp' or 'none', found {self.shard!r}")
+        shard.check_mode("BLDSettings.shard", self.shard)
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"BLDSettings.dtype must be 'float32' or 'bfloat16', found {self.dtype!r}")
 
@@ -288,94 +284,6 @@ def _order(variant: Variant) -> tuple[int, str]:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# FSDP2 sharding (a no-op in a single process or with shard="none").
-
-
-def _sharded(settings: BLDSettings) -> bool:
-    return settings.shard == "fsdp" and dist.world_size() > 1
-
-
-def _has_params(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters())
-
-
-def _shard_parent(parent: HybridLM) -> None:
-    """Shard the frozen parent in place: embeddings, lm_head and each block's mixer are one FSDP unit each.
-
-    The pre-norms stay replicated: BLD calls `block.norm` and `block.mixer` apart, and FSDP all-gathers a
-    unit only when that unit's own forward runs. Already sharded units are left as they are.
-    """
-    units = [parent.embeddings] + [b.mixer for b in parent.layers if b.norm is not None]
-    tied = parent.lm_head.weight is parent.embeddings.weight
-    if not tied:
-        units.append(parent.lm_head)
-    for unit in units:
-        if _has_params(unit) and not isinstance(unit, FSDPModule):
-            # Explicit True: each unit is its own FSDP root, which by default stays gathered after forward.
-            fully_shard(unit, reshard_after_forward=True)
-    if (
-        tied
-    ):  # fully_shard replaced embeddings.weight by a sharded parameter: keep the tie (and free the copy)
-        parent.lm_head.weight = parent.embeddings.weight
-
-
-def _shard_variant(mixer: nn.Module) -> None:
-    """Make `mixer` one FSDP unit whose gradients are summed over ranks (not averaged).
-
-    The loss of each rank is already divided by the global normaliser, so the sum is the one-process
-    gradient. Sum-only collectives: gloo has no pre-multiplied sum. Resharded after every forward (a root
-    unit otherwise stays gathered after a held-out forward, and every variant of the wave with it).
-    """
-    fully_shard(mixer, reshard_after_forward=True)
-    for module in mixer.modules():
-        if isinstance(module, FSDPModule):
-            module.set_gradient_divide_factor(1.0)
-            module.set_force_sum_reduction_for_comms(True)
-
-
-@contextmanager
-def _gathered_mixer(parent: HybridLM, index: int) -> Iterator[None]:
-    """Block `index` of the parent holds a plain, full copy of its mixer for the body (a collective).
-
-    Variants are initialised from the parent's full weights (`init_child` slices and copies them); an
-    FSDP unit's own parameters stay sharded even when unsharded, and a deep copy would carry its FSDP
-    state, so the body sees a fresh module loaded with the gathered weights, freed afterwards.
-    """
-    block = parent.layers[index]
-    sharded = block.mixer
-    if not isinstance(sharded, FSDPModule):
-        yield
-        return
-    state = {k: _full(v) for k, v in sharded.state_dict().items()}
-    device = parent.embeddings.weight.device
-    with torch.device("meta"):
-        plain = build_block(sharded.spec, parent.spec.hidden_size, parent.spec.norm_eps)
-    plain = plain.to_empty(device=device)  # meta, then loaded: no draw from the seeded RNG
-    plain.load_state_dict(state)  # strict: every parameter and (persistent) buffer is set
-    plain.requires_grad_(False)
-    block.mixer = plain
-    try:
-        yield
-    finally:
-        block.mixer = sharded
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor on the CPU (a collective for a DTensor: every rank must call it, in the same order)."""
-    if isinstance(tensor, DTensor):
-        tensor = tensor.full_tensor()
-    return tensor.detach().cpu().contiguous()
-
-
-def _like(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    """`value` (a full tensor) laid out as `reference`: this rank's shard when `reference` is a DTensor."""
-    if isinstance(reference, DTensor):
-        value = value.to(device=reference.device, dtype=reference.dtype)
-        return distribute_tensor(value, reference.device_mesh, reference.placements)
-    return value
-
-
-# ----------------------------------------------------------------------------------------------------------
 # The parent pass shared by training and evaluation.
 
 
@@ -431,7 +339,7 @@ def _held_out_nmse(
     position = {v: n for n, v in enumerate(order)}
     device = parent.embeddings.weight.device
     # Sharded units all-gather in their forward, so every rank must run every batch (its rows of it).
-    batches = [_rows(b) for b in held_out] if _sharded(settings) else list(dist.shard(held_out))
+    batches = [_rows(b) for b in held_out] if shard.active(settings.shard) else list(dist.shard(held_out))
     for batch in batches:
         for index, h, p in _parent_blocks(parent, batch, max(by_block)):
             if index not in by_block:
@@ -505,14 +413,14 @@ def _train_step(
             losses[variant] = loss.detach()
     order = sorted(active, key=_order)
     params = {v: [p for p in active[v].parameters() if p.requires_grad] for v in order}
-    if not _sharded(settings):  # FSDP's reduce-scatter has summed the sharded variants' gradients
+    if not shard.active(settings.shard):  # FSDP's reduce-scatter has summed the sharded variants' gradients
         dist.all_reduce_sum_([p.grad for v in order for p in params[v] if p.grad is not None])
     values = torch.stack([losses[v] for v in order]).double()
     dist.all_reduce_sum_([values])
     clip = settings.clip if settings.clip > 0 else math.inf
     # With DTensor gradients clip_grad_norm_ reduces the norm over the shards: the global norm.
     norms = torch.stack(
-        [_replicated(torch.nn.utils.clip_grad_norm_(params[v], clip)).double() for v in order]
+        [shard.replicated(torch.nn.utils.clip_grad_norm_(params[v], clip)).double() for v in order]
     )
     lr = learning_rate(settings, wave.tokens)
     result = {}
@@ -546,10 +454,6 @@ def _train_step(
     return result
 
 
-def _replicated(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
 def _checkpoint_dir(directory: Path) -> Path:
     return directory / CHECKPOINT_DIR
 
@@ -563,11 +467,13 @@ def _save_checkpoint(directory: Path, wave: _Wave, inputs: Mapping[str, str]) ->
         if wave.results[variant].status != "trained":
             continue
         for name, value in wave.mixers[variant].state_dict().items():
-            tensors[f"{_key(variant)}/param/{name}"] = _full(value)
+            tensors[f"{_key(variant)}/param/{name}"] = shard.full(value)
         state = wave.optimizers[variant].state_dict()["state"]
         for index in sorted(state):
             for name in sorted(state[index]):
-                tensors[f"{_key(variant)}/adam/{index}/{name}"] = _full(torch.as_tensor(state[index][name]))
+                tensors[f"{_key(variant)}/adam/{index}/{name}"] = shard.full(
+                    torch.as_tensor(state[index][name])
+                )
     if not dist.is_main():
         dist.barrier()
         return
@@ -612,7 +518,7 @@ def _load_checkpoint(directory: Path, wave: _Wave, inputs: Mapping[str, str]) ->
         prefix = f"{_key(variant)}/param/"
         current = mixer.state_dict()
         state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-        mixer.load_state_dict({k: _like(v, current[k]) if k in current else v for k, v in state.items()})
+        mixer.load_state_dict({k: shard.like(v, current[k]) if k in current else v for k, v in state.items()})
         optimizer = wave.optimizers[variant]
         saved = optimizer.state_dict()
         params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -622,7 +528,7 @@ def _load_checkpoint(directory: Path, wave: _Wave, inputs: Mapping[str, str]) ->
                 index, name = key[len(prefix) :].split("/")
                 value = tensors[key]
                 if value.ndim > 0:  # moments are laid out as their parameter; the step count is a scalar
-                    value = _like(value, params[int(index)])
+                    value = shard.like(value, params[int(index)])
                 saved["state"].setdefault(int(index), {})[name] = value
         optimizer.load_state_dict(saved)
     return True
@@ -633,7 +539,9 @@ def _save_finished_wave(directory: Path, wave: _Wave, inputs: Mapping[str, str])
     folder = _checkpoint_dir(directory) / "done"
     for variant in sorted(wave.mixers, key=_order):
         if wave.results[variant].status == "trained":
-            state = {k: _full(v) for k, v in wave.mixers[variant].state_dict().items()}  # every rank gathers
+            state = {
+                k: shard.full(v) for k, v in wave.mixers[variant].state_dict().items()
+            }  # every rank gathers
             if dist.is_main():
                 atomic_write(folder / variant_file(variant), lambda path, s=state: save_file(s, path))
     if dist.is_main():
@@ -765,8 +673,8 @@ def build_library(
 
     init = default_init(parent, importance) if init is None else init
     parent.requires_grad_(False)
-    if _sharded(settings):
-        _shard_parent(parent)
+    if shard.active(settings.shard):
+        shard.shard_parent(parent)
         init = _init_unsharded(parent, init)
     device = parent.embeddings.weight.device
     tokens_per_step = math.ceil(first.shape[0] / dist.world_size()) * first.shape[1]
@@ -831,7 +739,7 @@ def _init_unsharded(parent: HybridLM, init: Callable[[Variant], nn.Module]) -> C
     """`init` with the variant's parent block all-gathered (init_child slices the parent's full weights)."""
 
     def wrapped(variant: Variant) -> nn.Module:
-        with _gathered_mixer(parent, variant.block_index):
+        with shard.gathered_mixer(parent, variant.block_index):
             return init(variant)
 
     return wrapped
@@ -896,8 +804,8 @@ def _run_wave(
     for variant in members:
         mixer = init(variant).to(device=device, dtype=settings.torch_dtype)
         mixer.requires_grad_(True)
-        if _sharded(settings):
-            _shard_variant(mixer)
+        if shard.active(settings.shard):
+            shard.shard_variant(mixer)
         mixers[variant] = mixer
         optimizers[variant] = torch.optim.AdamW(
             mixer.parameters(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay

@@ -25,7 +25,7 @@ Distributed: each optimiser step takes one global batch of `batch_size` sequence
 share in micro-batches and the loss is normalised by the global counts, so gradients summed over ranks
 and micro-batches are the one-process gradients (2 ranks equal 1 process up to float summation order).
 With `shard="fsdp"` and more than one rank, the teacher is sharded as BLD shards its parent
-(`puzzle.bld._shard_parent`: embeddings, lm_head, each block's mixer; the lm_head is all-gathered with
+(`puzzle.shard.shard_parent`: embeddings, lm_head, each block's mixer; the lm_head is all-gathered with
 `FSDPModule.unshard` around the loss, which reads its weight chunk by chunk) and the student with FSDP2 per
 block plus one root unit (embeddings, final norm, lm_head) whose forward computes the loss, because FSDP
 gathers a unit's weights only for that unit's own forward; gradients are summed (divide factor 1). Both
@@ -60,7 +60,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from puzzle import dist
+from puzzle import dist, shard
 from puzzle.artifacts import (
     Artifact,
     ArtifactError,
@@ -70,16 +70,7 @@ from puzzle.artifacts import (
     json_writer,
     safetensors_writer,
 )
-from puzzle.bld import (
-    BLDSettings,
-    _full,
-    _like,
-    _replicated,
-    _rows,
-    _shard_parent,
-    _shard_variant,
-    learning_rate,
-)
+from puzzle.bld import BLDSettings, _rows, learning_rate
 from puzzle.data import DataError, TokenSplit
 from puzzle.files import atomic_write
 from puzzle.logits import (
@@ -271,7 +262,7 @@ def _tied(model: HybridLM) -> bool:
 
 def _full_state(model: HybridLM) -> dict[str, torch.Tensor]:
     """Every tensor of the model's state_dict, full and on the CPU (collective under FSDP); a tied lm_head once."""
-    state = {k: _full(v) for k, v in model.state_dict().items()}
+    state = {k: shard.full(v) for k, v in model.state_dict().items()}
     if _tied(model):
         state.pop("lm_head.weight", None)
     return state
@@ -291,7 +282,7 @@ def _load_state(model: HybridLM, tensors: Mapping[str, torch.Tensor], source: st
             raise ArtifactError(
                 f"{source}: tensor {name!r} has shape {list(value.shape)}, the student's is {list(current[name].shape)}"
             )
-    model.load_state_dict({k: _like(v, current[k]) for k, v in tensors.items()}, strict=False)
+    model.load_state_dict({k: shard.like(v, current[k]) for k, v in tensors.items()}, strict=False)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -386,8 +377,8 @@ def _shard_student(distiller: _Distiller) -> None:
     gradients summed over ranks (the loss carries the global normaliser)."""
     for block in distiller.student.layers:
         if any(True for _ in block.parameters()):
-            _shard_variant(block)
-    _shard_variant(distiller)
+            shard.shard_variant(block)
+    shard.shard_variant(distiller)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -541,7 +532,7 @@ def _train_step(
     dist.all_reduce_sum_([sums])
     clip = settings.clip if settings.clip > 0 else math.inf
     # With DTensor gradients clip_grad_norm_ reduces the norm over the shards: the global norm.
-    norm = float(_replicated(torch.nn.utils.clip_grad_norm_(params, clip)))
+    norm = float(shard.replicated(torch.nn.utils.clip_grad_norm_(params, clip)))
     record = _record(sums.cpu(), settings, blocks)
     if not (math.isfinite(record["loss"]) and math.isfinite(norm)):
         raise FloatingPointError(
@@ -597,7 +588,7 @@ def _save_checkpoint(
     saved = optimizer.state_dict()["state"]
     for index in sorted(saved):
         for name in sorted(saved[index]):
-            tensors[f"adam/{index}/{name}"] = _full(torch.as_tensor(saved[index][name]))
+            tensors[f"adam/{index}/{name}"] = shard.full(torch.as_tensor(saved[index][name]))
     tensors["rng/cpu"] = torch.get_rng_state()
     if torch.cuda.is_available():
         tensors["rng/cuda"] = torch.cuda.get_rng_state()
@@ -646,7 +637,7 @@ def _load_checkpoint(
             index, name = key[len("adam/") :].split("/")
             value = tensors[key]
             if value.ndim > 0:  # moments are laid out as their parameter; the step count is a scalar
-                value = _like(value, parameters[int(index)])
+                value = shard.like(value, parameters[int(index)])
             saved["state"].setdefault(int(index), {})[name] = value
     optimizer.load_state_dict(saved)
     torch.set_rng_state(tensors["rng/cpu"])
@@ -723,7 +714,7 @@ def distill(
     student.to(device=device, dtype=settings.torch_dtype).train().requires_grad_(True)
     distiller = _Distiller(student)
     if _sharded(settings):
-        _shard_parent(teacher)
+        shard.shard_parent(teacher)
         _shard_student(distiller)
     optimizer = torch.optim.AdamW(
         [p for p in distiller.parameters() if p.requires_grad],

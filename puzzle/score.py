@@ -5,19 +5,37 @@ objective), the change in LM loss, top-1 / top-5 agreement with the parent and t
 final hidden state. Positions are those with a next token in the batch (`t - 1` per row of `[b, t]`).
 
 Work per batch: the parent runs once and keeps the input of every block that has variants to score; for
-block i every variant of block i runs on that input and only blocks i+1.. are recomputed (the suffix).
-Logits never exist over the whole vocabulary: the lm_head runs one vocabulary chunk of `vocab_chunk` rows
-at a time. The parent's logits stream once per batch for its per-token log-normaliser, top-5 ids and
-target logit, which are kept with its final hidden state; its chunk logits are then recomputed from that
-hidden state (one lm_head chunk matmul) once per (batch, block) and shared by all variants of the block,
-instead of storing `[tokens, V]` fp32 log-probabilities (2 GB for 4,096 tokens at V = 131,072). Each
-variant's logits stream once: online logsumexp, top-5, target logit and the KL's cross term together
-(`puzzle.logits.LogitStream.kl` shows why one pass suffices), so a variant costs one lm_head matmul, as a full forward does.
+block i every variant of block i runs on that input and only blocks i+1.. are recomputed (the suffix). A
+variant whose mixer is the parent's own is the parent: it gets the parent's sums (0 KL, full agreement)
+without running anything; once per wave (first batch) one of them does run through its suffix, and its KL
+must be 0 (`ScoreSettings.parent_kl_tolerance`), which checks that recomputing a suffix from a kept input
+reproduces the parent. Logits never exist over the whole vocabulary: the lm_head runs one vocabulary chunk
+of `vocab_chunk` rows at a time. The parent's logits stream once per batch for its per-token
+log-normaliser, top-1 id and target logit; then one more pass over the chunks serves every variant of the
+wave: each parent chunk (logits and probabilities) is computed once, then every variant's same chunk,
+whose statistics (online logsumexp, target logit, the logit of the parent's top-1 token, the count of
+logits above it, the KL's cross term; `_Child`) are taken in one pass, without a top-k. So a variant costs
+its block, its suffix and one lm_head matmul, and the parent two lm_head matmuls per batch.
 
-Scale and resume: batches are data-parallel (`puzzle.dist.shard`), the per-variant sums all-reduced in
-fp64. Variants are scored in waves (`ScoreSettings.variants_per_wave`); after each wave rank 0 saves every
-finished variant atomically to `scores.partial.json`, so a killed run loses at most the wave in flight
-and never scores a finished variant again. The final `scores.json` goes through `puzzle.artifacts.Artifact`
+Scale: batches are data-parallel (`puzzle.dist.shard`, whole batches per rank), the per-variant sums
+all-reduced in fp64. With `ScoreSettings.shard = "fsdp"` (the default) under torch.distributed with more
+than one rank, the parent is sharded with FSDP2 exactly as in BLD (`puzzle.shard.shard_parent`: embeddings,
+lm_head and each block's mixer one unit each, gathered for their own forward), in place; the lm_head weight
+is all-gathered once per call for the chunk matmuls (V x H per rank while scoring). Variant mixers are
+sharded too, each one as it is loaded (`puzzle.shard.shard_variant`, in place): they need no gradients, but
+a wave of large variants (a Super MoE block is gigabytes) held whole on every rank would cost wave-size
+times a variant per rank, where sharded it costs 1/world of that plus one variant gathered at a time; the
+price is one all-gather of a variant per batch, small next to its suffix forward. Every rank then runs the
+same number of batches (a rank short of one re-runs its first batch without counting it), since each
+unit's forward is a collective. "none" keeps everything replicated.
+
+Resume: variants are scored in waves (`ScoreSettings.variants_per_wave`); every variant of a wave finishes
+at the wave's last batch, and after each wave rank 0 saves every finished variant atomically to
+`scores.partial.json`: a killed run keeps every variant already scored and never scores one again. Within
+the wave in flight, every `ScoreSettings.checkpoint_every` batches rank 0 saves the running fp64 sums of all
+ranks (`scores.wave.json`, after an all-reduce; a few numbers per variant), so a killed run also resumes
+inside its wave, at the last saved batch, to exactly the sums of an uninterrupted run (same world size and
+sharding; else the wave starts over). The final `scores.json` goes through `puzzle.artifacts.Artifact`
 (inputs: parent, data and settings fingerprints).
 """
 
@@ -26,7 +44,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +53,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from puzzle import dist
+from puzzle import dist, shard
 from puzzle.artifacts import (
     Artifact,
     fingerprint_json,
@@ -56,6 +75,7 @@ from puzzle.spec import NoOpSpec, Variant
 
 SCORES_FILE = "scores.json"
 PARTIAL_FILE = "scores.partial.json"
+WAVE_FILE = "scores.wave.json"
 FORMAT = 1
 
 # Per-variant fp64 sums, one row per variant (all-reduced together).
@@ -70,15 +90,26 @@ MixerSource = Mapping[Variant, nn.Module | None] | Callable[[Variant], nn.Module
 @dataclass(frozen=True)
 class ScoreSettings:
     """How to score. `vocab_chunk`: lm_head rows per chunk (peak memory, see `score_variants`).
-    `variants_per_wave`: variants whose mixers are held at once (None: all); the parent runs once per
-    batch per wave. `parent_kl_tolerance`: the largest KL (nats/token) the parent's own mixer may score
-    before the run is stopped as not reproducible (0 on the CPU; GPU kernels may add rounding noise)."""
+    `variants_per_wave`: variants whose mixers (and, per batch, final hidden states) are held at once (None:
+    all); the parent runs once per batch per wave. `parent_kl_tolerance`: the largest KL (nats/token) the parent's own mixer may score
+    before the run is stopped as not reproducible (0 on the CPU; GPU kernels may add rounding noise).
+    `shard`: "fsdp" shards the parent and the variants with FSDP2 under torch.distributed with more than one
+    rank (`puzzle.shard`, as BLD); "none" keeps them replicated on every rank. `checkpoint_every`: batches
+    (per rank) between saves of the running sums of the wave in flight (None: only finished waves are
+    saved)."""
 
     vocab_chunk: int = 4096
     variants_per_wave: int | None = None
     parent_kl_tolerance: float = 1e-6
+    shard: str = "fsdp"
+    checkpoint_every: int | None = 20
 
     def __post_init__(self) -> None:
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ValueError(
+                f"ScoreSettings.checkpoint_every must be >= 1 or None, found {self.checkpoint_every}"
+            )
+        shard.check_mode("ScoreSettings.shard", self.shard)
         if self.vocab_chunk < 1:
             raise ValueError(f"ScoreSettings.vocab_chunk must be >= 1, found {self.vocab_chunk}")
         if self.variants_per_wave is not None and self.variants_per_wave < 1:
@@ -92,7 +123,7 @@ class VariantScore:
     """One variant's scores. `kl`: mean KL(parent || child) in nats/token; `lm_loss_delta`: child minus parent
     mean next-token cross-entropy (nats/token); `top1`: fraction of positions where the child's most likely
     token is the parent's; `top5`: fraction where the parent's most likely token is among the child's 5 most
-    likely; `hidden_nmse`: sum |h_child - h_parent|^2 / sum |h_parent|^2 of the final hidden state (after the
+    likely (a tie with the child's maximum, or its 5th largest, counts as agreement); `hidden_nmse`: sum |h_child - h_parent|^2 / sum |h_parent|^2 of the final hidden state (after the
     final norm, what lm_head reads). `failed`: why there are no scores (non-finite logits), else None."""
 
     variant: Variant
@@ -129,6 +160,140 @@ class Scores:
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Chunked next-token metrics.
+
+
+def _pick(values: torch.Tensor, ids: torch.Tensor, start: int, stop: int, z: torch.Tensor) -> torch.Tensor:
+    """`values` [N] with z[n, ids[n] - start] where ids[n] falls in this chunk (start..stop)."""
+    inside = (ids >= start) & (ids < stop)
+    local = (ids - start).clamp(0, stop - start - 1)
+    return torch.where(inside, z.gather(-1, local[:, None])[:, 0], values)
+
+
+class _Logsumexp:
+    """Online log-sum-exp over vocabulary chunks: running max and sum in fp64 across chunks.
+
+    A nan or +inf logit makes the running max, hence the result, non-finite (checked once at the end)."""
+
+    def __init__(self, n: int, device: torch.device) -> None:
+        self.running_max = torch.full((n,), -math.inf, dtype=torch.float64, device=device)
+        self.running_sum = torch.zeros(n, dtype=torch.float64, device=device)
+
+    def update(self, z: torch.Tensor, chunk_max: torch.Tensor, scratch: torch.Tensor) -> None:
+        """Add chunk logits z [N, C] (fp32) whose row maxima are `chunk_max` [N]; `scratch`: an [N, C] buffer."""
+        new_max = torch.maximum(self.running_max, chunk_max.double())
+        # -inf - -inf is nan: rows with no finite logit yet keep a zero sum (they are non-finite anyway).
+        scale = torch.exp(torch.nan_to_num(self.running_max - new_max, nan=0.0))
+        chunk_sum = torch.sub(z, new_max.float()[:, None], out=scratch).exp_().sum(-1).double()
+        self.running_sum = self.running_sum * scale + chunk_sum
+        self.running_max = new_max
+
+    @property
+    def value(self) -> torch.Tensor:
+        """log sum_v exp(z_v) per token [N] (fp64)."""
+        return self.running_max + self.running_sum.log()
+
+
+@dataclass
+class _Parent:
+    """The parent's per-token statistics of one batch, from one pass over the vocabulary: final hidden state
+    [N, H], log-normaliser [N] (fp64), top-1 ids [N] and their lm_head rows [N, H], next-token NLL [N] (fp64)."""
+
+    hidden: torch.Tensor
+    log_normaliser: torch.Tensor
+    top1: torch.Tensor
+    top1_rows: torch.Tensor
+    nll: torch.Tensor
+
+    @classmethod
+    def of(
+        cls, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunks: list[tuple[int, int]]
+    ) -> _Parent:
+        n = targets.numel()
+        lse = _Logsumexp(n, hidden.device)
+        best = torch.full((n,), -math.inf, device=hidden.device)
+        top1 = torch.zeros(n, dtype=torch.long, device=hidden.device)
+        target_logit = torch.zeros(n, device=hidden.device)
+        for start, stop in chunks:
+            z = _logits(hidden, weight, start, stop)
+            chunk_max, chunk_ids = z.max(-1)
+            lse.update(z, chunk_max, torch.empty_like(z))
+            better = chunk_max > best  # strict: the first of equal maxima wins, as argmax over the whole row
+            top1 = torch.where(better, chunk_ids + start, top1)
+            best = torch.where(better, chunk_max, best)
+            target_logit = _pick(target_logit, targets, start, stop, z)
+        nll = lse.value - target_logit.double()
+        return cls(hidden, lse.value, top1, weight[top1], nll)
+
+    def top1_logit(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logit of the parent's top-1 token under final hidden states `hidden` [N, H] -> [N] (fp32, then
+        rounded to the logits' dtype, as `_logits` rounds the matmul's output)."""
+        return (hidden.float() * self.top1_rows.float()).sum(-1).to(hidden.dtype).float()
+
+
+class _Child:
+    """One variant's per-token statistics against the parent, fed one vocabulary chunk at a time (with the
+    parent's chunk logits and probabilities, computed once per chunk for every variant of the batch).
+
+    Kept per token: the log-normaliser, the target's logit, the child's exact logit of the parent's top-1
+    token (`watched`), how many logits exceed an estimate of it (`above`, for top-5 agreement) and the KL's
+    cross term (see `kl`). No top-k is tracked: the parent's top-1 token is the child's top-1 when its logit
+    is the child's maximum, and among the child's top 5 when fewer than 5 other logits exceed it (strictly:
+    a tie at the 5th place counts as agreement, where a top-k would pick by index).
+    """
+
+    def __init__(self, parent: _Parent, hidden: torch.Tensor, targets: torch.Tensor) -> None:
+        n = targets.numel()
+        device = hidden.device
+        self.hidden = hidden
+        self.targets = targets
+        self.watch = parent.top1
+        self.estimate = parent.top1_logit(hidden)  # the watched logit by a dot product, before the pass
+        self.shift = (parent.top1_logit(parent.hidden) - self.estimate).double()
+        self.lse = _Logsumexp(n, device)
+        self.target_logit = torch.zeros(n, device=device)
+        self.watched = torch.zeros(n, device=device)
+        self.above = torch.zeros(n, dtype=torch.float64, device=device)
+        self.cross = torch.zeros(n, dtype=torch.float64, device=device)
+
+    def update(
+        self,
+        z: torch.Tensor,
+        start: int,
+        stop: int,
+        parent_z: torch.Tensor,
+        parent_p: torch.Tensor,
+        scratch: torch.Tensor,
+    ) -> None:
+        """Add chunk logits z [N, C] (fp32), the parent's chunk logits and probabilities [N, C]; `scratch`:
+        an [N, C] fp32 buffer (every step below writes into it, so no temporary of the chunk's size is made)."""
+        self.lse.update(z, z.amax(-1), scratch)
+        self.target_logit = _pick(self.target_logit, self.targets, start, stop, z)
+        self.watched = _pick(self.watched, self.watch, start, stop, z)
+        self.above += torch.gt(z, self.estimate[:, None], out=scratch).sum(-1).double()
+        difference = torch.sub(parent_z, z, out=scratch).sub_(self.shift.float()[:, None])
+        self.cross += torch.linalg.vecdot(parent_p, difference).double()
+
+    def kl(self, parent: _Parent) -> torch.Tensor:
+        """KL(parent || child) per token [N] (fp64), nats.
+
+        KL = sum_v p_v (log p_v - log q_v) = sum_v p_v (zp_v - z_v - shift) + (Z - Zp + shift), with Z, Zp the
+        log-normalisers: one pass over the vocabulary, since Zp is known before it and Z only enters as a
+        per-token constant. `shift` = zp - z at the parent's top-1 token cancels a constant offset between
+        the two logit vectors before the fp32 products, so near-equal distributions keep their precision.
+        """
+        return self.cross + (self.lse.value - parent.log_normaliser + self.shift)
+
+    def agreement(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top-1, top-5) agreement per token [N] (bool): the parent's top-1 token is the child's most likely,
+        is among the child's 5 most likely. `above` counted the watched token itself when its exact logit
+        exceeds the estimate; the others are those within the estimate's rounding of it (near ties)."""
+        top1 = self.watched.double() >= self.lse.running_max
+        others = self.above - (self.watched > self.estimate).double()
+        return top1, others < TOP_K
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Mixers and blocks.
 
 
@@ -136,7 +301,7 @@ def _mixer_fingerprint(mixer: nn.Module) -> str:
     """sha256 of a mixer's spec and a sample of each weight (as `fingerprint_model`, for a block)."""
     digest = hashlib.sha256(fingerprint_spec(mixer.spec).encode())
     for name, tensor in mixer.state_dict().items():
-        flat = tensor.detach().reshape(-1)
+        flat = shard.replicated(tensor).detach().reshape(-1)  # a sharded mixer: every rank gathers
         stride = max(1, flat.numel() // 64)
         sample = torch.cat([flat[:64], flat[::stride][:64]]).float().cpu().contiguous()
         digest.update(f"{name}|{tuple(tensor.shape)}|".encode())
@@ -184,29 +349,38 @@ def _get_mixer(parent: HybridLM, mixers: MixerSource, variant: Variant) -> nn.Mo
 # One batch.
 
 
+def _order(variant: Variant) -> tuple[int, str]:
+    return variant.block_index, variant.id
+
+
 @torch.no_grad()
 def _score_batch(
     parent: HybridLM,
+    weight: torch.Tensor,
     ids: torch.Tensor,
     wave: Sequence[Variant],
     mixers: Mapping[Variant, nn.Module],
     sums: torch.Tensor,
     chunk: int,
+    check: Variant | None = None,
 ) -> None:
-    """Add this batch's sums for every variant of `wave` to `sums` [len(wave) + 1, _NUM_SUMS] (fp64); the last
-    row is the parent's own (positions and cross-entropy)."""
-    if ids.ndim != 2 or ids.dtype != torch.long:
-        raise ValueError(
-            f"a held-out batch must be int64 [batch, tokens], found {ids.dtype} {list(ids.shape)}"
-        )
-    if ids.shape[1] < 2:
-        return  # no position has a next token
-    weight = parent.lm_head.weight
+    """Add this batch's sums for every variant of `wave` to `sums` [len(wave) + 2, _NUM_SUMS] (fp64).
+
+    Row len(wave) is the parent's own (positions and cross-entropy). A variant whose mixer is the parent's
+    own is the parent: its row gets the parent's sums (0 KL, full agreement) without any work. `check`, one
+    such variant, is nevertheless run through the suffix like any other, into the last row: its KL must be
+    0 if recomputing the suffix from a kept block input reproduces the parent. `weight`: the whole lm_head
+    weight [V, H] (gathered once per run when the parent is sharded).
+    """
     targets = ids[:, 1:].reshape(-1)
     n = targets.numel()
     chunks = _chunks(weight.shape[0], chunk)
-    blocks_needed = {v.block_index for v in wave}
-    # The parent once: the input of every block with a variant in this wave, and its final hidden state.
+    own = {v for v in wave if mixers[v] is parent.layers[v.block_index].mixer}
+    rows = {variant: row for row, variant in enumerate(wave) if variant not in own}
+    if check is not None:
+        rows[check] = len(wave) + 1
+    blocks_needed = {v.block_index for v in rows}
+    # The parent once: the input of every block with a variant to run, and its final hidden state.
     x = parent.embeddings(ids)
     inputs: dict[int, torch.Tensor] = {}
     for index, block in enumerate(parent.layers):
@@ -217,57 +391,136 @@ def _score_batch(
     def final(x: torch.Tensor) -> torch.Tensor:
         return parent.norm_f(x)[:, :-1].reshape(n, x.shape[-1])
 
-    parent_hidden = final(x)
-    parent_stream = _Stream(n, targets)
+    reference = _Parent.of(final(x), weight, targets, chunks)
+    parent_sq = reference.hidden.float().pow(2).sum(dtype=torch.float64)
+    parent_nll = reference.nll.sum()
+    parent_bad = ~(torch.isfinite(reference.nll) & torch.isfinite(reference.hidden).all(-1))
+    sums[len(wave), _TOKENS] += n
+    sums[len(wave), _PARENT_NLL] += parent_nll
+    for variant in own:
+        row = sums[wave.index(variant)]
+        row[_TOKENS] += n
+        if bool(parent_bad.any()):
+            row[_NONFINITE] += parent_bad.sum()
+            continue
+        row[[_CHILD_NLL, _PARENT_NLL]] += parent_nll
+        row[[_TOP1, _TOP5]] += n
+        row[_SQ_REF] += parent_sq
+    # Every variant to run through its suffix; its final hidden state is kept ([N, H] each) so that each
+    # parent chunk is computed once per batch, then every variant's same chunk.
+    children: list[tuple[int, _Child]] = []
+    for variant in sorted(rows, key=_order):
+        index = variant.block_index
+        y = _variant_block(parent, variant, mixers[variant])(inputs[index])
+        for block in parent.layers[index + 1 :]:
+            y = block(y)
+        children.append((rows[variant], _Child(reference, final(y), targets)))
+        if not any(v.block_index == index for v in rows if _order(v) > _order(variant)):
+            del inputs[index]  # the last variant of the block: free its input
+    scratch = torch.empty(n * chunk, device=weight.device)
     for start, stop in chunks:
-        parent_stream.update(_logits(parent_hidden, weight, start, stop), start, stop)
-    parent_top1 = parent_stream.top_ids[:, 0]
-    top1_rows = weight[parent_top1]  # [N, H]: the logit of the parent's top-1 token, for the KL shift
-
-    def top1_logit(hidden: torch.Tensor) -> torch.Tensor:
-        return (hidden * top1_rows).float().sum(-1)
-
-    parent_top1_logit = top1_logit(parent_hidden)
-    parent_nll = parent_stream.log_normaliser - parent_stream.target_logit.double()
-    parent_sq = parent_hidden.float().pow(2).sum(dtype=torch.float64)
-    sums[-1, _TOKENS] += n
-    sums[-1, _PARENT_NLL] += parent_nll.sum()
-    rows = {variant: row for row, variant in enumerate(wave)}
-    for index in sorted(blocks_needed):
-        # Every variant of the block through the suffix; their final hidden states are kept ([N, H] each) so
-        # that each parent chunk is computed once for the block, then every variant's same chunk.
-        children: list[tuple[int, torch.Tensor, _Stream]] = []
-        for variant in (v for v in wave if v.block_index == index):
-            y = _variant_block(parent, variant, mixers[variant])(inputs[index])
-            for block in parent.layers[index + 1 :]:
-                y = block(y)
-            hidden = final(y)
-            shift = (parent_top1_logit - top1_logit(hidden)).double()
-            children.append((rows[variant], hidden, _Stream(n, targets, shift)))
-        for start, stop in chunks:
-            parent_z = _logits(parent_hidden, weight, start, stop)
-            parent_p = torch.exp(parent_z - parent_stream.log_normaliser.float()[:, None])
-            for _, hidden, stream in children:
-                stream.update(_logits(hidden, weight, start, stop), start, stop, (parent_z, parent_p))
-            del parent_z, parent_p
-        for row, hidden, stream in children:
-            kl = stream.kl(parent_stream)
-            bad = ~(torch.isfinite(kl) & torch.isfinite(stream.target_logit) & torch.isfinite(hidden).all(-1))
-            sums[row, _TOKENS] += n
-            if bool(bad.any()):
-                sums[row, _NONFINITE] += bad.sum()
-                continue
-            sums[row, _KL] += kl.sum()
-            sums[row, _CHILD_NLL] += (stream.log_normaliser - stream.target_logit.double()).sum()
-            sums[row, _PARENT_NLL] += parent_nll.sum()
-            sums[row, _TOP1] += (stream.top_ids[:, 0] == parent_top1).sum()
-            sums[row, _TOP5] += (stream.top_ids == parent_top1[:, None]).any(-1).sum()
-            sums[row, _SQ_ERR] += (hidden.float() - parent_hidden.float()).pow(2).sum(dtype=torch.float64)
-            sums[row, _SQ_REF] += parent_sq
+        parent_z = _logits(reference.hidden, weight, start, stop)
+        parent_p = torch.exp(parent_z - reference.log_normaliser.float()[:, None])
+        view = scratch[: n * (stop - start)].view(n, stop - start)
+        for _, child in children:
+            child.update(_logits(child.hidden, weight, start, stop), start, stop, parent_z, parent_p, view)
+    for row, child in children:
+        kl = child.kl(reference)
+        hidden = child.hidden
+        bad = ~(torch.isfinite(kl) & torch.isfinite(child.target_logit) & torch.isfinite(hidden).all(-1))
+        sums[row, _TOKENS] += n
+        if bool(bad.any()):
+            sums[row, _NONFINITE] += bad.sum()
+            continue
+        top1, top5 = child.agreement()
+        sums[row, _KL] += kl.sum()
+        sums[row, _CHILD_NLL] += (child.lse.value - child.target_logit.double()).sum()
+        sums[row, _PARENT_NLL] += parent_nll
+        sums[row, _TOP1] += top1.sum()
+        sums[row, _TOP5] += top5.sum()
+        sums[row, _SQ_ERR] += (hidden.float() - reference.hidden.float()).pow(2).sum(dtype=torch.float64)
+        sums[row, _SQ_REF] += parent_sq
 
 
 # ----------------------------------------------------------------------------------------------------------
 # The stage.
+
+
+def _valid(batches: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """The batches with a next-token position, each checked to be int64 [batch, tokens]."""
+    for ids in batches:
+        if ids.ndim != 2 or ids.dtype != torch.long:
+            raise ValueError(
+                f"a held-out batch must be int64 [batch, tokens], found {ids.dtype} {list(ids.shape)}"
+            )
+        if ids.shape[1] >= 2:  # else no position has a next token
+            yield ids
+
+
+def _steps(
+    read_batches: Callable[[], Iterable[torch.Tensor]], sharded: bool
+) -> tuple[list[tuple[torch.Tensor, bool]], int]:
+    """This rank's (batch, counted) steps, its round-robin share of the batches (`dist.shard`), and how many
+    steps every rank has (where a wave's running sums may be saved).
+
+    Sharded units all-gather in every forward, so then every rank runs as many steps as rank 0: a rank with
+    one batch fewer runs one more on the first batch, not counted (at most one batch per wave of extra work).
+    """
+    every = list(_valid(read_batches()))
+    mine = [(ids, True) for ids in dist.shard(every)]
+    world = dist.world_size()
+    if not sharded:
+        return mine, len(every) // world
+    padded = -(-len(every) // world)
+    return mine + [(every[0], False)] * (padded - len(mine)), padded
+
+
+def _wave_state(inputs: Mapping[str, str], wave: Sequence[Variant], sharded: bool) -> dict:
+    """What a wave's checkpoint must match: the inputs, the wave's variants, the world size and the sharding."""
+    return {
+        "inputs": dict(inputs),
+        "wave": [_key(v) for v in wave],
+        "world": dist.world_size(),
+        "sharded": sharded,
+    }
+
+
+def _load_wave(directory: Path, state: Mapping[str, Any], rows: int) -> tuple[int, list] | None:
+    """(steps done, running sums) of the wave in flight saved by a killed run with the same `state`, or None."""
+    path = directory / WAVE_FILE
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text())
+        if {k: saved[k] for k in state} != dict(state):
+            return None
+        step, sums = int(saved["step"]), saved["sums"]
+        if step < 1 or len(sums) != rows or any(len(row) != _NUM_SUMS for row in sums):
+            raise ValueError(f"expected {rows} rows of {_NUM_SUMS} sums after at least 1 step")
+    except (ValueError, KeyError, TypeError) as error:
+        _log.info("the wave checkpoint %s is not reused: %s", path, error)
+        return None
+    return step, sums
+
+
+def _save_wave(directory: Path, state: Mapping[str, Any], step: int, sums: torch.Tensor) -> None:
+    """Rank 0 saves the wave's running sums over every rank after `step` steps of each (a collective)."""
+    total = sums.clone()
+    dist.all_reduce_sum_([total])
+    with dist.main_process_first():
+        if dist.is_main():
+            atomic_write(directory / WAVE_FILE, json_writer({**state, "step": step, "sums": total.tolist()}))
+
+
+def _check_parent(variant: Variant, row: torch.Tensor, tolerance: float) -> None:
+    """RuntimeError unless the parent's own mixer, run through the suffix, scored the parent (KL <= tolerance)."""
+    tokens = int(row[_TOKENS])
+    if tokens and (row[_NONFINITE] > 0 or float(row[_KL] / tokens) > tolerance):
+        raise RuntimeError(
+            f"block {variant.block_index}: the parent's own mixer scores {_record(variant, row, '')}, "
+            f"expected KL <= {tolerance} and finite: the suffix recomputation does not reproduce the parent "
+            f"(non-deterministic kernels?)"
+        )
 
 
 def _record(variant: Variant, row: torch.Tensor, fingerprint: str) -> VariantScore:
@@ -351,7 +604,9 @@ def score_variants(
     `mixers`: variant -> its mixer (a module from `build_block`, same device and dtype as the parent), or a
     callable building / loading one on demand (called once per wave for the variants still to score, so a
     big library is never all in memory); None for a variant with the parent's own block spec means the
-    parent's mixer, whose score is computed like any other and must be 0 KL and full agreement (checked).
+    parent's mixer: that variant is the parent and scores 0 KL and full agreement (its suffix recomputation
+    is checked once per wave, see the module docstring). Under FSDP (`ScoreSettings.shard`) the parent and
+    the mixers are sharded in place: load fresh ones for other work.
     `batches`: held-out int64 `[b, t]` token batches, a sequence or a zero-argument callable returning a
     fresh iterable (the batches are read once per wave); each rank scores its `dist.shard` of them.
     `data_fingerprint`: names the data (e.g. `fingerprint_file` of the token file); default
@@ -361,11 +616,12 @@ def score_variants(
     logits) is a result too: it is not retried unless its fingerprint changes.
 
     Peak memory beyond the forward passes, per batch of N = b * (t - 1) positions: the kept block inputs
-    (N * H per block with variants in the wave, parent dtype), each variant of the block being scored's
-    final hidden state (N * H), the parent's chunk logits and probabilities and, for the variant in flight,
-    its chunk logits and two temporaries: about 5 fp32 `[N, vocab_chunk]` tensors, 20 * N * vocab_chunk
-    bytes (335 MB for N = 4,096 and the default chunk 4,096), whatever the vocabulary size; plus the
-    `[N, H]` lm_head rows of the parent's top-1 tokens.
+    (N * H per block with variants in the wave, parent dtype, each freed once its variants have run), the
+    final hidden state of every variant of the wave that runs (N * H each: they wait for the shared chunk
+    pass), and for the chunk pass the parent's chunk logits and probabilities, the chunk logits of the
+    variant in flight and one scratch buffer: 4 fp32 `[N, vocab_chunk]` tensors, 16 * N * vocab_chunk bytes
+    (268 MB for N = 4,096 and the default chunk 4,096) whatever the vocabulary size; plus the `[N, H]`
+    lm_head rows of the parent's top-1 tokens. Under FSDP add the whole lm_head weight.
 
     Collective under torch.distributed (same arguments on every rank). Returns the requested variants'
     scores; scores.json holds every variant scored so far from the same parent, data and settings.
@@ -405,40 +661,60 @@ def score_variants(
         for v in requested
         if _key(v) not in done or fingerprints[v] not in ("", done[_key(v)].get("mixer", ""))
     ]
-    pending.sort(key=lambda v: (v.block_index, v.id))
+    pending.sort(key=_order)
     size = settings.variants_per_wave or max(1, len(pending))
     waves = [pending[start : start + size] for start in range(0, len(pending), size)]
-    device = parent.lm_head.weight.device
+    sharded = shard.active(settings.shard)
+    if sharded and waves:
+        shard.shard_parent(parent)
+    # The whole lm_head for the chunk matmuls, all-gathered once when sharded (every rank, same order).
+    with torch.no_grad():
+        weight = shard.replicated(parent.lm_head.weight) if waves else parent.lm_head.weight
+    device = weight.device
     parent_was_training = parent.training
     parent.eval()
     try:
         for number, wave in enumerate(waves):
-            held = {v: _get_mixer(parent, mixers, v) for v in wave}
-            sums = torch.zeros(len(wave) + 1, _NUM_SUMS, dtype=torch.float64, device=device)
-            shard = dist.shard(read_batches())
-            for ids in progress(shard, desc=f"scoring wave {number + 1}/{len(waves)}", unit="batch"):
-                _score_batch(parent, ids.to(device), wave, held, sums, settings.vocab_chunk)
+            held = {}
+            for v in wave:
+                held[v] = mixer = _get_mixer(parent, mixers, v)
+                if sharded:  # one variant at a time is whole, as loaded: shard it before the next
+                    shard.shard_variant(mixer)
+            own = [v for v in wave if held[v] is parent.layers[v.block_index].mixer]
+            check = min(own, key=_order) if own else None
+            sums = torch.zeros(len(wave) + 2, _NUM_SUMS, dtype=torch.float64, device=device)
+            steps, common = _steps(read_batches, sharded)
+            state = _wave_state(inputs, wave, sharded)
+            resumed = _load_wave(out_dir, state, len(sums)) if dist.is_main() else None
+            first, saved = dist.broadcast_object(resumed) or (0, None)
+            if saved is not None and dist.is_main():  # the sums of every rank so far, on rank 0
+                sums.copy_(torch.tensor(saved, dtype=torch.float64))
+            desc = f"scoring wave {number + 1}/{len(waves)}"
+            for step, (ids, counted) in enumerate(progress(steps, desc=desc, unit="batch")):
+                if step < first:
+                    continue  # scored before the run was killed
+                into = sums if counted else torch.zeros_like(sums)  # a padding batch: collectives only
+                checked = check if step == 0 else None
+                _score_batch(parent, weight, ids.to(device), wave, held, into, settings.vocab_chunk, checked)
+                every = settings.checkpoint_every
+                if every and (step + 1) % every == 0 and step + 1 < common:  # same steps on every rank
+                    _save_wave(out_dir, state, step + 1, sums)
             dist.all_reduce_sum_([sums])
             sums = sums.cpu()
+            if check is not None:
+                _check_parent(check, sums[-1], settings.parent_kl_tolerance)
             for row, variant in enumerate(wave):
-                record = _record(variant, sums[row], fingerprints[variant])
-                own = held[variant] is parent.layers[variant.block_index].mixer
-                if own and not (record.failed is None and record.kl <= settings.parent_kl_tolerance):
-                    raise RuntimeError(
-                        f"block {variant.block_index}: the parent's own mixer scores {record}, expected KL 0 "
-                        f"and full agreement: the suffix recomputation does not reproduce the parent "
-                        f"(non-deterministic kernels?)"
-                    )
-                done[_key(variant)] = record.to_dict()
-            tokens = int(sums[-1, _TOKENS])
+                done[_key(variant)] = _record(variant, sums[row], fingerprints[variant]).to_dict()
+            tokens = int(sums[len(wave), _TOKENS])
             totals = {
                 "tokens": tokens,
-                "parent_loss": float(sums[-1, _PARENT_NLL] / tokens) if tokens else None,
+                "parent_loss": float(sums[len(wave), _PARENT_NLL] / tokens) if tokens else None,
             }
             del held
             with dist.main_process_first():
                 if dist.is_main():
                     atomic_write(out_dir / PARTIAL_FILE, json_writer(_content(inputs, done, totals)))
+                    (out_dir / WAVE_FILE).unlink(missing_ok=True)
     finally:
         parent.train(parent_was_training)
     totals = totals or {"tokens": 0, "parent_loss": None}
@@ -449,6 +725,7 @@ def score_variants(
     with dist.main_process_first():
         if dist.is_main():
             (out_dir / PARTIAL_FILE).unlink(missing_ok=True)
+            (out_dir / WAVE_FILE).unlink(missing_ok=True)
     scores = {v: VariantScore.from_dict(done[_key(v)]) for v in requested}
     return Scores(scores, totals["tokens"], totals["parent_loss"], inputs)
 

@@ -1,4 +1,5 @@
-"""puzzle.score: replace-one-block scores against one full forward per variant, chunking, resume, 2 gloo ranks."""
+"""puzzle.score: replace-one-block scores against one full forward per variant, chunking, resume, 2 gloo ranks
+(FSDP2 and replicated)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,18 @@ from puzzle import dist
 from puzzle.blocks import build_block
 from puzzle.model import HybridLM
 from puzzle.prune import collect_importance, init_child
-from puzzle.score import PARTIAL_FILE, SCORES_FILE, ScoreSettings, load_scores, score_variants
+from puzzle.score import (
+    _KL,
+    _TOKENS,
+    PARTIAL_FILE,
+    SCORES_FILE,
+    WAVE_FILE,
+    ScoreSettings,
+    _check_parent,
+    load_scores,
+    score_variants,
+)
+from puzzle.shard import local_numel
 from puzzle.spec import LinearSpec, MambaSpec, MLPSpec, MoESpec, NoOpSpec, Variant
 
 BATCH_SHAPES = ((2, 12), (3, 8), (1, 20))
@@ -116,12 +128,30 @@ def test_suffix_scores_equal_one_full_forward_per_variant(tmp_path, chunk):
 def test_parent_scores_zero_and_full_agreement(tmp_path):
     parent, batches = _parent(), _batches()
     own = {Variant(i, spec): None for i, spec in enumerate(parent.spec.blocks)}
+    calls = [0] * len(parent.layers)
+    for index, block in enumerate(parent.layers):
+        block.mixer.register_forward_hook(lambda *_, i=index: calls.__setitem__(i, calls[i] + 1))
     scores = score_variants(parent, own, own, batches, tmp_path, ScoreSettings(vocab_chunk=16))
+    # The parent's own variants are the parent: each mixer runs once per batch in the parent pass, plus once
+    # in the check (block 0's own mixer and its whole suffix, on the first batch).
+    assert calls == [0 if b.norm is None else len(batches) + 1 for b in parent.layers]
     for variant in own:
         score = scores[variant]
         assert (score.kl, score.lm_loss_delta, score.top1, score.top5, score.hidden_nmse) == (0, 0, 1, 1, 0)
     naive_loss = _naive(parent, Variant(0, parent.spec.blocks[0]), None, batches)
     assert scores.parent_loss > 0 and naive_loss["lm_loss_delta"] == 0
+
+
+def test_a_suffix_that_does_not_reproduce_the_parent_stops_the_run():
+    row = torch.zeros(9, dtype=torch.float64)
+    row[[_KL, _TOKENS]] = torch.tensor([1e-3, 10.0], dtype=torch.float64)
+    variant = Variant(3, MLPSpec(width=12))
+    with pytest.raises(
+        RuntimeError, match=r"block 3: the parent's own mixer scores .*kl=0\.0001.* expected KL <= 1e-06"
+    ):
+        _check_parent(variant, row, 1e-6)
+    row[_KL] = 0.0
+    _check_parent(variant, row, 1e-6)
 
 
 def test_non_finite_variant_is_failed_and_others_unaffected(tmp_path):
@@ -236,6 +266,46 @@ def test_sigkilled_run_keeps_finished_waves(tmp_path):
         assert resumed[v].top5 == uninterrupted[v].top5
 
 
+KILLED_MID_WAVE = """
+import os, signal, sys
+from test_score import _batches, _parent, _runnable
+from puzzle.score import ScoreSettings, score_variants
+
+parent = _parent()
+library = _runnable(parent)
+calls = []
+
+def die_in_the_third_batch(*_):
+    calls.append(1)
+    if len(calls) == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+library[min(library, key=lambda v: (v.block_index, v.id))].register_forward_hook(die_in_the_third_batch)
+score_variants(parent, library, library, _batches(), sys.argv[1], ScoreSettings(checkpoint_every=1))
+"""
+
+
+def test_sigkilled_run_resumes_inside_its_wave(tmp_path):
+    """One wave, killed in its 3rd (last) batch: the resumed run scores only that batch, and gives exactly the
+    uninterrupted scores (the saved fp64 sums continue in the same order)."""
+    root = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root.parent), str(root)])}
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_MID_WAVE, str(tmp_path)], env=env, capture_output=True
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    saved = json.loads((tmp_path / WAVE_FILE).read_text())
+    assert saved["step"] == 2 and not (tmp_path / PARTIAL_FILE).exists()
+    parent, batches = _parent(), _batches()
+    library = _runnable(parent)
+    calls = _forward_counter(library)
+    resumed = score_variants(parent, library, library, batches, tmp_path, ScoreSettings(checkpoint_every=1))
+    assert set(calls.values()) == {1}  # every variant ran on the last batch only
+    assert not (tmp_path / WAVE_FILE).exists() and not (tmp_path / PARTIAL_FILE).exists()
+    uninterrupted = score_variants(parent, library, library, batches, tmp_path / "whole")
+    assert resumed.variants == uninterrupted.variants and resumed.tokens == uninterrupted.tokens
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Two ranks on gloo.
 
@@ -257,30 +327,61 @@ def _worker(rank: int, world: int, port: int, directory: str) -> None:
     torch.set_num_threads(1)
     assert dist.init_from_env() is True
     try:
-        parent = _parent()
-        library = _library(parent)
-        scores = score_variants(
-            parent, library, library, _batches(), Path(directory), ScoreSettings(vocab_chunk=16)
-        )
-        records = {f"{v.block_index}:{v.id}": s.to_dict() for v, s in scores.variants.items()}
-        Path(directory, f"rank{rank}.json").write_text(json.dumps(records))
+        for mode in ("fsdp", "none"):
+            parent = _parent()
+            full = sum(p.numel() for p in parent.parameters())
+            library = _library(parent)
+            variant = Variant(
+                2, MoESpec(num_experts=3, top_k=1, expert_width=(8, 6, 8), shared_width=8, latent_size=12)
+            )
+            variant_full = sum(p.numel() for p in library[variant].parameters())
+            scores = score_variants(
+                parent,
+                library,
+                library,
+                _batches(),
+                Path(directory, mode),
+                ScoreSettings(vocab_chunk=16, shard=mode),
+            )
+            records = {f"{v.block_index}:{v.id}": s.to_dict() for v, s in scores.variants.items()}
+            held = {
+                "parent": [local_numel(parent), full],
+                "variant": [local_numel(library[variant]), variant_full],
+            }
+            Path(directory, f"{mode}-rank{rank}.json").write_text(
+                json.dumps({"scores": records, "held": held})
+            )
     finally:
         torch.distributed.destroy_process_group()
 
 
 def test_two_gloo_ranks_give_the_single_process_scores(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path / "two")), nprocs=2, join=True)
+    """FSDP2 (about half the parent and of each variant per rank) and replicated: both equal 1 process."""
+    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     parent = _parent()
     library = _library(parent)
     one = score_variants(
         parent, library, library, _batches(), tmp_path / "one", ScoreSettings(vocab_chunk=16)
     )
-    ranks = [json.loads((tmp_path / "two" / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert ranks[0] == ranks[1]
-    two = load_scores(tmp_path / "two")
-    assert two.tokens == one.tokens and two.parent_loss == pytest.approx(one.parent_loss, rel=1e-12)
-    for variant, score in one.variants.items():
-        other = two[variant]
-        assert other.tokens == score.tokens and other.top1 == score.top1 and other.top5 == score.top5
-        for name in ("kl", "lm_loss_delta", "hidden_nmse"):
-            assert getattr(other, name) == pytest.approx(getattr(score, name), rel=1e-9, abs=1e-12), name
+    for mode in ("fsdp", "none"):
+        ranks = [json.loads((tmp_path / f"{mode}-rank{r}.json").read_text()) for r in (0, 1)]
+        assert ranks[0]["scores"] == ranks[1]["scores"]
+        for rank in ranks:
+            (parent_held, parent_full), (variant_held, variant_full) = rank["held"].values()
+            if mode == "fsdp":
+                assert parent_held < 0.6 * parent_full and variant_held < 0.6 * variant_full, rank["held"]
+            else:
+                assert parent_held == parent_full and variant_held == variant_full
+        two = load_scores(tmp_path / mode)
+        assert two.tokens == one.tokens and two.parent_loss == pytest.approx(one.parent_loss, rel=1e-12)
+        for variant, score in one.variants.items():
+            other = two[variant]
+            assert other.tokens == score.tokens and other.top1 == score.top1 and other.top5 == score.top5
+            # Each rank scores whole batches, as one process does: only the order of the sums differs.
+            for name in ("kl", "lm_loss_delta", "hidden_nmse"):
+                assert getattr(other, name) == pytest.approx(getattr(score, name), rel=1e-9, abs=1e-12), name
+
+
+def test_an_unknown_shard_mode_is_an_error_naming_it():
+    with pytest.raises(ValueError, match=r"ScoreSettings\.shard must be 'fsdp' or 'none', found 'ddp'"):
+        ScoreSettings(shard="ddp")
