@@ -51,9 +51,9 @@ class TrainSettings:
 
     seq_len: int = 256
     batch_size: int = 8
-    steps: int = 300
-    lr: float = 3e-3
-    warmup_steps: int = 30
+    steps: int = 150
+    lr: float = 4e-3
+    warmup_steps: int = 15
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
     grad_clip: float = 1.0
@@ -66,7 +66,7 @@ class TrainSettings:
 
 
 FULL_SETTINGS = TrainSettings()
-QUICK_SETTINGS = TrainSettings(seq_len=256, batch_size=8, steps=120, lr=4e-3, warmup_steps=12)
+QUICK_SETTINGS = TrainSettings(steps=20, lr=5e-3, warmup_steps=4)
 
 
 class DemoParent(NamedTuple):
@@ -87,7 +87,7 @@ def default_cache_dir() -> Path:
 
 
 def cache_key(spec: ModelSpec, corpus_fingerprint: str, settings: TrainSettings, seed: int) -> str:
-    """What a cached parent was made from: spec, corpus, settings, seed and trainer version."""
+    """What a cached parent was made from: spec, corpus, settings, seed, trainer and puzzle versions."""
     return fingerprint_json(
         {
             "spec": spec.to_dict(),
@@ -95,6 +95,7 @@ def cache_key(spec: ModelSpec, corpus_fingerprint: str, settings: TrainSettings,
             "settings": settings.to_dict(),
             "seed": seed,
             "trainer": TRAINER_VERSION,
+            "puzzle": __version__,
         }
     )
 
@@ -174,6 +175,19 @@ def train_parent(
     """
     if len(data.held_out) == 0:
         raise DataError(f"no held-out sequence of {settings.seq_len} tokens: raise held_out_fraction")
+    # Adam's second moments of rarely used experts decay into subnormal floats, which CPUs compute 10-100x
+    # slower; flushing them to zero keeps late steps as fast as early ones (and runs stay deterministic).
+    flush = torch.set_flush_denormal(True)
+    try:
+        return _train(spec, data, settings, seed, show_progress)
+    finally:
+        if flush:
+            torch.set_flush_denormal(False)
+
+
+def _train(
+    spec: ModelSpec, data: TokenData, settings: TrainSettings, seed: int, show_progress: bool
+) -> tuple[HybridLM, dict[str, Any]]:
     torch.manual_seed(seed)
     model = HybridLM(spec).float().train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embeddings" not in n]
@@ -283,6 +297,7 @@ def demo_parent(
             "held_out_fraction": settings.held_out_fraction,
             "split_seed": SPLIT_SEED,
             "seq_len": settings.seq_len,
+            "fingerprint": data.fingerprint(),
         },
         "tokenizer": {
             "kind": "bytes",
