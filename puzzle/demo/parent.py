@@ -51,9 +51,9 @@ class TrainSettings:
 
     seq_len: int = 256
     batch_size: int = 8
-    steps: int = 150
+    steps: int = 60
     lr: float = 4e-3
-    warmup_steps: int = 15
+    warmup_steps: int = 6
     min_lr_ratio: float = 0.1
     weight_decay: float = 0.01
     grad_clip: float = 1.0
