@@ -2,7 +2,8 @@
 
 Sources are text files (`.txt`, `.text`, `.md`: documents separated by blank lines), JSONL files
 (`.jsonl`: one document per line, its text under `text_field`), already tokenised safetensors files
-(`.safetensors`: a tensor `tensor_name`, 1-D a token stream, 2-D one document per row) and `datasets`
+(`.safetensors`: a tensor `tensor_name`, 1-D a token stream, 2-D one document per row; a 1-D stream with a
+`document_offsets` tensor beside it has those document boundaries) and `datasets`
 datasets saved to disk (`save_to_disk`; needs the `data` extra). A folder that is not a saved dataset
 stands for the files with those suffixes under it, in sorted order. Text is tokenised with the parent's
 own tokenizer (a local directory read by `transformers.AutoTokenizer`, never the hub), each document
@@ -64,6 +65,8 @@ TOKENIZER_FILES = (
 # What `Dataset.save_to_disk` / `DatasetDict.save_to_disk` leave in their folder.
 _DATASET_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 _TOKENISE_CHUNK = 1024  # documents per tokenizer call
+# In a tokenised safetensors file: [documents + 1] int64 boundaries of the 1-D stream (0 first, its length last).
+DOCUMENT_OFFSETS = "document_offsets"
 
 _log = logging.getLogger(__name__)
 
@@ -260,13 +263,17 @@ def _tokenise(texts: list[str], tokenizer: Any, path: Path) -> Documents:
 
 
 def _read_token_file(path: Path, tensor_name: str, seq_len: int, vocab_size: int | None) -> Documents:
-    """A tokenised safetensors file: 2-D rows are documents, a 1-D stream is cut into `seq_len` documents."""
+    """A tokenised safetensors file: 2-D rows are documents; a 1-D stream is split at its `document_offsets`
+    when the file has them, else cut into `seq_len` documents."""
+    offsets = None
     try:
         with safe_open(str(path), framework="pt") as handle:
             names = list(handle.keys())
             if tensor_name not in names:
                 raise DataError(f"{path} has no tensor {tensor_name!r} (it holds {names or 'no tensors'})")
             tokens = handle.get_tensor(tensor_name)
+            if DOCUMENT_OFFSETS in names:
+                offsets = handle.get_tensor(DOCUMENT_OFFSETS)
     except SafetensorError as error:
         raise DataError(f"{path} is not a readable safetensors file: {error}") from error
     if tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint16, torch.uint8, torch.uint32):
@@ -284,11 +291,31 @@ def _read_token_file(path: Path, tensor_name: str, seq_len: int, vocab_size: int
             + (" (the tokenizer's vocabulary)" if vocab_size is not None else "")
         )
     total = tokens.numel()
+    if offsets is not None:
+        _check_offsets(path, offsets, tokens, total)
+        return Documents(tokens.to(torch.int32), offsets.to(torch.int64))
     if tokens.dim() == 2:
         offsets = torch.arange(0, total + 1, tokens.shape[1], dtype=torch.int64)
     else:
         offsets = torch.cat([torch.arange(0, total, seq_len), torch.tensor([total])]).to(torch.int64)
     return Documents(tokens.flatten().to(torch.int32), offsets)
+
+
+def _check_offsets(path: Path, offsets: torch.Tensor, tokens: torch.Tensor, total: int) -> None:
+    where = f"{path}: tensor {DOCUMENT_OFFSETS!r}"
+    if tokens.dim() != 1:
+        raise DataError(f"{where} needs a 1-D token stream, found shape {list(tokens.shape)}")
+    if offsets.dim() != 1 or offsets.numel() < 2 or offsets.is_floating_point() or offsets.is_complex():
+        raise DataError(
+            f"{where} must be 1-D integer document boundaries [documents + 1], "
+            f"found {offsets.dtype} of shape {list(offsets.shape)}"
+        )
+    first, last = int(offsets[0]), int(offsets[-1])
+    if first != 0 or last != total or bool((offsets.diff() < 0).any()):
+        raise DataError(
+            f"{where} must rise from 0 to the stream's length ({total}), found {first} ... {last}"
+            + (" (not non-decreasing)" if bool((offsets.diff() < 0).any()) else "")
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from puzzle.presets.demo import demo_parent_spec, demo_quick_parent_spec
 from puzzle.presets.nemotron import (
     nemotron3_nano,
     nemotron3_super,
@@ -23,6 +24,8 @@ PRESETS: dict[str, Callable[[], ModelSpec]] = {
     "nemotron-nano-9b-v2": nemotron_nano_9b_v2,
     "puzzle-75b-a9b-like": puzzle_75b_a9b_like,
     "tiny-hybrid": tiny_hybrid,
+    "demo": demo_parent_spec,
+    "demo-quick": demo_quick_parent_spec,
 }
 
 
@@ -59,4 +62,6 @@ __all__ = [
     "nemotron_nano_9b_v2",
     "puzzle_75b_a9b_like",
     "tiny_hybrid",
+    "demo_parent_spec",
+    "demo_quick_parent_spec",
 ]
