@@ -216,7 +216,8 @@ def test_fused_profiles_count_few_kernels_per_block():
     work = decode_work(spec, 4096, Scenario(64, 1000, 10))
     assert work.ops <= 12  # grouped GEMMs: no per-expert dispatch on a GPU profile
     eager = decode_work(spec, 4096, Scenario(64, 1000, 10), eager=True)
-    assert eager.ops < 100  # the CPU runs the expert bank's grouped matmuls too
+    # the CPU runs the expert bank's chunked loop (faster there than grouped_mm): two matmuls per expert hit
+    assert 2 * 400 < eager.ops < 4 * 512
     assert math.isclose(dataclasses.replace(eager, ops=work.ops).bytes, work.bytes)
     # One token's 22 (token, slot) pairs run one by one, 8 ops each.
-    assert decode_work(spec, 4096, Scenario(1, 1000, 10), eager=True).ops > 8 * 22
+    assert decode_work(spec, 4096, Scenario(1, 1000, 10), eager=True).ops > 4 * 22

@@ -288,18 +288,21 @@ class MoECost(BlockCost[MoESpec]):
         return elements
 
     def eager_ops(self, spec: MoESpec, batch_size: int, tokens: int, decode: bool) -> float:
-        # The paths of puzzle.blocks.moe.ExpertBank (+2 ops with a latent projection, +5 with a shared expert):
-        # fewer (token, slot) pairs than experts run one by one, ~24 + 8 per pair; else one width for all
-        # experts (rows assumed 16-byte aligned) runs two grouped matmuls, ~40 in all; else the loop, ~34 + 8
-        # per expert that receives tokens.
+        # The CPU paths of puzzle.blocks.moe.ExpertBank (+2 ops with a latent projection, +5 with a shared
+        # expert), counted by tests/test_cost_roofline.py: fewer (token, slot) pairs than experts run one by
+        # one, ~20 + 4.5 per pair; else the chunked loop, ~36 + 2 matmuls per expert that receives pairs
+        # (+1.75 for the per-expert views of mixed widths, +1 for the read-ahead of an expert with >= 16
+        # pairs) + ~16 per chunk of whole experts holding >= 256 pairs.
         pairs = batch_size * tokens * spec.top_k
         extra = (2.0 if spec.latent_size is not None else 0.0) + (5.0 if spec.shared_width else 0.0)
         if pairs < spec.num_experts:
-            return 24.0 + 8.0 * pairs + extra
-        if spec.is_uniform:
-            return 40.0 + extra
+            return 20.0 + 4.5 * pairs + extra
         touched = expected_distinct_experts(spec.num_experts, spec.top_k, batch_size * tokens)
-        return 34.0 + 8.0 * touched + extra
+        per_expert = pairs / touched
+        experts_per_chunk = math.ceil(256.0 / per_expert)
+        chunks = math.ceil(touched / experts_per_chunk)
+        per_touched = 2.0 + (0.0 if spec.is_uniform else 1.75) + (1.0 if per_expert >= 16 else 0.0)
+        return 36.0 + per_touched * touched + 16.0 * chunks + extra
 
     def fused_kernels(self, spec: MoESpec) -> float:
         # router, top-k, permute, two grouped GEMMs, un-permute; latent fc1 / fc2; shared up / down
