@@ -28,8 +28,8 @@ from puzzle.cost.roofline import Scenario
 from puzzle.gkd import GKDSettings
 from puzzle.presets import SPACE_PRESETS, get_space_preset
 from puzzle.score import ScoreSettings
-from puzzle.search.frontier import parse_sweep
 from puzzle.search import run_dir
+from puzzle.search.frontier import parse_sweep
 from puzzle.search.limits import BudgetError, Limit, Value, parse_limit
 from puzzle.search.types import SolverOptions
 from puzzle.space import SearchSpace
@@ -48,7 +48,9 @@ def parse_budget(text: str, hardware: HardwareConfig | None = None) -> run_dir.D
     try:
         return run_dir.parse_budget(text, run_dir.CostModel(**hardware.cost_model_kwargs()))
     except BudgetError as error:  # the search's hint names its command-line option; here it is a key
-        message = re.sub(r"; define it with --scenario .*", "; define it under hardware.scenarios", str(error))
+        message = re.sub(
+            r"; define it with --scenario .*", "; define it under hardware.scenarios", str(error)
+        )
         raise ConfigError(message) from None
 
 
