@@ -255,8 +255,17 @@ class RoundsConfig:
         ),
     )
 
+    pick: int = field(
+        default=1,
+        metadata=doc(
+            "Which of a round's solutions (1 = the first: the first budget list's best) becomes the next "
+            "round's parent, when a round has several (search.solutions > 1)."
+        ),
+    )
+
     def __post_init__(self) -> None:
         _at_least(self, "count", 1)
+        _at_least(self, "pick", 1)
         if self.budgets is None:
             if self.count > 1:
                 raise ConfigError(
