@@ -43,11 +43,10 @@ from puzzle import dist
 from puzzle.artifacts import fingerprint_file, fingerprint_json, fingerprint_model
 from puzzle.config import RunConfig, dump_config, load_config, to_dict
 from puzzle.files import atomic_write_bytes
-from puzzle.layout import RunLayout
+from puzzle.layout import STAGES, RunLayout
 from puzzle.model import HybridLM
-from puzzle.spec import Variant
+from puzzle.spec import BlockSpec, ModelSpec, Variant
 
-STAGES = ("importance", "library", "scores", "solutions", "assemble", "distill", "export")
 MANIFEST_FORMAT = 1
 DONE = ("done", "reused")
 
@@ -106,7 +105,7 @@ class Run:
     """
 
     def __init__(self, run_dir: str | Path, config: RunConfig, *, round_number: int = 1) -> None:
-        self.layout = RunLayout(Path(run_dir))
+        self.layout = RunLayout(Path(run_dir).absolute())
         self.config = config
         self.round_number = round_number
         self._parent_fp: str | None = None
@@ -119,6 +118,34 @@ class Run:
         """The run of the config file at `path` (validated, paths checked: ConfigError otherwise)."""
         config = load_config(path, check_paths=True)
         return cls(config.run_dir, config)
+
+    def check_budgets(self, parent: ModelSpec) -> None:
+        """Raise InfeasibleError (the search's message) when no architecture of the space meets a budget of
+        this round, before anything is trained: the search over every variant of the space, all scored 0.
+        Spaces with importance-based widths (profiles) are checked only by the search itself."""
+        from puzzle.search import search
+        from puzzle.search.run_dir import RunCandidates, run_problem
+
+        space = self.config.search_space()
+        if any(kind.profiles for kind in space.kinds.values()) or any(
+            o.space is not None and o.space.profiles for o in space.overrides
+        ):
+            return
+        variants: list[list[BlockSpec]] = [[block] for block in parent.blocks]
+        for index, listed in space.all_variants(parent).items():
+            variants[index] += [v.spec for v in listed if v.spec != parent.blocks[index]]
+        candidates = RunCandidates(parent, variants, [[0.0] * len(v) for v in variants])
+        for texts in self.budgets().values():
+            problem = run_problem(
+                self.layout,
+                texts,
+                cost_model=self._cost_model(),
+                keep_blocks=self.config.search.keep_blocks,
+                same_attributes=self.config.search.same_attributes,
+                shared_state_size=self.config.search.shared_state_size,
+                candidates=candidates,
+            )
+            search(problem.table, problem.problem.limits, problem.problem.rules, self.config.search.solver)
 
     # -- the manifest -----------------------------------------------------------------------------------
 
@@ -234,7 +261,12 @@ class Run:
         self._prepare()
         key = fingerprint_json(inputs)
         record = dist.broadcast_object(self.manifest()["stages"].get(name))
-        if record is not None and record.get("status") in DONE and record.get("inputs_hash") == key:
+        if (
+            record is not None
+            and record.get("status") in DONE
+            and record.get("inputs_hash") == key
+            and dist.broadcast_object(self._present(name, record["outputs"]))
+        ):
             _log.info("%s: reused (inputs unchanged)", name)
             self._update(name, {**record, "status": "reused", "checked": _now()})
             dist.barrier()
@@ -255,6 +287,29 @@ class Run:
         _log.info("%s: done", name)
         self._results[name] = outputs
         return outputs
+
+    def _present(self, name: str, outputs: dict[str, Any]) -> bool:
+        """Whether the recorded outputs of stage `name` are still on disk, unchanged."""
+        directories = {
+            "importance": self.layout.importance,
+            "library": self.layout.library,
+            "scores": self.layout.scores,
+        }
+        if name in directories:
+            path = directories[name] / f"{name}.manifest.json"
+            return path.is_file() and fingerprint_file(path) == outputs["manifest"]
+        for entry_name, entry in outputs.items():
+            if name == "solutions":
+                path = self.layout.root / entry["file"]
+                if not path.is_file() or fingerprint_file(path) != entry["fingerprint"]:
+                    return False
+            elif name == "distill":
+                path = self.layout.child(entry_name) / "gkd.manifest.json"
+                if not path.is_file() or fingerprint_file(path) != entry["manifest"]:
+                    return False
+            elif name == "export" and not (self.layout.root / entry["path"] / "config.json").is_file():
+                return False
+        return True
 
     def _outputs(self, name: str) -> dict[str, Any]:
         """The outputs of stage `name`, running it (and what it needs) first if this Run has not."""
