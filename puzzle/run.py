@@ -41,7 +41,7 @@ import torch
 
 from puzzle import dist
 from puzzle.artifacts import fingerprint_file, fingerprint_json, fingerprint_model
-from puzzle.config import RunConfig, dump_config, load_config, to_dict
+from puzzle.config import RunConfig, dump_config, load_config, load_config_data, to_dict
 from puzzle.files import atomic_write_bytes
 from puzzle.layout import STAGES, RunLayout
 from puzzle.model import HybridLM
@@ -198,7 +198,10 @@ class Run:
             )
         if dist.is_main():
             self.layout.root.mkdir(parents=True, exist_ok=True)
-            atomic_write_bytes(self.layout.config, dump_config(self.config).encode())
+            # Paths made absolute (relative ones are relative to the working directory by now), so that
+            # config.yaml reads back the same from inside the run directory (`puzzle search RUN_DIR`).
+            resolved = load_config_data(self.config.to_dict(), Path.cwd())
+            atomic_write_bytes(self.layout.config, dump_config(resolved).encode())
             self.layout.write_parent(self._load_parent().spec)
             data["parent"] = {"path": str(parent_dir), "fingerprint": fingerprint}
             data["round"] = self.round_number
