@@ -67,6 +67,12 @@ def _slug(budgets: list[str]) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]+", "_", text).strip("_") or "solution"
 
 
+def _write_if_changed(path: Path, content: bytes) -> None:
+    """Write `path` atomically unless it already holds `content` (a rerun leaves finished files alone)."""
+    if not (path.is_file() and path.read_bytes() == content):
+        atomic_write_bytes(path, content)
+
+
 def _on_main(work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """`work()` on rank 0 while the other ranks wait; its outputs on every rank. An exception on rank 0 is
     raised there as it is and on the other ranks as a RuntimeError naming it (no rank waits forever)."""
@@ -201,8 +207,10 @@ class Run:
             # Paths made absolute (relative ones are relative to the working directory by now), so that
             # config.yaml reads back the same from inside the run directory (`puzzle search RUN_DIR`).
             resolved = load_config_data(self.config.to_dict(), Path.cwd())
-            atomic_write_bytes(self.layout.config, dump_config(resolved).encode())
-            self.layout.write_parent(self._load_parent().spec)
+            _write_if_changed(self.layout.config, dump_config(resolved).encode())
+            spec = self._load_parent().spec
+            if not (self.layout.parent.is_file() and self.layout.read_parent() == spec):
+                self.layout.write_parent(spec)
             data["parent"] = {"path": str(parent_dir), "fingerprint": fingerprint}
             data["round"] = self.round_number
             self._write_manifest(data)
