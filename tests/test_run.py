@@ -227,3 +227,33 @@ def test_a_run_dir_of_another_parent_is_an_error(finished, tmp_path, capsys):
     assert _run(config) == 2
     assert "made from another parent" in capsys.readouterr().err
     assert _files(copied) == before
+
+
+def test_two_gloo_processes_under_torchrun_match_one(finished, tmp_path):
+    """`torchrun --nproc-per-node 2 -m puzzle run` (gloo on the CPU), the command a user runs."""
+    run_dir, _ = finished
+    config = write_config(tmp_path / "run.yaml", config_dict(run_dir.parent, run_dir=str(tmp_path / "run")))
+    env = {
+        **os.environ,
+        "PUZZLE_PROGRESS": "0",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(sys.path),
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    subprocess.run(
+        [*command, "-m", "puzzle", "run", str(config), "--quiet"], env=env, check=True, timeout=300
+    )
+    other = tmp_path / "run"
+    assert sorted(p.name for p in (other / "logs").iterdir()) == ["rank0.log", "rank1.log"]
+    assert _statuses(other) == {stage: "done" for stage in STAGES}
+    files = sorted((run_dir / "library").glob("block*/*.safetensors"))
+    assert files
+    for path in files:  # data parallel: equal up to float summation order (amplified by Adam over 10 steps)
+        want, got = load_file(str(path)), load_file(str(other / path.relative_to(run_dir)))
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=2e-3, msg=key)
+    for path in (run_dir / "solutions").glob("*.json"):
+        assert (
+            json.loads(path.read_text())["choices"]
+            == json.loads((other / "solutions" / path.name).read_text())["choices"]
+        )
