@@ -278,12 +278,12 @@ class Run:
             and record.get("inputs_hash") == key
             and dist.broadcast_object(self._present(name, record["outputs"]))
         ):
-            _log.info("%s: reused (inputs unchanged)", name)
+            _log.info("%s%s: reused (inputs unchanged)", self._round_label(), name)
             self._update(name, {**record, "status": "reused", "checked": _now()})
             dist.barrier()
             self._results[name] = record["outputs"]
             return record["outputs"]
-        _log.info("%s: running", name)
+        _log.info("%s%s: running", self._round_label(), name)
         started = _now()
         running = {"status": "running", "inputs_hash": key, "inputs": inputs, "started": started}
         self._update(name, running)
@@ -295,9 +295,12 @@ class Run:
         outputs = dist.broadcast_object(outputs)
         self._update(name, {**running, "status": "done", "finished": _now(), "outputs": outputs})
         dist.barrier()
-        _log.info("%s: done", name)
+        _log.info("%s%s: done", self._round_label(), name)
         self._results[name] = outputs
         return outputs
+
+    def _round_label(self) -> str:
+        return f"round {self.round_number}: " if self.config.rounds.count > 1 else ""
 
     def _present(self, name: str, outputs: dict[str, Any]) -> bool:
         """Whether the recorded outputs of stage `name` are still on disk, unchanged."""

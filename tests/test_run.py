@@ -257,3 +257,23 @@ def test_two_gloo_processes_under_torchrun_match_one(finished, tmp_path):
             json.loads(path.read_text())["choices"]
             == json.loads((other / "solutions" / path.name).read_text())["choices"]
         )
+
+
+def test_two_rounds_the_second_compresses_the_first_child(finished, tmp_path):
+    run_dir, _ = finished
+    data = config_dict(run_dir.parent, run_dir=str(tmp_path / "run"))
+    del data["search"]
+    data["rounds"] = {"count": 2, "budgets": [["active_params<=0.9x"], ["active_params<=0.9x"]]}
+    assert _run(write_config(tmp_path / "run.yaml", data)) == 0
+    first, second = tmp_path / "run", tmp_path / "run" / "round-2"
+    (name,) = [p.name for p in (first / "exports").iterdir()]
+    manifest = json.loads((second / "run.json").read_text())
+    assert manifest["round"] == 2 and manifest["parent"]["path"] == str(first / "exports" / name)
+    child = puzzle.load(first / "exports" / name)
+    assert (second / "parent.json").read_text() == child.spec.to_json() + "\n"
+    assert _statuses(second) == {stage: "done" for stage in STAGES}
+    (final,) = [p for p in (second / "exports").iterdir()]
+    grandchild = puzzle.load(final)
+    assert grandchild.spec != child.spec and sum(p.numel() for p in grandchild.parameters()) < sum(
+        p.numel() for p in child.parameters()
+    )
