@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from puzzle.layout import STAGES
@@ -33,21 +36,39 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def _setup_logging(log_dir: Any, rank: int, quiet: bool) -> logging.Handler:
-    """Everything at INFO to RUN_DIR/logs/rank{r}.log; rank 0's INFO (WARNING when quiet) to stderr."""
+@contextlib.contextmanager
+def _logging_to(log_dir: Path, rank: int, quiet: bool) -> Iterator[logging.Handler]:
+    """While open: the `puzzle` loggers at INFO to RUN_DIR/logs/rank{r}.log, and rank 0's INFO (WARNING when
+    quiet) to stderr; the logger's earlier handlers, level and propagation come back afterwards."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    logger = logging.getLogger("puzzle")
+    saved = logger.level, logger.propagate
     handler = logging.FileHandler(log_dir / f"rank{rank}.log")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logger = logging.getLogger("puzzle")
-    logger.setLevel(logging.INFO)
-    logger.addHandler(handler)
+    added: list[logging.Handler] = [handler]
     if rank == 0:
         console = logging.StreamHandler(sys.stderr)
         console.setLevel(logging.WARNING if quiet else logging.INFO)
         console.setFormatter(logging.Formatter("puzzle run: %(message)s"))
-        logger.addHandler(console)
-    logger.propagate = False
-    return handler
+        added.append(console)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # the console line above, not the root logger's as well
+    for each in added:
+        logger.addHandler(each)
+    try:
+        yield handler
+    finally:
+        for each in added:
+            logger.removeHandler(each)
+            each.close()
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
+def _log_traceback(handler: logging.Handler) -> None:
+    """The current exception's traceback into the rank's log file only (stderr gets one line)."""
+    logger = logging.getLogger("puzzle")
+    handler.handle(logger.makeRecord("puzzle", logging.ERROR, __file__, 0, "failed", (), sys.exc_info()))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,14 +96,21 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     started = dist.init_from_env()
     try:
-        _setup_logging(pipeline.layout.logs, dist.rank(), args.quiet)
-        pipeline.all(args.until)
+        with _logging_to(pipeline.layout.logs, dist.rank(), args.quiet) as log_file:
+            try:
+                pipeline.all(args.until)
+            except ValueError:
+                _log_traceback(log_file)
+                raise
     except InfeasibleError as error:
         print(f"puzzle run: infeasible: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except RunError as error:
+    except RunError as error:  # a run directory of another parent
         print(f"puzzle run: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except ValueError as error:  # DataError, ArtifactError, SpecError...: a failure of the run
+        print(f"puzzle run: error: {error}", file=sys.stderr)
+        return EXIT_FAILED
     finally:
         if started:
             dist.shutdown()
