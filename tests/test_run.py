@@ -287,3 +287,15 @@ def test_a_failing_stage_exits_1_and_logs_its_traceback(finished, tmp_path, caps
     assert "puzzle run: error: the train split" in capsys.readouterr().err
     assert _statuses(tmp_path / "run") == {"importance": "done", "library": "failed"}
     assert "Traceback" in (tmp_path / "run" / "logs" / "rank0.log").read_text()
+
+
+def test_until_stops_after_the_stage_and_a_later_run_goes_on(finished, tmp_path):
+    run_dir, _ = finished
+    config = write_config(tmp_path / "run.yaml", config_dict(run_dir.parent, run_dir=str(tmp_path / "run")))
+    assert _run(config, "--until", "library") == 0
+    assert _statuses(tmp_path / "run") == {"importance": "done", "library": "done"}
+    assert _run(config) == 0
+    assert _statuses(tmp_path / "run") == {
+        s: "reused" if s in ("importance", "library") else "done" for s in STAGES
+    }
+    _same_outcome(run_dir, tmp_path / "run")
