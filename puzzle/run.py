@@ -362,7 +362,8 @@ class Run:
         split = self.data.train
         count = max(1, math.ceil(settings.tokens / (settings.batch_size * split.seq_len)))
         stream = split.batches(settings.batch_size, self.config.seed, rank=0, world=1)
-        return (batch for _, batch in zip(range(count), stream))
+        # On the model's device: collect_importance runs the batches as given.
+        return (batch.to(dist.device()) for _, batch in zip(range(count), stream))
 
     @staticmethod
     def _manifest_fp(directory: Path, stage: str) -> str:
