@@ -299,3 +299,17 @@ def test_until_stops_after_the_stage_and_a_later_run_goes_on(finished, tmp_path)
         s: "reused" if s in ("importance", "library") else "done" for s in STAGES
     }
     _same_outcome(run_dir, tmp_path / "run")
+
+
+def test_several_solutions_per_budget_are_named_apart(finished, tmp_path):
+    run_dir, _ = finished
+    data = config_dict(run_dir.parent, run_dir=str(tmp_path / "run"))
+    data["search"].update(solutions=2, min_diff=1)
+    assert _run(write_config(tmp_path / "run.yaml", data), "--until", "solutions") == 0
+    first, second = (
+        json.loads((tmp_path / "run" / "solutions" / f"active_params-le-0.8x{suffix}.json").read_text())
+        for suffix in ("", "-2")
+    )
+    assert first["choices"] != second["choices"] and first["objective"] <= second["objective"]
+    expected = json.loads((run_dir / "solutions" / "active_params-le-0.8x.json").read_text())
+    assert first["choices"] == expected["choices"]
