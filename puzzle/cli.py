@@ -20,6 +20,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "puzzle.commands.search",
     "puzzle.commands.costs",
     "puzzle.commands.config",
+    "puzzle.commands.run",
 )
 
 DEBUG_ENV = "PUZZLE_DEBUG"

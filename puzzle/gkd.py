@@ -169,8 +169,8 @@ class GKDSettings:
                 raise ValueError(f"GKDSettings.{name} must be an integer >= 1, found {value!r}")
         if self.micro_batch_size is not None and self.micro_batch_size > self.batch_size:
             raise ValueError(
-                f"GKDSettings.micro_batch_size ({self.micro_batch_size}) must not exceed batch_size "
-                f"({self.batch_size})"
+                f"GKDSettings.micro_batch_size must be at most batch_size ({self.batch_size}), "
+                f"found {self.micro_batch_size}"
             )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"GKDSettings.dtype must be 'float32' or 'bfloat16', found {self.dtype!r}")

@@ -12,7 +12,7 @@
       children/{name}/   GKD of the assembled child of solution {name}: checkpoints, history.json, weights
       exports/{name}/    the exported checkpoint of solution {name} (config.json, safetensors, puzzle.json)
       report/            `puzzle report`: report.md and its PNG plots
-      logs/              one log file per process (rank)
+      logs/              one log file per process (rank), rank{r}.log
       round-{r}/         round r >= 2 of an iterative run: the same layout, its parent the previous
                          round's distilled child
 
@@ -28,6 +28,8 @@ from pathlib import Path
 from puzzle.files import atomic_write_bytes
 from puzzle.spec import ModelSpec
 
+# The pipeline's stages in order (puzzle/run.py; `puzzle run --until`).
+STAGES = ("importance", "library", "scores", "solutions", "assemble", "distill", "export")
 CONFIG_FILE = "config.yaml"
 RUN_MANIFEST_FILE = "run.json"
 IMPORTANCE_DIR = "importance"

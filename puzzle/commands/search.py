@@ -140,7 +140,8 @@ def register(subparsers: Any) -> None:
         default=[],
         metavar="NAME:batch=B,prompt=P,generated=G",
         help="a serving scenario budgets may name (repeatable; also recipe=, kv_dtype=, ssm_dtype=, "
-        "conv_dtype=, activation_dtype=, compute_dtype=)",
+        "conv_dtype=, activation_dtype=, compute_dtype=); the scenarios of RUN_DIR/config.yaml (a `puzzle "
+        "run` directory) are defined without it",
     )
     run_dir.add_argument(
         "--hardware",
@@ -343,6 +344,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_scenarios(layout: Any) -> dict[str, Any]:
+    """The serving scenarios of the run config a pipeline run saved (RUN_DIR/config.yaml), if any."""
+    from puzzle.config import load_config
+
+    if not layout.config.is_file():
+        return {}
+    return dict(load_config(layout.config).hardware.scenarios)  # a ConfigError is a ValueError: exit 2
+
+
 def _run_dir(args: argparse.Namespace) -> int:
     """`puzzle search RUN_DIR`: malformed options exit 2 before any file is read; an unusable run exits 1."""
     # Late: the run's files are read through puzzle.bld / puzzle.score, which import torch.
@@ -376,6 +386,8 @@ def _run_dir(args: argparse.Namespace) -> int:
                 raise BudgetError(f"--scenario {scenario.name!r} is defined twice")
             scenarios[scenario.name] = scenario
         memory_fraction = 0.9 if args.memory_fraction is None else args.memory_fraction
+        for name, scenario in _run_scenarios(RunLayout(Path(args.run_dir))).items():
+            scenarios.setdefault(name, scenario)  # --scenario overrides the run config's
         cost_model = CostModel(hardware, recipe, memory_fraction, scenarios)
         budgets = [parse_budget(text, cost_model) for text in args.budget]
         out = Path(args.out) if args.out is not None else None

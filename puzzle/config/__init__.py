@@ -11,7 +11,6 @@ from puzzle.config.reference import reference_markdown
 from puzzle.config.run import (
     BUDGET_KEYS,
     DataConfig,
-    GKDConfig,
     HardwareConfig,
     ImportanceConfig,
     ParentConfig,
@@ -28,7 +27,6 @@ __all__ = [
     "BUDGET_KEYS",
     "ConfigError",
     "DataConfig",
-    "GKDConfig",
     "HardwareConfig",
     "ImportanceConfig",
     "ParentConfig",

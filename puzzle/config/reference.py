@@ -16,6 +16,7 @@ from puzzle.bld import BLDSettings
 from puzzle.config.loader import join_key, to_dict, type_hints, type_name
 from puzzle.config.run import BUDGET_KEYS, RunConfig
 from puzzle.cost.roofline import Scenario
+from puzzle.gkd import GKDSettings
 
 # What a reused class's field means in the config, where that differs from its own documentation.
 _NOTES: dict[tuple[type, str], str] = {
@@ -29,6 +30,35 @@ _NOTES: dict[tuple[type, str], str] = {
     (BLDSettings, "weight_decay"): "AdamW weight decay.",
     (BLDSettings, "betas"): "AdamW betas.",
 }
+# GKDSettings' docstring documents its fields in running prose; the config page has one line each.
+_NOTES.update(
+    {
+        (GKDSettings, name): text
+        for name, text in {
+            "lr": "AdamW peak learning rate.",
+            "min_lr_ratio": "The learning rate at the end of the cosine decay, as a fraction of lr.",
+            "warmup_tokens": "Linear warm-up from 0 over this many tokens.",
+            "weight_decay": "AdamW weight decay.",
+            "betas": "AdamW betas.",
+            "token_budget": "Tokens to train on (null: no token limit; the run also ends after `steps`).",
+            "steps": "Optimiser steps (null: no step limit); at least one limit is needed.",
+            "batch_size": "Sequences per optimiser step (all ranks together).",
+            "micro_batch_size": "Sequences per forward/backward on one rank (null: the rank's whole share); "
+            "gradients accumulate over the share.",
+            "clip": "Max global gradient norm (0: none).",
+            "kl_weight": "Weight of the logit KL to the parent.",
+            "cosine_weight": "Weight of the per-block (1 - cosine) of hidden states.",
+            "lm_weight": "Weight of the LM loss (off by default: the Puzzle ablation found it hurts).",
+            "vocab_chunk": "lm_head rows per KL chunk (peak memory).",
+            "eval_every": "Steps between held-out evaluations (0: only before and after).",
+            "checkpoint_every": "Steps between checkpoints (0: never).",
+            "seed": "Seeds torch and the order of the batches.",
+            "dtype": "The student's training dtype: float32 or bfloat16.",
+            "autocast": "bf16 autocast on CUDA.",
+            "shard": "fsdp: shard student and teacher over the ranks with FSDP2; none: replicate them.",
+        }.items()
+    }
+)
 
 
 def _field_docs(cls: type) -> dict[str, str]:

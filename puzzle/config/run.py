@@ -3,7 +3,7 @@
 `load_config(path)` reads and validates it (types, values, budgets against the scenarios, rounds);
 `RunConfig.validate_paths()` checks what it names on disk (the parent's config.json and weights, the
 tokenizer, the data, the space file) without loading a weight. Sections reuse the stages' own settings
-where they exist (`puzzle.bld.BLDSettings`, `puzzle.score.ScoreSettings`, `puzzle.search.SolverOptions`,
+where they exist (`puzzle.bld.BLDSettings`, `puzzle.gkd.GKDSettings`, `puzzle.score.ScoreSettings`, `puzzle.search.SolverOptions`,
 `puzzle.cost.Scenario`). Budgets are texts in the syntax of `puzzle search RUN_DIR` over deployment keys
 (`BUDGET_KEYS`: `active_params<=0.6x`, `throughput[chat]>=1.5x`), checked here and handed to the search
 as written (`RunConfig.round_budgets`), with the cost model of the `hardware` section.
@@ -12,7 +12,6 @@ as written (`RunConfig.round_budgets`), with the cost model of the `hardware` se
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -26,77 +25,33 @@ from puzzle.config.loader import ConfigError, doc, from_data, line_of, read_yaml
 from puzzle.cost.analytic import get_recipe
 from puzzle.cost.hardware import hardware_key
 from puzzle.cost.roofline import Scenario
+from puzzle.gkd import GKDSettings
 from puzzle.presets import SPACE_PRESETS, get_space_preset
 from puzzle.score import ScoreSettings
+from puzzle.search import run_dir
 from puzzle.search.frontier import parse_sweep
-from puzzle.search.limits import BudgetError, Limit, Relative, Value, parse_limit
+from puzzle.search.limits import BudgetError, Limit, Value, parse_limit
 from puzzle.search.types import SolverOptions
 from puzzle.space import SearchSpace
 from puzzle.spec import ModelSpec
 
-# Budget keys, as `puzzle search RUN_DIR` reads them (puzzle/search/run_dir.py): key -> (the bound it takes,
-# whether it names scenarios, what it bounds). `KEY[S]` names one or more scenarios of hardware.scenarios
-# (`throughput[chat,long]>=1.5x`: the bound holds in each). Values are absolute (7e9, 70G) or factors of the
-# round's parent (0.6x; for throughput, 1.5x is 1.5 times the parent's tokens/s).
-BUDGET_KEYS: dict[str, tuple[str, bool, str]] = {
-    "params": ("<=", False, "total parameters"),
-    "active_params": ("<=", False, "parameters used per token"),
-    "weight_bytes": ("<=", False, "weight bytes in hardware.recipe"),
-    "memory_bytes": ("<=", True, "weights + the batch's KV cache and recurrent state at the scenario, bytes"),
-    "concurrent_requests": (
-        ">=",
-        True,
-        "requests of the scenario's context that fit beside the weights in hardware.memory_fraction of "
-        "the profile's memory (a whole number)",
-    ),
-    "throughput": (">=", True, "output tokens/s of the scenario's batch on hardware.profile (roofline)"),
-    "latency": ("<=", True, "seconds for the scenario's batch (prefill + generation)"),
-    "ttft": ("<=", True, "seconds to the first token (the batch's prefill)"),
-}
-_BUDGET_KEY = re.compile(r"(\w+)(?:\[([^\[\]]*)\])?")
+# Budget keys and their grammar are the search's own (`puzzle search RUN_DIR`, puzzle/search/run_dir.py):
+# key -> (the bound it takes, whether it names scenarios, what it bounds).
+BUDGET_KEYS = run_dir.BUDGET_KEYS
 
 
-def parse_budget(text: str, scenarios: Mapping[str, Any] | None = None) -> tuple[Limit, tuple[str, ...]]:
-    """A run budget (`active_params<=0.6x`, `throughput[chat,long]>=1.5x`): its Limit and the scenarios it
-    names, checked against `scenarios` when given. ConfigError (without a key path) if malformed."""
+def parse_budget(text: str, hardware: HardwareConfig | None = None) -> run_dir.DeploymentLimit:
+    """A run budget (`active_params<=0.6x`, `throughput[chat,long]>=1.5x`) read by the search's own parser
+    (`puzzle.search.run_dir.parse_budget`) with the cost model of `hardware` (its scenarios). ConfigError
+    (without a key path) if malformed."""
+    hardware = hardware if hardware is not None else HardwareConfig()
     try:
-        limit = parse_limit(text)
-    except BudgetError as error:
-        raise ConfigError(str(error)) from None
-    match = _BUDGET_KEY.fullmatch(limit.key)
-    if match is None or match.group(1) not in BUDGET_KEYS:
-        name = match.group(1) if match else limit.key
-        close = difflib.get_close_matches(name, list(BUDGET_KEYS), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        known = ", ".join(f"{key}[S]" if named else key for key, (_, named, _) in BUDGET_KEYS.items())
-        raise ConfigError(f"unknown budget key {limit.key!r}; {hint}budget keys: {known}")
-    key, listed = match.group(1), match.group(2)
-    side, named, _ = BUDGET_KEYS[key]
-    if named and not listed:
-        raise ConfigError(
-            f"{key} needs scenarios: {key}[NAME] or {key}[NAME,NAME] (names under hardware.scenarios)"
+        return run_dir.parse_budget(text, run_dir.CostModel(**hardware.cost_model_kwargs()))
+    except BudgetError as error:  # the search's hint names its command-line option; here it is a key
+        message = re.sub(
+            r"; define it with --scenario .*", "; define it under hardware.scenarios", str(error)
         )
-    if not named and listed is not None:
-        raise ConfigError(f"{key} takes no scenario (write {key}{side}VALUE)")
-    names = tuple(name.strip() for name in listed.split(",")) if listed else ()
-    if len(set(names)) != len(names):
-        raise ConfigError(f"{text!r} names a scenario twice")
-    for name in names if scenarios is not None else ():
-        if name not in scenarios:
-            defined = ", ".join(scenarios) or "none"
-            raise ConfigError(
-                f"scenario {name!r} is not defined under hardware.scenarios (defined: {defined})"
-            )
-    value, other = (limit.upper, limit.lower) if side == "<=" else (limit.lower, limit.upper)
-    if value is None or other is not None:
-        raise ConfigError(f"{key} takes only a bound {key}{side}VALUE")
-    if key == "concurrent_requests" and (isinstance(value, Relative) or not float(value).is_integer()):
-        raise ConfigError(
-            f"concurrent_requests needs a whole number of requests (not a factor), found {text!r}"
-        )
-    if not isinstance(value, Relative) and value <= 0:
-        raise ConfigError(f"the bound must be positive, found {text!r}")
-    return limit, names
+        raise ConfigError(message) from None
 
 
 def _sweep_budget(key: str, side: str, value: Value) -> str:
@@ -204,12 +159,6 @@ def _at_least(owner: Any, name: str, minimum: float) -> None:
         raise ConfigError(f"expected {what}, got {value!r}", name)
 
 
-def _positive(owner: Any, name: str) -> None:
-    value = getattr(owner, name)
-    if not value > 0:
-        raise ConfigError(f"expected a positive number, got {value!r}", name)
-
-
 @dataclass(frozen=True)
 class ImportanceConfig:
     """Activation importance of the parent's units (`puzzle.prune.importance`), which child init reads."""
@@ -269,11 +218,7 @@ class SearchConfig:
     solver: SolverOptions = field(default_factory=SolverOptions, metadata=doc("MIP solver options."))
 
     def __post_init__(self) -> None:
-        for index, text in enumerate(self.budgets):
-            try:
-                parse_budget(text)
-            except ConfigError as error:
-                raise error.within(f"budgets[{index}]") from None
+        # Each budget is read in RunConfig, which knows the scenarios (hardware.scenarios) they name.
         self.swept()
         _at_least(self, "solutions", 1)
         _at_least(self, "min_diff", 1)
@@ -294,92 +239,7 @@ class SearchConfig:
             key, side, values = parse_sweep(self.sweep)
         except BudgetError as error:
             raise ConfigError(str(error), "sweep") from None
-        for value in values:  # each point is a budget like any other
-            try:
-                parse_budget(_sweep_budget(key, side, value))
-            except ConfigError as error:
-                raise error.within("sweep") from None
         return key, side, values
-
-
-@dataclass(frozen=True)
-class GKDConfig:
-    """Global knowledge distillation of the assembled child against the parent: KL on the logits plus
-    (1 - cosine) of hidden states per block. A placeholder with the fields of `puzzle.gkd.GKDSettings`
-    (written alongside), which replaces it. Token counts and batch_size are global (all ranks together)."""
-
-    lr: float = field(default=1e-5, metadata=doc("AdamW peak learning rate."))
-    min_lr_ratio: float = field(
-        default=0.1, metadata=doc("The learning rate at the end of the cosine decay, as a fraction of lr.")
-    )
-    warmup_tokens: int = field(default=0, metadata=doc("Linear warm-up from 0 over this many tokens."))
-    weight_decay: float = field(default=0.0, metadata=doc("AdamW weight decay."))
-    betas: tuple[float, float] = field(default=(0.9, 0.95), metadata=doc("AdamW betas."))
-    token_budget: int | None = field(
-        default=100_000_000,
-        metadata=doc("Tokens to train on (null: no token limit; the run also ends after `steps`)."),
-    )
-    steps: int | None = field(
-        default=None, metadata=doc("Optimiser steps (null: no step limit); at least one limit is needed.")
-    )
-    batch_size: int = field(default=8, metadata=doc("Sequences per optimiser step."))
-    micro_batch_size: int | None = field(
-        default=None,
-        metadata=doc(
-            "Sequences per forward/backward on one rank (null: the rank's whole share); gradients "
-            "accumulate over the share."
-        ),
-    )
-    clip: float = field(default=1.0, metadata=doc("Max global gradient norm (0: none)."))
-    kl_weight: float = field(default=1.0, metadata=doc("Weight of the logit KL to the parent."))
-    cosine_weight: float = field(
-        default=1.0, metadata=doc("Weight of the per-block (1 - cosine) of hidden states.")
-    )
-    lm_weight: float = field(
-        default=0.0,
-        metadata=doc("Weight of the LM loss (off by default: the Puzzle ablation found it hurts)."),
-    )
-    vocab_chunk: int = field(default=4096, metadata=doc("lm_head rows per KL chunk (peak memory)."))
-    eval_every: int = field(
-        default=100, metadata=doc("Steps between held-out evaluations (0: only before and after).")
-    )
-    checkpoint_every: int = field(default=100, metadata=doc("Steps between checkpoints (0: never)."))
-    seed: int = field(default=0, metadata=doc("Seeds torch and the order of the batches."))
-    dtype: Literal["float32", "bfloat16"] = field(
-        default="float32", metadata=doc("The student's training dtype.")
-    )
-    autocast: bool = field(default=True, metadata=doc("bf16 autocast on CUDA."))
-    shard: Literal["fsdp", "none"] = field(
-        default="fsdp",
-        metadata=doc("fsdp: shard student and teacher over the ranks with FSDP2; none: replicate them."),
-    )
-
-    def __post_init__(self) -> None:
-        _positive(self, "lr")
-        for name in ("min_lr_ratio", "weight_decay", "clip", "kl_weight", "cosine_weight", "lm_weight"):
-            _at_least(self, name, 0)
-        if self.min_lr_ratio > 1:
-            raise ConfigError(f"expected a fraction in [0, 1], got {self.min_lr_ratio!r}", "min_lr_ratio")
-        if not all(0 <= beta < 1 for beta in self.betas):
-            raise ConfigError(f"expected two numbers in [0, 1), got {list(self.betas)}", "betas")
-        for name in ("warmup_tokens", "eval_every", "checkpoint_every", "seed"):
-            _at_least(self, name, 0)
-        for name in ("token_budget", "steps", "micro_batch_size"):
-            if getattr(self, name) is not None:
-                _at_least(self, name, 1)
-        for name in ("batch_size", "vocab_chunk"):
-            _at_least(self, name, 1)
-        if self.token_budget is None and self.steps is None:
-            raise ConfigError("token_budget and steps are both null: set at least one", "token_budget")
-        if self.micro_batch_size is not None and self.micro_batch_size > self.batch_size:
-            raise ConfigError(
-                f"expected at most batch_size ({self.batch_size}), got {self.micro_batch_size}",
-                "micro_batch_size",
-            )
-        if self.kl_weight + self.cosine_weight + self.lm_weight == 0:
-            raise ConfigError(
-                "kl_weight, cosine_weight and lm_weight are all 0: nothing to train", "kl_weight"
-            )
 
 
 @dataclass(frozen=True)
@@ -395,8 +255,17 @@ class RoundsConfig:
         ),
     )
 
+    pick: int = field(
+        default=1,
+        metadata=doc(
+            "Which of a round's solutions (1 = the first: the first budget list's best) becomes the next "
+            "round's parent, when a round has several (search.solutions > 1)."
+        ),
+    )
+
     def __post_init__(self) -> None:
         _at_least(self, "count", 1)
+        _at_least(self, "pick", 1)
         if self.budgets is None:
             if self.count > 1:
                 raise ConfigError(
@@ -408,13 +277,8 @@ class RoundsConfig:
                 f"expected one list of budgets per round ({self.count}), got {len(self.budgets)}", "budgets"
             )
         for round_index, texts in enumerate(self.budgets):
-            if not texts:
+            if not texts:  # each budget is read in RunConfig, which knows the scenarios
                 raise ConfigError("expected at least one budget", f"budgets[{round_index}]")
-            for index, text in enumerate(texts):
-                try:
-                    parse_budget(text)
-                except ConfigError as error:
-                    raise error.within(f"budgets[{round_index}][{index}]") from None
 
 
 @dataclass(frozen=True)
@@ -503,8 +367,9 @@ class RunConfig:
         metadata=doc("Replace-one-block scoring (puzzle.score.ScoreSettings)."),
     )
     search: SearchConfig = field(default_factory=SearchConfig, metadata=doc("The architecture search."))
-    gkd: GKDConfig = field(
-        default_factory=GKDConfig, metadata=doc("Global knowledge distillation of the child.")
+    gkd: GKDSettings = field(
+        default_factory=GKDSettings,
+        metadata=doc("Global knowledge distillation of the child (puzzle.gkd.GKDSettings)."),
     )
     rounds: RoundsConfig = field(default_factory=RoundsConfig, metadata=doc("Iterative Puzzle rounds."))
     hardware: HardwareConfig = field(
@@ -544,13 +409,13 @@ class RunConfig:
         for where, texts in places:
             for index, text in enumerate(texts):
                 try:
-                    parse_budget(text, self.hardware.scenarios)
+                    parse_budget(text, self.hardware)
                 except ConfigError as error:
                     raise error.within(f"{where}[{index}]") from None
         swept = search.swept()
-        if swept is not None:
+        for value in swept[2] if swept is not None else ():  # each point is a budget like any other
             try:
-                parse_budget(_sweep_budget(swept[0], swept[1], swept[2][0]), self.hardware.scenarios)
+                parse_budget(_sweep_budget(swept[0], swept[1], value), self.hardware)
             except ConfigError as error:
                 raise error.within("search.sweep") from None
 
@@ -590,7 +455,7 @@ class RunConfig:
         if swept is None:
             return [list(self.search.budgets)]
         key, side, values = swept
-        kept = [text for text in self.search.budgets if parse_budget(text)[0].key != key]
+        kept = [text for text in self.search.budgets if parse_limit(text).key != key]
         return [[*kept, _sweep_budget(key, side, value)] for value in values]
 
     # -- checks against the disk ----------------------------------------------------------------------

@@ -329,18 +329,21 @@ def run_problem(
     same_attributes: Iterable[str] = (),
     shared_state_size: bool = True,
     parent: ModelSpec | None = None,
+    candidates: RunCandidates | None = None,
 ) -> RunProblem:
     """The search problem of the run in `run_dir` under `budgets` (texts as `parse_budget` reads them).
 
     `keep_blocks`: block indices (or `block_{i}` names) held at the parent's block; `same_attributes`:
     `state_size`, `top_k` or `kind` held to one value over the chosen variants that have it;
     `shared_state_size` (on, as serving engines need): one SSM state size for every Mamba block;
-    `parent`: the parent's spec, when it is not the run's parent.json.
+    `parent`: the parent's spec, when it is not the run's parent.json; `candidates`: the table's candidates
+    instead of the run's library and scores (nothing is then read from `run_dir`).
     """
     cost_model = cost_model or CostModel()
     layout = run_dir if isinstance(run_dir, RunLayout) else RunLayout(Path(run_dir))
     limits = [b if isinstance(b, DeploymentLimit) else parse_budget(b, cost_model) for b in budgets]
-    candidates = run_candidates(layout, objective, parent)
+    if candidates is None:
+        candidates = run_candidates(layout, objective, parent)
     rules = Rules(
         shared_state_size=shared_state_size,
         same_attributes=tuple(same_attributes),

@@ -1,0 +1,119 @@
+"""`puzzle run CONFIG`: every stage of a Puzzle run, resumable (also under torchrun: see puzzle/run.py)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from puzzle.layout import STAGES
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+
+
+def register(subparsers: Any) -> None:
+    """Add `puzzle run` to the `puzzle` parser."""
+    parser = subparsers.add_parser(
+        "run",
+        help="run every stage of a run config (resumable)",
+        description="Run the pipeline of CONFIG: importance, library (BLD), scores, solutions (search), "
+        "assemble, distill (GKD), export, and further rounds (rounds.count). A finished stage of the same "
+        "inputs is reused; a killed one resumes. Under `torchrun --nproc-per-node N -m puzzle run CONFIG` "
+        "the distributed stages shard their work. Logs go to RUN_DIR/logs/rank{r}.log. Exit code 2 for a "
+        "config error (nothing is written) or a budget no architecture meets, 1 for a failure.",
+    )
+    parser.add_argument("config", metavar="CONFIG", help="the run config, a YAML file")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars, only warnings on stderr")
+    parser.add_argument(
+        "--until", choices=STAGES, default=None, help="stop after this stage (of the first round)"
+    )
+    parser.set_defaults(func=run)
+
+
+@contextlib.contextmanager
+def _logging_to(log_dir: Path, rank: int, quiet: bool) -> Iterator[logging.Handler]:
+    """While open: the `puzzle` loggers at INFO to RUN_DIR/logs/rank{r}.log, and rank 0's INFO (WARNING when
+    quiet) to stderr; the logger's earlier handlers, level and propagation come back afterwards."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    logger = logging.getLogger("puzzle")
+    saved = logger.level, logger.propagate
+    handler = logging.FileHandler(log_dir / f"rank{rank}.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    added: list[logging.Handler] = [handler]
+    if rank == 0:
+        console = logging.StreamHandler(sys.stderr)
+        console.setLevel(logging.WARNING if quiet else logging.INFO)
+        console.setFormatter(logging.Formatter("puzzle run: %(message)s"))
+        added.append(console)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # the console line above, not the root logger's as well
+    for each in added:
+        logger.addHandler(each)
+    try:
+        yield handler
+    finally:
+        for each in added:
+            logger.removeHandler(each)
+            each.close()
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
+def _log_traceback(handler: logging.Handler) -> None:
+    """The current exception's traceback into the rank's log file only (stderr gets one line)."""
+    logger = logging.getLogger("puzzle")
+    handler.handle(logger.makeRecord("puzzle", logging.ERROR, __file__, 0, "failed", (), sys.exc_info()))
+
+
+def run(args: argparse.Namespace) -> int:
+    """`puzzle run`: config errors and infeasible budgets exit 2 before anything is written."""
+    from puzzle.config import ConfigError, load_config
+
+    try:
+        config = load_config(args.config, check_paths=True)
+    except ConfigError as error:
+        print(f"puzzle run: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.quiet:
+        os.environ["PUZZLE_PROGRESS"] = "0"  # puzzle.progress reads it for every bar
+
+    # Late: torch and the stages.
+    from puzzle import dist
+    from puzzle.run import Run, RunError
+    from puzzle.search.types import InfeasibleError
+
+    pipeline = Run(config.run_dir, config)
+    try:
+        pipeline.check_budgets(config.validate_paths())
+    except InfeasibleError as error:
+        print(f"puzzle run: infeasible: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    started = dist.init_from_env()
+    try:
+        with _logging_to(pipeline.layout.logs, dist.rank(), args.quiet) as log_file:
+            try:
+                pipeline.all(args.until)
+            except ValueError:
+                _log_traceback(log_file)
+                raise
+    except InfeasibleError as error:
+        print(f"puzzle run: infeasible: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except RunError as error:  # a run directory of another parent
+        print(f"puzzle run: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except ValueError as error:  # DataError, ArtifactError, SpecError...: a failure of the run
+        print(f"puzzle run: error: {error}", file=sys.stderr)
+        return EXIT_FAILED
+    finally:
+        if started:
+            dist.shutdown()
+    if dist.rank() == 0 and not args.quiet:
+        print(f"puzzle run: finished: {config.run_dir}", file=sys.stderr)
+    return 0

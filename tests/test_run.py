@@ -1,0 +1,315 @@
+"""The pipeline (`puzzle run`, puzzle/run.py) on a tiny config: end to end, reuse, invalidation by a new budget,
+resume after SIGKILL in BLD and in scoring, 2 gloo processes, config errors (exit 2, nothing written)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from run_helpers import config_dict, make_inputs, write_config
+from safetensors.torch import load_file
+
+import puzzle
+from puzzle.cli import main
+from puzzle.gkd import load_distilled
+from puzzle.layout import STAGES
+from puzzle.run import Run
+
+HELPER = Path(__file__).parent / "run_helpers.py"
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    return root, make_inputs(root)
+
+
+def _files(root: Path) -> dict[str, int]:
+    """{relative path: mtime_ns} of every file but the manifest and the logs."""
+    return {
+        str(p.relative_to(root)): p.stat().st_mtime_ns
+        for p in root.rglob("*")
+        if p.is_file() and p.name != "run.json" and "logs" not in p.parts
+    }
+
+
+def _statuses(run_dir: Path) -> dict[str, str]:
+    stages = json.loads((run_dir / "run.json").read_text())["stages"]
+    return {name: stages[name]["status"] for name in stages}
+
+
+def _run(config: Path, *extra: str) -> int:
+    torch.set_num_threads(1)
+    return main(["run", str(config), "--quiet", *extra])
+
+
+@pytest.fixture(scope="module")
+def finished(inputs):
+    """The uninterrupted run (the oracle of the other tests)."""
+    root, data = inputs
+    config = write_config(root / "run.yaml", data)
+    started = time.perf_counter()
+    assert _run(config) == 0
+    print(f"\ntiny pipeline run: {time.perf_counter() - started:.1f} s")
+    return root / "run", config
+
+
+def test_end_to_end_exports_the_distilled_child(finished):
+    run_dir, config = finished
+    assert _statuses(run_dir) == {stage: "done" for stage in STAGES}
+    (name,) = [p.stem for p in (run_dir / "solutions").glob("*.json")]
+    saved = json.loads((run_dir / "solutions" / f"{name}.json").read_text())
+    exported = puzzle.load(run_dir / "exports" / name)
+    run = Run.from_config(config)
+    child = load_distilled(run_dir / "children" / name, run._child(name))
+    ids = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, child(ids).logits, rtol=0, atol=0)
+        assert not torch.equal(child(ids).logits, run._child(name)(ids).logits)  # GKD changed it
+    record = json.loads((run_dir / "exports" / name / "puzzle.json").read_text())
+    assert record["measured"]["kl"] > 0 and record["search"]["choices"] == saved["choices"]
+    manifest = json.loads((run_dir / "run.json").read_text())
+    assert (
+        manifest["stages"]["distill"]["outputs"][name]["last_eval"]["kl"]
+        < manifest["stages"]["assemble"]["outputs"][name]["measured"]["kl"]
+    )
+    assert (run_dir / "logs" / "rank0.log").is_file() and (run_dir / "config.yaml").is_file()
+    # `puzzle search RUN_DIR` works on the run, the config's scenarios known without --scenario.
+    assert main(["search", str(run_dir), "--budget", "throughput[chat]>=1.01x", "--json"]) == 0
+
+
+def test_a_rerun_does_nothing(finished):
+    run_dir, config = finished
+    before = _files(run_dir)
+    assert _run(config) == 0
+    assert _files(run_dir) == before
+    assert _statuses(run_dir) == {stage: "reused" for stage in STAGES}
+
+
+def test_a_new_budget_resolves_without_retraining(finished, tmp_path):
+    run_dir, _ = finished
+    copied = tmp_path / "run"
+    shutil.copytree(run_dir, copied)  # copy2: mtimes kept
+    data = config_dict(run_dir.parent, run_dir=str(copied))
+    data["search"]["budgets"] = ["active_params<=0.7x"]
+    before = _files(copied)
+    assert _run(write_config(tmp_path / "run.yaml", data)) == 0
+    after = _files(copied)
+    for stage in ("importance", "library", "scores"):
+        kept = {k: v for k, v in before.items() if k.startswith(stage + "/")}
+        assert kept and all(after[k] == v for k, v in kept.items())
+    statuses = _statuses(copied)
+    assert [statuses[s] for s in STAGES] == ["reused"] * 3 + ["done"] * 4
+    assert sorted(p.stem for p in (copied / "solutions").glob("*.json")) == sorted(
+        ["active_params-le-0.8x", "active_params-le-0.7x"]
+    )
+
+
+def _counts(directory: Path, pid: int) -> dict[str, int]:
+    return json.loads((directory / f"counts-{pid}.json").read_text())
+
+
+@pytest.mark.parametrize(("stage", "call"), [("library", 5), ("library", 13), ("scores", 6)])
+def test_a_killed_stage_resumes_where_it_stopped(finished, tmp_path, stage, call):
+    run_dir, _ = finished
+    config = write_config(tmp_path / "run.yaml", config_dict(run_dir.parent, run_dir=str(tmp_path / "run")))
+    env = {**os.environ, "PUZZLE_PROGRESS": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
+    process = subprocess.Popen([sys.executable, str(HELPER), str(config), stage, str(call)], env=env)
+    try:
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "stalled").exists():
+            assert process.poll() is None, "the run ended before reaching the stall"
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    assert _statuses(tmp_path / "run")[stage] == "running"
+    killed = _counts(tmp_path, process.pid)
+    resumed = subprocess.run([sys.executable, str(HELPER), str(config), "none", "0"], env=env, check=True)
+    assert resumed.returncode == 0
+    (counts,) = [
+        json.loads(p.read_text()) for p in tmp_path.glob("counts-*.json") if p.stem != f"counts-{process.pid}"
+    ]
+    # No finished unit recomputed: the resumed run did exactly what was left after the last saved unit.
+    total = _total_units(run_dir, stage)
+    assert _saved_units(stage, killed[stage]) > 0 and counts[stage] == total - _saved_units(
+        stage, killed[stage]
+    )
+    assert _statuses(tmp_path / "run") == {s: "done" for s in STAGES} | {
+        s: "reused" for s in STAGES[: STAGES.index(stage)]
+    }
+    _same_outcome(run_dir, tmp_path / "run")
+
+
+def _total_units(run_dir: Path, stage: str) -> int:
+    """BLD steps / scored batches of the uninterrupted run: per BLD wave, token_budget 640 / (4 x 16) tokens
+    per step = 10 steps; scoring: one wave per variant (variants_per_wave 1) x 4 held-out batches."""
+    if stage == "library":
+        plan = json.loads((run_dir / "library" / "library.json").read_text())["plan"]
+        return len(plan) * 10
+    scored = json.loads((run_dir / "scores" / "scores.json").read_text())["variants"]
+    return len(scored) * 4  # 8 variants: parent copies and no-ops are scored too
+
+
+def _saved_units(stage: str, reached: int) -> int:
+    """Units saved before the kill at the `reached`-th call: BLD checkpoints every 3 steps within a wave
+    (10 steps per wave); scoring saves after each wave of 4 batches."""
+    done = reached - 1
+    if stage == "library":
+        waves, inside = divmod(done, 10)
+        return waves * 10 + (inside // 3) * 3
+    return (done // 4) * 4
+
+
+def _same_outcome(expected: Path, actual: Path) -> None:
+    for path in (expected / "solutions").glob("*.json"):
+        assert (
+            json.loads(path.read_text())["choices"]
+            == json.loads((actual / "solutions" / path.name).read_text())["choices"]
+        )
+    for path in (expected / "exports").glob("*/model.safetensors"):
+        want, got = load_file(str(path)), load_file(str(actual / path.relative_to(expected)))
+        assert want.keys() == got.keys()
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=key)
+
+
+def _error_run(tmp_path: Path, data: dict, capsys) -> str:
+    config = write_config(tmp_path / "bad.yaml", data)
+    assert _run(config) == 2
+    assert not Path(data["run_dir"]).exists()
+    return capsys.readouterr().err
+
+
+def test_config_errors_exit_2_before_anything_is_written(inputs, tmp_path, capsys):
+    root, base = inputs
+    base = copy.deepcopy(base) | {"run_dir": str(tmp_path / "run")}
+    unknown = copy.deepcopy(base) | {"sed": 1}
+    assert "sed: unknown key" in _error_run(tmp_path, unknown, capsys)
+    wrong = copy.deepcopy(base)
+    wrong["bld"]["lr"] = "fast"
+    assert "bld.lr: expected a number" in _error_run(tmp_path, wrong, capsys)
+    missing = copy.deepcopy(base)
+    missing["parent"]["path"] = str(tmp_path / "nowhere")
+    assert "parent.path" in _error_run(tmp_path, missing, capsys)
+    empty = tmp_path / "no-weights"
+    empty.mkdir()
+    shutil.copy(root / "parent" / "config.json", empty / "config.json")
+    no_weights = copy.deepcopy(base)
+    no_weights["parent"]["path"] = str(empty)
+    assert "parent.path" in _error_run(tmp_path, no_weights, capsys)
+    infeasible = copy.deepcopy(base)
+    infeasible["search"]["budgets"] = ["params<=100"]
+    message = _error_run(tmp_path, infeasible, capsys)
+    assert "puzzle run: infeasible:" in message and "params" in message
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_run_dir_of_another_parent_is_an_error(finished, tmp_path, capsys):
+    run_dir, _ = finished
+    copied = tmp_path / "run"
+    shutil.copytree(run_dir, copied)
+    manifest = json.loads((copied / "run.json").read_text())
+    manifest["parent"]["fingerprint"] = "0" * 64
+    (copied / "run.json").write_text(json.dumps(manifest))
+    before = _files(copied)
+    config = write_config(tmp_path / "run.yaml", config_dict(run_dir.parent, run_dir=str(copied)))
+    assert _run(config) == 2
+    assert "made from another parent" in capsys.readouterr().err
+    assert _files(copied) == before
+
+
+def test_two_gloo_processes_under_torchrun_match_one(finished, tmp_path):
+    """`torchrun --nproc-per-node 2 -m puzzle run` (gloo on the CPU), the command a user runs."""
+    run_dir, _ = finished
+    config = write_config(tmp_path / "run.yaml", config_dict(run_dir.parent, run_dir=str(tmp_path / "run")))
+    env = {
+        **os.environ,
+        "PUZZLE_PROGRESS": "0",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(sys.path),
+    }
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    subprocess.run(
+        [*command, "-m", "puzzle", "run", str(config), "--quiet"], env=env, check=True, timeout=300
+    )
+    other = tmp_path / "run"
+    assert sorted(p.name for p in (other / "logs").iterdir()) == ["rank0.log", "rank1.log"]
+    assert _statuses(other) == {stage: "done" for stage in STAGES}
+    files = sorted((run_dir / "library").glob("block*/*.safetensors"))
+    assert files
+    for path in files:  # data parallel: equal up to float summation order (amplified by Adam over 10 steps)
+        want, got = load_file(str(path)), load_file(str(other / path.relative_to(run_dir)))
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=2e-3, msg=key)
+    for path in (run_dir / "solutions").glob("*.json"):
+        assert (
+            json.loads(path.read_text())["choices"]
+            == json.loads((other / "solutions" / path.name).read_text())["choices"]
+        )
+
+
+def test_two_rounds_the_second_compresses_the_first_child(finished, tmp_path):
+    run_dir, _ = finished
+    data = config_dict(run_dir.parent, run_dir=str(tmp_path / "run"))
+    del data["search"]
+    data["rounds"] = {"count": 2, "budgets": [["active_params<=0.9x"], ["active_params<=0.9x"]]}
+    assert _run(write_config(tmp_path / "run.yaml", data)) == 0
+    first, second = tmp_path / "run", tmp_path / "run" / "round-2"
+    (name,) = [p.name for p in (first / "exports").iterdir()]
+    manifest = json.loads((second / "run.json").read_text())
+    assert manifest["round"] == 2 and manifest["parent"]["path"] == str(first / "exports" / name)
+    child = puzzle.load(first / "exports" / name)
+    assert (second / "parent.json").read_text() == child.spec.to_json() + "\n"
+    assert _statuses(second) == {stage: "done" for stage in STAGES}
+    (final,) = [p for p in (second / "exports").iterdir()]
+    grandchild = puzzle.load(final)
+    assert grandchild.spec != child.spec and sum(p.numel() for p in grandchild.parameters()) < sum(
+        p.numel() for p in child.parameters()
+    )
+
+
+def test_a_failing_stage_exits_1_and_logs_its_traceback(finished, tmp_path, capsys):
+    run_dir, _ = finished
+    data = config_dict(run_dir.parent, run_dir=str(tmp_path / "run"))
+    data["data"]["batch_size"] = 10_000  # more sequences than the data has: BLD cannot draw one batch
+    assert _run(write_config(tmp_path / "run.yaml", data)) == 1
+    assert "puzzle run: error: the train split" in capsys.readouterr().err
+    assert _statuses(tmp_path / "run") == {"importance": "done", "library": "failed"}
+    assert "Traceback" in (tmp_path / "run" / "logs" / "rank0.log").read_text()
+
+
+def test_until_stops_after_the_stage_and_a_later_run_goes_on(finished, tmp_path):
+    run_dir, _ = finished
+    config = write_config(tmp_path / "run.yaml", config_dict(run_dir.parent, run_dir=str(tmp_path / "run")))
+    assert _run(config, "--until", "library") == 0
+    assert _statuses(tmp_path / "run") == {"importance": "done", "library": "done"}
+    assert _run(config) == 0
+    assert _statuses(tmp_path / "run") == {
+        s: "reused" if s in ("importance", "library") else "done" for s in STAGES
+    }
+    _same_outcome(run_dir, tmp_path / "run")
+
+
+def test_several_solutions_per_budget_are_named_apart(finished, tmp_path):
+    run_dir, _ = finished
+    data = config_dict(run_dir.parent, run_dir=str(tmp_path / "run"))
+    data["search"].update(solutions=2, min_diff=1)
+    assert _run(write_config(tmp_path / "run.yaml", data), "--until", "solutions") == 0
+    first, second = (
+        json.loads((tmp_path / "run" / "solutions" / f"active_params-le-0.8x{suffix}.json").read_text())
+        for suffix in ("", "-2")
+    )
+    assert first["choices"] != second["choices"] and first["objective"] <= second["objective"]
+    expected = json.loads((run_dir / "solutions" / "active_params-le-0.8x.json").read_text())
+    assert first["choices"] == expected["choices"]
