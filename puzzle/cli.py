@@ -20,6 +20,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "puzzle.commands.search",
     "puzzle.commands.costs",
     "puzzle.commands.config",
+    "puzzle.commands.report",
+    "puzzle.commands.convert",
 )
 
 DEBUG_ENV = "PUZZLE_DEBUG"

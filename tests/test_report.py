@@ -1,0 +1,116 @@
+"""`puzzle report RUN`: every section of a tiny real run (library, scores, a solution, an assembled child
+distilled a few steps and exported), valid PNGs, notes for missing sections, the pyplot backend untouched."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import matplotlib
+import matplotlib.image
+import pytest
+from bld_helpers import token_batches, trained_parent
+from rundir_helpers import make_run
+
+from puzzle.assemble import assemble, measured_kl
+from puzzle.cli import main
+from puzzle.export import export
+from puzzle.files import atomic_write_bytes
+from puzzle.gkd import GKDSettings, distill
+from puzzle.layout import RunDirError
+from puzzle.report import PLOT_HINT, write_report
+from puzzle.search.run_dir import search_run
+
+NAME = "small"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    layout = make_run(tmp_path_factory.mktemp("run") / "run", failures=True)
+    solution = search_run(layout, ["params<=0.85x"], note=lambda text: None)
+    atomic_write_bytes(layout.solution(NAME), json.dumps(solution.to_json(), indent=2).encode())
+    parent = trained_parent(steps=8)  # the parent make_run built the library from
+    child = assemble(solution, layout.library, parent)
+    measured_kl(child, parent, token_batches(1, seed=600), vocab_chunk=16)
+    export(child, layout.export(NAME), solution=solution)
+    settings = GKDSettings(lr=1e-3, steps=2, token_budget=None, batch_size=4, vocab_chunk=16, eval_every=1)
+    distill(
+        child, parent, token_batches(2, seed=700), token_batches(1, seed=800), settings, layout.child(NAME)
+    )
+    return layout.root
+
+
+def _is_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+    image = matplotlib.image.imread(path)
+    assert image.shape[0] > 50 and image.shape[1] > 50, (path, image.shape)
+
+
+def test_report_has_every_section_and_valid_plots(run_dir, capsys):
+    backend = matplotlib.get_backend()
+    pyplot_loaded = "matplotlib.pyplot" in sys.modules
+    assert main(["report", str(run_dir)]) == 0
+    out = capsys.readouterr().out.strip()
+    report = run_dir / "report" / "report.md"
+    assert out == str(report)
+    text = report.read_text()
+    for heading in (
+        "## Pareto frontier",
+        "### KL against `params`",
+        "## Architecture per block",
+        f"### {NAME}",
+        "## Costs, parent vs child",
+        "## BLD losses",
+        "Failed variants:",
+        "## Global knowledge distillation",
+        "## Measured vs predicted KL",
+    ):
+        assert heading in text, heading
+    assert "Skipped" not in text
+    assert PLOT_HINT not in text
+    pngs = sorted(p.name for p in report.parent.glob("*.png"))
+    for expected in ("frontier_params.png", f"blocks_{NAME}.png", "costs.png", "bld.png", f"gkd_{NAME}.png"):
+        assert expected in pngs, pngs
+        assert f"]({expected})" in text
+    assert "kl_measured.png" in pngs
+    for name in pngs:
+        _is_png(report.parent / name)
+    # The failed BLD variant is listed by id.
+    assert "`linear`" in text.split("Failed variants:")[1]
+    assert matplotlib.get_backend() == backend
+    assert ("matplotlib.pyplot" in sys.modules) == pyplot_loaded
+
+
+def test_missing_sections_are_noted(run_dir, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("parent.json", "library"):
+        source = run_dir / name
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, bare / name)
+    path = write_report(bare, tmp_path / "out")
+    assert path == tmp_path / "out" / "report.md"
+    text = path.read_text()
+    assert "## BLD losses" in text and (tmp_path / "out" / "bld.png").is_file()
+    assert f"_Skipped: no solutions in {bare / 'solutions'}._" in text
+    assert "_Skipped: no children/NAME/history.json._" in text
+    assert "_Skipped: no exports/NAME/puzzle.json._" in text
+    assert not (bare / "report").exists()
+
+
+def test_tables_without_matplotlib(run_dir, tmp_path, monkeypatch):
+    import puzzle.report
+
+    monkeypatch.setattr(puzzle.report, "_figure_class", lambda: None)
+    path = write_report(run_dir, tmp_path)
+    text = path.read_text()
+    assert PLOT_HINT in text and "## BLD losses" in text and "| params |" in text
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_run_without_library_is_an_error(tmp_path, capsys):
+    with pytest.raises(RunDirError, match=str(tmp_path / "library")):
+        write_report(tmp_path)
+    assert main(["report", str(tmp_path / "nowhere")]) == 2
+    assert "nowhere" in capsys.readouterr().err
