@@ -20,6 +20,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,8 @@ PLOT_HINT = "plots need matplotlib: pip install 'puzzle-nas[plot]'"
 SWEEP_FRACTIONS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 # The context of the KV + SSM state row of the cost table when the run names no scenario.
 STATE_CONTEXT = 4096
+# Costs of the table above that the search also sums (the others are per scenario).
+_MODEL_COSTS = ("params", "active_params", "weight_bytes")
 KIND_COLOURS = {
     "mamba": "tab:green",
     "attention": "tab:blue",
@@ -86,6 +89,8 @@ class _Report:
 def _format(value: Any) -> str:
     if value is None:
         return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
     if isinstance(value, float):
         if math.isnan(value):
             return "nan"
@@ -93,6 +98,11 @@ def _format(value: Any) -> str:
     if isinstance(value, int):
         return f"{value:,}"
     return str(value)
+
+
+def _file_name(text: str) -> str:
+    """`weight_bytes[bf16]` -> `weight_bytes_bf16`: a PNG name a Markdown link and every filesystem take."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "plot"
 
 
 def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
@@ -199,7 +209,7 @@ def _frontier(report: _Report, layout: RunLayout, solutions: dict[str, dict[str,
         axis.set_ylabel("predicted KL (nats/token)")
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
-        report.save(figure, f"frontier_{key}.png", f"KL against {key}")
+        report.save(figure, f"frontier_{_file_name(key)}.png", f"KL against {key}")
 
 
 def _block_map(
@@ -254,7 +264,7 @@ def _block_map(
             bbox_to_anchor=(1.0, 1.0),
         )
         axis.set_title(f"{name}: shade = active params relative to the parent's block", fontsize=8)
-        report.save(figure, f"blocks_{name}.png", f"architecture of {name}")
+        report.save(figure, f"blocks_{_file_name(name)}.png", f"architecture of {name}")
 
 
 def _costs(
@@ -279,7 +289,9 @@ def _costs(
         base = function(parent)
         rows.append([label, base, *(function(children[n]) for n in names)])
     # Scenario costs the search summed (throughput[S], latency[S]...): the child's predicted value.
-    extra = sorted({k for n in names for k in solutions[n]["totals"] if "[" in k})
+    extra = sorted(
+        {k for n in names for k in solutions[n]["totals"] if k.partition("[")[0] not in _MODEL_COSTS}
+    )
     for key in extra:
         rows.append([f"{key} (predicted)", None, *(solutions[n]["totals"].get(key) for n in names)])
     report.add(*_table(["cost", "parent", *names], rows))
@@ -406,7 +418,7 @@ def _gkd(report: _Report, layout: RunLayout, names: list[str]) -> None:
             axis.set_yscale("log")
         axis.legend(fontsize=6)
         axis.grid(alpha=0.3)
-        report.save(figure, f"gkd_{name}.png", f"GKD of {name}")
+        report.save(figure, f"gkd_{_file_name(name)}.png", f"GKD of {name}")
 
 
 def _measured(report: _Report, layout: RunLayout) -> None:
@@ -449,7 +461,8 @@ def _measured(report: _Report, layout: RunLayout) -> None:
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
     """Write the report of the run in `run_dir` to `out_dir` (default RUN_DIR/report); returns report.md.
 
-    RunDirError naming the path when the run has no parent.json or no finished library.
+    RunDirError naming the path when the run has no parent.json or no finished library, or when `out_dir`
+    holds files other than an earlier report's (*.md, *.png).
     """
     from puzzle.bld import read_library  # late: torch
 
@@ -458,6 +471,13 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     parent = layout.read_parent()
     library = read_library(library_dir)
     out = Path(out_dir) if out_dir is not None else layout.report
+    if out.is_dir():  # a new directory or an earlier report, never e.g. a checkpoint's directory
+        foreign = sorted(p.name for p in out.iterdir() if p.is_dir() or p.suffix not in (".md", ".png"))
+        if foreign:
+            raise RunDirError(
+                f"refusing to write the report into {out}: it holds files a report does not write "
+                f"({', '.join(foreign[:5])}); choose a new or empty directory"
+            )
     out.mkdir(parents=True, exist_ok=True)
     report = _Report(out)
     report.add(f"# Puzzle report: {layout.root.name}", "")

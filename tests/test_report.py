@@ -74,7 +74,7 @@ def test_report_has_every_section_and_valid_plots(run_dir, capsys):
     for expected in ("frontier_params.png", f"blocks_{NAME}.png", "costs.png", "bld.png", f"gkd_{NAME}.png"):
         assert expected in pngs, pngs
         assert f"]({expected})" in text
-    assert "kl_measured.png" in pngs
+    assert "kl_measured.png" in pngs and "frontier_weight_bytes_bf16.png" in pngs
     for name in pngs:
         _is_png(report.parent / name)
     # The failed BLD variant is listed by id.
@@ -114,3 +114,11 @@ def test_run_without_library_is_an_error(tmp_path, capsys):
         write_report(tmp_path)
     assert main(["report", str(tmp_path / "nowhere")]) == 2
     assert "nowhere" in capsys.readouterr().err
+
+
+def test_out_holding_other_files_is_refused(run_dir, tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["report", str(run_dir), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "config.json" in err and str(tmp_path) in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]

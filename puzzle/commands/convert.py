@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import sys
 from pathlib import Path
@@ -26,6 +27,8 @@ def parse_size(text: str) -> int:
     scale = 1024 ** "KMGT".index(prefix) * 1024 if binary and prefix else _UNITS[prefix]
     if binary and not prefix:
         raise ValueError(f"cannot read size {text!r}: expected a number of bytes like 5GB, 500MB or 2GiB")
+    if not math.isfinite(number * scale):
+        raise ValueError(f"size {text!r} is not a finite number of bytes")
     size = int(number * scale)
     if size < 1:
         raise ValueError(f"size {text!r} must be at least 1 byte")
@@ -74,6 +77,11 @@ def run_convert(args: argparse.Namespace) -> int:
     from puzzle.nemotron_h.checkpoint import load, save_pretrained
     from puzzle.nemotron_h.config import CheckpointError
 
+    if not args.src or not args.dst:
+        print(
+            "puzzle convert: error: SRC and DST must be directory names, found an empty one", file=sys.stderr
+        )
+        return EXIT_BAD_INPUT
     source, target = Path(args.src).resolve(), Path(args.dst).resolve()
     if target.is_relative_to(source) or source.is_relative_to(target):
         print(

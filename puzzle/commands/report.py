@@ -30,6 +30,11 @@ def run_report(args: argparse.Namespace) -> int:
     from puzzle.report import write_report
     from puzzle.search.types import SearchError
 
+    if not args.run or args.out == "":
+        print(
+            "puzzle report: error: RUN and --out must be directory names, found an empty one", file=sys.stderr
+        )
+        return EXIT_BAD_INPUT
     try:
         path = write_report(args.run, args.out)
     except (RunDirError, SearchError) as error:
