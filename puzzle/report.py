@@ -94,6 +94,10 @@ def _format(value: Any) -> str:
     if isinstance(value, float):
         if math.isnan(value):
             return "nan"
+        if value.is_integer() and abs(value) >= 1000:  # byte and parameter counts
+            return f"{int(value):,}"
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
         return f"{value:.4g}"
     if isinstance(value, int):
         return f"{value:,}"
@@ -267,8 +271,33 @@ def _block_map(
         report.save(figure, f"blocks_{_file_name(name)}.png", f"architecture of {name}")
 
 
+def _scenario_metrics(report: _Report, layout: RunLayout) -> list[tuple[str, Callable[[ModelSpec], float]]]:
+    """Predicted decode throughput per scenario of the run config's hardware section (none without one)."""
+    if not layout.config.is_file():
+        return []
+    from puzzle.config import ConfigError, load_config
+    from puzzle.cost import model_throughput
+
+    try:
+        hardware = load_config(layout.config, check_paths=False).hardware
+    except (ConfigError, OSError) as error:
+        report.add(f"_Throughput per scenario skipped: cannot read {layout.config} ({error})._", "")
+        return []
+    return [
+        (
+            f"throughput {name} (tokens/s, {hardware.profile})",
+            lambda spec, scenario=scenario: model_throughput(spec, scenario, hardware.profile),
+        )
+        for name, scenario in hardware.scenarios.items()
+    ]
+
+
 def _costs(
-    report: _Report, parent: ModelSpec, children: dict[str, ModelSpec], solutions: dict[str, Any]
+    report: _Report,
+    layout: RunLayout,
+    parent: ModelSpec,
+    children: dict[str, ModelSpec],
+    solutions: dict[str, Any],
 ) -> None:
     report.add("## Costs, parent vs child", "")
     if not children:
@@ -283,6 +312,7 @@ def _costs(
             lambda s: state_bytes_per_request(s, STATE_CONTEXT),
         ),
     ]
+    metrics += _scenario_metrics(report, layout)
     names = list(children)
     rows = []
     for label, function in metrics:
@@ -495,7 +525,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
         report.add("## Solutions", "", *_table(["name", "predicted KL", "status", "solver"], rows))
     _frontier(report, layout, solutions)
     _block_map(report, parent, children, solutions)
-    _costs(report, parent, children, solutions)
+    _costs(report, layout, parent, children, solutions)
     _bld(report, library)
     _gkd(report, layout, list(solutions))
     _measured(report, layout)

@@ -39,6 +39,14 @@ def run_dir(tmp_path_factory) -> Path:
     distill(
         child, parent, token_batches(2, seed=700), token_batches(1, seed=800), settings, layout.child(NAME)
     )
+    # The run config: only its hardware section is read by the report (scenario throughput).
+    (layout.root / "parent").mkdir()
+    (layout.root / "corpus.txt").write_text("text\n")
+    layout.config.write_text(
+        "run_dir: .\nparent: {path: parent}\ndata: {sources: [corpus.txt], seq_len: 8}\n"
+        "space: {kinds: {mlp: {width_fraction: [0.5]}}}\nsearch: {budgets: ['params<=0.85x']}\n"
+        "hardware: {scenarios: {chat: {batch_size: 2, prompt_tokens: 16, generated_tokens: 4}}}\n"
+    )
     return layout.root
 
 
@@ -68,7 +76,8 @@ def test_report_has_every_section_and_valid_plots(run_dir, capsys):
         "## Measured vs predicted KL",
     ):
         assert heading in text, heading
-    assert "Skipped" not in text
+    assert "Skipped" not in text and "skipped" not in text
+    assert "| throughput chat (tokens/s, h100-80gb) |" in text
     assert PLOT_HINT not in text
     pngs = sorted(p.name for p in report.parent.glob("*.png"))
     for expected in ("frontier_params.png", f"blocks_{NAME}.png", "costs.png", "bld.png", f"gkd_{NAME}.png"):
@@ -86,7 +95,7 @@ def test_report_has_every_section_and_valid_plots(run_dir, capsys):
 def test_missing_sections_are_noted(run_dir, tmp_path):
     bare = tmp_path / "bare"
     bare.mkdir()
-    for name in ("parent.json", "library"):
+    for name in ("parent.json", "library"):  # no config.yaml either: no scenario row
         source = run_dir / name
         (shutil.copytree if source.is_dir() else shutil.copy)(source, bare / name)
     path = write_report(bare, tmp_path / "out")
