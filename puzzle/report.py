@@ -159,7 +159,9 @@ def _child_spec(parent: ModelSpec, library: Any, solution: dict[str, Any]) -> Mo
 # ------------------------------------------------------------------------------------------- sections
 
 
-def _frontier(report: _Report, layout: RunLayout, solutions: dict[str, dict[str, Any]]) -> None:
+def _frontier(
+    report: _Report, layout: RunLayout, solutions: dict[str, dict[str, Any]], hardware: Any
+) -> None:
     report.add("## Pareto frontier", "")
     if not solutions:
         report.add(f"_Skipped: no solutions in {layout.solutions}._", "")
@@ -168,9 +170,18 @@ def _frontier(report: _Report, layout: RunLayout, solutions: dict[str, dict[str,
         report.add(f"_Skipped: no scores in {layout.scores} (the search needs them)._", "")
         return
     from puzzle.search.frontier import sweep
-    from puzzle.search.run_dir import run_problem
+    from puzzle.search.run_dir import CostModel, run_problem
 
-    problem = run_problem(layout, [])
+    # The run's cost model; one bound per scenario cost, so that the table sums each of them.
+    cost_model, budgets = CostModel(), []
+    if hardware is not None:
+        cost_model = CostModel(
+            hardware.profile, hardware.recipe, hardware.memory_fraction, hardware.scenarios
+        )
+        budgets = [
+            f"{key}[{name}]<=1x" for name in hardware.scenarios for key in ("latency", "ttft", "memory_bytes")
+        ]
+    problem = run_problem(layout, budgets, cost_model=cost_model)
     table = problem.table
     keys = [key for key in sorted(set.intersection(*(set(s["totals"]) for s in solutions.values())))]
     keys = [key for key in keys if key in table.costs]
@@ -181,7 +192,7 @@ def _frontier(report: _Report, layout: RunLayout, solutions: dict[str, dict[str,
     for key in keys:
         parent_value = float(table.costs[key][starts].sum() + table.fixed.get(key, 0.0))
         values = [parent_value * fraction for fraction in SWEEP_FRACTIONS]
-        points = sweep(table, problem.problem.limits, key, "upper", values, problem.problem.rules)
+        points = sweep(table, [], key, "upper", values, problem.problem.rules)  # no bound but the swept one
         rows = [
             [str(p.limit), p.solution.totals[key], p.solution.objective, p.on_frontier]
             if p.solution is not None
@@ -271,18 +282,12 @@ def _block_map(
         report.save(figure, f"blocks_{_file_name(name)}.png", f"architecture of {name}")
 
 
-def _scenario_metrics(report: _Report, layout: RunLayout) -> list[tuple[str, Callable[[ModelSpec], float]]]:
-    """Predicted decode throughput per scenario of the run config's hardware section (none without one)."""
-    if not layout.config.is_file():
+def _scenario_metrics(hardware: Any) -> list[tuple[str, Callable[[ModelSpec], float]]]:
+    """Predicted throughput per scenario of the run config's hardware section (none without one)."""
+    if hardware is None:
         return []
-    from puzzle.config import ConfigError, load_config
     from puzzle.cost import model_throughput
 
-    try:
-        hardware = load_config(layout.config, check_paths=False).hardware
-    except (ConfigError, OSError) as error:
-        report.add(f"_Throughput per scenario skipped: cannot read {layout.config} ({error})._", "")
-        return []
     return [
         (
             f"throughput {name} (tokens/s, {hardware.profile})",
@@ -292,12 +297,26 @@ def _scenario_metrics(report: _Report, layout: RunLayout) -> list[tuple[str, Cal
     ]
 
 
+def _hardware(report: _Report, layout: RunLayout) -> Any:
+    """The hardware section of the run's config.yaml (profile, recipe, scenarios); None without one."""
+    if not layout.config.is_file():
+        return None
+    from puzzle.config import ConfigError, load_config
+
+    try:
+        return load_config(layout.config, check_paths=False).hardware
+    except (ConfigError, OSError) as error:
+        report.add(f"_Scenario costs skipped: cannot read {layout.config} ({error})._", "")
+        return None
+
+
 def _costs(
     report: _Report,
     layout: RunLayout,
     parent: ModelSpec,
     children: dict[str, ModelSpec],
     solutions: dict[str, Any],
+    hardware: Any,
 ) -> None:
     report.add("## Costs, parent vs child", "")
     if not children:
@@ -312,7 +331,7 @@ def _costs(
             lambda s: state_bytes_per_request(s, STATE_CONTEXT),
         ),
     ]
-    metrics += _scenario_metrics(report, layout)
+    metrics += _scenario_metrics(hardware)
     names = list(children)
     rows = []
     for label, function in metrics:
@@ -523,9 +542,10 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     if solutions:
         rows = [[n, s.get("objective"), s.get("status"), s.get("solver")] for n, s in solutions.items()]
         report.add("## Solutions", "", *_table(["name", "predicted KL", "status", "solver"], rows))
-    _frontier(report, layout, solutions)
+    hardware = _hardware(report, layout)
+    _frontier(report, layout, solutions, hardware)
     _block_map(report, parent, children, solutions)
-    _costs(report, layout, parent, children, solutions)
+    _costs(report, layout, parent, children, solutions, hardware)
     _bld(report, library)
     _gkd(report, layout, list(solutions))
     _measured(report, layout)

@@ -16,12 +16,13 @@ from rundir_helpers import make_run
 
 from puzzle.assemble import assemble, measured_kl
 from puzzle.cli import main
+from puzzle.cost import Scenario
 from puzzle.export import export
 from puzzle.files import atomic_write_bytes
 from puzzle.gkd import GKDSettings, distill
 from puzzle.layout import RunDirError
 from puzzle.report import PLOT_HINT, write_report
-from puzzle.search.run_dir import search_run
+from puzzle.search.run_dir import CostModel, search_run
 
 NAME = "small"
 
@@ -29,7 +30,13 @@ NAME = "small"
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory) -> Path:
     layout = make_run(tmp_path_factory.mktemp("run") / "run", failures=True)
-    solution = search_run(layout, ["params<=0.85x"], note=lambda text: None)
+    chat = Scenario(batch_size=2, prompt_tokens=16, generated_tokens=4, name="chat")
+    solution = search_run(
+        layout,
+        ["params<=0.85x", "throughput[chat]>=1x"],
+        cost_model=CostModel(scenarios={"chat": chat}),
+        note=lambda text: None,
+    )
     atomic_write_bytes(layout.solution(NAME), json.dumps(solution.to_json(), indent=2).encode())
     parent = trained_parent(steps=8)  # the parent make_run built the library from
     child = assemble(solution, layout.library, parent)
@@ -84,6 +91,7 @@ def test_report_has_every_section_and_valid_plots(run_dir, capsys):
         assert expected in pngs, pngs
         assert f"]({expected})" in text
     assert "kl_measured.png" in pngs and "frontier_weight_bytes_bf16.png" in pngs
+    assert "frontier_seconds_chat.png" in pngs  # the scenario cost of the solution's throughput budget
     for name in pngs:
         _is_png(report.parent / name)
     # The failed BLD variant is listed by id.
