@@ -42,6 +42,8 @@ PLOT_HINT = "plots need matplotlib: pip install 'puzzle-nas[plot]'"
 SWEEP_FRACTIONS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 # The context of the KV + SSM state row of the cost table when the run names no scenario.
 STATE_CONTEXT = 4096
+# The GKD curves plotted (the tables list every recorded value).
+_GKD_CURVES = {"train": ("loss", "kl"), "eval": ("kl", "lm_loss_delta")}
 # Costs of the table above that the search also sums (the others are per scenario).
 _MODEL_COSTS = ("params", "active_params", "weight_bytes")
 KIND_COLOURS = {
@@ -389,7 +391,9 @@ def _bld(report: _Report, library: Any) -> None:
             *(f"- block {r.variant.block_index} `{r.variant.id}`: {r.reason or 'no reason'}" for r in failed)
         )
         report.add("")
-    trained = [r for r in results if r.init_nmse is not None and r.final_nmse is not None]
+    trained = [
+        r for r in results if r.status != "parent" and r.init_nmse is not None and r.final_nmse is not None
+    ]
     if report.figure is None:
         report.plot_note()
         return
@@ -408,6 +412,8 @@ def _bld(report: _Report, library: Any) -> None:
         fontsize=6,
     )
     axis.set_ylabel("held-out nMSE")
+    if all(v > 0 for r in trained for v in (r.init_nmse, r.final_nmse)):
+        axis.set_yscale("log")  # a bad variant's nMSE can be orders of magnitude above the rest
     axis.legend(fontsize=8)
     report.save(figure, "bld.png", "BLD losses")
 
@@ -454,7 +460,7 @@ def _gkd(report: _Report, layout: RunLayout, names: list[str]) -> None:
         axis = figure.subplots()
         for label, records in (("train", train), ("eval", evals)):
             for key, points in _numeric_series(records).items():
-                if key in ("lr", "grad_norm", "seconds"):
+                if key not in _GKD_CURVES[label]:
                     continue
                 axis.plot(
                     [p[0] for p in points],
@@ -463,7 +469,13 @@ def _gkd(report: _Report, layout: RunLayout, names: list[str]) -> None:
                     label=f"{label} {key}",
                 )
         axis.set_xlabel("step")
-        if all(p[1] > 0 for r in (train, evals) for s in _numeric_series(r).values() for p in s):
+        if all(
+            p[1] > 0
+            for label, r in (("train", train), ("eval", evals))
+            for key, s in _numeric_series(r).items()
+            if key in _GKD_CURVES[label]
+            for p in s
+        ):
             axis.set_yscale("log")
         axis.legend(fontsize=6)
         axis.grid(alpha=0.3)
