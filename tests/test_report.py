@@ -139,3 +139,17 @@ def test_out_holding_other_files_is_refused(run_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "config.json" in err and str(tmp_path) in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
+def test_malformed_solution_is_an_error_naming_it(run_dir, tmp_path, capsys):
+    bare = tmp_path / "run"
+    bare.mkdir()
+    for name in ("parent.json", "library", "scores"):
+        source = run_dir / name
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, bare / name)
+    (bare / "solutions").mkdir()
+    (bare / "solutions" / "broken.json").write_text('{"objective": 1}')
+    assert main(["report", str(bare)]) == 2
+    err = capsys.readouterr().err
+    assert str(bare / "solutions" / "broken.json") in err and "Traceback" not in err
+    assert not (bare / "report" / "report.md").exists()

@@ -28,6 +28,7 @@ def run_report(args: argparse.Namespace) -> int:
     """`puzzle report`: the path of report.md on stdout, or one error line and exit code 2."""
     from puzzle.layout import RunDirError
     from puzzle.report import write_report
+    from puzzle.search.limits import BudgetError
     from puzzle.search.types import SearchError
 
     if not args.run or args.out == "":
@@ -37,7 +38,7 @@ def run_report(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     try:
         path = write_report(args.run, args.out)
-    except (RunDirError, SearchError) as error:
+    except (RunDirError, SearchError, BudgetError) as error:
         print(f"puzzle report: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(path)
