@@ -8,7 +8,8 @@ summed predicted KL against each budget key of the run's solutions (the run's se
 key with `puzzle.search.frontier.sweep`), a per-block map of each chosen architecture (parent row above
 child row, coloured by kind, shaded by active parameters relative to the parent's block, as Figure 6 of
 the Puzzle paper), the cost breakdown parent vs child, the library's BLD losses, the GKD curves
-(children/{name}/history.json) and measured vs predicted KL (exports/{name}/puzzle.json).
+(children/{name}/history.json) and measured vs predicted KL (exports/{name}/puzzle.json). Rounds r >= 2
+of an iterative run (round-{r}/) get a report of their own in OUT/round-{r}, linked from the first.
 
 Plots need matplotlib (the optional `plot` extra); each is drawn on its own `Figure` with the Agg canvas,
 so the caller's pyplot state and backend are never touched. Without matplotlib the tables are written
@@ -516,6 +517,22 @@ def _measured(report: _Report, layout: RunLayout) -> None:
     report.save(figure, "kl_measured.png", "measured vs predicted KL")
 
 
+def _rounds(report: _Report, layout: RunLayout, out: Path) -> None:
+    """Rounds r >= 2 of an iterative run: a report of its own each, in OUT/round-{r}, linked here."""
+    number = 2
+    lines = []
+    while layout.round(number).root.is_dir():
+        name = f"round-{number}"
+        try:
+            write_report(layout.round(number).root, out / name)
+            lines.append(f"- [round {number}]({name}/report.md)")
+        except RunDirError as error:
+            lines.append(f"- round {number}: no report ({error})")
+        number += 1
+    if lines:
+        report.add("## Later rounds", "", *lines, "")
+
+
 # ------------------------------------------------------------------------------------------------- API
 
 
@@ -533,7 +550,12 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     library = read_library(library_dir)
     out = Path(out_dir) if out_dir is not None else layout.report
     if out.is_dir():  # a new directory or an earlier report, never e.g. a checkpoint's directory
-        foreign = sorted(p.name for p in out.iterdir() if p.is_dir() or p.suffix not in (".md", ".png"))
+        foreign = sorted(
+            p.name
+            for p in out.iterdir()
+            if not (re.fullmatch(r"round-\d+", p.name) and p.is_dir())  # later rounds' reports
+            and (p.is_dir() or p.suffix not in (".md", ".png"))
+        )
         if foreign:
             raise RunDirError(
                 f"refusing to write the report into {out}: it holds files a report does not write "
@@ -561,4 +583,5 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     _bld(report, library)
     _gkd(report, layout, list(solutions))
     _measured(report, layout)
+    _rounds(report, layout, out)
     return atomic_write_bytes(out / "report.md", "\n".join(report.lines).encode())

@@ -153,3 +153,19 @@ def test_malformed_solution_is_an_error_naming_it(run_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert str(bare / "solutions" / "broken.json") in err and "Traceback" not in err
     assert not (bare / "report" / "report.md").exists()
+
+
+def test_later_rounds_get_their_own_report(run_dir, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("parent.json", "library", "scores"):
+        source = run_dir / name
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, run / name)
+    shutil.copytree(run, tmp_path / "round-2")
+    shutil.move(tmp_path / "round-2", run / "round-2")
+    (run / "round-3").mkdir()  # started, no library yet
+    text = write_report(run).read_text()
+    assert "- [round 2](round-2/report.md)" in text
+    assert "- round 3: no report (" in text and str(run / "round-3" / "library") in text
+    assert "## BLD losses" in (run / "report" / "round-2" / "report.md").read_text()
+    write_report(run)  # a second report over the first, round directories included
