@@ -21,6 +21,8 @@ COMMAND_MODULES: tuple[str, ...] = (
     "puzzle.commands.costs",
     "puzzle.commands.config",
     "puzzle.commands.run",
+    "puzzle.commands.report",
+    "puzzle.commands.convert",
 )
 
 DEBUG_ENV = "PUZZLE_DEBUG"

@@ -13,6 +13,7 @@ import functools
 import itertools
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -53,7 +54,13 @@ BASELINES: dict[str, list[str]] = {
     "costs": ["tiny-hybrid"],
     "search": ["--library", "@library.json"],
     "config check": ["@run-config.yaml"],
+    "report": ["@run", "--out", "@report-out"],  # the run_dir fixture's run (a library, no solution)
+    "convert": ["@parent", "@convert-out", "--max-shard-size", "1MB"],
 }
+# Arguments a command writes to: each case gets its own copy of the bad file it names (and runs in its
+# own directory), so that a legitimate write never changes a file that later cases read.
+OUTPUTS = {("report", "out"), ("convert", "dst")}
+_WRITABLE = {"nonsense", "negative", "zero", "fraction", "huge", "nan", "factor", "unknown-preset"}
 
 # (sub-command, argument dest) -> bad-value names it legitimately accepts (exit 0).
 ACCEPTED: dict[tuple[str, str], set[str]] = {
@@ -63,6 +70,12 @@ ACCEPTED: dict[tuple[str, str], set[str]] = {
     ("search", "time_limit"): {"fraction"},  # 1.5 seconds
     ("search", "gap"): {"zero", "fraction"},  # an exact optimum; any relative gap
     ("search", "frontier"): set(BAD_VALUES),  # only written with --sweep: see the case below
+    # A plain name is a fine output directory (written into the case's own directory), as are a missing
+    # path and an empty directory; convert also replaces an earlier (even broken) checkpoint.
+    ("report", "out"): _WRITABLE | {"missing-file", "directory"},
+    ("convert", "dst"): _WRITABLE
+    | {"missing-file", "directory", "corrupt-config-checkpoint", "checkpoint-without-weights"},
+    ("convert", "max_shard_size"): {"fraction"},  # 1 byte: one tensor per shard
 }
 
 # Cases that fail because of search-specific code (puzzle/commands/search.py, puzzle/search_*.py), to be
@@ -197,7 +210,7 @@ def _assert_clean_failure(code: int, err: str, argv: list[str]) -> None:
     assert err.strip(), (argv, "exit code without a message")
 
 
-def test_every_baseline_runs(capsys, bad_files):
+def test_every_baseline_runs(capsys, bad_files, run_dir):
     """The bad values below are tried against command lines that work."""
     for command, baseline in BASELINES.items():
         assert command in _subcommands()
@@ -207,8 +220,19 @@ def test_every_baseline_runs(capsys, bad_files):
 
 
 @pytest.mark.parametrize(("command", "dest", "name", "value"), _cases())
-def test_bad_argument_is_a_clean_error(capsys, bad_files, command, dest, name, value):
+def test_bad_argument_is_a_clean_error(
+    capsys, bad_files, run_dir, tmp_path, monkeypatch, command, dest, name, value
+):
     action = next(a for a in _slots(_subcommands()[command]) if a.dest == dest)
+    if (command, dest) in OUTPUTS:
+        monkeypatch.chdir(tmp_path)
+        if value.startswith("@"):
+            own = value[1:].split("/")[0]
+            if (bad_files / own).is_dir():
+                shutil.copytree(bad_files / own, tmp_path / own)
+            elif (bad_files / own).exists():
+                shutil.copy(bad_files / own, tmp_path / own)
+            value = str(tmp_path / value[1:])
     argv = _resolve(_with_value(command, action, value), bad_files)
     code, _, err = run_cli(argv, capsys)
     assert "Traceback" not in err, (argv, err)

@@ -1,0 +1,100 @@
+"""`puzzle convert SRC DST`: rewrite a NemotronH checkpoint in another dtype, format or shard size."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+EXIT_BAD_INPUT = 2
+DTYPES = ("bfloat16", "float16", "float32")
+FORMATS = ("auto", "nemotron_h", "nemotron_h_puzzle")
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """`5GB` -> 5e9 bytes, `500MiB` -> 500 * 2**20, `1024` -> 1024; ValueError naming the text otherwise."""
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"cannot read size {text!r}: expected a number of bytes like 5GB, 500MB or 2GiB")
+    number, unit = float(match.group(1)), match.group(2).upper()
+    binary = "I" in unit
+    prefix = unit[:1] if unit[:1] in "KMGT" else ""
+    scale = 1024 ** "KMGT".index(prefix) * 1024 if binary and prefix else _UNITS[prefix]
+    if binary and not prefix:
+        raise ValueError(f"cannot read size {text!r}: expected a number of bytes like 5GB, 500MB or 2GiB")
+    if not math.isfinite(number * scale):
+        raise ValueError(f"size {text!r} is not a finite number of bytes")
+    size = int(number * scale)
+    if size < 1:
+        raise ValueError(f"size {text!r} must be at least 1 byte")
+    return size
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def register(subparsers: Any) -> None:
+    """Add `puzzle convert` to the `puzzle` parser."""
+    parser = subparsers.add_parser(
+        "convert",
+        help="rewrite a checkpoint in another dtype, format or shard size",
+        description="Load the NemotronH checkpoint SRC (puzzle.load) and save it to DST (a new or empty "
+        "directory, or an earlier checkpoint, replaced atomically): routed experts stored one by one as the "
+        "hub does, shards of at most --max-shard-size, the tokenizer and generation files copied. DST may "
+        "not lie inside SRC nor hold it.",
+    )
+    parser.add_argument("src", metavar="SRC", help="the checkpoint directory to read")
+    parser.add_argument("dst", metavar="DST", help="the directory to write")
+    parser.add_argument("--dtype", choices=DTYPES, help="the weights' dtype (default: SRC's)")
+    parser.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="auto",
+        help="nemotron_h (transformers' NemotronH), nemotron_h_puzzle (trust_remote_code, any child) or "
+        "auto (nemotron_h when it can hold the model); default auto",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        type=_size,
+        default="5GB",
+        metavar="SIZE",
+        help="largest weight file, e.g. 5GB, 500MB, 2GiB (default 5GB)",
+    )
+    parser.set_defaults(func=run_convert)
+
+
+def run_convert(args: argparse.Namespace) -> int:
+    """`puzzle convert`: DST's path on stdout, or one error line and exit code 2 for bad input."""
+    from puzzle.nemotron_h.checkpoint import load, save_pretrained
+    from puzzle.nemotron_h.config import CheckpointError
+
+    if not args.src or not args.dst:
+        print(
+            "puzzle convert: error: SRC and DST must be directory names, found an empty one", file=sys.stderr
+        )
+        return EXIT_BAD_INPUT
+    source, target = Path(args.src).resolve(), Path(args.dst).resolve()
+    if target.is_relative_to(source) or source.is_relative_to(target):
+        print(
+            f"puzzle convert: error: refusing to write {args.dst}: it lies inside {args.src} or holds it; "
+            "choose a directory outside the source checkpoint",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
+    try:
+        model = load(source, dtype=args.dtype)
+        path = save_pretrained(model, target, max_shard_bytes=args.max_shard_size, model_type=args.format)
+    except CheckpointError as error:
+        print(f"puzzle convert: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(path)
+    return 0

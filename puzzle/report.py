@@ -1,0 +1,587 @@
+"""`puzzle report RUN`: a Markdown report with PNG plots of what a run directory holds.
+
+    from puzzle.report import write_report
+    path = write_report("run")          # run/report/report.md and its PNGs
+
+Sections, each skipped with a one-line note when its inputs are missing: the Pareto frontier of the
+summed predicted KL against each budget key of the run's solutions (the run's search swept over that
+key with `puzzle.search.frontier.sweep`), a per-block map of each chosen architecture (parent row above
+child row, coloured by kind, shaded by active parameters relative to the parent's block, as Figure 6 of
+the Puzzle paper), the cost breakdown parent vs child, the library's BLD losses, the GKD curves
+(children/{name}/history.json) and measured vs predicted KL (exports/{name}/puzzle.json). Rounds r >= 2
+of an iterative run (round-{r}/) get a report of their own in OUT/round-{r}, linked from the first.
+
+Plots need matplotlib (the optional `plot` extra); each is drawn on its own `Figure` with the Agg canvas,
+so the caller's pyplot state and backend are never touched. Without matplotlib the tables are written
+and the report says how to get the plots. Nothing but RUN_DIR/report (or `out_dir`) is written.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from puzzle.cost.analytic import (
+    block_active_params,
+    model_active_params,
+    model_params,
+    model_weight_bytes,
+    state_bytes_per_request,
+)
+from puzzle.files import atomic_write_bytes
+from puzzle.layout import CHILDREN_DIR, EXPORTS_DIR, RunDirError, RunLayout
+from puzzle.spec import BlockSpec, ModelSpec
+
+REPORT_FILE = "report.md"
+PLOT_HINT = "plots need matplotlib: pip install 'puzzle-nas[plot]'"
+# The fractions of the parent's value a frontier sweep solves at.
+SWEEP_FRACTIONS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# The context of the KV + SSM state row of the cost table when the run names no scenario.
+STATE_CONTEXT = 4096
+# The GKD curves plotted (the tables list every recorded value).
+_GKD_CURVES = {"train": ("loss", "kl"), "eval": ("kl", "lm_loss_delta")}
+# Costs of the table above that the search also sums (the others are per scenario).
+_MODEL_COSTS = ("params", "active_params", "weight_bytes")
+KIND_COLOURS = {
+    "mamba": "tab:green",
+    "attention": "tab:blue",
+    "moe": "tab:orange",
+    "mlp": "tab:purple",
+    "linear": "tab:grey",
+    "noop": "white",
+}
+
+
+def _figure_class() -> Any:
+    """matplotlib's Figure, or None when the optional extra is not installed."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    return Figure
+
+
+class _Report:
+    """The Markdown lines and PNG files of one report, written at the end."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.lines: list[str] = []
+        self.figure = _figure_class()
+
+    def add(self, *lines: str) -> None:
+        self.lines.extend(lines)
+
+    def save(self, figure: Any, name: str, alt: str) -> None:
+        """Render `figure` (Agg canvas: savefig on a bare Figure uses it) to NAME.png and link it."""
+        image = io.BytesIO()
+        figure.tight_layout()
+        figure.savefig(image, format="png", dpi=100)
+        atomic_write_bytes(self.out / name, image.getvalue())
+        self.add(f"![{alt}]({name})", "")
+
+    def plot_note(self) -> None:
+        self.add(f"_({PLOT_HINT})_", "")
+
+
+def _format(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        if value.is_integer() and abs(value) >= 1000:  # byte and parameter counts
+            return f"{int(value):,}"
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        return f"{value:.4g}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return str(value)
+
+
+def _file_name(text: str) -> str:
+    """`weight_bytes[bf16]` -> `weight_bytes_bf16`: a PNG name a Markdown link and every filesystem take."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "plot"
+
+
+def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_format(cell) for cell in row) + " |" for row in rows]
+    return [*lines, ""]
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise RunDirError(f"{path}: cannot read it as JSON ({error})") from None
+
+
+def _solutions(layout: RunLayout) -> dict[str, dict[str, Any]]:
+    if not layout.solutions.is_dir():
+        return {}
+    found = {}
+    for path in sorted(layout.solutions.glob("*.json")):
+        data = _read_json(path)
+        if not isinstance(data, dict) or not isinstance(data.get("choices"), dict):
+            raise RunDirError(f"{path}: not a solution (expected the JSON of `puzzle search --json`)")
+        found[path.stem] = data
+    return found
+
+
+def _child_spec(parent: ModelSpec, library: Any, solution: dict[str, Any]) -> ModelSpec:
+    from puzzle.assemble import AssemblyError, solution_variants
+
+    choices = {}
+    for block, variant_id in solution["choices"].items():
+        prefix, _, number = block.partition("_")
+        if prefix != "block" or not number.isdigit():
+            raise RunDirError(f"solution block name {block!r} is not 'block_<index>'")
+        choices[int(number)] = variant_id
+    try:
+        variants = solution_variants(choices, library, parent)
+    except AssemblyError as error:
+        raise RunDirError(str(error)) from None
+    return ModelSpec(
+        vocab_size=parent.vocab_size,
+        hidden_size=parent.hidden_size,
+        blocks=tuple(variant.spec for variant in variants),
+        norm_eps=parent.norm_eps,
+        tie_embeddings=parent.tie_embeddings,
+    )
+
+
+# ------------------------------------------------------------------------------------------- sections
+
+
+def _frontier(
+    report: _Report, layout: RunLayout, solutions: dict[str, dict[str, Any]], hardware: Any
+) -> None:
+    report.add("## Pareto frontier", "")
+    if not solutions:
+        report.add(f"_Skipped: no solutions in {layout.solutions}._", "")
+        return
+    if not layout.scores.joinpath("scores.manifest.json").is_file():
+        report.add(f"_Skipped: no scores in {layout.scores} (the search needs them)._", "")
+        return
+    from puzzle.search.frontier import sweep
+    from puzzle.search.run_dir import CostModel, run_problem
+
+    # The run's cost model; one bound per scenario cost, so that the table sums each of them.
+    cost_model, budgets = CostModel(), []
+    if hardware is not None:
+        cost_model = CostModel(
+            hardware.profile, hardware.recipe, hardware.memory_fraction, hardware.scenarios
+        )
+        budgets = [
+            f"{key}[{name}]<=1x" for name in hardware.scenarios for key in ("latency", "ttft", "memory_bytes")
+        ]
+    problem = run_problem(layout, budgets, cost_model=cost_model)
+    table = problem.table
+    keys = [key for key in sorted(set.intersection(*(set(s["totals"]) for s in solutions.values())))]
+    keys = [key for key in keys if key in table.costs]
+    if not keys:
+        report.add("_Skipped: the solutions record no budget key the run's search sums._", "")
+        return
+    starts = table.offsets[:-1]
+    for key in keys:
+        parent_value = float(table.costs[key][starts].sum() + table.fixed.get(key, 0.0))
+        values = [parent_value * fraction for fraction in SWEEP_FRACTIONS]
+        points = sweep(table, [], key, "upper", values, problem.problem.rules)  # no bound but the swept one
+        rows = [
+            [str(p.limit), p.solution.totals[key], p.solution.objective, p.on_frontier]
+            if p.solution is not None
+            else [str(p.limit), None, "infeasible", False]
+            for p in points
+        ]
+        report.add(f"### KL against `{key}`", "")
+        report.add(*_table(["budget", key, "predicted KL", "on frontier"], rows))
+        if report.figure is None:
+            report.plot_note()
+            continue
+        figure = report.figure(figsize=(6, 4))
+        axis = figure.subplots()
+        frontier = sorted(
+            (p for p in points if p.solution is not None and p.on_frontier),
+            key=lambda p: p.solution.totals[key],
+        )
+        axis.plot(
+            [p.solution.totals[key] for p in frontier],
+            [p.solution.objective for p in frontier],
+            "o-",
+            color="tab:blue",
+            label="Pareto frontier",
+        )
+        axis.scatter([parent_value], [0.0], marker="*", s=150, color="black", label="parent", zorder=3)
+        for name, solution in solutions.items():
+            axis.scatter([solution["totals"][key]], [solution["objective"]], marker="D", zorder=3, label=name)
+        axis.set_xlabel(key)
+        axis.set_ylabel("predicted KL (nats/token)")
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+        report.save(figure, f"frontier_{_file_name(key)}.png", f"KL against {key}")
+
+
+def _block_map(
+    report: _Report, parent: ModelSpec, children: dict[str, ModelSpec], solutions: dict[str, Any]
+) -> None:
+    report.add("## Architecture per block", "")
+    if not children:
+        report.add("_Skipped: no solutions._", "")
+        return
+    hidden = parent.hidden_size
+
+    def relative(block: BlockSpec, index: int) -> float:
+        own = block_active_params(parent.blocks[index], hidden)
+        return block_active_params(block, hidden) / own if own else 1.0
+
+    for name, child in children.items():
+        report.add(f"### {name}", "")
+        header = ["", *(str(i) for i in range(parent.num_blocks))]
+        rows = [
+            ["parent", *(b.short_name() for b in parent.blocks)],
+            ["child", *(b.short_name() if b != p else "=" for b, p in zip(child.blocks, parent.blocks))],
+            ["active params vs parent", *(relative(b, i) for i, b in enumerate(child.blocks))],
+        ]
+        report.add(*_table(header, rows))
+        if report.figure is None:
+            report.plot_note()
+            continue
+        from matplotlib.colors import to_rgba
+        from matplotlib.patches import Patch, Rectangle
+
+        count = parent.num_blocks
+        figure = report.figure(figsize=(max(4.0, 0.35 * count + 1.5), 2.2))
+        axis = figure.subplots()
+        for row, spec in enumerate((parent, child)):
+            for index, block in enumerate(spec.blocks):
+                size = 1.0 if row == 0 else relative(block, index)
+                alpha = 0.25 + 0.75 * min(1.0, max(0.0, size))  # lighter = smaller than the parent's
+                colour = to_rgba(KIND_COLOURS.get(block.kind, "black"), alpha)
+                axis.add_patch(Rectangle((index, 1 - row), 0.9, 0.9, facecolor=colour, edgecolor="black"))
+        axis.set_xlim(-0.1, count)
+        axis.set_ylim(-0.1, 2)
+        axis.set_yticks([0.45, 1.45], ["child", "parent"])
+        axis.set_xticks([i + 0.45 for i in range(count)], [str(i) for i in range(count)], fontsize=7)
+        axis.set_xlabel("block")
+        kinds = sorted({b.kind for b in (*parent.blocks, *child.blocks)})
+        axis.legend(
+            handles=[
+                Patch(facecolor=KIND_COLOURS.get(k, "black"), edgecolor="black", label=k) for k in kinds
+            ],
+            fontsize=7,
+            loc="upper left",
+            bbox_to_anchor=(1.0, 1.0),
+        )
+        axis.set_title(f"{name}: shade = active params relative to the parent's block", fontsize=8)
+        report.save(figure, f"blocks_{_file_name(name)}.png", f"architecture of {name}")
+
+
+def _scenario_metrics(hardware: Any) -> list[tuple[str, Callable[[ModelSpec], float]]]:
+    """Predicted throughput per scenario of the run config's hardware section (none without one)."""
+    if hardware is None:
+        return []
+    from puzzle.cost import model_throughput
+
+    return [
+        (
+            f"throughput {name} (tokens/s, {hardware.profile})",
+            lambda spec, scenario=scenario: model_throughput(spec, scenario, hardware.profile),
+        )
+        for name, scenario in hardware.scenarios.items()
+    ]
+
+
+def _hardware(report: _Report, layout: RunLayout) -> Any:
+    """The hardware section of the run's config.yaml (profile, recipe, scenarios); None without one."""
+    if not layout.config.is_file():
+        return None
+    from puzzle.config import ConfigError, load_config
+
+    try:
+        return load_config(layout.config, check_paths=False).hardware
+    except (ConfigError, OSError) as error:
+        report.add(f"_Scenario costs skipped: cannot read {layout.config} ({error})._", "")
+        return None
+
+
+def _costs(
+    report: _Report,
+    layout: RunLayout,
+    parent: ModelSpec,
+    children: dict[str, ModelSpec],
+    solutions: dict[str, Any],
+    hardware: Any,
+) -> None:
+    report.add("## Costs, parent vs child", "")
+    if not children:
+        report.add("_Skipped: no solutions._", "")
+        return
+    metrics: list[tuple[str, Callable[[ModelSpec], float]]] = [
+        ("params", model_params),
+        ("active params", model_active_params),
+        ("weight bytes (bf16)", lambda spec: model_weight_bytes(spec, "bf16")),
+        (
+            f"KV + SSM state bytes / request ({STATE_CONTEXT} tokens)",
+            lambda s: state_bytes_per_request(s, STATE_CONTEXT),
+        ),
+    ]
+    metrics += _scenario_metrics(hardware)
+    names = list(children)
+    rows = []
+    for label, function in metrics:
+        base = function(parent)
+        rows.append([label, base, *(function(children[n]) for n in names)])
+    # Scenario costs the search summed (throughput[S], latency[S]...): the child's predicted value.
+    extra = sorted(
+        {k for n in names for k in solutions[n]["totals"] if k.partition("[")[0] not in _MODEL_COSTS}
+    )
+    for key in extra:
+        rows.append([f"{key} (predicted)", None, *(solutions[n]["totals"].get(key) for n in names)])
+    report.add(*_table(["cost", "parent", *names], rows))
+    if report.figure is None:
+        report.plot_note()
+        return
+    figure = report.figure(figsize=(7, 3.5))
+    axis = figure.subplots()
+    width = 0.8 / (len(names) + 1)
+    for column, (label, values) in enumerate(
+        [("parent", [1.0] * len(metrics))]
+        + [
+            (n, [row[2 + i] / row[1] if row[1] else 0.0 for row in rows[: len(metrics)]])
+            for i, n in enumerate(names)
+        ]
+    ):
+        axis.bar([m + column * width for m in range(len(metrics))], values, width, label=label)
+    axis.set_xticks(
+        [m + 0.4 - width / 2 for m in range(len(metrics))],
+        [label.split(" (")[0] for label, _ in metrics],
+        fontsize=7,
+    )
+    axis.set_ylabel("relative to the parent")
+    axis.legend(fontsize=8)
+    axis.grid(axis="y", alpha=0.3)
+    report.save(figure, "costs.png", "costs parent vs child")
+
+
+def _bld(report: _Report, library: Any) -> None:
+    report.add("## BLD losses", "")
+    results = sorted(library.results.values(), key=lambda r: (r.variant.block_index, r.variant.id))
+    rows = [
+        [r.variant.block_index, r.variant.id, r.status, r.init_nmse, r.final_nmse, r.tokens]
+        for r in results
+        if r.status not in ("parent",)
+    ]
+    if not rows:
+        report.add("_Skipped: the library holds no trained variant._", "")
+        return
+    report.add("Held-out normalised MSE of each variant's block output, at initialisation and after BLD.", "")
+    report.add(*_table(["block", "variant", "status", "nMSE init", "nMSE after", "tokens"], rows))
+    failed = [r for r in results if r.status == "failed"]
+    if failed:
+        report.add("Failed variants:", "")
+        report.add(
+            *(f"- block {r.variant.block_index} `{r.variant.id}`: {r.reason or 'no reason'}" for r in failed)
+        )
+        report.add("")
+    trained = [
+        r for r in results if r.status != "parent" and r.init_nmse is not None and r.final_nmse is not None
+    ]
+    if report.figure is None:
+        report.plot_note()
+        return
+    if not trained:
+        return
+    figure = report.figure(figsize=(max(5.0, 0.5 * len(trained) + 2), 3.5))
+    axis = figure.subplots()
+    positions = range(len(trained))
+    axis.bar([p - 0.2 for p in positions], [r.init_nmse for r in trained], 0.4, label="init")
+    axis.bar([p + 0.2 for p in positions], [r.final_nmse for r in trained], 0.4, label="after BLD")
+    axis.set_xticks(
+        list(positions),
+        [f"{r.variant.block_index}:{r.variant.id}" for r in trained],
+        rotation=60,
+        ha="right",
+        fontsize=6,
+    )
+    axis.set_ylabel("held-out nMSE")
+    if all(v > 0 for r in trained for v in (r.init_nmse, r.final_nmse)):
+        axis.set_yscale("log")  # a bad variant's nMSE can be orders of magnitude above the rest
+    axis.legend(fontsize=8)
+    report.save(figure, "bld.png", "BLD losses")
+
+
+def _numeric_series(records: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    series: dict[str, list[tuple[float, float]]] = {}
+    for record in records:
+        for key, value in record.items():
+            if key in ("step", "tokens") or isinstance(value, bool) or not isinstance(value, (int, float)):
+                continue
+            series.setdefault(key, []).append((record.get("step", 0), float(value)))
+    return series
+
+
+def _gkd(report: _Report, layout: RunLayout, names: list[str]) -> None:
+    report.add("## Global knowledge distillation", "")
+    found = [(n, layout.child(n) / "history.json") for n in names]
+    found += [
+        (p.parent.name, p)
+        for p in sorted((layout.root / CHILDREN_DIR).glob("*/history.json"))
+        if p.parent.name not in names
+    ]
+    found = [(n, p) for n, p in found if p.is_file()]
+    if not found:
+        report.add(f"_Skipped: no {CHILDREN_DIR}/NAME/history.json._", "")
+        return
+    for name, path in found:
+        history = _read_json(path)
+        evals = history.get("eval", []) if isinstance(history, dict) else []
+        train = history.get("train", []) if isinstance(history, dict) else []
+        report.add(f"### {name}", "", f"{len(train)} training steps, {len(evals)} evaluations.", "")
+        if evals:
+            keys = sorted(_numeric_series(evals))
+            report.add(
+                *_table(
+                    ["", *keys],
+                    [[f"step {e.get('step')}", *(e.get(k) for k in keys)] for e in (evals[0], evals[-1])],
+                )
+            )
+        if report.figure is None:
+            report.plot_note()
+            continue
+        figure = report.figure(figsize=(6, 3.5))
+        axis = figure.subplots()
+        for label, records in (("train", train), ("eval", evals)):
+            for key, points in _numeric_series(records).items():
+                if key not in _GKD_CURVES[label]:
+                    continue
+                axis.plot(
+                    [p[0] for p in points],
+                    [p[1] for p in points],
+                    "-" if label == "train" else "o--",
+                    label=f"{label} {key}",
+                )
+        axis.set_xlabel("step")
+        if all(
+            p[1] > 0
+            for label, r in (("train", train), ("eval", evals))
+            for key, s in _numeric_series(r).items()
+            if key in _GKD_CURVES[label]
+            for p in s
+        ):
+            axis.set_yscale("log")
+        axis.legend(fontsize=6)
+        axis.grid(alpha=0.3)
+        report.save(figure, f"gkd_{_file_name(name)}.png", f"GKD of {name}")
+
+
+def _measured(report: _Report, layout: RunLayout) -> None:
+    report.add("## Measured vs predicted KL", "")
+    rows = []
+    for path in sorted((layout.root / EXPORTS_DIR).glob("*/puzzle.json")):
+        record = _read_json(path)
+        measured = record.get("measured") or {}
+        predicted = measured.get("predicted_kl")
+        if predicted is None:
+            predicted = (record.get("predicted") or {}).get("kl")
+        if predicted is None and isinstance(record.get("search"), dict):
+            predicted = record["search"].get("objective")
+        rows.append([path.parent.name, predicted, measured.get("kl"), measured.get("tokens")])
+    if not rows:
+        report.add(f"_Skipped: no {EXPORTS_DIR}/NAME/puzzle.json._", "")
+        return
+    report.add(*_table(["export", "predicted KL", "measured KL", "tokens"], rows))
+    points = [r for r in rows if isinstance(r[1], (int, float)) and isinstance(r[2], (int, float))]
+    if report.figure is None:
+        report.plot_note()
+        return
+    if not points:
+        return
+    figure = report.figure(figsize=(4, 4))
+    axis = figure.subplots()
+    axis.scatter([p[1] for p in points], [p[2] for p in points])
+    for name, x, y, _ in points:
+        axis.annotate(name, (x, y), fontsize=7)
+    top = max(max(p[1], p[2]) for p in points) * 1.1 or 1.0
+    axis.plot([0, top], [0, top], ":", color="grey")
+    axis.set_xlabel("predicted KL (sum of replace-one-block)")
+    axis.set_ylabel("measured KL")
+    report.save(figure, "kl_measured.png", "measured vs predicted KL")
+
+
+def _rounds(report: _Report, layout: RunLayout, out: Path) -> None:
+    """Rounds r >= 2 of an iterative run: a report of its own each, in OUT/round-{r}, linked here."""
+    number = 2
+    lines = []
+    while layout.round(number).root.is_dir():
+        name = f"round-{number}"
+        try:
+            write_report(layout.round(number).root, out / name)
+            lines.append(f"- [round {number}]({name}/report.md)")
+        except RunDirError as error:
+            lines.append(f"- round {number}: no report ({error})")
+        number += 1
+    if lines:
+        report.add("## Later rounds", "", *lines, "")
+
+
+# ------------------------------------------------------------------------------------------------- API
+
+
+def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+    """Write the report of the run in `run_dir` to `out_dir` (default RUN_DIR/report); returns report.md.
+
+    RunDirError naming the path when the run has no parent.json or no finished library, or when `out_dir`
+    holds files other than an earlier report's (*.md, *.png).
+    """
+    from puzzle.bld import read_library  # late: torch
+
+    layout = RunLayout(Path(run_dir))
+    library_dir = layout.require_library()
+    parent = layout.read_parent()
+    library = read_library(library_dir)
+    out = Path(out_dir) if out_dir is not None else layout.report
+    if out.is_dir():  # a new directory or an earlier report, never e.g. a checkpoint's directory
+        foreign = sorted(
+            p.name
+            for p in out.iterdir()
+            if not (re.fullmatch(r"round-\d+", p.name) and p.is_dir())  # later rounds' reports
+            and (p.is_dir() or p.suffix not in (".md", ".png"))
+        )
+        if foreign:
+            raise RunDirError(
+                f"refusing to write the report into {out}: it holds files a report does not write "
+                f"({', '.join(foreign[:5])}); choose a new or empty directory"
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    report = _Report(out)
+    report.add(f"# Puzzle report: {layout.root.name}", "")
+    report.add(
+        f"Parent: {parent.num_blocks} blocks, hidden size {parent.hidden_size}, "
+        f"{_format(model_params(parent))} parameters ({_format(model_active_params(parent))} active).",
+        "",
+    )
+    if report.figure is None:
+        report.add(f"_Tables only: {PLOT_HINT}._", "")
+    solutions = _solutions(layout)
+    children = {name: _child_spec(parent, library, solution) for name, solution in solutions.items()}
+    if solutions:
+        rows = [[n, s.get("objective"), s.get("status"), s.get("solver")] for n, s in solutions.items()]
+        report.add("## Solutions", "", *_table(["name", "predicted KL", "status", "solver"], rows))
+    hardware = _hardware(report, layout)
+    _frontier(report, layout, solutions, hardware)
+    _block_map(report, parent, children, solutions)
+    _costs(report, layout, parent, children, solutions, hardware)
+    _bld(report, library)
+    _gkd(report, layout, list(solutions))
+    _measured(report, layout)
+    _rounds(report, layout, out)
+    return atomic_write_bytes(out / "report.md", "\n".join(report.lines).encode())

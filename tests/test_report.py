@@ -1,0 +1,171 @@
+"""`puzzle report RUN`: every section of a tiny real run (library, scores, a solution, an assembled child
+distilled a few steps and exported), valid PNGs, notes for missing sections, the pyplot backend untouched."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import matplotlib
+import matplotlib.image
+import pytest
+from bld_helpers import token_batches, trained_parent
+from rundir_helpers import make_run
+
+from puzzle.assemble import assemble, measured_kl
+from puzzle.cli import main
+from puzzle.cost import Scenario
+from puzzle.export import export
+from puzzle.files import atomic_write_bytes
+from puzzle.gkd import GKDSettings, distill
+from puzzle.layout import RunDirError
+from puzzle.report import PLOT_HINT, write_report
+from puzzle.search.run_dir import CostModel, search_run
+
+NAME = "small"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    layout = make_run(tmp_path_factory.mktemp("run") / "run", failures=True)
+    chat = Scenario(batch_size=2, prompt_tokens=16, generated_tokens=4, name="chat")
+    solution = search_run(
+        layout,
+        ["params<=0.85x", "throughput[chat]>=1x"],
+        cost_model=CostModel(scenarios={"chat": chat}),
+        note=lambda text: None,
+    )
+    atomic_write_bytes(layout.solution(NAME), json.dumps(solution.to_json(), indent=2).encode())
+    parent = trained_parent(steps=8)  # the parent make_run built the library from
+    child = assemble(solution, layout.library, parent)
+    measured_kl(child, parent, token_batches(1, seed=600), vocab_chunk=16)
+    export(child, layout.export(NAME), solution=solution)
+    settings = GKDSettings(lr=1e-3, steps=2, token_budget=None, batch_size=4, vocab_chunk=16, eval_every=1)
+    distill(
+        child, parent, token_batches(2, seed=700), token_batches(1, seed=800), settings, layout.child(NAME)
+    )
+    # The run config: only its hardware section is read by the report (scenario throughput).
+    (layout.root / "parent").mkdir()
+    (layout.root / "corpus.txt").write_text("text\n")
+    layout.config.write_text(
+        "run_dir: .\nparent: {path: parent}\ndata: {sources: [corpus.txt], seq_len: 8}\n"
+        "space: {kinds: {mlp: {width_fraction: [0.5]}}}\nsearch: {budgets: ['params<=0.85x']}\n"
+        "hardware: {scenarios: {chat: {batch_size: 2, prompt_tokens: 16, generated_tokens: 4}}}\n"
+    )
+    return layout.root
+
+
+def _is_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", path
+    image = matplotlib.image.imread(path)
+    assert image.shape[0] > 50 and image.shape[1] > 50, (path, image.shape)
+
+
+def test_report_has_every_section_and_valid_plots(run_dir, capsys):
+    backend = matplotlib.get_backend()
+    pyplot_loaded = "matplotlib.pyplot" in sys.modules
+    assert main(["report", str(run_dir)]) == 0
+    out = capsys.readouterr().out.strip()
+    report = run_dir / "report" / "report.md"
+    assert out == str(report)
+    text = report.read_text()
+    for heading in (
+        "## Pareto frontier",
+        "### KL against `params`",
+        "## Architecture per block",
+        f"### {NAME}",
+        "## Costs, parent vs child",
+        "## BLD losses",
+        "Failed variants:",
+        "## Global knowledge distillation",
+        "## Measured vs predicted KL",
+    ):
+        assert heading in text, heading
+    assert "Skipped" not in text and "skipped" not in text
+    assert "| throughput chat (tokens/s, h100-80gb) |" in text
+    assert PLOT_HINT not in text
+    pngs = sorted(p.name for p in report.parent.glob("*.png"))
+    for expected in ("frontier_params.png", f"blocks_{NAME}.png", "costs.png", "bld.png", f"gkd_{NAME}.png"):
+        assert expected in pngs, pngs
+        assert f"]({expected})" in text
+    assert "kl_measured.png" in pngs and "frontier_weight_bytes_bf16.png" in pngs
+    assert "frontier_seconds_chat.png" in pngs  # the scenario cost of the solution's throughput budget
+    for name in pngs:
+        _is_png(report.parent / name)
+    # The failed BLD variant is listed by id.
+    assert "`linear`" in text.split("Failed variants:")[1]
+    assert matplotlib.get_backend() == backend
+    assert ("matplotlib.pyplot" in sys.modules) == pyplot_loaded
+
+
+def test_missing_sections_are_noted(run_dir, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("parent.json", "library"):  # no config.yaml either: no scenario row
+        source = run_dir / name
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, bare / name)
+    path = write_report(bare, tmp_path / "out")
+    assert path == tmp_path / "out" / "report.md"
+    text = path.read_text()
+    assert "## BLD losses" in text and (tmp_path / "out" / "bld.png").is_file()
+    assert f"_Skipped: no solutions in {bare / 'solutions'}._" in text
+    assert "_Skipped: no children/NAME/history.json._" in text
+    assert "_Skipped: no exports/NAME/puzzle.json._" in text
+    assert not (bare / "report").exists()
+
+
+def test_tables_without_matplotlib(run_dir, tmp_path, monkeypatch):
+    import puzzle.report
+
+    monkeypatch.setattr(puzzle.report, "_figure_class", lambda: None)
+    path = write_report(run_dir, tmp_path)
+    text = path.read_text()
+    assert PLOT_HINT in text and "## BLD losses" in text and "| params |" in text
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_run_without_library_is_an_error(tmp_path, capsys):
+    with pytest.raises(RunDirError, match=str(tmp_path / "library")):
+        write_report(tmp_path)
+    assert main(["report", str(tmp_path / "nowhere")]) == 2
+    assert "nowhere" in capsys.readouterr().err
+
+
+def test_out_holding_other_files_is_refused(run_dir, tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{}")
+    assert main(["report", str(run_dir), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "config.json" in err and str(tmp_path) in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
+def test_malformed_solution_is_an_error_naming_it(run_dir, tmp_path, capsys):
+    bare = tmp_path / "run"
+    bare.mkdir()
+    for name in ("parent.json", "library", "scores"):
+        source = run_dir / name
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, bare / name)
+    (bare / "solutions").mkdir()
+    (bare / "solutions" / "broken.json").write_text('{"objective": 1}')
+    assert main(["report", str(bare)]) == 2
+    err = capsys.readouterr().err
+    assert str(bare / "solutions" / "broken.json") in err and "Traceback" not in err
+    assert not (bare / "report" / "report.md").exists()
+
+
+def test_later_rounds_get_their_own_report(run_dir, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("parent.json", "library", "scores"):
+        source = run_dir / name
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, run / name)
+    shutil.copytree(run, tmp_path / "round-2")
+    shutil.move(tmp_path / "round-2", run / "round-2")
+    (run / "round-3").mkdir()  # started, no library yet
+    text = write_report(run).read_text()
+    assert "- [round 2](round-2/report.md)" in text
+    assert "- round 3: no report (" in text and str(run / "round-3" / "library") in text
+    assert "## BLD losses" in (run / "report" / "round-2" / "report.md").read_text()
+    write_report(run)  # a second report over the first, round directories included
