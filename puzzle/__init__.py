@@ -36,6 +36,7 @@ _LAZY_EXPORTS = {
     "ConfigError": "puzzle.config",
     "RunConfig": "puzzle.config",
     "load_config": "puzzle.config",
+    "Run": "puzzle.run",
 }
 
 
@@ -76,4 +77,5 @@ __all__ = [
     "ConfigError",
     "RunConfig",
     "load_config",
+    "Run",
 ]
