@@ -16,9 +16,7 @@ from puzzle.export import export
 from puzzle.gkd import GKDSettings, distill
 
 
-def test_assembled_child_is_distilled_exported_and_reloads_both_ways(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_MODULES_CACHE", str(tmp_path / "hf_modules"))  # remote code copied here, not ~
+def test_assembled_child_is_distilled_exported_and_reloads_both_ways(tmp_path, hf_modules_cache):
     parent_dir = save_parent(trained_parent(), tmp_path / "parent")
     parent = puzzle.load(parent_dir).eval().requires_grad_(False)
     library = build_small_library(parent, tmp_path / "library")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch.testing import assert_close
-from transformers import AutoConfig, AutoModelForCausalLM, dynamic_module_utils
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import puzzle
 from puzzle.model import HybridLM
@@ -102,20 +102,8 @@ def random_child(spec: ModelSpec, seed: int = 0) -> HybridLM:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def modules_cache(tmp_path_factory):
-    """transformers copies remote code into HF_MODULES_CACHE: use a temporary one, forgotten afterwards."""
-    cache = str(tmp_path_factory.mktemp("hf_modules"))
-    saved_path = list(sys.path)
-    saved = {name: module for name, module in sys.modules.items() if name.startswith("transformers_modules")}
-    for name in saved:
-        del sys.modules[name]
-    previous, dynamic_module_utils.HF_MODULES_CACHE = dynamic_module_utils.HF_MODULES_CACHE, cache
-    yield cache
-    dynamic_module_utils.HF_MODULES_CACHE = previous
-    sys.path[:] = saved_path
-    for name in [name for name in sys.modules if name.startswith("transformers_modules")]:
-        del sys.modules[name]
-    sys.modules.update(saved)
+def modules_cache(hf_modules_cache):
+    return hf_modules_cache
 
 
 def load_remote(path: Path, cache: str, **kwargs):
