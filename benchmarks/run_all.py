@@ -243,28 +243,28 @@ BENCHES = [
         "importance",
         "bench_importance.py",
         [],
-        ["--hidden", "128", "--vocab", "512", "--batch", "1", "--seq", "128", "--repeats", "3"],
+        ["--hidden", "256", "--vocab", "1024", "--batch", "2", "--seq", "256", "--repeats", "3"],
         importance_rows,
     ),
     Bench(
         "bld",
         "bench_bld.py",
         [],
-        ["--hidden", "64", "--vocab", "256", "--seq", "64", "--variants", "4", "--repeats", "2"],
+        ["--hidden", "256", "--vocab", "256", "--seq", "64", "--variants", "4", "--repeats", "2"],
         bld_rows,
     ),
     Bench(
         "gkd",
         "bench_gkd.py",
         [],
-        ["--hidden", "64", "--vocab", "512", "--vocab-chunk", "256", "--seq", "64", "--repeats", "2"],
+        ["--hidden", "256", "--vocab", "512", "--vocab-chunk", "256", "--seq", "64", "--repeats", "2"],
         gkd_rows,
     ),
     Bench(
         "scoring",
         "bench_scoring.py",
         [],
-        shlex.split("--blocks 8 --hidden 64 --vocab 512 --vocab-chunk 256 --seq 64 --batches 1 --repeats 1"),
+        shlex.split("--blocks 8 --hidden 256 --vocab 512 --vocab-chunk 256 --seq 64 --batches 1 --repeats 1"),
         scoring_rows,
     ),
     Bench("mip", "bench_mip.py", [], ["--quick", "--repeat", "1"], mip_rows),
@@ -354,8 +354,8 @@ def _met(value: bool | None) -> str:
 
 def render(outcomes: dict[str, dict], machine: dict, args: argparse.Namespace) -> str:
     """The Markdown document: the table, details per benchmark, the machine."""
-    load1 = machine["load_average"][0]
-    shared = load1 > (machine["cores"] or 1)
+    load1, load_end = machine["load_average"][0], machine["load_average_end"][0]
+    shared = max(load1, load_end) > (machine["cores"] or 1)
     mode = (
         "a `--quick` run (tiny sizes, few repeats: ratios are indicative only)"
         if args.quick
@@ -367,9 +367,10 @@ def render(outcomes: dict[str, dict], machine: dict, args: argparse.Namespace) -
         f"Every benchmark under `benchmarks/`, run by `python benchmarks/run_all.py{' --quick' if args.quick else ''}`"
         f" on {machine['date']}: {mode}. Ratios compare two things measured in the same process, interleaved;"
         " absolute times on this CPU are noisy and are not the point. Ratios of times: < 1 means the first is"
-        f" faster. 1-minute load average at the start {load1:.2f} on {machine['cores']} cores"
-        + (": **the machine was shared with other jobs**, expect noise." if shared else "."),
+        f" faster. 1-minute load average {load1:.2f} at the start, {load_end:.2f} at the end, on {machine['cores']}"
+        " cores" + (": **the machine was shared with other jobs**, expect noise." if shared else "."),
         "",
+        *([args.note, ""] if args.note else []),
         "| benchmark | what is compared | ratio | goal | met? | command |",
         "|---|---|---:|---|---|---|",
     ]
@@ -402,6 +403,7 @@ def render(outcomes: dict[str, dict], machine: dict, args: argparse.Namespace) -
         f"- torch {machine['torch']} (CUDA: {machine['cuda']}), Python {machine['python']}",
         f"- date: {machine['date']}",
         "- load average at start (1, 5, 15 min): " + ", ".join(f"{x:.2f}" for x in machine["load_average"]),
+        "- load average at end (1, 5, 15 min): " + ", ".join(f"{x:.2f}" for x in machine["load_average_end"]),
         "",
     ]
     return "\n".join(lines)
@@ -421,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--results", type=Path, help="folder for the JSONs (default benchmarks/results[/quick])"
     )
+    parser.add_argument("--note", help="a sentence to print under the introduction (how the run was made)")
     parser.add_argument(
         "--doc", type=Path, default=ROOT / "docs" / "PERFORMANCE.md", help="the Markdown to write"
     )
@@ -446,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
         outcomes[bench.name] = outcome = run_bench(bench, args, results)
         print(f"[run_all] {bench.name}: {outcome['status']} {outcome.get('note', '')}", flush=True)
 
+    machine["load_average_end"] = os.getloadavg()
     document = render(outcomes, machine, args)
     args.doc.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.doc.with_suffix(".md.tmp")
