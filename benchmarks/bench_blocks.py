@@ -213,7 +213,7 @@ def main() -> None:
     parser.add_argument("--moe-lengths", type=int, nargs="+", default=[512])
     parser.add_argument("--only", choices=["mamba", "moe"], default=None, help="one block kind")
     parser.add_argument("--quick", action="store_true", help="a small, fast configuration")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", "--output", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.quick:
         args.hidden, args.heads, args.head_dim, args.state, args.groups, args.chunk = 256, 8, 32, 32, 2, 64

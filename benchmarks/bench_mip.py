@@ -188,6 +188,9 @@ def main() -> None:
         "--library", type=Path, help="a real NVlabs block_library.json (rows skipped if absent)"
     )
     parser.add_argument("--only-library", action="store_true", help="only the --library rows, HiGHS only")
+    parser.add_argument(
+        "--output", type=Path, help="results JSON (default: benchmarks/results/bench_mip*.json)"
+    )
     args = parser.parse_args()
 
     cases = []
@@ -255,6 +258,7 @@ def main() -> None:
             f"{cell(row['default'])} | {speedup} | {row['default']['free_variables']} | {row['same_objective']} |"
         )
     results = RESULTS.with_name("bench_mip_library.json") if args.only_library else RESULTS
+    results = args.output or results
     results.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": "bench_mip",
