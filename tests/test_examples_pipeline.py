@@ -1,0 +1,80 @@
+"""The pipeline examples run as a user would: examples/quickstart.ipynb's code cells in order in one
+namespace, and examples/compress_nemotron3_nano.py as a process, both on a tiny trained NemotronH
+checkpoint and token data (tests/run_helpers.py), with tiny settings in place of the Nano config's."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from run_helpers import make_inputs
+
+import puzzle
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("examples_pipeline")
+    return root, make_inputs(root)
+
+
+def test_compress_script_runs_the_pipeline_on_a_tiny_nemotron_h(inputs):
+    root, tiny = inputs
+    out = root / "script-run"
+    sets = [
+        f"{section}={json.dumps(tiny[section])}" for section in tiny if section not in ("run_dir", "parent")
+    ]
+    command = [sys.executable, str(EXAMPLES / "compress_nemotron3_nano.py")]
+    command += ["--parent", tiny["parent"]["path"], "--data", tiny["data"]["sources"][0], "--out", str(out)]
+    command += [
+        "--budget",
+        "active_params<=0.8x",
+        "--set",
+        "parent.dtype=float32",
+        "--set",
+        "space.overrides=[]",
+    ]
+    for assignment in sets:
+        command += ["--set", assignment]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(EXAMPLES.parent)}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (export,) = [line.split(": ", 1)[1] for line in done.stdout.splitlines() if line.startswith("export ")]
+    assert Path(export).parent == out / "exports"
+    model = puzzle.load(export)
+    record = json.loads((Path(export) / "puzzle.json").read_text())
+    solution = json.loads(next((out / "solutions").glob("*.json")).read_text())
+    assert record["search"]["choices"] == solution["choices"]
+    for block, variant in solution["choices"].items():
+        assert f"  {block}: {variant}" in done.stdout
+    assert model.spec.num_blocks == 4
+    ids = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.isfinite(model(ids).logits).all()
+
+
+def test_compress_script_rejects_a_bad_override(inputs, capsys):
+    root, tiny = inputs
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        import compress_nemotron3_nano as script
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    argv = [
+        "--parent",
+        tiny["parent"]["path"],
+        "--data",
+        tiny["data"]["sources"][0],
+        "--out",
+        str(root / "bad"),
+    ]
+    assert script.main([*argv, "--set", "bld.lr=-1"]) == 2
+    assert "bld.lr" in capsys.readouterr().err
+    assert not (root / "bad").exists()
