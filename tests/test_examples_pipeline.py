@@ -25,6 +25,66 @@ def inputs(tmp_path_factory):
     return root, make_inputs(root)
 
 
+def _tiny_parameters(root: Path, tiny: dict) -> str:
+    """The notebook's parameters cell for the tiny parent (what papermill's -p would inject)."""
+    values = {
+        "PARENT": tiny["parent"]["path"],
+        "DATA": tiny["data"]["sources"][0],
+        "RUN_DIR": str(root / "notebook-run"),
+        "SEQ_LEN": 16,
+        "BATCH_SIZE": 4,
+        "HELD_OUT_TOKENS": 256,
+        "BLD_TOKENS": 640,
+        "GKD_TOKENS": 640,
+        "VOCAB_CHUNK": 16,
+    }
+    return "\n".join(f"{key} = {value!r}" for key, value in values.items())
+
+
+def test_quickstart_notebook_runs_every_stage(inputs, capsys):
+    root, tiny = inputs
+    notebook = json.loads((EXAMPLES / "quickstart.ipynb").read_text())
+    assert notebook["nbformat"] == 4
+    cells = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
+    assert "parameters" in cells[0]["metadata"]["tags"]
+    namespace: dict = {"__name__": "__main__"}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for cell in cells:
+            exec(compile("".join(cell["source"]), "quickstart.ipynb", "exec"), namespace)
+            if cell is cells[0]:  # the user's defaults are defined; the test's tiny ones replace them
+                exec(_tiny_parameters(root, tiny), namespace)
+    finally:
+        torch.set_num_threads(threads)
+    printed = capsys.readouterr().out
+    run, exports, child, parent = (
+        namespace["run"],
+        namespace["exports"],
+        namespace["child"],
+        namespace["parent"],
+    )
+    assert [p.name for p in exports.values()] == list(namespace["solutions"])
+    assert all(p.parent == root / "notebook-run" / "exports" for p in exports.values())
+    manifest = json.loads(run.layout.manifest.read_text())
+    assert all(stage["status"] == "done" for stage in manifest["stages"].values())
+    (name,) = exports
+    solution = json.loads(run.layout.solution(name).read_text())
+    for block, variant in solution["choices"].items():
+        assert f"  {block}: {variant}" in printed
+    measured = namespace["assembled"][name]["measured"]
+    assert f"measured KL {measured['kl']:.4g}" in printed and measured["kl"] > 0
+    # The child reloaded from the export is the distilled one, and meets the budget.
+    from puzzle.cost.analytic import model_active_params
+    from puzzle.gkd import load_distilled
+
+    distilled = load_distilled(run.layout.child(name), run._child(name))
+    ids = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(child(ids).logits, distilled(ids).logits, rtol=0, atol=0)
+    assert model_active_params(child.spec) <= 0.8 * model_active_params(parent.spec)
+
+
 def test_compress_script_runs_the_pipeline_on_a_tiny_nemotron_h(inputs):
     root, tiny = inputs
     out = root / "script-run"
