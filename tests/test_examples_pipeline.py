@@ -1,6 +1,7 @@
 """The pipeline examples run as a user would: examples/quickstart.ipynb's code cells in order in one
-namespace, and examples/compress_nemotron3_nano.py as a process, both on a tiny trained NemotronH
-checkpoint and token data (tests/run_helpers.py), with tiny settings in place of the Nano config's."""
+namespace, and examples/compress_nemotron3_nano.py as a process (alone and under torchrun with 2 gloo
+ranks), all on a tiny trained NemotronH checkpoint and token data (tests/run_helpers.py), with tiny
+settings in place of the Nano config's."""
 
 from __future__ import annotations
 
@@ -85,13 +86,9 @@ def test_quickstart_notebook_runs_every_stage(inputs, capsys):
     assert model_active_params(child.spec) <= 0.8 * model_active_params(parent.spec)
 
 
-def test_compress_script_runs_the_pipeline_on_a_tiny_nemotron_h(inputs):
-    root, tiny = inputs
-    out = root / "script-run"
-    sets = [
-        f"{section}={json.dumps(tiny[section])}" for section in tiny if section not in ("run_dir", "parent")
-    ]
-    command = [sys.executable, str(EXAMPLES / "compress_nemotron3_nano.py")]
+def _script(tiny: dict, out: Path, launcher: list[str]) -> subprocess.CompletedProcess:
+    """compress_nemotron3_nano.py on the tiny parent: its paths, one budget, every other section `--set`."""
+    command = [*launcher, str(EXAMPLES / "compress_nemotron3_nano.py")]
     command += ["--parent", tiny["parent"]["path"], "--data", tiny["data"]["sources"][0], "--out", str(out)]
     command += [
         "--budget",
@@ -101,11 +98,24 @@ def test_compress_script_runs_the_pipeline_on_a_tiny_nemotron_h(inputs):
         "--set",
         "space.overrides=[]",
     ]
-    for assignment in sets:
-        command += ["--set", assignment]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(EXAMPLES.parent)}
+    for section in tiny:
+        if section not in ("run_dir", "parent"):
+            command += ["--set", f"{section}={json.dumps(tiny[section])}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PUZZLE_PROGRESS": "0", "PYTHONPATH": str(EXAMPLES.parent)}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def script_run(inputs):
+    root, tiny = inputs
+    out = root / "script-run"
+    return out, _script(tiny, out, [sys.executable])
+
+
+def test_compress_script_runs_the_pipeline_on_a_tiny_nemotron_h(script_run):
+    out, done = script_run
     (export,) = [line.split(": ", 1)[1] for line in done.stdout.splitlines() if line.startswith("export ")]
     assert Path(export).parent == out / "exports"
     model = puzzle.load(export)
@@ -118,6 +128,21 @@ def test_compress_script_runs_the_pipeline_on_a_tiny_nemotron_h(inputs):
     ids = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.isfinite(model(ids).logits).all()
+
+
+def test_compress_script_under_torchrun_with_two_gloo_processes(inputs, script_run):
+    """The launch a user makes on a node (`torchrun --nproc-per-node N`), with 2 CPU processes: the same
+    architecture as one process, printed once (by rank 0), and an export that loads."""
+    root, tiny = inputs
+    out = root / "script-run-2"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = _script(tiny, out, launcher)
+    one = json.loads(next((script_run[0] / "solutions").glob("*.json")).read_text())
+    (path,) = (out / "solutions").glob("*.json")
+    assert json.loads(path.read_text())["choices"] == one["choices"]
+    exports = [line for line in done.stdout.splitlines() if line.startswith("export ")]
+    assert exports == [f"export {path.stem}: {out / 'exports' / path.stem}"]
+    assert puzzle.load(out / "exports" / path.stem).spec.num_blocks == 4
 
 
 def test_compress_script_rejects_a_bad_override(inputs, capsys):
