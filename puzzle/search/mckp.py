@@ -45,10 +45,7 @@ def applies(problem) -> bool:
     budget_rows = problem.rows[table.num_blocks :]
     if len(budget_rows) > MAX_BUDGET_ROWS:
         return False
-    for row in budget_rows:
-        if len(row.cols) != n_var or row.label.startswith("differs from"):
-            return False
-    return True
+    return all(len(row.cols) == n_var and not row.label.startswith("differs from") for row in budget_rows)
 
 
 class _Blocks:
