@@ -174,8 +174,7 @@ class GKDSettings:
             )
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"GKDSettings.dtype must be 'float32' or 'bfloat16', found {self.dtype!r}")
-        if self.shard not in ("fsdp", "none"):
-            raise ValueError(f"GKDSettings.shard must be 'fsdp' or 'none', found {self.shard!r}")
+        shard.check_mode("GKDSettings.shard", self.shard)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -287,10 +286,6 @@ def _load_state(model: HybridLM, tensors: Mapping[str, torch.Tensor], source: st
 
 # ----------------------------------------------------------------------------------------------------------
 # The loss: the student's forward beside the teacher's, inside one module so FSDP gathers its root weights.
-
-
-def _sharded(settings: GKDSettings) -> bool:
-    return settings.shard == "fsdp" and dist.world_size() > 1
 
 
 def _autocast(settings: GKDSettings, device: torch.device) -> Any:
@@ -527,7 +522,7 @@ def _train_step(
         loss.backward()
         sums += batch_sums
     params = [p for p in distiller.parameters() if p.requires_grad]
-    if not _sharded(settings):  # FSDP's reduce-scatter has summed the sharded gradients
+    if not shard.active(settings.shard):  # FSDP's reduce-scatter has summed the sharded gradients
         dist.all_reduce_sum_([p.grad for p in params if p.grad is not None])
     dist.all_reduce_sum_([sums])
     clip = settings.clip if settings.clip > 0 else math.inf
@@ -560,7 +555,7 @@ def _evaluate(
     distiller.eval()
     sums = torch.zeros(_NUM_SUMS, dtype=torch.float64, device=device)
     # Sharded units all-gather in their forward, so every rank must run every batch (its rows of it).
-    batches = [_rows(b) for b in held_out] if _sharded(settings) else list(dist.shard(held_out))
+    batches = [_rows(b) for b in held_out] if shard.active(settings.shard) else list(dist.shard(held_out))
     for batch in batches:
         for ids in _micro(batch.to(device), micro):
             with _autocast(settings, device):
@@ -713,7 +708,7 @@ def distill(
     device = teacher.embeddings.weight.device
     student.to(device=device, dtype=settings.torch_dtype).train().requires_grad_(True)
     distiller = _Distiller(student)
-    if _sharded(settings):
+    if shard.active(settings.shard):
         shard.shard_parent(teacher)
         _shard_student(distiller)
     optimizer = torch.optim.AdamW(
