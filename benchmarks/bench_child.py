@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from puzzle.cost.hardware import calibrate_this_machine
+from puzzle.cost.measure import decode_seconds
 from puzzle.cost.roofline import Scenario, model_performance
 from puzzle.model import HybridLM
 from puzzle.presets import get_preset
@@ -45,17 +46,6 @@ def compressed(parent: ModelSpec) -> ModelSpec:
         blocks.append(block)
     blocks[-1] = NoOpSpec()
     return dataclasses.replace(parent, blocks=tuple(blocks))
-
-
-@torch.no_grad()
-def decode_seconds(model: HybridLM, prompt: torch.Tensor, steps: int) -> float:
-    """Seconds for `steps` single-token decode steps after an (untimed) prefill of `prompt`."""
-    cache = model.init_cache(prompt.shape[0])
-    token = model(prompt, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
-    started = time.perf_counter()
-    for _ in range(steps):
-        token = model(token, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
-    return time.perf_counter() - started
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -52,7 +52,6 @@ import json
 import logging
 import math
 import shutil
-import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -684,7 +683,7 @@ def build_library(
         for v in to_train
     }
     plan = plan_waves(sizes, settings.memory_limit_bytes)
-    _print_plan(plan, sizes, settings)
+    _log_plan(plan, sizes, settings)
     if dist.is_main():
         _clear_foreign_checkpoints(directory, inputs)
     dist.barrier()
@@ -751,22 +750,17 @@ def _first(batches: Batches) -> torch.Tensor:
     raise ValueError("train_batches yielded no batch")
 
 
-def _print_plan(plan: list[list[Variant]], sizes: Mapping[Variant, int], settings: BLDSettings) -> None:
+def _log_plan(plan: list[list[Variant]], sizes: Mapping[Variant, int], settings: BLDSettings) -> None:
     if not dist.is_main():
         return
     limit = settings.memory_limit_bytes
-    print(
-        f"BLD plan: {sum(map(len, plan))} variants in {len(plan)} wave(s), memory limit {limit} bytes",
-        file=sys.stderr,
+    _log.info(
+        "BLD plan: %d variants in %d wave(s), memory limit %s bytes", sum(map(len, plan)), len(plan), limit
     )
     for number, wave in enumerate(plan):
         total = sum(sizes[v] for v in wave)
         names = ", ".join(f"{v.block_index}:{v.id}" for v in wave)
-        print(
-            f"  wave {number}: {len(wave)} variants, ~{total / 2**20:.1f} MiB: {names}",
-            file=sys.stderr,
-            flush=True,
-        )
+        _log.info("  wave %d: %d variants, ~%.1f MiB: %s", number, len(wave), total / 2**20, names)
 
 
 def _clear_foreign_checkpoints(directory: Path, inputs: Mapping[str, str]) -> None:

@@ -23,6 +23,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "puzzle.commands.run",
     "puzzle.commands.report",
     "puzzle.commands.convert",
+    "puzzle.commands.demo",
 )
 
 DEBUG_ENV = "PUZZLE_DEBUG"

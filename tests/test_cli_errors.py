@@ -56,10 +56,11 @@ BASELINES: dict[str, list[str]] = {
     "config check": ["@run-config.yaml"],
     "report": ["@run", "--out", "@report-out"],  # the run_dir fixture's run (a library, no solution)
     "convert": ["@parent", "@convert-out", "--max-shard-size", "1MB"],
+    "demo": ["--dry-run", "--out", "@demo-out", "--cache", "@demo-cache"],  # checks, then stops
 }
 # Arguments a command writes to: each case gets its own copy of the bad file it names (and runs in its
 # own directory), so that a legitimate write never changes a file that later cases read.
-OUTPUTS = {("report", "out"), ("convert", "dst")}
+OUTPUTS = {("report", "out"), ("convert", "dst"), ("demo", "out"), ("demo", "cache")}
 _WRITABLE = {"nonsense", "negative", "zero", "fraction", "huge", "nan", "factor", "unknown-preset"}
 
 # (sub-command, argument dest) -> bad-value names it legitimately accepts (exit 0).
@@ -76,6 +77,11 @@ ACCEPTED: dict[tuple[str, str], set[str]] = {
     ("convert", "dst"): _WRITABLE
     | {"missing-file", "directory", "corrupt-config-checkpoint", "checkpoint-without-weights"},
     ("convert", "max_shard_size"): {"fraction"},  # 1 byte: one tensor per shard
+    # A new or empty run directory; any directory as the cache (it only adds demo-* folders to it).
+    ("demo", "out"): _WRITABLE | {"missing-file", "directory"},
+    ("demo", "cache"): _WRITABLE
+    | {"missing-file", "directory", "corrupt-config-checkpoint", "checkpoint-without-weights"},
+    ("demo", "seed"): {"zero"},
 }
 
 # Cases that fail because of search-specific code (puzzle/commands/search.py, puzzle/search_*.py), to be

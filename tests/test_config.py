@@ -31,6 +31,7 @@ from puzzle.config.loader import type_hints
 from puzzle.data import TokenData
 from puzzle.model import HybridLM
 from puzzle.presets import nemotron3_nano, tiny_hybrid
+from puzzle.presets.demo import demo_parent_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "configs"
@@ -519,8 +520,8 @@ def test_the_examples_load_and_fit_their_parents():
     assert nano.bld.dtype == "bfloat16" and nano.hardware.profile == "h100-80gb"
     demo = load_config(EXAMPLES / "demo.yaml")
     assert demo.round_budgets() == [["active_params<=0.75x"], ["active_params<=0.5x"]]  # two budgets
-    # The demo parent is NemotronH-shaped like the tiny preset: every kind has variants.
-    demo_variants = demo.search_space().all_variants(tiny_hybrid())
+    # Every block of the demo parent has variants.
+    demo_variants = demo.search_space().all_variants(demo_parent_spec())
     assert all(len(v) > 1 for v in demo_variants.values())
     for config in (nano, demo):
         assert load_config_data(config.to_dict()) == config

@@ -104,11 +104,11 @@ def test_training_is_deterministic_and_learns(tmp_path):
 
 def test_cache_hit_loads_without_training_and_transformers_agrees(tmp_path):
     kwargs = dict(cache_dir=tmp_path, spec=tiny_spec(), settings=TINY_SETTINGS, corpus_root=SMALL_ROOT)
-    model, path, record = demo_parent(progress=False, **kwargs)
+    model, path, record, _ = demo_parent(progress=False, **kwargs)
     assert record["from_cache"] is False
     assert record["held_out_loss"] < record["unigram_held_out_loss"]
     written = (path / RECORD_FILE).stat().st_mtime_ns
-    cached, cached_path, cached_record = demo_parent(progress=False, **kwargs)
+    cached, cached_path, cached_record, _ = demo_parent(progress=False, **kwargs)
     assert cached_path == path and cached_record["from_cache"] is True
     assert (path / RECORD_FILE).stat().st_mtime_ns == written  # nothing trained or written again
     assert {k: v for k, v in cached_record.items() if k != "from_cache"} == json.loads(

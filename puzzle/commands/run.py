@@ -37,7 +37,9 @@ def register(subparsers: Any) -> None:
 
 
 @contextlib.contextmanager
-def _logging_to(log_dir: Path, rank: int, quiet: bool) -> Iterator[logging.Handler]:
+def logging_to(
+    log_dir: Path, rank: int, quiet: bool, command: str = "puzzle run"
+) -> Iterator[logging.Handler]:
     """While open: the `puzzle` loggers at INFO to RUN_DIR/logs/rank{r}.log, and rank 0's INFO (WARNING when
     quiet) to stderr; the logger's earlier handlers, level and propagation come back afterwards."""
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -49,7 +51,7 @@ def _logging_to(log_dir: Path, rank: int, quiet: bool) -> Iterator[logging.Handl
     if rank == 0:
         console = logging.StreamHandler(sys.stderr)
         console.setLevel(logging.WARNING if quiet else logging.INFO)
-        console.setFormatter(logging.Formatter("puzzle run: %(message)s"))
+        console.setFormatter(logging.Formatter(f"{command}: %(message)s"))
         added.append(console)
     logger.setLevel(logging.INFO)
     logger.propagate = False  # the console line above, not the root logger's as well
@@ -65,7 +67,7 @@ def _logging_to(log_dir: Path, rank: int, quiet: bool) -> Iterator[logging.Handl
         logger.propagate = saved[1]
 
 
-def _log_traceback(handler: logging.Handler) -> None:
+def log_traceback(handler: logging.Handler) -> None:
     """The current exception's traceback into the rank's log file only (stderr gets one line)."""
     logger = logging.getLogger("puzzle")
     handler.handle(logger.makeRecord("puzzle", logging.ERROR, __file__, 0, "failed", (), sys.exc_info()))
@@ -96,11 +98,11 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     started = dist.init_from_env()
     try:
-        with _logging_to(pipeline.layout.logs, dist.rank(), args.quiet) as log_file:
+        with logging_to(pipeline.layout.logs, dist.rank(), args.quiet) as log_file:
             try:
                 pipeline.all(args.until)
             except ValueError:
-                _log_traceback(log_file)
+                log_traceback(log_file)
                 raise
     except InfeasibleError as error:
         print(f"puzzle run: infeasible: {error}", file=sys.stderr)

@@ -7,6 +7,9 @@ spread roughly uniformly, as the roofline assumes).
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import torch
 
 from puzzle.cost.roofline import BlockLatency, Scenario
@@ -78,3 +81,22 @@ class MeasuredLatency:
                 spec, hidden_size, scenario, self.device, self.dtype, self.warmup, self.repeats
             )
         return self._cache[key]
+
+
+@torch.inference_mode()
+def decode_seconds(model: Any, prompt: torch.Tensor, steps: int) -> float:
+    """Seconds for `steps` greedy single-token decode steps of a whole `HybridLM` after an untimed prefill
+    of `prompt` ([batch, tokens]) into a fresh cache: what a served model spends per generated token."""
+    cache = model.init_cache(prompt.shape[0])
+    token = model(prompt, cache=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+    _synchronize(prompt.device)
+    started = time.perf_counter()
+    for _ in range(steps):
+        token = model(token, cache=cache).logits[:, -1].argmax(-1, keepdim=True)
+    _synchronize(prompt.device)
+    return time.perf_counter() - started
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

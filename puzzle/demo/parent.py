@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from puzzle import __version__
 from puzzle.artifacts import fingerprint_json
 from puzzle.data import DataError, TokenData
-from puzzle.demo.corpus import BOS_ID, EOS_ID, VOCAB_SIZE, build_corpus
+from puzzle.demo.corpus import BOS_ID, EOS_ID, VOCAB_SIZE, CorpusFiles, build_corpus
 from puzzle.files import atomic_write_bytes, make_staging_dir, remove_stale_staging, swap_directory_into_place
 from puzzle.model import HybridLM
 from puzzle.nemotron_h.checkpoint import load
@@ -76,6 +76,7 @@ class DemoParent(NamedTuple):
     model: HybridLM
     path: Path
     record: dict[str, Any]
+    corpus: CorpusFiles | None = None  # the tokenised corpus it was trained on (the later stages' data)
 
 
 def default_cache_dir() -> Path:
@@ -278,7 +279,7 @@ def demo_parent(
     target = cache / "demo-parent" / key[:24]
     record = _find(target)
     if record is not None:
-        return DemoParent(load(target), target, {**record, "from_cache": True})
+        return DemoParent(load(target), target, {**record, "from_cache": True}, corpus)
     data = TokenData.load(
         corpus.path,
         seq_len=settings.seq_len,
@@ -310,7 +311,7 @@ def demo_parent(
         **record,
     }
     _save(model, target, record, corpus.tokenizer_dir)
-    return DemoParent(load(target), target, {**record, "from_cache": False})
+    return DemoParent(load(target), target, {**record, "from_cache": False}, corpus)
 
 
 def _save(model: HybridLM, target: Path, record: dict[str, Any], tokenizer_dir: Path) -> None:

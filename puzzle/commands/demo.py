@@ -1,0 +1,136 @@
+"""`puzzle demo [--quick] [--out DIR]`: compress the built-in demo parent end to end (see puzzle/demo/pipeline.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from puzzle.commands import parse_int
+
+EXIT_BAD_INPUT = 2
+EXIT_FAILED = 1
+RUN_MANIFEST = "run.json"  # puzzle.layout's manifest: its presence marks an earlier run (kept light here)
+
+
+def _seed(text: str) -> int:
+    value = parse_int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, found {text!r}")
+    return value
+
+
+def register(subparsers: Any) -> None:
+    """Add `puzzle demo` to the `puzzle` parser."""
+    parser = subparsers.add_parser(
+        "demo",
+        help="compress the built-in demo model end to end on this CPU",
+        description="Train (or find in the per-user cache) a small NemotronH-shaped hybrid on the Python "
+        "standard library's source, then run the whole pipeline on it for two budgets (3/4 and 1/2 of its "
+        "active parameters): importance, block library (BLD), scores, search, assembly, distillation (GKD) and "
+        "export. Writes DIR/demo.md (parent vs children: size, held-out KL and loss, decode tokens/s measured "
+        "here and predicted), DIR/report/ and DIR/exports/. About 10 minutes on 2 CPU cores, --quick about 1. "
+        "A second demo into the same DIR reuses every finished stage.",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a smaller parent, less data and fewer steps (same stages)"
+    )
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        default=None,
+        help="the run directory: new, empty or an earlier demo's (default ./puzzle-demo, ./puzzle-demo-quick)",
+    )
+    parser.add_argument(
+        "--seed", type=_seed, default=0, help="seed of the parent's training and of every stage"
+    )
+    parser.add_argument(
+        "--cache",
+        metavar="DIR",
+        default=None,
+        help="where the trained parent and the corpus are cached (default $PUZZLE_CACHE or ~/.cache/puzzle)",
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check the arguments, say what would be done, and stop"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no progress bars, only the result")
+    parser.set_defaults(func=demo)
+
+
+def _check_directory(path: Path, option: str, *, run_dir: bool) -> str | None:
+    """Why `path` cannot be written as `option`, or None. A run directory must be new, empty or a run."""
+    for existing in (path, *path.parents):
+        if existing.exists():
+            break
+    else:
+        existing = Path(".")
+    if existing.exists() and not existing.is_dir():
+        where = "is a file" if existing == path else f"lies under the file {existing}"
+        return f"{option} {path} {where}: expected a directory"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{option} {path}: {existing} is not writable"
+    if run_dir and path.is_dir() and any(path.iterdir()) and not (path / RUN_MANIFEST).is_file():
+        names = sorted(p.name for p in path.iterdir())[:3]
+        return (
+            f"{option} {path} holds files that are not a puzzle run ({', '.join(names)}...): "
+            "choose a new or empty directory (nothing was written)"
+        )
+    return None
+
+
+def demo(args: argparse.Namespace) -> int:
+    """`puzzle demo`: bad arguments exit 2 before anything is written; a failing stage exits 1."""
+    from puzzle.demo.pipeline import default_out
+
+    out = Path(args.out).expanduser() if args.out is not None else default_out(args.quick)
+    if args.out is not None and not args.out.strip():
+        print("puzzle demo: error: --out is empty: expected a directory", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.cache is not None and not args.cache.strip():
+        print("puzzle demo: error: --cache is empty: expected a directory", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    problems = [_check_directory(out, "--out", run_dir=True)]
+    if args.cache is not None:
+        problems.append(_check_directory(Path(args.cache).expanduser(), "--cache", run_dir=False))
+    for problem in problems:
+        if problem is not None:
+            print(f"puzzle demo: error: {problem}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    if args.dry_run:
+        from puzzle.demo.parent import default_cache_dir
+
+        cache = Path(args.cache).expanduser() if args.cache is not None else default_cache_dir()
+        size = "--quick " if args.quick else ""
+        print(f"puzzle demo {size}would write {out.resolve()} (parent and corpus cached under {cache})")
+        return 0
+
+    # Late: torch and the stages.
+    from puzzle.commands.run import log_traceback, logging_to
+    from puzzle.demo.pipeline import run_demo
+    from puzzle.run import RunError
+
+    out.mkdir(parents=True, exist_ok=True)
+    with logging_to(out / "logs", 0, args.quiet, "puzzle demo") as log_file:
+        try:
+            result = run_demo(
+                out,
+                quick=args.quick,
+                seed=args.seed,
+                cache_dir=args.cache,
+                progress=not args.quiet,
+                log=None if args.quiet else lambda line: print(f"puzzle demo: {line}", file=sys.stderr),
+            )
+        except RunError as error:  # an earlier run of another parent (another --seed or size) in DIR
+            print(f"puzzle demo: error: {error}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        except ValueError as error:
+            log_traceback(log_file)
+            print(f"puzzle demo: error: {error}", file=sys.stderr)
+            return EXIT_FAILED
+    print(result.table.read_text())
+    print(
+        f"Written: {result.table}, {result.report}, exports in {result.out / 'exports'} ({result.seconds:.0f} s)"
+    )
+    return 0

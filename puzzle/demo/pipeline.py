@@ -1,0 +1,381 @@
+"""`puzzle demo`: the demo parent compressed for two budgets by the whole pipeline, and what it gained and lost.
+
+`run_demo` trains (or finds in the per-user cache) the demo parent (`puzzle.demo.parent`), writes a run
+config over it into the output directory, runs every stage there (`puzzle.run.Run`: importance, library,
+scores, solutions, assemble, distill, export; resumable, so a second demo into the same directory only
+re-measures), then measures parent and children side by side on held-out text and on this CPU and writes
+`demo.md` (the table), `demo.json` (the same figures) and the run's report (`report/report.md`).
+
+The config it runs is `config.yaml` in the output directory: `puzzle run DIR/config.yaml` reruns it, and
+it is the starting point for one's own experiments (every key is in docs/CONFIG.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from puzzle.artifacts import fingerprint_json
+from puzzle.files import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from puzzle.demo.parent import DemoParent
+
+DEMO_FILE = "demo.md"
+DEMO_JSON = "demo.json"
+PROGRESS_ENV = "PUZZLE_PROGRESS"
+SWEEP = "active_params<=0.75x,0.5x"  # the two children: 3/4 and 1/2 of the parent's active parameters
+
+
+@dataclass(frozen=True)
+class DemoSize:
+    """How much work each stage of a demo does (the full demo and `--quick` differ only in these)."""
+
+    seq_len: int
+    held_out_tokens: int
+    importance_tokens: int
+    bld_tokens: int
+    gkd_tokens: int
+    batch_size: int
+    decode_prompt: int = 64
+    decode_steps: int = 32
+    decode_repeats: int = 7
+    space: dict[str, Any] = field(default_factory=dict)
+
+
+FULL = DemoSize(
+    seq_len=256,
+    held_out_tokens=16_384,
+    importance_tokens=8_192,
+    bld_tokens=49_152,
+    gkd_tokens=98_304,
+    batch_size=8,
+    space={
+        "mamba": {"state_size": [8], "num_heads": [2], "noop": True},
+        "moe": {"top_k": [2, 1], "expert_width_fraction": [0.5], "num_experts": [8], "noop": True},
+        "attention": {"num_kv_heads": [1], "noop": True},
+    },
+)
+QUICK = DemoSize(
+    seq_len=128,
+    held_out_tokens=8_192,
+    importance_tokens=4_096,
+    bld_tokens=16_384,
+    gkd_tokens=32_768,
+    batch_size=8,
+    decode_steps=16,
+    decode_repeats=5,
+    space={
+        "mamba": {"state_size": [8], "noop": True},
+        "moe": {"top_k": [1], "expert_width_fraction": [0.5]},
+        "attention": {"noop": True},
+    },
+)
+
+
+def default_out(quick: bool) -> Path:
+    """Where a demo writes when no --out is given: ./puzzle-demo (./puzzle-demo-quick for --quick)."""
+    return Path("puzzle-demo-quick" if quick else "puzzle-demo")
+
+
+def demo_config(
+    parent_dir: str | Path, corpus_file: str | Path, run_dir: str | Path, size: DemoSize, seed: int = 0
+) -> dict[str, Any]:
+    """The run config (plain data, as `puzzle run` reads it) of a demo over `parent_dir` and its corpus."""
+    tokens = size.batch_size * size.seq_len
+    return {
+        "run_dir": str(run_dir),
+        "seed": seed,
+        "parent": {"path": str(parent_dir), "dtype": "float32"},
+        "data": {
+            "sources": [str(corpus_file)],
+            "seq_len": size.seq_len,
+            "held_out_fraction": 0.05,  # the parent's own split (puzzle.demo.parent): never trained on
+            "batch_size": size.batch_size,
+            "eval_batch_size": size.batch_size,
+            "held_out_tokens": size.held_out_tokens,
+        },
+        "space": {"rounding": 8, "kinds": size.space},
+        "importance": {"tokens": size.importance_tokens, "batch_size": size.batch_size},
+        "bld": {
+            "lr": 1e-3,
+            "warmup_tokens": size.bld_tokens // 10,
+            "token_budget": size.bld_tokens,
+            "checkpoint_every": 20,
+            "dtype": "float32",
+            "shard": "none",
+        },
+        "scoring": {"vocab_chunk": 4096},
+        "search": {"sweep": SWEEP, "objective": "kl"},
+        "gkd": {
+            "lr": 5e-4,
+            "warmup_tokens": tokens * 2,
+            "token_budget": size.gkd_tokens,
+            "batch_size": size.batch_size,
+            "eval_every": max(1, size.gkd_tokens // tokens // 2),
+            "checkpoint_every": 20,
+            "shard": "none",
+        },
+        "hardware": {
+            "profile": "this-machine",
+            "scenarios": {
+                "decode": {
+                    "batch_size": 1,
+                    "prompt_tokens": size.decode_prompt,
+                    "generated_tokens": size.decode_steps,
+                    "recipe": "fp32",
+                    "kv_dtype": "fp32",
+                    "conv_dtype": "fp32",
+                    "activation_dtype": "fp32",
+                    "compute_dtype": "fp32",
+                }
+            },
+        },
+    }
+
+
+@dataclass(frozen=True)
+class ModelRow:
+    """One line of the demo's table: a model's size, quality on held-out text and decode speed here."""
+
+    name: str
+    budget: str
+    params: int
+    active_params: int
+    weight_bytes: float
+    kl: float
+    kl_predicted: float | None
+    kl_before_gkd: float | None
+    lm_loss: float
+    top1: float
+    predicted_tokens_per_s: float
+    measured_tokens_per_s: float
+    blocks: list[str]
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    """What `run_demo` made: the output directory, the table's rows (parent first) and the files written."""
+
+    out: Path
+    rows: list[ModelRow]
+    table: Path
+    report: Path
+    exports: dict[str, Path]
+    seconds: float
+
+
+def run_demo(
+    out: str | Path | None = None,
+    *,
+    quick: bool = False,
+    seed: int = 0,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+    size: DemoSize | None = None,
+    parent: DemoParent | None = None,
+    log: Callable[[str], None] | None = None,
+) -> DemoResult:
+    """The demo, end to end (see the module docstring).
+
+    `out` defaults to `default_out(quick)`; `cache_dir` to puzzle.demo.parent's cache; `size` and `parent`
+    (a `puzzle.demo.parent.demo_parent` result) replace the preset's (tests use tiny ones); `log` receives
+    one line per step (default: nothing).
+    """
+    say = log or (lambda _line: None)
+    started = time.perf_counter()
+    out = Path(out if out is not None else default_out(quick)).expanduser().resolve()
+    size = size or (QUICK if quick else FULL)
+    saved = os.environ.get(PROGRESS_ENV)
+    if not progress:
+        os.environ[PROGRESS_ENV] = "0"  # puzzle.progress reads it for every bar
+    try:
+        return _run_demo(out, quick, seed, cache_dir, progress, size, parent, say, started)
+    finally:
+        if saved is None:
+            os.environ.pop(PROGRESS_ENV, None)
+        else:
+            os.environ[PROGRESS_ENV] = saved
+
+
+def _run_demo(
+    out: Path,
+    quick: bool,
+    seed: int,
+    cache_dir: str | Path | None,
+    progress: bool,
+    size: DemoSize,
+    parent: DemoParent | None,
+    say: Callable[[str], None],
+    started: float,
+) -> DemoResult:
+    from puzzle.config.run import load_config_data
+    from puzzle.demo.parent import demo_parent
+    from puzzle.report import write_report
+    from puzzle.run import Run
+
+    if parent is None:
+        say("the parent: " + ("the quick demo parent" if quick else "the demo parent"))
+        parent = demo_parent(cache_dir, quick=quick, seed=seed, progress=progress)
+    if parent.corpus is None:
+        raise ValueError(f"the demo parent at {parent.path} comes without its corpus (DemoParent.corpus)")
+    say(
+        f"the parent: {parent.path} ({'from the cache' if parent.record.get('from_cache') else 'trained now'})"
+    )
+    data = demo_config(parent.path, parent.corpus.path, out, size, seed)
+    config = load_config_data(data)
+    pipeline = Run(out, config)
+    pipeline.check_budgets(config.validate_paths())
+    say(f"the pipeline: {out}")
+    pipeline.run()
+    say("measuring parent and children")
+    rows = measure(pipeline, size)
+    exports = {row.name: out / "exports" / row.name for row in rows[1:]}
+    report = write_report(out)
+    seconds = time.perf_counter() - started
+    table = write_table(out, rows, parent.record, size, seconds, quick)
+    return DemoResult(out, rows, table, report, exports, seconds)
+
+
+def measure(pipeline: Any, size: DemoSize) -> list[ModelRow]:
+    """Parent and exported children: sizes from the cost model, held-out quality from distillation's last
+    evaluation, decode tokens/s predicted (cost model, this machine calibrated) and measured (interleaved,
+    one thread, medians over `size.decode_repeats`)."""
+    from puzzle.cost.analytic import model_active_params, model_params, model_weight_bytes
+    from puzzle.cost.hardware import calibrate_this_machine
+    from puzzle.cost.measure import decode_seconds
+    from puzzle.cost.roofline import model_performance
+    from puzzle.nemotron_h.checkpoint import load
+
+    manifest = pipeline.manifest()["stages"]
+    distilled = manifest["distill"]["outputs"]
+    exported = manifest["export"]["outputs"]
+    solutions = manifest["solutions"]["outputs"]
+    models = {"parent": load(pipeline.config.parent.path).float().eval()}
+    for name, entry in exported.items():
+        models[name] = load(pipeline.layout.root / entry["path"]).float().eval()
+    scenario = pipeline.config.hardware.scenarios["decode"]
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, models["parent"].spec.vocab_size, (1, size.decode_prompt), generator=generator)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # steadier on a shared CPU, and what the calibration below assumes
+    try:
+        for model in models.values():  # warm-up: first calls allocate
+            decode_seconds(model, prompt, 2)
+        measured: dict[str, list[float]] = {name: [] for name in models}
+        predicted: dict[str, list[float]] = {name: [] for name in models}
+        for _ in range(size.decode_repeats):
+            hardware = calibrate_this_machine.__wrapped__()  # fresh: other jobs' load changes by the second
+            for name, model in models.items():
+                measured[name].append(decode_seconds(model, prompt, size.decode_steps) / size.decode_steps)
+                predicted[name].append(model_performance(model.spec, scenario, hardware).decode_step_s)
+    finally:
+        torch.set_num_threads(threads)
+
+    first = next(iter(distilled.values()))["last_eval"]
+    rows = []
+    for name, model in models.items():
+        spec = model.spec
+        if name == "parent":
+            kl, predicted_kl, before, lm, top1, budget = 0.0, None, None, first["parent_lm_loss"], 1.0, "-"
+        else:
+            last, initial = distilled[name]["last_eval"], distilled[name]["first_eval"]
+            kl, before, lm, top1 = last["kl"], initial.get("kl"), last["lm_loss"], last["top1"]
+            solution = solutions.get(name, {})
+            budget = " & ".join(solution.get("budgets", [name]))
+            predicted_kl = solution.get("objective")
+        rows.append(
+            ModelRow(
+                name=name,
+                budget=str(budget),
+                params=model_params(spec),
+                active_params=model_active_params(spec),
+                weight_bytes=model_weight_bytes(spec, "fp32"),
+                kl=kl,
+                kl_predicted=predicted_kl,
+                kl_before_gkd=before,
+                lm_loss=lm,
+                top1=top1,
+                predicted_tokens_per_s=1.0 / statistics.median(predicted[name]),
+                measured_tokens_per_s=1.0 / statistics.median(measured[name]),
+                blocks=[block.short_name() for block in spec.blocks],
+            )
+        )
+    return rows
+
+
+def render_table(
+    rows: list[ModelRow], record: dict[str, Any], size: DemoSize, seconds: float, quick: bool
+) -> str:
+    """The Markdown of demo.md: the table of parent vs children, then the chosen architecture per block."""
+    parent = rows[0]
+    lines = [
+        f"# puzzle demo{' --quick' if quick else ''}",
+        "",
+        f"Parent: the {'quick ' if quick else ''}demo hybrid trained on the Python standard library's source "
+        f"({record.get('train_tokens', 0):,} tokens, held-out loss {record.get('held_out_loss', float('nan')):.3f} "
+        f"nats/byte against {record.get('unigram_held_out_loss', float('nan')):.3f} for a unigram model). "
+        f"Children: the search's choice for each budget, distilled against the parent. KL (nats/token) to the "
+        f"parent: predicted by the search (the sum of each chosen block's replace-one-block score), measured "
+        f"once assembled, and after global distillation (GKD). Held-out figures on "
+        f"{size.held_out_tokens:,} held-out tokens; decode tokens/s at batch 1 after a {size.decode_prompt}-token "
+        f"prompt, one thread, measured here (median of {size.decode_repeats}) and predicted by the cost model "
+        f"calibrated on this machine. Whole demo: {seconds:.0f} s.",
+        "",
+        "| model | budget | params | active params | weights (fp32) | KL predicted | KL assembled | KL after GKD "
+        "| LM loss | top-1 agreement | decode tok/s measured | predicted | speed-up measured / predicted |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in rows:
+        predicted = f"{row.kl_predicted:.4f}" if row.kl_predicted is not None else "-"
+        before = f"{row.kl_before_gkd:.4f}" if row.kl_before_gkd is not None else "-"
+        speedup = row.measured_tokens_per_s / parent.measured_tokens_per_s
+        predicted_speedup = row.predicted_tokens_per_s / parent.predicted_tokens_per_s
+        lines.append(
+            f"| {row.name} | {row.budget} | {row.params:,} ({row.params / parent.params:.0%}) "
+            f"| {row.active_params:,} ({row.active_params / parent.active_params:.0%}) "
+            f"| {row.weight_bytes / 2**20:.2f} MiB | {predicted} | {before} | {row.kl:.4f} | {row.lm_loss:.3f} "
+            f"| {row.top1:.1%} "
+            f"| {row.measured_tokens_per_s:.0f} | {row.predicted_tokens_per_s:.0f} "
+            f"| {speedup:.2f}x / {predicted_speedup:.2f}x |"
+        )
+    lines += ["", "Chosen architecture per block (the parent's where unchanged):", ""]
+    lines.append("| block | " + " | ".join(row.name for row in rows) + " |")
+    lines.append("|---:|" + "---|" * len(rows))
+    for index, parent_block in enumerate(parent.blocks):
+        cells = [parent_block] + [
+            row.blocks[index] if row.blocks[index] != parent_block else "=" for row in rows[1:]
+        ]
+        lines.append(f"| {index} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Report with plots: [report/report.md](report/report.md). Exported children: "
+        + ", ".join(f"[exports/{row.name}](exports/{row.name})" for row in rows[1:])
+        + ". The run: `puzzle run config.yaml` (resumes; every key in docs/CONFIG.md).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_table(
+    out: Path, rows: list[ModelRow], record: dict[str, Any], size: DemoSize, seconds: float, quick: bool
+) -> Path:
+    """demo.md and demo.json in `out`, written atomically; returns demo.md's path."""
+    text = render_table(rows, record, size, seconds, quick)
+    atomic_write_bytes(out / DEMO_FILE, text.encode())
+    data = {
+        "quick": quick,
+        "seconds": seconds,
+        "size": fingerprint_json(size.__dict__),
+        "rows": [row.__dict__ for row in rows],
+    }
+    atomic_write_bytes(out / DEMO_JSON, (json.dumps(data, indent=2) + "\n").encode())
+    return out / DEMO_FILE
