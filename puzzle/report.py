@@ -125,11 +125,29 @@ def _read_json(path: Path) -> Any:
         raise RunDirError(f"{path}: cannot read it as JSON ({error})") from None
 
 
+def _current(layout: RunLayout) -> set[str] | None:
+    """The solutions of the run's last search (its manifest's `solutions` stage), or None when the directory
+    has no such record (a `puzzle search` run directory): then every saved solution is current. Earlier
+    budgets' solutions, children and exports stay on disk (a return to them reuses them) but are not shown."""
+    if not layout.manifest.is_file():
+        return None
+    stage = (_read_json(layout.manifest).get("stages") or {}).get("solutions") or {}
+    outputs = stage.get("outputs") if stage.get("status") == "done" else None
+    return set(outputs) if isinstance(outputs, dict) else None
+
+
+def _is_current(name: str, current: set[str] | None) -> bool:
+    return current is None or name in current
+
+
 def _solutions(layout: RunLayout) -> dict[str, dict[str, Any]]:
     if not layout.solutions.is_dir():
         return {}
     found = {}
+    current = _current(layout)
     for path in sorted(layout.solutions.glob("*.json")):
+        if not _is_current(path.stem, current):
+            continue
         data = _read_json(path)
         if not isinstance(data, dict) or not isinstance(data.get("choices"), dict):
             raise RunDirError(f"{path}: not a solution (expected the JSON of `puzzle search --json`)")
@@ -194,7 +212,10 @@ def _frontier(
     starts = table.offsets[:-1]
     for key in keys:
         parent_value = float(table.costs[key][starts].sum() + table.fixed.get(key, 0.0))
-        values = [parent_value * fraction for fraction in SWEEP_FRACTIONS]
+        # The fixed grid, and each solution's own point, so that the curve reaches the tightest budget.
+        own = {solution["totals"][key] / parent_value for solution in solutions.values() if parent_value > 0}
+        fractions = sorted(set(SWEEP_FRACTIONS) | {fraction for fraction in own if 0 < fraction < 1})
+        values = [parent_value * fraction for fraction in fractions]
         points = sweep(table, [], key, "upper", values, problem.problem.rules)  # no bound but the swept one
         rows = [
             [str(p.limit), p.solution.totals[key], p.solution.objective, p.on_frontier]
@@ -435,7 +456,7 @@ def _gkd(report: _Report, layout: RunLayout, names: list[str]) -> None:
     found += [
         (p.parent.name, p)
         for p in sorted((layout.root / CHILDREN_DIR).glob("*/history.json"))
-        if p.parent.name not in names
+        if p.parent.name not in names and _is_current(p.parent.name, _current(layout))
     ]
     found = [(n, p) for n, p in found if p.is_file()]
     if not found:
@@ -486,7 +507,10 @@ def _gkd(report: _Report, layout: RunLayout, names: list[str]) -> None:
 def _measured(report: _Report, layout: RunLayout) -> None:
     report.add("## Measured vs predicted KL", "")
     rows = []
+    current = _current(layout)
     for path in sorted((layout.root / EXPORTS_DIR).glob("*/puzzle.json")):
+        if not _is_current(path.parent.name, current):
+            continue
         record = _read_json(path)
         measured = record.get("measured") or {}
         predicted = measured.get("predicted_kl")

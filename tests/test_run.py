@@ -112,6 +112,11 @@ def test_a_new_budget_resolves_without_retraining(finished, tmp_path):
     assert sorted(p.stem for p in (copied / "solutions").glob("*.json")) == sorted(
         ["active_params-le-0.8x", "active_params-le-0.7x"]
     )
+    # The earlier budget's outputs stay on disk (a return to it reuses them) but the report shows the current.
+    from puzzle.report import write_report
+
+    report = write_report(copied).read_text()
+    assert "active_params-le-0.7x" in report and "active_params-le-0.8x" not in report
 
 
 def _counts(directory: Path, pid: int) -> dict[str, int]:
