@@ -180,10 +180,27 @@ class Run:
     # -- setup ------------------------------------------------------------------------------------------
 
     def parent_fingerprint(self) -> str:
-        """The parent's fingerprint (`puzzle.artifacts.fingerprint_model` of its weights)."""
+        """The parent's fingerprint (`puzzle.artifacts.fingerprint_model` of its weights). The manifest's,
+        when the parent's files are those it was computed from (`_parent_files`): a finished run reruns
+        without loading the parent (minutes for a 120B one)."""
         if self._parent_fp is None:
-            self._parent_fp = fingerprint_model(self._load_parent())
+            recorded = self.manifest().get("parent", {})
+            if recorded.get("fingerprint") and recorded.get("files") == self._parent_files():
+                self._parent_fp = str(recorded["fingerprint"])
+            else:
+                self._parent_fp = fingerprint_model(self._load_parent())
         return self._parent_fp
+
+    def _parent_files(self) -> str:
+        """A key of the parent's files as they are now: name, size and modification time of its config and
+        weight files, and the dtype it is loaded in (a rewritten or replaced file changes it)."""
+        folder = self.config.parent.path
+        entries = [
+            [path.name, stat.st_size, stat.st_mtime_ns]
+            for path in sorted(folder.iterdir())
+            if path.suffix in (".safetensors", ".json") and path.is_file() and (stat := path.stat())
+        ]
+        return fingerprint_json({"files": entries, "dtype": self.config.parent.dtype})
 
     def _prepare(self) -> None:
         """Check the directory belongs to this parent, then write config.yaml, parent.json and the manifest."""
@@ -208,10 +225,14 @@ class Run:
             # config.yaml reads back the same from inside the run directory (`puzzle search RUN_DIR`).
             resolved = load_config_data(self.config.to_dict(), Path.cwd())
             _write_if_changed(self.layout.config, dump_config(resolved).encode())
-            spec = self._load_parent().spec
+            spec = self.config.validate_paths()  # the parent's spec, from its config.json
             if not (self.layout.parent.is_file() and self.layout.read_parent() == spec):
                 self.layout.write_parent(spec)
-            data["parent"] = {"path": str(parent_dir), "fingerprint": fingerprint}
+            data["parent"] = {
+                "path": str(parent_dir),
+                "fingerprint": fingerprint,
+                "files": self._parent_files(),
+            }
             data["round"] = self.round_number
             self._write_manifest(data)
         dist.barrier()

@@ -22,6 +22,7 @@ import puzzle
 from puzzle.cli import main
 from puzzle.gkd import load_distilled
 from puzzle.layout import STAGES
+from puzzle.nemotron_h.checkpoint import load
 from puzzle.run import Run
 
 HELPER = Path(__file__).parent / "run_helpers.py"
@@ -92,6 +93,18 @@ def test_a_rerun_does_nothing(finished):
     before = _files(run_dir)
     assert _run(config) == 0
     assert _files(run_dir) == before
+    assert _statuses(run_dir) == {stage: "reused" for stage in STAGES}
+
+
+def test_a_finished_run_reruns_without_loading_the_parent(finished):
+    run_dir, config = finished
+    pipeline = Run.from_config(config)
+
+    def refuse() -> None:
+        raise AssertionError("the parent was loaded")
+
+    pipeline._load_parent = refuse  # its recorded fingerprint stands while the parent's files are unchanged
+    pipeline.all()
     assert _statuses(run_dir) == {stage: "reused" for stage in STAGES}
 
 
@@ -224,12 +237,14 @@ def test_a_run_dir_of_another_parent_is_an_error(finished, tmp_path, capsys):
     run_dir, _ = finished
     copied = tmp_path / "run"
     shutil.copytree(run_dir, copied)
-    manifest = json.loads((copied / "run.json").read_text())
-    manifest["parent"]["fingerprint"] = "0" * 64
-    (copied / "run.json").write_text(json.dumps(manifest))
+    other = load(run_dir.parent / "parent")  # another parent: one weight changed, saved elsewhere
+    with torch.no_grad():
+        next(other.parameters()).add_(0.1)
+    other.save_pretrained(tmp_path / "parent")
     before = _files(copied)
-    config = write_config(tmp_path / "run.yaml", config_dict(run_dir.parent, run_dir=str(copied)))
-    assert _run(config) == 2
+    data = config_dict(run_dir.parent, run_dir=str(copied))
+    data["parent"]["path"] = str(tmp_path / "parent")
+    assert _run(write_config(tmp_path / "run.yaml", data)) == 2
     assert "made from another parent" in capsys.readouterr().err
     assert _files(copied) == before
 
