@@ -28,6 +28,7 @@ from puzzle.files import atomic_write_bytes
 
 if TYPE_CHECKING:
     from puzzle.demo.parent import DemoParent
+    from puzzle.run import Run
 
 DEMO_FILE = "demo.md"
 DEMO_JSON = "demo.json"
@@ -238,14 +239,15 @@ def _run_demo(
     pipeline.run()
     say("measuring parent and children")
     rows = measure(pipeline, size)
-    exports = {row.name: out / "exports" / row.name for row in rows[1:]}
+    exported = pipeline.manifest()["stages"]["export"]["outputs"]
+    exports = {name: out / entry["path"] for name, entry in exported.items()}
     report = write_report(out)
     seconds = time.perf_counter() - started
     table = write_table(out, rows, parent.record, size, seconds, quick)
     return DemoResult(out, rows, table, report, exports, seconds)
 
 
-def measure(pipeline: Any, size: DemoSize) -> list[ModelRow]:
+def measure(pipeline: Run, size: DemoSize) -> list[ModelRow]:
     """Parent and exported children: sizes from the cost model, held-out quality from distillation's last
     evaluation, decode tokens/s predicted (cost model, this machine calibrated) and measured (interleaved,
     one thread, medians over `size.decode_repeats`)."""
