@@ -42,9 +42,18 @@ def parse_int(text: str) -> int:
 
 def positive_int(text: str) -> int:
     """argparse type: a whole number >= 1 (`'1e6'` -> 1000000)."""
+    return _at_least(text, 1, "a positive whole number")
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type: a whole number >= 0 (a seed, a count that may be zero)."""
+    return _at_least(text, 0, "a whole number >= 0")
+
+
+def _at_least(text: str, minimum: int, expected: str) -> int:
     value = parse_int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, found {text!r}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"expected {expected}, found {text!r}")
     return value
 
 

@@ -8,18 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from puzzle.commands import parse_int
+from puzzle.commands import non_negative_int
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
 RUN_MANIFEST = "run.json"  # puzzle.layout's manifest: its presence marks an earlier run (kept light here)
-
-
-def _seed(text: str) -> int:
-    value = parse_int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, found {text!r}")
-    return value
 
 
 def register(subparsers: Any) -> None:
@@ -44,7 +37,7 @@ def register(subparsers: Any) -> None:
         help="the run directory: new, empty or an earlier demo's (default ./puzzle-demo, ./puzzle-demo-quick)",
     )
     parser.add_argument(
-        "--seed", type=_seed, default=0, help="seed of the parent's training and of every stage"
+        "--seed", type=non_negative_int, default=0, help="seed of the parent's training and of every stage"
     )
     parser.add_argument(
         "--cache",
