@@ -25,7 +25,9 @@ EXIT_INFEASIBLE = 2
 class _Deferred(Sequence[str]):
     """Names from a module of the cost model, read on first use: when argparse checks a value of the option or
     formats the help. A library search never uses them, and importing the cost model would be ~70 ms of its
-    < 0.5 s. `str()` is the list's, for `%(...)s` in help strings."""
+    < 0.5 s. `str()` is the list's, for `%(...)s` in help strings. Options that use one stay in an argument
+    group: `ArgumentParser.add_argument` itself formats the choices (a metavar check), a group's does not
+    (tests/test_search_cli.py checks that a library search leaves the cost model unimported)."""
 
     def __init__(self, module: str, names: Callable[[Any], Iterable[str]]) -> None:
         self._module, self._names = module, names
