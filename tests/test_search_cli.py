@@ -440,6 +440,27 @@ def test_help_states_defaults_and_units(capsys):
     assert "k=1e3" in text and "G or B=1e9" in text
 
 
+def test_library_search_imports_nothing_heavy(library_file):
+    """A fresh interpreter solves a small library from JSON under one budget (the knapsack path): none of the
+    heavy or unneeded modules is imported, not the cost model or the spec types either (`puzzle search
+    --library` on NVIDIA's 70B library runs in < 0.5 s, most of it interpreter and numpy start-up)."""
+    path, _ = library_file
+    heavy = ("torch", "pulp", "highspy", "matplotlib", "scipy", "pandas", "tqdm", "yaml", "safetensors")
+    heavy += ("transformers", "numpy.ma", "numpy.random", "numpy.polynomial", "numpy.fft", "puzzle.cost")
+    heavy += ("puzzle.spec", "puzzle.presets", "puzzle.commands.costs")
+    script = f"""
+import sys, json, io, contextlib
+from puzzle.cli import main
+with contextlib.redirect_stdout(io.StringIO()):
+    code = main(["search", "--library", {str(path)!r}, "--budget", "stats.memory_mib<=0.7x"])
+print(json.dumps({{"code": code, "loaded": [name for name in {heavy!r} if name in sys.modules]}}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report == {"code": 0, "loaded": []}
+
+
 def test_library_search_imports_no_torch_and_keeps_the_plotting_backend(library_file, tmp_path):
     """A fresh interpreter runs a library sweep with a frontier plot: torch is never imported (a library
     search needs none), and the caller's matplotlib backend and pyplot state are left as they were."""

@@ -4,16 +4,15 @@ on a run directory (`puzzle search RUN_DIR`: its library, scores and the cost mo
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import sys
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from puzzle.commands import fraction
-from puzzle.commands.costs import STATE_DTYPES
-from puzzle.cost.analytic import RECIPES
-from puzzle.cost.hardware import hardware_names
 from puzzle.search import InfeasibleError, Rules, SearchError, Solution, SolverOptions, search_k
 from puzzle.search.frontier import frontier_prefix, parse_sweep, sweep, write_frontier
 from puzzle.search.library import load_library
@@ -21,6 +20,35 @@ from puzzle.search.limits import BudgetError, merge_limits, parse_limit
 from puzzle.search.types import SOLVERS
 
 EXIT_INFEASIBLE = 2
+
+
+class _Deferred(Sequence[str]):
+    """Names from a module of the cost model, read on first use: when argparse checks a value of the option or
+    formats the help. A library search never uses them, and importing the cost model would be ~70 ms of its
+    < 0.5 s. `str()` is the list's, for `%(...)s` in help strings. Options that use one stay in an argument
+    group: `ArgumentParser.add_argument` itself formats the choices (a metavar check), a group's does not
+    (tests/test_search_cli.py checks that a library search leaves the cost model unimported)."""
+
+    def __init__(self, module: str, names: Callable[[Any], Iterable[str]]) -> None:
+        self._module, self._names = module, names
+        self._values: list[str] | None = None
+
+    def _list(self) -> list[str]:
+        if self._values is None:
+            self._values = list(self._names(importlib.import_module(self._module)))
+        return self._values
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._list()[index]
+
+    def __len__(self) -> int:
+        return len(self._list())
+
+    def __str__(self) -> str:
+        return str(self._list())
+
+
+_STATE_DTYPES = _Deferred("puzzle.commands.costs", lambda module: module.STATE_DTYPES)
 
 
 def register(subparsers: Any) -> None:
@@ -143,23 +171,23 @@ def register(subparsers: Any) -> None:
         "conv_dtype=, activation_dtype=, compute_dtype=); the scenarios of RUN_DIR/config.yaml (a `puzzle "
         "run` directory) are defined without it",
     )
-    run_dir.add_argument(
+    hardware = run_dir.add_argument(
         "--hardware",
         default=None,
-        help=f"the device that times scenarios and holds requests: one of {hardware_names()} "
-        "(default h100-80gb)",
+        help="the device that times scenarios and holds requests: one of %(names)s (default h100-80gb)",
     )
+    hardware.names = _Deferred("puzzle.cost.hardware", lambda module: module.hardware_names())
     run_dir.add_argument(
         "--recipe",
         default=None,
-        choices=sorted(RECIPES),
+        choices=_Deferred("puzzle.cost.formats", lambda module: sorted(module.RECIPES)),
         help="weight storage format of weight_bytes and of scenarios (default bf16)",
     )
     run_dir.add_argument(
-        "--kv-dtype", default=None, choices=STATE_DTYPES, help="scenarios' KV cache (default bf16)"
+        "--kv-dtype", default=None, choices=_STATE_DTYPES, help="scenarios' KV cache (default bf16)"
     )
     run_dir.add_argument(
-        "--ssm-dtype", default=None, choices=STATE_DTYPES, help="scenarios' Mamba state (default fp32)"
+        "--ssm-dtype", default=None, choices=_STATE_DTYPES, help="scenarios' Mamba state (default fp32)"
     )
     run_dir.add_argument(
         "--memory-fraction",

@@ -12,7 +12,6 @@ import importlib.util
 import math
 import os
 import re
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -308,6 +307,8 @@ def solve_with_pulp(
         options["objective_bound"] = float(cutoff)
     log_text = ""
     if solver_name == "cbc" and integer:
+        import tempfile  # late, as PuLP: only CBC's log needs it
+
         with tempfile.TemporaryDirectory(prefix="puzzle_cbc_") as folder:
             log_path = os.path.join(folder, "cbc.log")
             model.solve(_pulp_solver(solver_name, integer, gap_rel, time_limit, options, log_path))

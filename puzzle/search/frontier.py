@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from puzzle.files import atomic_write_bytes
 from puzzle.search.exact import search
 from puzzle.search.limits import BudgetError, Limit, Value, merge_limits, parse_value
 from puzzle.search.types import InfeasibleError, Rules, SearchError, Solution, SolverOptions, Table
@@ -179,6 +178,9 @@ def write_frontier(
 
 
 def _write(path: Path, data: bytes) -> None:
+    # Late: puzzle.files imports socket, shutil and tempfile, which a search that writes no frontier never uses.
+    from puzzle.files import atomic_write_bytes
+
     try:
         atomic_write_bytes(path, data)
     except OSError as error:
