@@ -483,6 +483,11 @@ def test_moe_fused_input_matmul_follows_the_weights():
     mixer.load_state_dict(state)
     check()
     assert torch.equal(mixer._fused[1][:16], state["fc1_latent_proj.weight"])
+    del state
+    # A new weight (not an in-place change), maybe at a freed one's address: still remade.
+    mixer.fc1_latent_proj.weight = torch.nn.Parameter(mixer.fc1_latent_proj.weight.detach() * 2)
+    check()
+    assert torch.equal(mixer._fused[1][:16], mixer.fc1_latent_proj.weight)
     mixer.double()
     assert mixer._fused is None
     x = x.double()

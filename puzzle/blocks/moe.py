@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -502,11 +503,17 @@ class MoEMixer(nn.Module):
             return None
         if fc1.dtype != flat.dtype or up.dtype != flat.dtype or fc1.is_inference() or up.is_inference():
             return None
-        key = (fc1.data_ptr(), fc1._version, up.data_ptr(), up._version, fc1.dtype, fc1.device)
-        if self._fused is None or self._fused[0] != key:
-            with torch.no_grad():
-                self._fused = (key, torch.cat([fc1, up]))
-        return self._fused[1]
+        # The tensors themselves (weakly: a freed weight's address may be reused by a new one) and their
+        # versions, which every in-place write bumps.
+        versions = (fc1.data_ptr(), fc1._version, up.data_ptr(), up._version)
+        if self._fused is not None:
+            (fc1_ref, up_ref, known), stacked = self._fused
+            if fc1_ref() is fc1 and up_ref() is up and known == versions:
+                return stacked
+        with torch.no_grad():
+            stacked = torch.cat([fc1, up])
+        self._fused = ((weakref.ref(fc1), weakref.ref(up), versions), stacked)
+        return stacked
 
     def forward(self, x: torch.Tensor, cache: None = None) -> torch.Tensor:
         """x: [b, t, H] -> [b, t, H]."""
