@@ -387,11 +387,10 @@ def test_moe_decode_pairs_one_by_one_equal_the_loop(widths):
 @pytest.mark.parametrize("widths", [8, (8, 3, 5, 8, 1, 6, 2, 7, 8, 4, 4, 4, 9, 8, 8, 8)])
 def test_moe_chunked_loop_equals_the_loop_under_autograd(widths, dtype, monkeypatch):
     """Without autograd the loop runs chunks of experts (batched gathers, activations and scatters): the same
-    products summed in the same order as expert by expert under autograd, bit for bit, observers included.
-    No shared expert: without autograd fc1 would share a matmul with it (equal up to rounding, tested below)."""
+    products summed in the same order as expert by expert under autograd, bit for bit, observers included."""
     monkeypatch.setattr(moe_module, "_CHUNK_ROWS", 5)  # several chunks, some of one expert, at this size
     monkeypatch.setattr(moe_module, "_PREFETCH_ROWS", 2)
-    spec = dataclasses.replace(GROUPED_SPEC, expert_width=widths, top_k=3, shared_width=0)
+    spec = dataclasses.replace(GROUPED_SPEC, expert_width=widths, top_k=3)
     torch.manual_seed(26)
     mixer = MoEMixer(spec, 16).to(dtype)
     mixer.experts.path = "loop"
@@ -416,10 +415,9 @@ def test_moe_chunked_loop_equals_the_loop_under_autograd(widths, dtype, monkeypa
 
 
 def test_expert_bank_views_follow_the_bank_tensors():
-    """The loops without autograd reuse per-expert views of the bank: new tensors must not be missed.
-    No shared expert, whose matmul fc1 would share without autograd (equal up to rounding, tested below)."""
+    """The loops without autograd reuse per-expert views of the bank: new tensors must not be missed."""
     torch.manual_seed(28)
-    mixer = MoEMixer(dataclasses.replace(GROUPED_SPEC, shared_width=0), 16)
+    mixer = MoEMixer(GROUPED_SPEC, 16)
     x = torch.randn(2, 5, 16)
 
     def both():
@@ -454,49 +452,6 @@ def test_moe_decode_pairs_one_by_one_without_autograd_equal_the_loop():
             outputs[path] = mixer(x)
     torch.testing.assert_close(outputs["auto"], outputs["loop"], atol=1e-6, rtol=1e-6)
     assert outputs["loop"].abs().max() > 0.1
-
-
-def test_moe_fused_input_matmul_follows_the_weights():
-    """Without autograd on the CPU, fc1 and the shared expert's up projection share one matmul of stacked
-    weights, made once: it matches the path under autograd and is remade after any change of either weight
-    (an in-place optimizer step, load_state_dict, a dtype cast), never used under autograd."""
-    torch.manual_seed(28)
-    mixer = MoEMixer(GROUPED_SPEC, 16)
-    x = torch.randn(2, 9, 16)
-
-    def check() -> None:
-        with torch.no_grad():
-            fused = mixer(x)
-        assert mixer._fused is not None
-        torch.testing.assert_close(fused, mixer(x).detach(), atol=1e-6, rtol=1e-5)
-
-    check()
-    stacked = mixer._fused[1]
-    check()
-    assert mixer._fused[1] is stacked  # kept while the weights stay as they are
-    optimizer = torch.optim.SGD(mixer.parameters(), lr=0.01)
-    mixer(x).square().sum().backward()
-    optimizer.step()  # in place: the same memory, a new version
-    check()
-    assert mixer._fused[1] is not stacked
-    state = {k: v + 0.25 if "proj" in k else v for k, v in mixer.state_dict().items()}
-    mixer.load_state_dict(state)
-    check()
-    assert torch.equal(mixer._fused[1][:16], state["fc1_latent_proj.weight"])
-    del state
-    # A new weight (not an in-place change), maybe at a freed one's address: still remade.
-    mixer.fc1_latent_proj.weight = torch.nn.Parameter(mixer.fc1_latent_proj.weight.detach() * 2)
-    check()
-    assert torch.equal(mixer._fused[1][:16], mixer.fc1_latent_proj.weight)
-    mixer.double()
-    assert mixer._fused is None
-    x = x.double()
-    check()
-    assert mixer._fused[1].dtype == torch.float64
-    assert copy_module.deepcopy(mixer)._fused is None  # a copy stacks its own weights
-    with torch.no_grad():
-        assert mixer._input_weight(x.reshape(-1, 16).bfloat16()) is None  # other dtype than the weights
-    assert mixer._input_weight(x.reshape(-1, 16)) is None  # under autograd
 
 
 def test_expert_bank_picks_the_loop_where_grouped_cannot_run():

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -445,8 +444,6 @@ class MoEMixer(nn.Module):
             self.fc2_latent_proj = _Linear(spec.latent_size, hidden_size, bias=False)
         if spec.shared_width > 0:
             self.shared_experts = Expert(hidden_size, spec.shared_width)
-        # (key of the weights it was made from, [fc1 | shared up] [L + S, H]): see `_input_weight`.
-        self._fused: tuple[tuple, torch.Tensor] | None = None
 
     @staticmethod
     def hub_tensors(spec: MoESpec, hidden_size: int) -> list[TensorInfo]:
@@ -476,58 +473,10 @@ class MoEMixer(nn.Module):
         """None: the MoE keeps no state across tokens."""
         return None
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MoEMixer:
-        self._fused = None  # a copy of the old tensors would keep them alive
-        return super()._apply(fn, recurse)
-
-    def __getstate__(self) -> dict:
-        return {**super().__getstate__(), "_fused": None}  # a copy makes its own
-
-    def _input_weight(self, flat: torch.Tensor) -> torch.Tensor | None:
-        """fc1_latent_proj and shared_experts.up_proj weights stacked, [L + S, H], when `forward` may read its
-        input once for both (one matmul: ~1 ms of a 48 ms prefill of the benchmark's block on one CPU thread;
-        each column as the separate product's up to rounding, bit for bit at the benchmark's sizes), else None.
-
-        Only on the CPU (elsewhere the copy would cost memory for a launch saved), without autograd and with
-        both weights in the input's dtype. Made once and kept (a copy of the two weights, ~5% of the benchmark
-        block's parameters, ~1% of a Super MoE block's) while both are the same memory at the same version:
-        any in-place change (an optimizer step, `load_state_dict`) or new tensor remakes it.
-        Inference tensors carry no version, so they are never fused. The router is not fused: the same bits
-        column by column are not guaranteed, and a rounding difference may flip a routing decision.
-        """
-        spec = self.spec
-        if spec.latent_size is None or spec.shared_width == 0 or flat.device.type != "cpu":
-            return None
-        fc1, up = self.fc1_latent_proj.weight, self.shared_experts.up_proj.weight
-        if torch.is_grad_enabled() and (flat.requires_grad or fc1.requires_grad or up.requires_grad):
-            return None
-        if fc1.dtype != flat.dtype or up.dtype != flat.dtype or fc1.is_inference() or up.is_inference():
-            return None
-        # The tensors themselves (weakly: a freed weight's address may be reused by a new one) and their
-        # versions, which every in-place write bumps.
-        versions = (fc1.data_ptr(), fc1._version, up.data_ptr(), up._version)
-        if self._fused is not None:
-            (fc1_ref, up_ref, known), stacked = self._fused
-            if fc1_ref() is fc1 and up_ref() is up and known == versions:
-                return stacked
-        with torch.no_grad():
-            stacked = torch.cat([fc1, up])
-        self._fused = ((weakref.ref(fc1), weakref.ref(up), versions), stacked)
-        return stacked
-
     def forward(self, x: torch.Tensor, cache: None = None) -> torch.Tensor:
         """x: [b, t, H] -> [b, t, H]."""
         flat = x.reshape(-1, x.shape[-1])
         weights, indices = self.gate(flat)
-        stacked = self._input_weight(flat)
-        if stacked is not None:
-            # fc1 and the shared expert's up projection in one matmul; fc2's product is added into the shared
-            # expert's output by the matmul itself (no [n, H] temporary: ~2 ms of the benchmark's 48 ms prefill;
-            # the sum rounds once more or less than below, ~1e-7 relative).
-            latent, shared = F.linear(flat, stacked).split([self.spec.latent_size, self.spec.shared_width], 1)
-            routed = self.experts(latent, weights, indices)
-            out = self.shared_experts.down_proj(_relu2_(shared))
-            return out.addmm_(routed, self.fc2_latent_proj.weight.T).view(x.shape)
         routed = flat
         if self.spec.latent_size is not None:
             routed = self.fc1_latent_proj(routed)
