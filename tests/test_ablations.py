@@ -44,7 +44,12 @@ def result(tmp_path_factory):
         corpus_root=stdlib_root() / "email",
     )
     size = dataclasses.replace(
-        ablations.SMOKE, seq_len=32, held_out_tokens=512, importance_tokens=256, bld_tokens=512, gkd_tokens=256
+        ablations.SMOKE,
+        seq_len=32,
+        held_out_tokens=512,
+        importance_tokens=256,
+        bld_tokens=512,
+        gkd_tokens=256,
     )
     run = ablations.prepare(parent, size, root / "run")
     data = ablations.ablate(run, levels=(0.6,), gkd_methods=("puzzle",), seeds=2, log=lambda _: None)
@@ -52,7 +57,7 @@ def result(tmp_path_factory):
 
 
 def test_every_method_meets_the_budget_and_the_mip_predicts_least(result):
-    data, run, _ = result
+    data, _, _ = result
     rows = [r for r in data["rows"] if r["feasible"]]
     methods = {r["method"] for r in rows}
     assert {"puzzle", "homogeneous", "greedy", "random", "mip_no_bld", "mip_lm_loss"} <= methods
@@ -75,7 +80,9 @@ def test_restricted_and_homogeneous_spaces_keep_their_shape(result):
     parent = run.load_parent().spec.blocks
     by_method = {r["method"]: r for r in data["rows"] if r["feasible"] and r["seed"] is None}
     bench_specs = ablations.Bench(run, init_scores=False)
-    names = {(b, spec.short_name()): spec for b, specs in enumerate(bench_specs.kl.variants) for spec in specs}
+    names = {
+        (b, spec.short_name()): spec for b, specs in enumerate(bench_specs.kl.variants) for spec in specs
+    }
     chosen = {m: [names[(b, n)] for b, n in enumerate(r["blocks"])] for m, r in by_method.items()}
     for b, spec in enumerate(chosen.get("no_state_axis", [])):
         if isinstance(spec, MambaSpec):
