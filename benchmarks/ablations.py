@@ -43,6 +43,7 @@ import math
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ LEVELS = (0.85, 0.70, 0.55, 0.40)
 METHODS = (
     "puzzle",
     "homogeneous",
+    "homogeneous_width",
     "greedy",
     "random",
     "mip_no_bld",
@@ -78,7 +80,8 @@ METHODS = (
     "no_state_axis",
     "no_width_axis",
 )
-GKD_METHODS = ("puzzle", "homogeneous", "greedy")
+GKD_METHODS = METHODS
+RANDOM_BAND = 0.05  # a random architecture uses at least (level - this) x the parent's active params
 # Every axis the ablations take away exists in this space (Mamba state, MoE expert width), besides heads,
 # top-k, expert count and no-op blocks.
 SPACE = {
@@ -153,11 +156,17 @@ class Problem:
     """One level's search problem over a set of candidates: the table, limits and rules of the run's search,
     and vectorised feasibility for the baselines."""
 
-    def __init__(self, run: Run, candidates: RunCandidates, level: float) -> None:
+    def __init__(
+        self, run: Run, candidates: RunCandidates, level: float, speedup: float | None = None
+    ) -> None:
         self.candidates = candidates
+        self.level = level
+        budgets = [f"active_params<={level}x"]
+        if speedup is not None:  # predicted decode tokens/s at least `speedup` x the parent's
+            budgets.append(f"throughput[decode]>={speedup}x")
         self.run_problem: RunProblem = run_problem(
             run.layout,
-            [f"active_params<={level}x"],
+            budgets,
             cost_model=run.cost_model(),
             shared_state_size=run.config.search.shared_state_size,
             candidates=candidates,
@@ -234,20 +243,27 @@ class Problem:
             current[best[1]] = best[2]
         return current
 
-    def random(self, seed: int, draws: int = 20_000, rounds: int = 50) -> Arch | None:
-        """A uniform draw among the feasible architectures (rejection sampling of the whole product)."""
+    def random(self, seed: int, draws: int = 20_000, rounds: int = 100) -> Arch | None:
+        """A uniform draw among the feasible architectures that use at least (level - RANDOM_BAND) of the
+        parent's active parameters (rejection sampling of the whole product): equal budget, not a far
+        smaller model, which a uniform draw over all feasible ones mostly is."""
         rng = np.random.default_rng(seed)
         sizes = np.diff(self.table.offsets)
+        cost = self.table.cost("active_params")
+        floor = (self.level - RANDOM_BAND) * self.table.parent_total("active_params") - self.table.fixed.get(
+            "active_params", 0.0
+        )
         for _ in range(rounds):
             choices = rng.integers(0, sizes[None, :], size=(draws, len(sizes)))
-            hits = np.flatnonzero(self.feasible(choices))
+            used = cost[self.table.offsets[:-1][None, :] + choices].sum(axis=1)
+            hits = np.flatnonzero(self.feasible(choices) & (used >= floor))
             if len(hits):
                 return _arch(choices[hits[0]].tolist(), self.candidates)
         return None
 
-    def homogeneous(self) -> tuple[Arch | None, int]:
+    def homogeneous(self, noop: bool = True) -> tuple[Arch | None, int]:
         """The least predicted KL among one-shape-per-kind architectures that meet the budget, and how many
-        such architectures there are."""
+        such architectures there are; without `noop`, no kind is removed (width pruning only)."""
         parent = self.candidates.parent
         kinds: dict[str, list[int]] = {}
         for b, block in enumerate(parent.blocks):
@@ -259,7 +275,7 @@ class Problem:
                 for s in self.candidates.variants[blocks[0]]
                 if all(s in self.candidates.variants[b] for b in blocks)
             ]
-            shapes[kind] = common
+            shapes[kind] = [s for s in common if noop or s.kind != "noop"]
         best: tuple[float, list[int]] | None = None
         count = 0
         for combo in itertools.product(*shapes.values()):
@@ -410,36 +426,45 @@ class Bench:
         return record
 
 
-def choose(bench: Bench, level: float, methods: Sequence[str], seeds: int) -> list[Choice]:
-    """Every method's architecture at `level`."""
+def choose(
+    bench: Bench, level: float, methods: Sequence[str], seeds: int, speedup: float | None = None
+) -> list[Choice]:
+    """Every method's architecture at `level` (and the decode `speedup` bound, if any)."""
     out: list[Choice] = []
-    kl = Problem(bench.run, bench.kl, level)
+
+    def problem(candidates: RunCandidates) -> Problem:
+        return Problem(bench.run, candidates, level, speedup)
+
+    kl = problem(bench.kl)
     for method in methods:
         if method == "puzzle":
             out.append(Choice(method, level, kl.mip()))
         elif method == "homogeneous":
             arch, count = kl.homogeneous()
             out.append(Choice(method, level, arch, note=f"best of {count} feasible one-shape-per-kind"))
+        elif method == "homogeneous_width":
+            arch, count = kl.homogeneous(noop=False)
+            out.append(Choice(method, level, arch, note=f"best of {count} feasible, no kind removed"))
         elif method == "greedy":
             out.append(Choice(method, level, kl.greedy()))
         elif method == "random":
             out += [Choice(method, level, kl.random(seed), seed=seed) for seed in range(seeds)]
         elif method == "mip_no_bld":
             if bench.init_kl is not None:
-                arch = Problem(bench.run, bench.init_kl, level).mip()
+                arch = problem(bench.init_kl).mip()
                 out.append(Choice(method, level, arch, weights="init", note="pruned variants' own scores"))
         elif method == "mip_lm_loss":
-            out.append(Choice(method, level, Problem(bench.run, bench.lm, level).mip()))
+            out.append(Choice(method, level, problem(bench.lm).mip()))
         elif method == "no_state_axis":
-            out.append(Choice(method, level, Problem(bench.run, restrict(bench.kl, same_state), level).mip()))
+            out.append(Choice(method, level, problem(restrict(bench.kl, same_state)).mip()))
         elif method == "no_width_axis":
-            out.append(Choice(method, level, Problem(bench.run, restrict(bench.kl, same_width), level).mip()))
+            out.append(Choice(method, level, problem(restrict(bench.kl, same_width)).mip()))
         else:
             raise ValueError(f"unknown method {method!r}; methods: {', '.join(METHODS)}")
     return out
 
 
-def row(bench: Bench, choice: Choice, gkd: bool) -> dict[str, Any]:
+def row(bench: Bench, choice: Choice, gkd: bool, tag: str = "") -> dict[str, Any]:
     """The JSON record of one method at one level: its architecture, costs, predictions and measurements."""
     from puzzle.cost.hardware import get_hardware
     from puzzle.cost.roofline import model_performance
@@ -462,7 +487,7 @@ def row(bench: Bench, choice: Choice, gkd: bool) -> dict[str, Any]:
         / model_performance(spec, scenario, hardware).decode_step_s
     )
     active = model_active_params(spec)
-    name = f"{choice.level:.2f}-{choice.method}" + ("" if choice.seed is None else f"-{choice.seed}")
+    name = f"{choice.level:.2f}{tag}-{choice.method}" + ("" if choice.seed is None else f"-{choice.seed}")
     record = (
         bench.distil(choice.arch, choice.weights, name) if gkd else bench.measure(choice.arch, choice.weights)
     )
@@ -470,7 +495,6 @@ def row(bench: Bench, choice: Choice, gkd: bool) -> dict[str, Any]:
         **base,
         "feasible": True,
         "blocks": [block.short_name() for block in choice.arch],
-        "changed": [i for i, (a, p) in enumerate(zip(choice.arch, bench.spec.blocks)) if a != p],
         "active_params": active,
         "active_fraction": active / model_active_params(bench.spec),
         "predicted_decode_speedup": speedup,
@@ -487,7 +511,8 @@ def row(bench: Bench, choice: Choice, gkd: bool) -> dict[str, Any]:
 
 
 def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """Random seeds folded into mean and standard deviation; Spearman over the BLD-assembled children."""
+    """How well the summed scores predict the measured KL: Spearman over the distinct BLD-assembled children
+    (and over the pruned ones against their own scores), Pearson of the logs, the measured / predicted ratios."""
     children = {}
     for r in rows:
         if r["feasible"] and r["weights"] == "bld":
@@ -498,8 +523,14 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
         for r in rows
         if r["feasible"] and r["weights"] == "init"
     }
+    ratios = [m / p for p, m in pairs if p > 0]
+    logs = np.log([[p, m] for p, m in pairs if p > 0 and m > 0]) if pairs else np.zeros((0, 2))
     return {
         "spearman_bld": spearman([p for p, _ in pairs], [m for _, m in pairs]),
+        "pearson_log_bld": float(np.corrcoef(logs.T)[0, 1]) if len(logs) > 2 else math.nan,
+        "ratio_median": statistics.median(ratios) if ratios else math.nan,
+        "ratio_min": min(ratios, default=math.nan),
+        "ratio_max": max(ratios, default=math.nan),
         "children_bld": len(pairs),
         "spearman_pruned": spearman([p for p, _ in pruned.values()], [m for _, m in pruned.values()]),
         "children_pruned": len(pruned),
@@ -510,34 +541,111 @@ def _fmt(value: float | None, digits: int = 4) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
 
 
+def compact(name: str) -> str:
+    """A block's short name in a few characters: `mamba:h4:p32:n8:...` -> M4n8, `moe:e8:k2:w32:...` -> E8k2w32,
+    `attn:q4:kv1:...` -> A1 (KV heads), `noop` -> `-`."""
+    parts = {part[0]: part[1:] for part in name.split(":")[1:] if part}
+    if name.startswith("mamba:"):
+        return f"M{parts['h']}n{parts['n']}"
+    if name.startswith("moe:"):
+        return f"E{parts['e']}k{parts['k']}w{parts['w']}"
+    if name.startswith("attn:"):
+        return f"A{name.split(':kv')[1].split(':')[0]}"
+    return "-" if name == "noop" else name
+
+
+METRICS = ("kl", "lm_loss_delta", "top1")
+
+
 def level_rows(rows: list[dict[str, Any]], level: float) -> list[dict[str, Any]]:
-    """The rows of one level with the random seeds folded into one (mean, and std in `*_std`)."""
+    """The rows of one level with the random seeds folded into one: means in `before` / `after` and the
+    other fields, sample standard deviations in `*_std`."""
     here = [r for r in rows if r["level"] == level]
     out = [r for r in here if r["method"] != "random"]
     draws = [r for r in here if r["method"] == "random" and r["feasible"]]
-    if draws:
+    if not draws:
+        return out
 
-        def stat(get: Callable[[dict], float]) -> tuple[float, float]:
-            values = [get(r) for r in draws]
-            return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+    def stat(values: list[float]) -> tuple[float, float]:
+        return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
 
-        folded = {"method": "random", "level": level, "feasible": True, "seeds": len(draws), "weights": "bld"}
-        for key, get in {
-            "active_fraction": lambda r: r["active_fraction"],
-            "predicted_kl": lambda r: r["predicted_kl"],
-            "predicted_decode_speedup": lambda r: r["predicted_decode_speedup"],
-            "kl": lambda r: r["before"]["kl"],
-            "lm_loss_delta": lambda r: r["before"]["lm_loss_delta"],
-            "top1": lambda r: r["before"]["top1"],
-        }.items():
-            folded[key], folded[key + "_std"] = stat(get)
-        index = next(i for i, r in enumerate(out) if r["method"] not in ("puzzle", "homogeneous", "greedy"))
-        out.insert(index, folded)
+    folded: dict[str, Any] = {
+        "method": "random",
+        "level": level,
+        "feasible": True,
+        "seeds": len(draws),
+        "weights": "bld",
+        "blocks": None,
+    }
+    for key in ("active_fraction", "predicted_kl", "predicted_decode_speedup"):
+        folded[key], folded[key + "_std"] = stat([r[key] for r in draws])
+    for phase in ("before", "after"):
+        if all(r.get(phase) for r in draws):
+            pairs = {m: stat([r[phase][m] for r in draws]) for m in METRICS}
+            folded[phase] = {m: mean for m, (mean, _) in pairs.items()}
+            folded[phase + "_std"] = {m: std for m, (_, std) in pairs.items()}
+    index = next(
+        (
+            i
+            for i, r in enumerate(out)
+            if r["method"] not in ("puzzle", "homogeneous", "homogeneous_width", "greedy")
+        ),
+        len(out),
+    )
+    out.insert(index, folded)
     return out
+
+
+def _cell(r: dict[str, Any], phase: str, metric: str) -> str:
+    values = r.get(phase)
+    if not values:
+        return "-"
+    value = values[metric]
+    text = f"{value:.1%}" if metric == "top1" else f"{value:.4f}"
+    std = (r.get(phase + "_std") or {}).get(metric)
+    if std is not None:
+        text += f" ± {std:.1%}" if metric == "top1" else f" ± {std:.4f}"
+    return text
+
+
+def _level_title(meta: dict[str, Any], level: float) -> str:
+    speedup = (meta.get("speedups") or {}).get(str(level))
+    bound = f" and predicted decode speed-up >= {speedup}x" if speedup else ""
+    return f"{level:.0%} of the parent's active parameters{bound} ({1 - level:.0%} compression)"
+
+
+def summary_table(data: dict[str, Any], phase: str) -> list[str]:
+    """Measured KL (nats/token) of every method at every level: one row per method, one column per level."""
+    levels = data["meta"]["levels"]
+    table = {level: {r["method"]: r for r in level_rows(data["rows"], level)} for level in levels}
+    methods = list(dict.fromkeys(m for level in levels for m in table[level]))
+    lines = [
+        "| method | " + " | ".join(f"{level:.0%}" for level in levels) + " |",
+        "|---|" + "---:|" * len(levels),
+    ]
+    for method in methods:
+        cells = []
+        for level in levels:
+            r = table[level].get(method)
+            if r is None or not r["feasible"]:
+                cells.append("infeasible")
+                continue
+            cell = _cell(r, phase, "kl")
+            best = min(
+                (x[phase]["kl"] for x in table[level].values() if x["feasible"] and x.get(phase)),
+                default=None,
+            )
+            if r.get(phase) and best is not None and r[phase]["kl"] == best:
+                cell = f"**{cell}**"
+            cells.append(cell)
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def markdown(data: dict[str, Any]) -> str:
     rows, meta, summary = data["rows"], data["meta"], data["summary"]
+    parent_arch = " ".join(compact(b) for b in data["parent"]["blocks"])
+    bld = meta["bld"]
     lines = [
         "# Results: Puzzle against the alternatives at equal budget",
         "",
@@ -547,151 +655,213 @@ def markdown(data: dict[str, Any]) -> str:
         meta["command"],
         "```",
         "",
-        f"Parent: {meta['parent']} ({meta['parent_blocks']}; {meta['parent_active_params']:,} active parameters, "
-        f"held-out LM loss {_fmt(meta.get('parent_lm_loss'), 3)} nats/token). Library: {meta['variants']} "
-        f"variants over the space `{json.dumps(meta['space'])}`, trained by BLD on {meta['bld_tokens']:,} tokens "
-        f"each; replace-one-block scores and every measurement on the same {meta['held_out_tokens']:,} held-out "
-        f"tokens (the parent never trained on them). GKD: {meta['gkd_tokens']:,} tokens per child, the same "
-        f"settings for every method. Budget at each level: active parameters <= the fraction x the parent's; the "
-        f"predicted decode speed-up (cost model on this machine, batch 1) is reported, not bounded. "
-        f"Whole benchmark: {meta['seconds']:.0f} s on {meta['machine']}.",
-        "",
-        "Methods: **puzzle** = MIP over the BLD library with KL scores; **homogeneous** = one shape per block "
-        "kind everywhere (Minitron-style; chosen by least predicted KL among all such combinations that meet "
-        "the budget, BLD weights); **greedy** = from the parent, the swap with least KL increase per active "
-        "parameter saved until the budget holds; **random** = uniform feasible architecture of the library, "
-        f"mean ± std over {meta['seeds']} seeds; **mip_no_bld** = MIP over the pruned, untrained variants, "
-        "scored and assembled untrained; **mip_lm_loss** = MIP with LM-loss scores; **no_state_axis** / "
-        "**no_width_axis** = MIP without Mamba state-size / MoE expert-width variants.",
-        "",
-        "Columns: KL = mean KL(parent || child) in nats/token on held-out text; ΔLM = child's minus parent's LM "
-        "loss (nats/token); top-1 = agreement with the parent's top token; *pred.* = the search's summed "
-        "replace-one-block KL; *after GKD* where distilled.",
-        "",
-    ]
-    for level in meta["levels"]:
-        lines += [
-            f"## {level:.0%} of the parent's active parameters",
-            "",
-            "| method | active | decode speed-up (pred.) | KL pred. | KL | ΔLM | top-1 | KL after GKD | ΔLM after | top-1 after | changed blocks |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-        ]
-        for r in level_rows(rows, level):
-            if not r["feasible"]:
-                lines.append(f"| {r['method']} | infeasible | | | | | | | | | |")
-                continue
-            if r["method"] == "random":
-                lines.append(
-                    f"| random (n={r['seeds']}) | {r['active_fraction']:.1%} ± {r['active_fraction_std']:.1%} "
-                    f"| {r['predicted_decode_speedup']:.2f}x | {_fmt(r['predicted_kl'])} "
-                    f"| {_fmt(r['kl'])} ± {_fmt(r['kl_std'])} | {_fmt(r['lm_loss_delta'])} ± {_fmt(r['lm_loss_delta_std'])} "
-                    f"| {r['top1']:.1%} ± {r['top1_std']:.1%} | - | - | - | - |"
-                )
-                continue
-            before, after = r["before"], r.get("after") or {}
-            changed = ", ".join(f"{i}:{r['blocks'][i]}" for i in r["changed"]) or "none"
-            lines.append(
-                f"| {r['method']} | {r['active_fraction']:.1%} | {r['predicted_decode_speedup']:.2f}x "
-                f"| {_fmt(r['predicted_kl'] if r['weights'] == 'bld' else r['predicted_kl_pruned'])} "
-                f"| {_fmt(before['kl'])} | {_fmt(before['lm_loss_delta'])} | {before['top1']:.1%} "
-                f"| {_fmt(after.get('kl'))} | {_fmt(after.get('lm_loss_delta'))} "
-                f"| {'-' if 'top1' not in after else format(after['top1'], '.1%')} | {changed} |"
-            )
-        lines.append("")
-    lines += [
-        "## How additive are the scores",
-        "",
-        f"Spearman rank correlation of the predicted (summed replace-one-block) KL against the measured KL of "
-        f"the assembled child, over all {summary['children_bld']} distinct BLD-assembled children of every "
-        f"method and level: **{_fmt(summary['spearman_bld'], 3)}**"
+        f"Parent: {meta['parent']}, `{parent_arch}` ({meta['parent_active_params']:,} active parameters, "
+        f"held-out LM loss {_fmt(meta.get('parent_lm_loss'), 3)} nats/token). Block notation: `M<h>n<s>` = Mamba "
+        "with h heads and state size s; `E<e>k<k>w<w>` = MoE with e routed experts, top-k, expert width w; "
+        "`A<n>` = attention with n KV heads; `-` = block removed (no-op). "
+        f"Library: {meta['variants']} variants over the space `{json.dumps(meta['space'])}` (every axis, "
+        f"coupled), each trained by BLD on {meta['bld_tokens']:,} tokens (held-out normalised MSE after / before "
+        f"BLD: median {bld['median_ratio']:.2f}, {bld['worse']} of {bld['trained']} variants worse after BLD). "
+        f"Replace-one-block scores and every measurement on the same {meta['held_out_tokens']:,} held-out tokens "
+        f"(the parent never trained on them). GKD: {meta['gkd_tokens']:,} tokens per child, the run's settings, "
+        "the same for every method. Budget at each level: active parameters <= the fraction x the parent's"
         + (
-            f" (the {summary['children_pruned']} children of mip_no_bld, their own pruned-variant scores: "
-            f"{_fmt(summary['spearman_pruned'], 3)})."
-            if summary["children_pruned"]
-            else "."
-        ),
+            " and a predicted decode throughput bound (below)"
+            if meta.get("speedups")
+            else "; the predicted decode speed-up (cost model calibrated on this machine, batch 1) is reported, "
+            "not bounded"
+        )
+        + f". Whole benchmark: {meta['seconds']:.0f} s on {meta['machine']}.",
+        "",
+        "Methods (all but mip_no_bld assemble the same BLD-trained library):",
+        "",
+        "- **puzzle**: the MIP over the BLD library with replace-one-block KL scores (the pipeline's search);",
+        "- **homogeneous**: one shape per block kind in every block of that kind (Minitron-style uniform "
+        "pruning; removing every block of a kind counts as a shape), the combination with the least predicted "
+        "KL (the same scores) of all that meet the budget; **homogeneous_width**: the same without removing a "
+        "kind (width pruning only);",
+        "- **greedy**: from the parent, repeatedly the one-block swap with the least KL increase per active "
+        "parameter saved, until the budget holds (one descent per shared Mamba state size, the best kept);",
+        f"- **random**: a uniformly random architecture of the library that meets the budget and uses at least "
+        f"(level - {RANDOM_BAND:.0%}) of the parent's active parameters, mean ± std over {meta['seeds']} seeds;",
+        "- **mip_no_bld**: the MIP over the pruned variants before BLD (`init_child` from activation "
+        "importance), scored by the same replace-one-block KL and assembled with those untrained weights;",
+        "- **mip_lm_loss**: the MIP with replace-one-block LM-loss increase scores instead of KL;",
+        "- **no_state_axis** / **no_width_axis**: the MIP without Mamba state-size variants / without MoE "
+        "expert-width variants (those axes held at the parent's value).",
+        "",
+        "## Summary: measured KL to the parent (nats/token, held out), best per level in bold",
+        "",
+        "Assembled, before GKD:",
+        "",
+        *summary_table(data, "before"),
+        "",
+        "After the same GKD:",
+        "",
+        *summary_table(data, "after"),
         "",
         "![measured KL against active parameters](results_kl.png)",
         "",
     ]
     lines += data.get("findings", [])
+    lines += [
+        "## How additive are the scores",
+        "",
+        f"Spearman rank correlation of the predicted (summed replace-one-block) KL against the measured KL of "
+        f"the assembled child, over all {summary['children_bld']} distinct BLD-assembled children of every "
+        f"method and level: **{_fmt(summary['spearman_bld'], 3)}** (Pearson of the logs "
+        f"{_fmt(summary['pearson_log_bld'], 3)}; measured / predicted KL: median {_fmt(summary['ratio_median'], 2)}, "
+        f"range {_fmt(summary['ratio_min'], 2)} to {_fmt(summary['ratio_max'], 2)})"
+        + (
+            f"; the {summary['children_pruned']} mip_no_bld children against their own pruned-variant scores: "
+            f"{_fmt(summary['spearman_pruned'], 3)}."
+            if summary["children_pruned"]
+            else "."
+        ),
+        "",
+        "## Per level",
+        "",
+        "KL and ΔLM (child's minus parent's LM loss) in nats/token, top-1 = agreement with the parent's top "
+        "token, on held-out text; *pred.* = the summed replace-one-block KL of the BLD library (of the pruned "
+        "variants for mip_no_bld).",
+        "",
+    ]
+    for level in meta["levels"]:
+        lines += [
+            f"### {_level_title(meta, level)}",
+            "",
+            "| method | architecture | active | decode speed-up (pred.) | KL pred. | KL | ΔLM | top-1 "
+            "| KL after GKD | ΔLM after | top-1 after |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in level_rows(rows, level):
+            if not r["feasible"]:
+                lines.append(f"| {r['method']} | infeasible | | | | | | | | | |")
+                continue
+            name = r["method"] + (f" (n={r['seeds']})" if r["method"] == "random" else "")
+            arch = (
+                "(various)" if r["blocks"] is None else "`" + " ".join(compact(b) for b in r["blocks"]) + "`"
+            )
+            active = f"{r['active_fraction']:.1%}"
+            if "active_fraction_std" in r:
+                active += f" ± {r['active_fraction_std']:.1%}"
+            predicted = r["predicted_kl"] if r["weights"] == "bld" else r["predicted_kl_pruned"]
+            lines.append(
+                f"| {name} | {arch} | {active} | {r['predicted_decode_speedup']:.2f}x | {_fmt(predicted)} | "
+                + " | ".join(_cell(r, phase, m) for phase in ("before", "after") for m in METRICS)
+                + " |"
+            )
+        lines.append("")
     return "\n".join(lines) + "\n"
 
 
 def findings(data: dict[str, Any]) -> list[str]:
-    """Where Puzzle wins and loses against each method, level by level (measured KL before GKD, and after)."""
-    rows = data["rows"]
-    out = ["## Findings", ""]
-    for level in data["meta"]["levels"]:
-        here = {r["method"]: r for r in level_rows(rows, level) if r["feasible"]}
-        puzzle = here.get("puzzle")
-        if puzzle is None:
-            out.append(f"- {level:.0%}: Puzzle infeasible.")
-            continue
-        p_kl = puzzle["before"]["kl"]
-        parts = []
-        for method, r in here.items():
-            if method == "puzzle":
+    """Each method's measured KL over Puzzle's, level by level, before and after GKD (> 1: Puzzle better)."""
+    rows, levels = data["rows"], data["meta"]["levels"]
+    out = [
+        "## Each method's measured KL / Puzzle's (> 1: Puzzle better)",
+        "",
+        "| method | " + " | ".join(f"{level:.0%} before / after GKD" for level in levels) + " |",
+        "|---|" + "---:|" * len(levels),
+    ]
+    table = {level: {r["method"]: r for r in level_rows(rows, level) if r["feasible"]} for level in levels}
+    methods = list(dict.fromkeys(m for level in levels for m in table[level] if m != "puzzle"))
+    for method in methods:
+        cells = []
+        for level in levels:
+            puzzle, r = table[level].get("puzzle"), table[level].get(method)
+            if puzzle is None or r is None:
+                cells.append("-")
                 continue
-            kl = r["kl"] if method == "random" else r["before"]["kl"]
-            parts.append(f"{method} {kl / p_kl:.2f}x")
-        text = (
-            f"- {level:.0%} ({1 - level:.0%} compression): measured KL of each method / Puzzle's: "
-            + ", ".join(parts)
+            ratios = [
+                f"{r[phase]['kl'] / puzzle[phase]['kl']:.2f}" if r.get(phase) and puzzle.get(phase) else "-"
+                for phase in ("before", "after")
+            ]
+            cells.append(" / ".join(ratios))
+        out.append(f"| {method} | " + " | ".join(cells) + " |")
+    out.append("")
+    # The Puzzle-vs-uniform-pruning crossover (NVIDIA's Puzzle vs Minitron: between 20% and 38% compression).
+    for phase, label in (("before", "assembled"), ("after", "after GKD")):
+        wins, losses = [], []
+        for level in levels:
+            puzzle, homo = table[level].get("puzzle"), table[level].get("homogeneous")
+            if puzzle and homo and puzzle.get(phase) and homo.get(phase):
+                (wins if puzzle[phase]["kl"] < homo[phase]["kl"] else losses).append(f"{1 - level:.0%}")
+        out.append(
+            f"- Puzzle vs homogeneous ({label}): Puzzle lower KL at {', '.join(wins) or 'no level'} compression"
+            + (f", homogeneous lower at {', '.join(losses)}" if losses else ": no crossover in this range")
+            + "."
         )
-        homo = here.get("homogeneous")
-        if homo is not None and homo.get("after") and puzzle.get("after"):
-            text += f"; after GKD, homogeneous / Puzzle {homo['after']['kl'] / puzzle['after']['kl']:.2f}x"
-        greedy = here.get("greedy")
-        if greedy is not None and greedy.get("after") and puzzle.get("after"):
-            text += f", greedy / Puzzle {greedy['after']['kl'] / puzzle['after']['kl']:.2f}x"
-        out.append(text + ".")
+    for phase, label in (("before", "assembled"), ("after", "after GKD")):
+        beaten = []
+        for level in levels:
+            puzzle = table[level].get("puzzle")
+            if not (puzzle and puzzle.get(phase)):
+                continue
+            better = [
+                m
+                for m, r in table[level].items()
+                if m != "puzzle" and r.get(phase) and r[phase]["kl"] < puzzle[phase]["kl"]
+            ]
+            if better:
+                beaten.append(f"{1 - level:.0%}: {', '.join(better)}")
+        out.append(
+            f"- Methods with lower measured KL than Puzzle ({label}): " + ("; ".join(beaten) or "none") + "."
+        )
     out.append("")
     return out
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
+    """Measured KL against active parameters, one line per method, before and after GKD."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=False)
-    rows, levels = data["rows"], data["meta"]["levels"]
-    methods = list(dict.fromkeys(r["method"] for r in rows))
-    for method in methods:
-        points = []
-        for level in levels:
-            for r in level_rows(rows, level):
-                if r["method"] == method and r["feasible"]:
-                    kl = r["kl"] if method == "random" else r["before"]["kl"]
-                    err = r.get("kl_std", 0.0) if method == "random" else 0.0
-                    points.append((r["active_fraction"], kl, err))
-        if points:
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    levels = data["meta"]["levels"]
+    folded = [r for level in levels for r in level_rows(data["rows"], level) if r["feasible"]]
+    methods = list(dict.fromkeys(r["method"] for r in folded))
+    for index, method in enumerate(methods):
+        style = "-" if method in ("puzzle", "homogeneous", "homogeneous_width", "greedy", "random") else "--"
+        width = 2.5 if method == "puzzle" else 1.2
+        for ax, phase in zip(axes, ("before", "after")):
+            points = [
+                (
+                    r["active_fraction"],
+                    r[phase]["kl"],
+                    (r.get(phase + "_std") or {}).get("kl", 0.0),
+                )
+                for r in folded
+                if r["method"] == method and r.get(phase)
+            ]
+            if not points:
+                continue
             x, y, e = zip(*sorted(points))
-            style = "-" if method in ("puzzle", "homogeneous", "greedy", "random") else "--"
-            axes[0].errorbar(
-                x, y, yerr=e if any(e) else None, marker="o", linestyle=style, label=method, capsize=3
+            ax.errorbar(
+                x,
+                y,
+                yerr=e if any(e) else None,
+                marker="o",
+                linestyle=style,
+                linewidth=width,
+                label=method,
+                color=f"C{index}",
+                capsize=3,
             )
-        after = [
-            (r["active_fraction"], r["after"]["kl"])
-            for r in rows
-            if r["method"] == method and r["feasible"] and r.get("after")
-        ]
-        if after:
-            x, y = zip(*sorted(after))
-            axes[1].plot(x, y, marker="o", label=method)
-    for ax, title in zip(axes, ("assembled (before GKD)", "after GKD")):
+    for ax, title in zip(axes, ("assembled (before GKD)", "after the same GKD")):
         ax.set_xlabel("active parameters / parent's")
-        ax.set_ylabel("KL(parent || child), nats/token (held out)")
+        ax.set_ylabel("KL(parent || child), nats/token, held out")
         ax.set_yscale("log")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
+        ax.set_title(f"{data['meta']['parent']}: {title}")
+        ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path.with_suffix(".tmp.png"), dpi=110)
-    os.replace(path.with_suffix(".tmp.png"), path)
+    staging = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(staging, dpi=110)
+    os.replace(staging, path)
     plt.close(fig)
 
 
@@ -713,14 +883,20 @@ def ablate(
     gkd_methods: Sequence[str] = GKD_METHODS,
     seeds: int = 5,
     log: Callable[[str], None] = print,
+    speedups: Sequence[float] | None = None,
 ) -> dict[str, Any]:
-    """Every method at every level on the run's library (see the module docstring); the JSON's data."""
+    """Every method at every level on the run's library (see the module docstring); the JSON's data.
+    `speedups`: one minimum predicted decode speed-up per level (a second budget), or None."""
     bench = Bench(run, init_scores="mip_no_bld" in methods)
+    if speedups is not None and len(speedups) != len(levels):
+        raise ValueError(f"{len(speedups)} speed-ups for {len(levels)} levels: give one per level")
     rows = []
-    for level in levels:
-        for choice in choose(bench, level, methods, seeds):
+    for index, level in enumerate(levels):
+        speedup = None if speedups is None else speedups[index]
+        tag = "" if speedup is None else f"-s{speedup}"
+        for choice in choose(bench, level, methods, seeds, speedup):
             started = time.perf_counter()
-            record = row(bench, choice, choice.method in gkd_methods)
+            record = row(bench, choice, choice.method in gkd_methods, tag)
             rows.append(record)
             if record["feasible"]:
                 after = record.get("after") or {}
@@ -734,7 +910,14 @@ def ablate(
             else:
                 log(f"{level:.2f} {choice.method}: infeasible")
     parent_lm = bench.parent_lm_loss
+    trained = [r for r in bench.library.results.values() if r.status == "trained" and r.init_nmse]
+    ratios = [r.final_nmse / r.init_nmse for r in trained if r.final_nmse is not None]
     return {
+        "bld": {
+            "trained": len(trained),
+            "median_ratio": statistics.median(ratios) if ratios else math.nan,
+            "worse": sum(1 for ratio in ratios if ratio > 1),
+        },
         "rows": rows,
         "summary": summarize(rows),
         "parent": {
@@ -765,7 +948,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, help="the JSON (default benchmarks/results/ablations.json)")
     parser.add_argument("--doc", type=Path, help="the Markdown (default docs/RESULTS.md; none with --quick)")
     parser.add_argument("--plot", type=Path, help="the PNG (default docs/results_kl.png; none with --quick)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    parser.add_argument(
+        "--speedup",
+        type=float,
+        nargs="+",
+        help="also bound the predicted decode throughput: one minimum speed-up over the parent per level",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: steady on a shared CPU, where OpenMP threads spin)",
+    )
     args = parser.parse_args(argv)
 
     from puzzle.demo.parent import demo_parent
@@ -789,10 +983,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"parent: {parent.path}", flush=True)
     run = prepare(parent, size, run_dir)
     print(f"run (up to the scores): {run_dir} ({time.perf_counter() - started:.0f} s)", flush=True)
-    data = ablate(run, levels, METHODS, gkd, seeds)
-    command = "python benchmarks/ablations.py" + (
-        " --full" if args.full else " --quick" if args.quick else ""
-    )
+    data = ablate(run, levels, METHODS, gkd, seeds, speedups=args.speedup)
+    command = "python benchmarks/ablations.py" + " ".join(["", *(argv if argv is not None else sys.argv[1:])])
     data["parent"]["lm_loss"] = data["parent"]["lm_loss"] or parent.record.get("held_out_loss")
     data["meta"] = {
         "command": command,
@@ -806,6 +998,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "held_out_tokens": size.held_out_tokens,
         "gkd_tokens": size.gkd_tokens,
         "levels": list(levels),
+        "speedups": None if args.speedup is None else {str(lv): sp for lv, sp in zip(levels, args.speedup)},
+        "bld": data["bld"],
         "seeds": seeds,
         "gkd_methods": list(gkd),
         "seconds": time.perf_counter() - started,
