@@ -1,8 +1,8 @@
 """Ablations: Puzzle against the alternatives at equal budget on the demo parent -> docs/RESULTS.md.
 
-    python benchmarks/ablations.py            # the quick demo parent, four levels (~10-15 min on 2 cores)
+    python benchmarks/ablations.py            # the quick demo parent, four levels (~6 min cold, 1 min cached)
     python benchmarks/ablations.py --full     # the full demo parent
-    python benchmarks/ablations.py --quick    # CI-sized smoke run (tiny tokens, two levels, 2 seeds)
+    python benchmarks/ablations.py --quick    # CI-sized smoke run (tiny tokens, two levels, 2 seeds; ~30 s)
 
 One run directory (`runs/ablations[-full|-quick]`, reused: a rerun only re-measures) holds the pipeline's
 importance, BLD library and replace-one-block scores (`puzzle.run.Run` up to `scores`) over a space with
@@ -47,6 +47,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -671,7 +672,9 @@ def markdown(data: dict[str, Any]) -> str:
             else "; the predicted decode speed-up (cost model calibrated on this machine, batch 1) is reported, "
             "not bounded"
         )
-        + f". Whole benchmark: {meta['seconds']:.0f} s on {meta['machine']}.",
+        + f". This invocation: {meta['seconds']:.0f} s on {meta['machine']}"
+        + _stages_text(meta.get("stages") or {})
+        + ".",
         "",
         "Methods (all but mip_no_bld assemble the same BLD-trained library):",
         "",
@@ -704,6 +707,7 @@ def markdown(data: dict[str, Any]) -> str:
         "",
     ]
     lines += data.get("findings", [])
+    lines += CAVEATS
     lines += [
         "## How additive are the scores",
         "",
@@ -753,6 +757,33 @@ def markdown(data: dict[str, Any]) -> str:
             )
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _stages_text(stages: dict[str, Any]) -> str:
+    if not stages:
+        return ""
+    parts = [f"{name} {entry['seconds']:.0f} s ({entry['status']})" for name, entry in stages.items()]
+    return (
+        "; the run's stages when computed: "
+        + ", ".join(parts)
+        + " (reused = found done in the run directory)"
+    )
+
+
+CAVEATS = [
+    "## Caveats",
+    "",
+    "- One BLD, one GKD (32 steps at the default size) and one held-out set per child, no repeats: the "
+    "spread of a method's own result is not measured here, so differences of a few percent between methods "
+    "(the MIP variants, greedy) are not significant evidence either way; the gaps of 1.3x and more are.",
+    "- The replace-one-block scores and the measured KL use the same held-out tokens, so the rank correlation "
+    "measures additivity, not generalisation of the scores.",
+    "- Short BLD on a small parent: where BLD makes a variant worse than its pruned initialisation (counted "
+    "above), the MIP without BLD can pick a better child; the library's BLD budget is the demo's.",
+    "- Budgets bound active parameters only (decode speed-up is predicted and reported); `--speedup` adds a "
+    "decode-throughput bound per level.",
+    "",
+]
 
 
 def findings(data: dict[str, Any]) -> list[str]:
@@ -984,6 +1015,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     run = prepare(parent, size, run_dir)
     print(f"run (up to the scores): {run_dir} ({time.perf_counter() - started:.0f} s)", flush=True)
     data = ablate(run, levels, METHODS, gkd, seeds, speedups=args.speedup)
+    stages = {}
+    for name, entry in run.manifest()["stages"].items():
+        if entry.get("started") and entry.get("finished"):
+            seconds = (
+                datetime.fromisoformat(entry["finished"]) - datetime.fromisoformat(entry["started"])
+            ).total_seconds()
+            stages[name] = {"seconds": seconds, "status": entry.get("status")}
     command = "python benchmarks/ablations.py" + " ".join(["", *(argv if argv is not None else sys.argv[1:])])
     data["parent"]["lm_loss"] = data["parent"]["lm_loss"] or parent.record.get("held_out_loss")
     data["meta"] = {
@@ -1000,10 +1038,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "levels": list(levels),
         "speedups": None if args.speedup is None else {str(lv): sp for lv, sp in zip(levels, args.speedup)},
         "bld": data["bld"],
+        "stages": stages,
         "seeds": seeds,
         "gkd_methods": list(gkd),
         "seconds": time.perf_counter() - started,
-        "machine": f"{platform.machine()} CPU, {args.threads} torch threads",
+        "machine": f"{platform.machine()} CPU, {args.threads} torch thread(s)",
     }
     data["findings"] = findings(data)
     output.parent.mkdir(parents=True, exist_ok=True)
