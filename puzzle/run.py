@@ -273,6 +273,18 @@ class Run:
         stream = split.batches(settings.eval_batch_size, self.config.seed, rank=0, world=1, epochs=1)
         return [batch for _, batch in zip(range(count), stream)]
 
+    def held_out_batches(self) -> list[torch.Tensor]:
+        """The held-out batches every stage measures on (scoring, measured KL, GKD's evaluations)."""
+        return self._held_out()
+
+    def load_parent(self) -> HybridLM:
+        """A fresh copy of the parent, as the stages load it (the library's parent fingerprint matches it)."""
+        return self._load_parent()
+
+    def cost_model(self) -> Any:
+        """The search's cost model of this run (`puzzle.search.run_dir.CostModel` from `hardware`)."""
+        return self._cost_model()
+
     def _held_out_key(self) -> str:
         settings = self.config.data
         return fingerprint_json(

@@ -1,0 +1,1065 @@
+"""Ablations: Puzzle against the alternatives at equal budget on the demo parent -> docs/RESULTS.md.
+
+    python benchmarks/ablations.py            # the quick demo parent, four levels (~6 min cold, 1 min cached)
+    python benchmarks/ablations.py --full     # the full demo parent
+    python benchmarks/ablations.py --quick    # CI-sized smoke run (tiny tokens, two levels, 2 seeds; ~30 s)
+
+One run directory (`runs/ablations[-full|-quick]`, reused: a rerun only re-measures) holds the pipeline's
+importance, BLD library and replace-one-block scores (`puzzle.run.Run` up to `scores`) over a space with
+every axis (Mamba state and heads, MoE top-k, expert width and count, attention KV heads, no-op blocks).
+At each budget (a fraction of the parent's active parameters) every method picks one variant per block
+from that library:
+
+- puzzle: the MIP (`puzzle.search`) over the BLD library with KL scores, as the `solutions` stage runs it;
+- homogeneous: one shape per block kind in every block of that kind (Minitron-style uniform pruning; a
+  no-op for every block of a kind counts as a shape), the combination with the least predicted KL that
+  meets the budget (all combinations enumerated), BLD weights;
+- greedy: from the parent, repeatedly take the block swap with the least KL increase per active parameter
+  saved until the budget holds (once per shared Mamba state size, the best kept);
+- random: a uniformly random architecture of the library that meets the budget (rejection sampling over
+  the whole product), one per seed;
+- mip_no_bld: the MIP over the variants straight from pruning (`puzzle.prune.init_child`, no BLD), scored
+  by the same replace-one-block KL on the same held-out text, and assembled with those untrained weights;
+- mip_lm_loss: the MIP with replace-one-block LM-loss increase scores instead of KL;
+- no_state_axis / no_width_axis: the MIP without the Mamba state-size axis / without the MoE expert-width
+  axis (variants that keep the parent's value only).
+
+Every architecture is assembled (`puzzle.assemble`) and measured against the parent on the run's held-out
+tokens (`puzzle.assemble.measured_kl`: KL, LM-loss increase, top-1 agreement); those of `--gkd` methods are
+then distilled by the run's own GKD settings (`puzzle.gkd.distill`) and measured again. The summed
+replace-one-block KL the search predicts is set against the measured KL of every BLD-assembled child
+(Spearman rank correlation, numpy ranks). Output: the JSON (benchmarks/results/ablations.json), the table
+per level and the plot (docs/RESULTS.md, docs/results_kl.png).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import logging
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from puzzle.assemble import assemble, measured_kl
+from puzzle.bld import Library, default_init, read_library
+from puzzle.config.run import load_config_data
+from puzzle.cost.analytic import model_active_params
+from puzzle.demo.pipeline import FULL, QUICK, DemoSize, demo_config
+from puzzle.files import atomic_write_bytes
+from puzzle.run import Run
+from puzzle.search import InfeasibleError, search
+from puzzle.search.mip import resolve_limits
+from puzzle.search.run_dir import RunCandidates, RunProblem, run_candidates, run_problem
+from puzzle.spec import BlockSpec, MambaSpec, ModelSpec, MoESpec, Variant
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+LEVELS = (0.85, 0.70, 0.55, 0.40)
+METHODS = (
+    "puzzle",
+    "homogeneous",
+    "homogeneous_width",
+    "greedy",
+    "random",
+    "mip_no_bld",
+    "mip_lm_loss",
+    "no_state_axis",
+    "no_width_axis",
+)
+GKD_METHODS = METHODS
+RANDOM_BAND = 0.05  # a random architecture uses at least (level - this) x the parent's active params
+# Every axis the ablations take away exists in this space (Mamba state, MoE expert width), besides heads,
+# top-k, expert count and no-op blocks.
+SPACE = {
+    "mamba": {"state_size": [8], "num_heads": [2], "noop": True},
+    "moe": {"top_k": [1], "expert_width_fraction": [0.5], "num_experts": [4], "noop": True},
+    "attention": {"num_kv_heads": [1], "noop": True},
+}
+DEFAULT = dataclasses.replace(QUICK, space=SPACE)
+FULL_SPACE = {
+    "mamba": {"state_size": [8], "num_heads": [2], "noop": True},
+    "moe": {"top_k": [2, 1], "expert_width_fraction": [0.5], "num_experts": [8], "noop": True},
+    "attention": {"num_kv_heads": [1], "noop": True},
+}
+SMOKE = DemoSize(
+    seq_len=64,
+    held_out_tokens=1024,
+    importance_tokens=512,
+    bld_tokens=2048,
+    gkd_tokens=2048,
+    batch_size=4,
+    space=SPACE,
+)
+
+
+# ----------------------------------------------------------------------------------------- architectures
+
+
+Arch = tuple[BlockSpec, ...]  # one spec per parent block
+
+
+@dataclass
+class Choice:
+    """One method's architecture at one level (None: the method found none that meets the budget)."""
+
+    method: str
+    level: float
+    arch: Arch | None
+    weights: str = "bld"  # "bld": the library's trained mixers; "init": pruning's, untrained
+    seed: int | None = None
+    note: str = ""
+
+
+def _arch(table_choices: Sequence[int], candidates: RunCandidates) -> Arch:
+    return tuple(candidates.variants[b][j] for b, j in enumerate(table_choices))
+
+
+def restrict(candidates: RunCandidates, keep: Callable[[BlockSpec, BlockSpec], bool]) -> RunCandidates:
+    """The candidates whose spec `keep(spec, parent block)` accepts (the parent's own block always stays)."""
+    variants, scores = [], []
+    for b, (specs, values) in enumerate(zip(candidates.variants, candidates.scores)):
+        kept = [
+            (s, v)
+            for j, (s, v) in enumerate(zip(specs, values))
+            if j == 0 or keep(s, candidates.parent.blocks[b])
+        ]
+        variants.append([s for s, _ in kept])
+        scores.append([v for _, v in kept])
+    return RunCandidates(candidates.parent, variants, scores, list(candidates.notes))
+
+
+def same_state(spec: BlockSpec, parent: BlockSpec) -> bool:
+    """A variant without the Mamba state axis: the parent's state size (or no state at all)."""
+    return not isinstance(spec, MambaSpec) or spec.state_size == getattr(parent, "state_size", None)
+
+
+def same_width(spec: BlockSpec, parent: BlockSpec) -> bool:
+    """A variant without the expert-width axis: the parent's expert width (or no experts at all)."""
+    return not isinstance(spec, MoESpec) or spec.expert_width == getattr(parent, "expert_width", None)
+
+
+class Problem:
+    """One level's search problem over a set of candidates: the table, limits and rules of the run's search,
+    and vectorised feasibility for the baselines."""
+
+    def __init__(
+        self, run: Run, candidates: RunCandidates, level: float, speedup: float | None = None
+    ) -> None:
+        self.candidates = candidates
+        self.level = level
+        budgets = [f"active_params<={level}x"]
+        if speedup is not None:  # predicted decode tokens/s at least `speedup` x the parent's
+            budgets.append(f"throughput[decode]>={speedup}x")
+        self.run_problem: RunProblem = run_problem(
+            run.layout,
+            budgets,
+            cost_model=run.cost_model(),
+            shared_state_size=run.config.search.shared_state_size,
+            candidates=candidates,
+        )
+        self.table = self.run_problem.table
+        self.limits = self.run_problem.problem.limits
+        self.rules = self.run_problem.problem.rules
+        self.resolved = resolve_limits(self.table, self.limits)
+
+    def mip(self) -> Arch | None:
+        try:
+            solution = search(self.table, self.limits, self.rules)
+        except InfeasibleError:
+            return None
+        return _arch(solution.choices, self.candidates)
+
+    def feasible(self, choices: np.ndarray) -> np.ndarray:
+        """Which rows of `choices` ([N, blocks] variant index per block) meet the limits and the rules."""
+        rows = self.table.offsets[:-1][None, :] + choices
+        ok = np.ones(len(choices), dtype=bool)
+        for limit, lower, upper in self.resolved:
+            total = self.table.cost(limit.key)[rows].sum(axis=1)
+            if upper is not None:
+                ok &= total <= upper + 1e-6 * max(1.0, abs(upper))
+            if lower is not None:
+                ok &= total >= lower - 1e-6 * max(1.0, abs(lower))
+        for attr in self.rules.shared_attributes():
+            values = self.table.attrs.get(attr)
+            if values is None:
+                continue
+            coded = np.array([-1 if v is None else v for v in values], dtype=np.int64)[rows]
+            present = np.where(coded >= 0, coded, np.iinfo(np.int64).max)
+            low = present.min(axis=1)
+            high = np.where(coded >= 0, coded, -1).max(axis=1)
+            ok &= (high < 0) | (low == high)
+        return ok
+
+    def score(self, choices: Sequence[int]) -> float:
+        return float(self.table.score[self.table.offsets[:-1] + np.asarray(choices)].sum())
+
+    def greedy(self) -> Arch | None:
+        """Best of one greedy descent per shared state size (the rule holds at every step)."""
+        states = self.table.attrs.get("state_size", [])
+        values = sorted({v for v in states if v is not None}) or [None]
+        best: tuple[float, list[int]] | None = None
+        for state in values:
+            found = self._descend(state)
+            if found is not None and (best is None or self.score(found) < best[0]):
+                best = (self.score(found), found)
+        return None if best is None else _arch(best[1], self.candidates)
+
+    def _descend(self, state: int | None) -> list[int] | None:
+        table, cost = self.table, self.table.cost("active_params")
+        states = table.attrs.get("state_size", [None] * table.num_variants)
+        allowed = np.array([state is None or s is None or s == state for s in states])
+        current = []
+        for b in range(table.num_blocks):  # start from the least damaging allowed variant of each block
+            rows = np.arange(table.offsets[b], table.offsets[b + 1])
+            rows = rows[allowed[rows]]
+            current.append(int(rows[np.argmin(table.score[rows])] - table.offsets[b]))
+        while not self.feasible(np.array([current]))[0]:
+            best = None
+            for b in range(table.num_blocks):
+                here = table.offsets[b] + current[b]
+                for row in range(table.offsets[b], table.offsets[b + 1]):
+                    saved = cost[here] - cost[row]
+                    if not allowed[row] or saved <= 0:
+                        continue
+                    ratio = (table.score[row] - table.score[here]) / saved
+                    if best is None or ratio < best[0]:
+                        best = (ratio, b, int(row - table.offsets[b]))
+            if best is None:
+                return None
+            current[best[1]] = best[2]
+        return current
+
+    def random(self, seed: int, draws: int = 20_000, rounds: int = 100) -> Arch | None:
+        """A uniform draw among the feasible architectures that use at least (level - RANDOM_BAND) of the
+        parent's active parameters (rejection sampling of the whole product): equal budget, not a far
+        smaller model, which a uniform draw over all feasible ones mostly is."""
+        rng = np.random.default_rng(seed)
+        sizes = np.diff(self.table.offsets)
+        cost = self.table.cost("active_params")
+        floor = (self.level - RANDOM_BAND) * self.table.parent_total("active_params") - self.table.fixed.get(
+            "active_params", 0.0
+        )
+        for _ in range(rounds):
+            choices = rng.integers(0, sizes[None, :], size=(draws, len(sizes)))
+            used = cost[self.table.offsets[:-1][None, :] + choices].sum(axis=1)
+            hits = np.flatnonzero(self.feasible(choices) & (used >= floor))
+            if len(hits):
+                return _arch(choices[hits[0]].tolist(), self.candidates)
+        return None
+
+    def homogeneous(self, noop: bool = True) -> tuple[Arch | None, int]:
+        """The least predicted KL among one-shape-per-kind architectures that meet the budget, and how many
+        such architectures there are; without `noop`, no kind is removed (width pruning only)."""
+        parent = self.candidates.parent
+        kinds: dict[str, list[int]] = {}
+        for b, block in enumerate(parent.blocks):
+            kinds.setdefault(block.kind, []).append(b)
+        shapes: dict[str, list[BlockSpec]] = {}
+        for kind, blocks in kinds.items():
+            common = [
+                s
+                for s in self.candidates.variants[blocks[0]]
+                if all(s in self.candidates.variants[b] for b in blocks)
+            ]
+            shapes[kind] = [s for s in common if noop or s.kind != "noop"]
+        best: tuple[float, list[int]] | None = None
+        count = 0
+        for combo in itertools.product(*shapes.values()):
+            by_kind = dict(zip(shapes, combo))
+            choices = [
+                self.candidates.variants[b].index(by_kind[block.kind])
+                for b, block in enumerate(parent.blocks)
+            ]
+            if not self.feasible(np.array([choices]))[0]:
+                continue
+            count += 1
+            if best is None or self.score(choices) < best[0]:
+                best = (self.score(choices), choices)
+        return (None if best is None else _arch(best[1], self.candidates)), count
+
+
+# ------------------------------------------------------------------------------------------ measurement
+
+
+class PrunedLibrary(Library):
+    """The library's variants as pruning initialises them (`puzzle.bld.default_init`), before any BLD."""
+
+    def __init__(self, library: Library, init: Callable[[Variant], torch.nn.Module]) -> None:
+        super().__init__(library.directory, library.parent, library.results, library.plan)
+        self._init = init
+
+    def load_mixer(self, variant: Variant, hidden_size: int, norm_eps: float = 1e-5) -> torch.nn.Module:
+        return self._init(variant)
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman's rank correlation (average ranks for ties), without scipy."""
+
+    def ranks(values: Sequence[float]) -> np.ndarray:
+        values = np.asarray(values, dtype=np.float64)
+        order = np.argsort(values, kind="stable")
+        out = np.empty(len(values))
+        out[order] = np.arange(len(values), dtype=np.float64)
+        for value in np.unique(values):
+            tied = values == value
+            out[tied] = out[tied].mean()
+        return out
+
+    if len(x) < 3:
+        return math.nan
+    rx, ry = ranks(x), ranks(y)
+    return float(np.corrcoef(rx, ry)[0, 1])
+
+
+class Bench:
+    """The run (up to its scores), the parent, the held-out batches, and the measurements made so far."""
+
+    def __init__(self, run: Run, init_scores: bool = True) -> None:
+        from puzzle.prune.importance import load_importance
+        from puzzle.score import load_scores
+
+        self.run = run
+        self.parent = run.load_parent()
+        self.spec: ModelSpec = self.parent.spec
+        self.held_out = run.held_out_batches()
+        self.library = read_library(run.layout.library)
+        self.bld_scores = load_scores(run.layout.scores)
+        self.init = default_init(self.parent, load_importance(run.layout.importance))
+        self.pruned = PrunedLibrary(self.library, self.init)
+        self.kl = run_candidates(run.layout, "kl", self.spec)
+        self.lm = run_candidates(run.layout, "lm_loss_delta", self.spec)
+        self.kl_of = self._lookup(self.kl)
+        self.lm_of = self._lookup(self.lm)
+        self.init_kl = self._init_candidates() if init_scores else None
+        self.init_kl_of = self._lookup(self.init_kl) if self.init_kl is not None else {}
+        self.measured: dict[tuple[Arch, str], dict[str, Any]] = {}
+        self.parent_lm_loss: float | None = None
+
+    @staticmethod
+    def _lookup(candidates: RunCandidates) -> dict[tuple[int, BlockSpec], float]:
+        return {
+            (b, spec): value
+            for b, (specs, values) in enumerate(zip(candidates.variants, candidates.scores))
+            for spec, value in zip(specs, values)
+        }
+
+    def _init_candidates(self) -> RunCandidates:
+        """Replace-one-block KL of the untrained (pruned) variants, scored as the run scores the library."""
+        from puzzle.artifacts import fingerprint_json
+        from puzzle.blocks import build_block
+        from puzzle.score import score_variants
+
+        directory = self.run.layout.root / "ablations" / "scores-pruned"
+        usable = [v for v, r in self.library.results.items() if r.status != "failed"]
+        hidden = self.spec.hidden_size
+
+        def mixer(variant: Variant) -> torch.nn.Module | None:
+            status = self.library.results[variant].status
+            if status == "parent":
+                return None
+            if status == "noop":
+                return build_block(variant.spec, hidden)
+            return self.init(variant).to(dtype=self.parent.embeddings.weight.dtype)
+
+        scores = score_variants(
+            self.run.load_parent(),
+            usable,
+            mixer,
+            self.held_out,
+            directory,
+            self.run.config.scoring,
+            data_fingerprint=fingerprint_json(["pruned", self.library.parent, self.run.layout.root.name]),
+        )
+        values = [list(row) for row in self.kl.scores]
+        for b, specs in enumerate(self.kl.variants):
+            for j, spec in enumerate(specs):
+                if j == 0:
+                    continue
+                record = scores.variants[Variant(b, spec)]
+                values[b][j] = float(record.kl)
+        return RunCandidates(self.spec, [list(s) for s in self.kl.variants], values)
+
+    def predicted(self, arch: Arch, table: dict[tuple[int, BlockSpec], float]) -> float:
+        return float(sum(table[(b, spec)] for b, spec in enumerate(arch)))
+
+    def child(self, arch: Arch, weights: str) -> Any:
+        library = self.library if weights == "bld" else self.pruned
+        return assemble(dict(enumerate(arch)), library, self.parent)
+
+    def measure(self, arch: Arch, weights: str) -> dict[str, Any]:
+        key = (arch, weights)
+        if key not in self.measured:
+            child = self.child(arch, weights)
+            vocab_chunk = self.run.config.scoring.vocab_chunk
+            self.measured[key] = {"before": measured_kl(child, self.parent, self.held_out, vocab_chunk)}
+        return self.measured[key]
+
+    def distil(self, arch: Arch, weights: str, name: str) -> dict[str, Any]:
+        """GKD of the child by the run's settings, measured again as before (cached on disk by `distill`)."""
+        from puzzle.gkd import distill
+
+        record = self.measure(arch, weights)
+        if "after" not in record:
+            child = self.child(arch, weights)
+            directory = self.run.layout.root / "ablations" / "gkd" / name
+            result = distill(
+                child, self.parent, self.run.data.train, self.held_out, self.run.config.gkd, directory
+            )
+            vocab_chunk = self.run.config.scoring.vocab_chunk
+            record["after"] = measured_kl(child.eval(), self.parent, self.held_out, vocab_chunk)
+            record["gkd"] = {"steps": result.steps, "tokens": result.tokens}
+            self.parent_lm_loss = result.last_eval.get("parent_lm_loss", self.parent_lm_loss)
+        return record
+
+
+def choose(
+    bench: Bench, level: float, methods: Sequence[str], seeds: int, speedup: float | None = None
+) -> list[Choice]:
+    """Every method's architecture at `level` (and the decode `speedup` bound, if any)."""
+    out: list[Choice] = []
+
+    def problem(candidates: RunCandidates) -> Problem:
+        return Problem(bench.run, candidates, level, speedup)
+
+    kl = problem(bench.kl)
+    for method in methods:
+        if method == "puzzle":
+            out.append(Choice(method, level, kl.mip()))
+        elif method == "homogeneous":
+            arch, count = kl.homogeneous()
+            out.append(Choice(method, level, arch, note=f"best of {count} feasible one-shape-per-kind"))
+        elif method == "homogeneous_width":
+            arch, count = kl.homogeneous(noop=False)
+            out.append(Choice(method, level, arch, note=f"best of {count} feasible, no kind removed"))
+        elif method == "greedy":
+            out.append(Choice(method, level, kl.greedy()))
+        elif method == "random":
+            out += [Choice(method, level, kl.random(seed), seed=seed) for seed in range(seeds)]
+        elif method == "mip_no_bld":
+            if bench.init_kl is not None:
+                arch = problem(bench.init_kl).mip()
+                out.append(Choice(method, level, arch, weights="init", note="pruned variants' own scores"))
+        elif method == "mip_lm_loss":
+            out.append(Choice(method, level, problem(bench.lm).mip()))
+        elif method == "no_state_axis":
+            out.append(Choice(method, level, problem(restrict(bench.kl, same_state)).mip()))
+        elif method == "no_width_axis":
+            out.append(Choice(method, level, problem(restrict(bench.kl, same_width)).mip()))
+        else:
+            raise ValueError(f"unknown method {method!r}; methods: {', '.join(METHODS)}")
+    return out
+
+
+def row(bench: Bench, choice: Choice, gkd: bool, tag: str = "") -> dict[str, Any]:
+    """The JSON record of one method at one level: its architecture, costs, predictions and measurements."""
+    from puzzle.cost.hardware import get_hardware
+    from puzzle.cost.roofline import model_performance
+
+    base = {
+        "method": choice.method,
+        "level": choice.level,
+        "seed": choice.seed,
+        "weights": choice.weights,
+        "note": choice.note,
+    }
+    if choice.arch is None:
+        return {**base, "feasible": False}
+    spec = dataclasses.replace(bench.spec, blocks=choice.arch)
+    cost_model = bench.run.cost_model()
+    scenario = cost_model.scenarios["decode"]
+    hardware = get_hardware(cost_model.hardware)
+    speedup = (
+        model_performance(bench.spec, scenario, hardware).decode_step_s
+        / model_performance(spec, scenario, hardware).decode_step_s
+    )
+    active = model_active_params(spec)
+    name = f"{choice.level:.2f}{tag}-{choice.method}" + ("" if choice.seed is None else f"-{choice.seed}")
+    record = (
+        bench.distil(choice.arch, choice.weights, name) if gkd else bench.measure(choice.arch, choice.weights)
+    )
+    return {
+        **base,
+        "feasible": True,
+        "blocks": [block.short_name() for block in choice.arch],
+        "active_params": active,
+        "active_fraction": active / model_active_params(bench.spec),
+        "predicted_decode_speedup": speedup,
+        "predicted_kl": bench.predicted(choice.arch, bench.kl_of),
+        "predicted_lm_loss_delta": bench.predicted(choice.arch, bench.lm_of),
+        "predicted_kl_pruned": bench.predicted(choice.arch, bench.init_kl_of) if bench.init_kl_of else None,
+        "before": record["before"],
+        "after": record.get("after"),
+        "gkd": record.get("gkd"),
+    }
+
+
+# --------------------------------------------------------------------------------------------- the report
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """How well the summed scores predict the measured KL: Spearman over the distinct BLD-assembled children
+    (and over the pruned ones against their own scores), Pearson of the logs, the measured / predicted ratios."""
+    children = {}
+    for r in rows:
+        if r["feasible"] and r["weights"] == "bld":
+            children[tuple(r["blocks"])] = (r["predicted_kl"], r["before"]["kl"])
+    pairs = list(children.values())
+    pruned = {
+        tuple(r["blocks"]): (r["predicted_kl_pruned"], r["before"]["kl"])
+        for r in rows
+        if r["feasible"] and r["weights"] == "init"
+    }
+    ratios = [m / p for p, m in pairs if p > 0]
+    logs = np.log([[p, m] for p, m in pairs if p > 0 and m > 0]) if pairs else np.zeros((0, 2))
+    return {
+        "spearman_bld": spearman([p for p, _ in pairs], [m for _, m in pairs]),
+        "pearson_log_bld": float(np.corrcoef(logs.T)[0, 1]) if len(logs) > 2 else math.nan,
+        "ratio_median": statistics.median(ratios) if ratios else math.nan,
+        "ratio_min": min(ratios, default=math.nan),
+        "ratio_max": max(ratios, default=math.nan),
+        "children_bld": len(pairs),
+        "spearman_pruned": spearman([p for p, _ in pruned.values()], [m for _, m in pruned.values()]),
+        "children_pruned": len(pruned),
+    }
+
+
+def _fmt(value: float | None, digits: int = 4) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def compact(name: str) -> str:
+    """A block's short name in a few characters: `mamba:h4:p32:n8:...` -> M4n8, `moe:e8:k2:w32:...` -> E8k2w32,
+    `attn:q4:kv1:...` -> A1 (KV heads), `noop` -> `-`."""
+    parts = {part[0]: part[1:] for part in name.split(":")[1:] if part}
+    if name.startswith("mamba:"):
+        return f"M{parts['h']}n{parts['n']}"
+    if name.startswith("moe:"):
+        return f"E{parts['e']}k{parts['k']}w{parts['w']}"
+    if name.startswith("attn:"):
+        return f"A{name.split(':kv')[1].split(':')[0]}"
+    return "-" if name == "noop" else name
+
+
+METRICS = ("kl", "lm_loss_delta", "top1")
+
+
+def level_rows(rows: list[dict[str, Any]], level: float) -> list[dict[str, Any]]:
+    """The rows of one level with the random seeds folded into one: means in `before` / `after` and the
+    other fields, sample standard deviations in `*_std`."""
+    here = [r for r in rows if r["level"] == level]
+    out = [r for r in here if r["method"] != "random"]
+    draws = [r for r in here if r["method"] == "random" and r["feasible"]]
+    if not draws:
+        return out
+
+    def stat(values: list[float]) -> tuple[float, float]:
+        return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+
+    folded: dict[str, Any] = {
+        "method": "random",
+        "level": level,
+        "feasible": True,
+        "seeds": len(draws),
+        "weights": "bld",
+        "blocks": None,
+    }
+    for key in ("active_fraction", "predicted_kl", "predicted_decode_speedup"):
+        folded[key], folded[key + "_std"] = stat([r[key] for r in draws])
+    for phase in ("before", "after"):
+        if all(r.get(phase) for r in draws):
+            pairs = {m: stat([r[phase][m] for r in draws]) for m in METRICS}
+            folded[phase] = {m: mean for m, (mean, _) in pairs.items()}
+            folded[phase + "_std"] = {m: std for m, (_, std) in pairs.items()}
+    index = next(
+        (
+            i
+            for i, r in enumerate(out)
+            if r["method"] not in ("puzzle", "homogeneous", "homogeneous_width", "greedy")
+        ),
+        len(out),
+    )
+    out.insert(index, folded)
+    return out
+
+
+def _cell(r: dict[str, Any], phase: str, metric: str) -> str:
+    values = r.get(phase)
+    if not values:
+        return "-"
+    value = values[metric]
+    text = f"{value:.1%}" if metric == "top1" else f"{value:.4f}"
+    std = (r.get(phase + "_std") or {}).get(metric)
+    if std is not None:
+        text += f" ± {std:.1%}" if metric == "top1" else f" ± {std:.4f}"
+    return text
+
+
+def _level_title(meta: dict[str, Any], level: float) -> str:
+    speedup = (meta.get("speedups") or {}).get(str(level))
+    bound = f" and predicted decode speed-up >= {speedup}x" if speedup else ""
+    return f"{level:.0%} of the parent's active parameters{bound} ({1 - level:.0%} compression)"
+
+
+def summary_table(data: dict[str, Any], phase: str) -> list[str]:
+    """Measured KL (nats/token) of every method at every level: one row per method, one column per level."""
+    levels = data["meta"]["levels"]
+    table = {level: {r["method"]: r for r in level_rows(data["rows"], level)} for level in levels}
+    methods = list(dict.fromkeys(m for level in levels for m in table[level]))
+    lines = [
+        "| method | " + " | ".join(f"{level:.0%}" for level in levels) + " |",
+        "|---|" + "---:|" * len(levels),
+    ]
+    for method in methods:
+        cells = []
+        for level in levels:
+            r = table[level].get(method)
+            if r is None or not r["feasible"]:
+                cells.append("infeasible")
+                continue
+            cell = _cell(r, phase, "kl")
+            best = min(
+                (x[phase]["kl"] for x in table[level].values() if x["feasible"] and x.get(phase)),
+                default=None,
+            )
+            if r.get(phase) and best is not None and r[phase]["kl"] == best:
+                cell = f"**{cell}**"
+            cells.append(cell)
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def markdown(data: dict[str, Any]) -> str:
+    rows, meta, summary = data["rows"], data["meta"], data["summary"]
+    parent_arch = " ".join(compact(b) for b in data["parent"]["blocks"])
+    bld = meta["bld"]
+    lines = [
+        "# Results: Puzzle against the alternatives at equal budget",
+        "",
+        "Reproduce (writes this file, docs/results_kl.png and benchmarks/results/ablations.json):",
+        "",
+        "```",
+        meta["command"],
+        "```",
+        "",
+        f"Parent: {meta['parent']}, `{parent_arch}` ({meta['parent_active_params']:,} active parameters, "
+        f"held-out LM loss {_fmt(meta.get('parent_lm_loss'), 3)} nats/token). Block notation: `M<h>n<s>` = Mamba "
+        "with h heads and state size s; `E<e>k<k>w<w>` = MoE with e routed experts, top-k, expert width w; "
+        "`A<n>` = attention with n KV heads; `-` = block removed (no-op). "
+        f"Library: {meta['variants']} variants over the space `{json.dumps(meta['space'])}` (every axis, "
+        f"coupled), each trained by BLD on {meta['bld_tokens']:,} tokens (held-out normalised MSE after / before "
+        f"BLD: median {bld['median_ratio']:.2f}, {bld['worse']} of {bld['trained']} variants worse after BLD). "
+        f"Replace-one-block scores and every measurement on the same {meta['held_out_tokens']:,} held-out tokens "
+        f"(the parent never trained on them). GKD: {meta['gkd_tokens']:,} tokens per child, the run's settings, "
+        "the same for every method. Budget at each level: active parameters <= the fraction x the parent's"
+        + (
+            " and a predicted decode throughput bound (below)"
+            if meta.get("speedups")
+            else "; the predicted decode speed-up (cost model calibrated on this machine, batch 1) is reported, "
+            "not bounded"
+        )
+        + f". This invocation: {meta['seconds']:.0f} s on {meta['machine']}"
+        + _stages_text(meta.get("stages") or {})
+        + ".",
+        "",
+        "Methods (all but mip_no_bld assemble the same BLD-trained library):",
+        "",
+        "- **puzzle**: the MIP over the BLD library with replace-one-block KL scores (the pipeline's search);",
+        "- **homogeneous**: one shape per block kind in every block of that kind (Minitron-style uniform "
+        "pruning; removing every block of a kind counts as a shape), the combination with the least predicted "
+        "KL (the same scores) of all that meet the budget; **homogeneous_width**: the same without removing a "
+        "kind (width pruning only);",
+        "- **greedy**: from the parent, repeatedly the one-block swap with the least KL increase per active "
+        "parameter saved, until the budget holds (one descent per shared Mamba state size, the best kept);",
+        f"- **random**: a uniformly random architecture of the library that meets the budget and uses at least "
+        f"(level - {RANDOM_BAND:.0%}) of the parent's active parameters, mean ± std over {meta['seeds']} seeds;",
+        "- **mip_no_bld**: the MIP over the pruned variants before BLD (`init_child` from activation "
+        "importance), scored by the same replace-one-block KL and assembled with those untrained weights;",
+        "- **mip_lm_loss**: the MIP with replace-one-block LM-loss increase scores instead of KL;",
+        "- **no_state_axis** / **no_width_axis**: the MIP without Mamba state-size variants / without MoE "
+        "expert-width variants (those axes held at the parent's value).",
+        "",
+        "## Summary: measured KL to the parent (nats/token, held out), best per level in bold",
+        "",
+        "Assembled, before GKD:",
+        "",
+        *summary_table(data, "before"),
+        "",
+        "After the same GKD:",
+        "",
+        *summary_table(data, "after"),
+        "",
+        "![measured KL against active parameters](results_kl.png)",
+        "",
+    ]
+    lines += data.get("findings", [])
+    lines += CAVEATS
+    lines += [
+        "## How additive are the scores",
+        "",
+        f"Spearman rank correlation of the predicted (summed replace-one-block) KL against the measured KL of "
+        f"the assembled child, over all {summary['children_bld']} distinct BLD-assembled children of every "
+        f"method and level: **{_fmt(summary['spearman_bld'], 3)}** (Pearson of the logs "
+        f"{_fmt(summary['pearson_log_bld'], 3)}; measured / predicted KL: median {_fmt(summary['ratio_median'], 2)}, "
+        f"range {_fmt(summary['ratio_min'], 2)} to {_fmt(summary['ratio_max'], 2)})"
+        + (
+            f"; the {summary['children_pruned']} mip_no_bld children against their own pruned-variant scores: "
+            f"{_fmt(summary['spearman_pruned'], 3)}."
+            if summary["children_pruned"]
+            else "."
+        ),
+        "",
+        "## Per level",
+        "",
+        "KL and ΔLM (child's minus parent's LM loss) in nats/token, top-1 = agreement with the parent's top "
+        "token, on held-out text; *pred.* = the summed replace-one-block KL of the BLD library (of the pruned "
+        "variants for mip_no_bld).",
+        "",
+    ]
+    for level in meta["levels"]:
+        lines += [
+            f"### {_level_title(meta, level)}",
+            "",
+            "| method | architecture | active | decode speed-up (pred.) | KL pred. | KL | ΔLM | top-1 "
+            "| KL after GKD | ΔLM after | top-1 after |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in level_rows(rows, level):
+            if not r["feasible"]:
+                lines.append(f"| {r['method']} | infeasible | | | | | | | | | |")
+                continue
+            name = r["method"] + (f" (n={r['seeds']})" if r["method"] == "random" else "")
+            arch = (
+                "(various)" if r["blocks"] is None else "`" + " ".join(compact(b) for b in r["blocks"]) + "`"
+            )
+            active = f"{r['active_fraction']:.1%}"
+            if "active_fraction_std" in r:
+                active += f" ± {r['active_fraction_std']:.1%}"
+            predicted = r["predicted_kl"] if r["weights"] == "bld" else r["predicted_kl_pruned"]
+            lines.append(
+                f"| {name} | {arch} | {active} | {r['predicted_decode_speedup']:.2f}x | {_fmt(predicted)} | "
+                + " | ".join(_cell(r, phase, m) for phase in ("before", "after") for m in METRICS)
+                + " |"
+            )
+        lines.append("")
+    return "\n".join(lines) + "\n"
+
+
+def _stages_text(stages: dict[str, Any]) -> str:
+    if not stages:
+        return ""
+    parts = [f"{name} {entry['seconds']:.0f} s ({entry['status']})" for name, entry in stages.items()]
+    return (
+        "; the run's stages when computed: "
+        + ", ".join(parts)
+        + " (reused = found done in the run directory)"
+    )
+
+
+CAVEATS = [
+    "## Caveats",
+    "",
+    "- One BLD, one GKD (32 steps at the default size) and one held-out set per child, no repeats: the "
+    "spread of a method's own result is not measured here, so differences of a few percent between methods "
+    "(the MIP variants, greedy) are not significant evidence either way; the gaps of 1.3x and more are.",
+    "- The replace-one-block scores and the measured KL use the same held-out tokens, so the rank correlation "
+    "measures additivity, not generalisation of the scores.",
+    "- Short BLD on a small parent: where BLD makes a variant worse than its pruned initialisation (counted "
+    "above), the MIP without BLD can pick a better child; the library's BLD budget is the demo's.",
+    "- Budgets bound active parameters only (decode speed-up is predicted and reported); `--speedup` adds a "
+    "decode-throughput bound per level.",
+    "",
+]
+
+
+def findings(data: dict[str, Any]) -> list[str]:
+    """Each method's measured KL over Puzzle's, level by level, before and after GKD (> 1: Puzzle better)."""
+    rows, levels = data["rows"], data["meta"]["levels"]
+    out = [
+        "## Each method's measured KL / Puzzle's (> 1: Puzzle better)",
+        "",
+        "| method | " + " | ".join(f"{level:.0%} before / after GKD" for level in levels) + " |",
+        "|---|" + "---:|" * len(levels),
+    ]
+    table = {level: {r["method"]: r for r in level_rows(rows, level) if r["feasible"]} for level in levels}
+    methods = list(dict.fromkeys(m for level in levels for m in table[level] if m != "puzzle"))
+    for method in methods:
+        cells = []
+        for level in levels:
+            puzzle, r = table[level].get("puzzle"), table[level].get(method)
+            if puzzle is None or r is None:
+                cells.append("-")
+                continue
+            ratios = [
+                f"{r[phase]['kl'] / puzzle[phase]['kl']:.2f}" if r.get(phase) and puzzle.get(phase) else "-"
+                for phase in ("before", "after")
+            ]
+            cells.append(" / ".join(ratios))
+        out.append(f"| {method} | " + " | ".join(cells) + " |")
+    out.append("")
+    # The Puzzle-vs-uniform-pruning crossover (NVIDIA's Puzzle vs Minitron: between 20% and 38% compression).
+    for phase, label in (("before", "assembled"), ("after", "after GKD")):
+        wins, losses = [], []
+        for level in levels:
+            puzzle, homo = table[level].get("puzzle"), table[level].get("homogeneous")
+            if puzzle and homo and puzzle.get(phase) and homo.get(phase):
+                (wins if puzzle[phase]["kl"] < homo[phase]["kl"] else losses).append(f"{1 - level:.0%}")
+        out.append(
+            f"- Puzzle vs homogeneous ({label}): Puzzle lower KL at {', '.join(wins) or 'no level'} compression"
+            + (f", homogeneous lower at {', '.join(losses)}" if losses else ": no crossover in this range")
+            + "."
+        )
+    for phase, label in (("before", "assembled"), ("after", "after GKD")):
+        beaten = []
+        for level in levels:
+            puzzle = table[level].get("puzzle")
+            if not (puzzle and puzzle.get(phase)):
+                continue
+            better = [
+                m
+                for m, r in table[level].items()
+                if m != "puzzle" and r.get(phase) and r[phase]["kl"] < puzzle[phase]["kl"]
+            ]
+            if better:
+                beaten.append(f"{1 - level:.0%}: {', '.join(better)}")
+        out.append(
+            f"- Methods with lower measured KL than Puzzle ({label}): " + ("; ".join(beaten) or "none") + "."
+        )
+    out.append("")
+    return out
+
+
+def plot(data: dict[str, Any], path: Path) -> None:
+    """Measured KL against active parameters, one line per method, before and after GKD."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    levels = data["meta"]["levels"]
+    folded = [r for level in levels for r in level_rows(data["rows"], level) if r["feasible"]]
+    methods = list(dict.fromkeys(r["method"] for r in folded))
+    for index, method in enumerate(methods):
+        style = "-" if method in ("puzzle", "homogeneous", "homogeneous_width", "greedy", "random") else "--"
+        width = 2.5 if method == "puzzle" else 1.2
+        for ax, phase in zip(axes, ("before", "after")):
+            points = [
+                (
+                    r["active_fraction"],
+                    r[phase]["kl"],
+                    (r.get(phase + "_std") or {}).get("kl", 0.0),
+                )
+                for r in folded
+                if r["method"] == method and r.get(phase)
+            ]
+            if not points:
+                continue
+            x, y, e = zip(*sorted(points))
+            ax.errorbar(
+                x,
+                y,
+                yerr=e if any(e) else None,
+                marker="o",
+                linestyle=style,
+                linewidth=width,
+                label=method,
+                color=f"C{index}",
+                capsize=3,
+            )
+    for ax, title in zip(axes, ("assembled (before GKD)", "after the same GKD")):
+        ax.set_xlabel("active parameters / parent's")
+        ax.set_ylabel("KL(parent || child), nats/token, held out")
+        ax.set_yscale("log")
+        ax.set_title(f"{data['meta']['parent']}: {title}")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(staging, dpi=110)
+    os.replace(staging, path)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+
+def prepare(parent: Any, size: DemoSize, run_dir: Path, seed: int = 0) -> Run:
+    """The demo's run config over `parent` with `size` (its space), run up to the scores (reused if done)."""
+    data = demo_config(parent.path, parent.corpus.path, run_dir, size, seed)
+    run = Run(run_dir, load_config_data(data))
+    run.run(until="scores")
+    return run
+
+
+def ablate(
+    run: Run,
+    levels: Sequence[float] = LEVELS,
+    methods: Sequence[str] = METHODS,
+    gkd_methods: Sequence[str] = GKD_METHODS,
+    seeds: int = 5,
+    log: Callable[[str], None] = print,
+    speedups: Sequence[float] | None = None,
+) -> dict[str, Any]:
+    """Every method at every level on the run's library (see the module docstring); the JSON's data.
+    `speedups`: one minimum predicted decode speed-up per level (a second budget), or None."""
+    bench = Bench(run, init_scores="mip_no_bld" in methods)
+    if speedups is not None and len(speedups) != len(levels):
+        raise ValueError(f"{len(speedups)} speed-ups for {len(levels)} levels: give one per level")
+    rows = []
+    for index, level in enumerate(levels):
+        speedup = None if speedups is None else speedups[index]
+        tag = "" if speedup is None else f"-s{speedup}"
+        for choice in choose(bench, level, methods, seeds, speedup):
+            started = time.perf_counter()
+            record = row(bench, choice, choice.method in gkd_methods, tag)
+            rows.append(record)
+            if record["feasible"]:
+                after = record.get("after") or {}
+                log(
+                    f"{level:.2f} {choice.method}{'' if choice.seed is None else f' seed {choice.seed}'}: "
+                    f"active {record['active_fraction']:.3f}, KL pred {record['predicted_kl']:.4f} measured "
+                    f"{record['before']['kl']:.4f}"
+                    + (f" after GKD {after['kl']:.4f}" if after else "")
+                    + f" ({time.perf_counter() - started:.1f} s)"
+                )
+            else:
+                log(f"{level:.2f} {choice.method}: infeasible")
+    parent_lm = bench.parent_lm_loss
+    trained = [r for r in bench.library.results.values() if r.status == "trained" and r.init_nmse]
+    ratios = [r.final_nmse / r.init_nmse for r in trained if r.final_nmse is not None]
+    return {
+        "bld": {
+            "trained": len(trained),
+            "median_ratio": statistics.median(ratios) if ratios else math.nan,
+            "worse": sum(1 for ratio in ratios if ratio > 1),
+        },
+        "rows": rows,
+        "summary": summarize(rows),
+        "parent": {
+            "active_params": model_active_params(bench.spec),
+            "blocks": [b.short_name() for b in bench.spec.blocks],
+            "lm_loss": parent_lm,
+        },
+        "variants": sum(1 for r in bench.library.results.values() if r.status != "parent"),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--full", action="store_true", help="the full demo parent and the demo's full sizes")
+    group.add_argument("--quick", action="store_true", help="CI-sized smoke run (tiny token counts)")
+    parser.add_argument(
+        "--levels", type=float, nargs="+", help=f"fractions of active params (default {LEVELS})"
+    )
+    parser.add_argument(
+        "--seeds", type=int, help="random architectures per level (default 5, 2 with --quick)"
+    )
+    parser.add_argument("--gkd", nargs="*", default=None, help=f"methods distilled (default {GKD_METHODS})")
+    parser.add_argument(
+        "--run-dir", type=Path, help="the cached run directory (default runs/ablations[-full|-quick])"
+    )
+    parser.add_argument("--cache", type=Path, help="the demo parent's cache (default puzzle.demo.parent's)")
+    parser.add_argument("--output", type=Path, help="the JSON (default benchmarks/results/ablations.json)")
+    parser.add_argument("--doc", type=Path, help="the Markdown (default docs/RESULTS.md; none with --quick)")
+    parser.add_argument("--plot", type=Path, help="the PNG (default docs/results_kl.png; none with --quick)")
+    parser.add_argument(
+        "--speedup",
+        type=float,
+        nargs="+",
+        help="also bound the predicted decode throughput: one minimum speed-up over the parent per level",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (1: steady on a shared CPU, where OpenMP threads spin)",
+    )
+    args = parser.parse_args(argv)
+
+    from puzzle.demo.parent import demo_parent
+
+    started = time.perf_counter()
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("PUZZLE_PROGRESS", "0")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    suffix = "-full" if args.full else "-quick" if args.quick else ""
+    size = dataclasses.replace(FULL, space=FULL_SPACE) if args.full else SMOKE if args.quick else DEFAULT
+    levels = args.levels or ((0.7, 0.4) if args.quick else LEVELS)
+    seeds = args.seeds or (2 if args.quick else 5)
+    gkd = GKD_METHODS if args.gkd is None else tuple(args.gkd)
+    run_dir = (args.run_dir or ROOT / "runs" / f"ablations{suffix}").absolute()
+    results = HERE / "results" / ("quick" if args.quick else "")
+    output = args.output or results / "ablations.json"
+    doc = args.doc or (None if args.quick else ROOT / "docs" / "RESULTS.md")
+    png = args.plot or (None if args.quick else (doc.parent if doc else ROOT / "docs") / "results_kl.png")
+
+    parent = demo_parent(args.cache, quick=not args.full, progress=False)
+    print(f"parent: {parent.path}", flush=True)
+    run = prepare(parent, size, run_dir)
+    print(f"run (up to the scores): {run_dir} ({time.perf_counter() - started:.0f} s)", flush=True)
+    data = ablate(run, levels, METHODS, gkd, seeds, speedups=args.speedup)
+    stages = {}
+    for name, entry in run.manifest()["stages"].items():
+        if entry.get("started") and entry.get("finished"):
+            seconds = (
+                datetime.fromisoformat(entry["finished"]) - datetime.fromisoformat(entry["started"])
+            ).total_seconds()
+            stages[name] = {"seconds": seconds, "status": entry.get("status")}
+    command = "python benchmarks/ablations.py" + " ".join(["", *(argv if argv is not None else sys.argv[1:])])
+    data["parent"]["lm_loss"] = data["parent"]["lm_loss"] or parent.record.get("held_out_loss")
+    data["meta"] = {
+        "command": command,
+        "parent": "the full demo parent" if args.full else "the quick demo parent",
+        "parent_blocks": " ".join(data["parent"]["blocks"]),
+        "parent_active_params": data["parent"]["active_params"],
+        "parent_lm_loss": data["parent"]["lm_loss"],
+        "variants": data["variants"],
+        "space": size.space,
+        "bld_tokens": size.bld_tokens,
+        "held_out_tokens": size.held_out_tokens,
+        "gkd_tokens": size.gkd_tokens,
+        "levels": list(levels),
+        "speedups": None if args.speedup is None else {str(lv): sp for lv, sp in zip(levels, args.speedup)},
+        "bld": data["bld"],
+        "stages": stages,
+        "seeds": seeds,
+        "gkd_methods": list(gkd),
+        "seconds": time.perf_counter() - started,
+        "machine": f"{platform.machine()} CPU, {args.threads} torch thread(s)",
+    }
+    data["findings"] = findings(data)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(output, (json.dumps(data, indent=2, default=str) + "\n").encode())
+    print(f"wrote {output}")
+    if png is not None:
+        plot(data, png)
+        print(f"wrote {png}")
+    if doc is not None:
+        atomic_write_bytes(doc, markdown(data).encode())
+        print(f"wrote {doc}")
+    print(
+        f"Spearman (predicted vs measured KL, {data['summary']['children_bld']} children): "
+        f"{data['summary']['spearman_bld']:.3f}; {data['meta']['seconds']:.0f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
