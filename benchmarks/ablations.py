@@ -91,11 +91,6 @@ SPACE = {
     "attention": {"num_kv_heads": [1], "noop": True},
 }
 DEFAULT = dataclasses.replace(QUICK, space=SPACE)
-FULL_SPACE = {
-    "mamba": {"state_size": [8], "num_heads": [2], "noop": True},
-    "moe": {"top_k": [2, 1], "expert_width_fraction": [0.5], "num_experts": [8], "noop": True},
-    "attention": {"num_kv_heads": [1], "noop": True},
-}
 SMOKE = DemoSize(
     seq_len=64,
     held_out_tokens=1024,
@@ -1000,7 +995,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("PUZZLE_PROGRESS", "0")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     suffix = "-full" if args.full else "-quick" if args.quick else ""
-    size = dataclasses.replace(FULL, space=FULL_SPACE) if args.full else SMOKE if args.quick else DEFAULT
+    size = FULL if args.full else SMOKE if args.quick else DEFAULT
     levels = args.levels or ((0.7, 0.4) if args.quick else LEVELS)
     seeds = args.seeds or (2 if args.quick else 5)
     gkd = GKD_METHODS if args.gkd is None else tuple(args.gkd)
