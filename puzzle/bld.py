@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from puzzle import dist, shard
@@ -77,6 +77,7 @@ from puzzle.model import HybridLM
 from puzzle.progress import progress_bar
 from puzzle.prune.importance import ModelImportance
 from puzzle.prune.init import init_child
+from puzzle.resume import load_optimizer_tensors, optimizer_tensors, read_checkpoint, write_checkpoint
 from puzzle.spec import NoOpSpec, SpecError, Variant
 
 FORMAT_VERSION = 1
@@ -458,8 +459,7 @@ def _checkpoint_dir(directory: Path) -> Path:
 
 
 def _save_checkpoint(directory: Path, wave: _Wave, inputs: Mapping[str, str]) -> None:
-    """Rank 0 writes the wave's weights, AdamW states and position; the JSON goes last and names the tensors
-    file, so a kill at any moment leaves the previous complete checkpoint readable. Sharded tensors are
+    """The wave's weights, AdamW states and position (`puzzle.resume.write_checkpoint`). Sharded tensors are
     gathered on every rank first (collectives, in the same order everywhere)."""
     tensors: dict[str, torch.Tensor] = {}
     for variant in sorted(wave.mixers, key=_order):
@@ -467,45 +467,24 @@ def _save_checkpoint(directory: Path, wave: _Wave, inputs: Mapping[str, str]) ->
             continue
         for name, value in wave.mixers[variant].state_dict().items():
             tensors[f"{_key(variant)}/param/{name}"] = shard.full(value)
-        state = wave.optimizers[variant].state_dict()["state"]
-        for index in sorted(state):
-            for name in sorted(state[index]):
-                tensors[f"{_key(variant)}/adam/{index}/{name}"] = shard.full(
-                    torch.as_tensor(state[index][name])
-                )
-    if not dist.is_main():
-        dist.barrier()
-        return
-    try:
-        folder = _checkpoint_dir(directory)
-        name = f"wave{wave.number}-step{wave.step}.safetensors"
-        atomic_write(folder / name, lambda path: save_file(tensors, path))
-        record = {
-            "inputs": dict(inputs),
-            "wave": wave.number,
-            "step": wave.step,
-            "tokens": wave.tokens,
-            "tensors": name,
-            "results": [wave.results[v].to_dict() for v in sorted(wave.results, key=_order)],
-        }
-        json_path = folder / f"wave{wave.number}.json"
-        old = json.loads(json_path.read_text())["tensors"] if json_path.is_file() else None
-        atomic_write(json_path, json_writer(record))
-        if old and old != name:
-            (folder / old).unlink(missing_ok=True)
-    finally:
-        dist.barrier()
+        tensors.update(optimizer_tensors(wave.optimizers[variant], f"{_key(variant)}/adam/"))
+    record = {
+        "inputs": dict(inputs),
+        "wave": wave.number,
+        "step": wave.step,
+        "tokens": wave.tokens,
+        "results": [wave.results[v].to_dict() for v in sorted(wave.results, key=_order)],
+    }
+    name = f"wave{wave.number}-step{wave.step}.safetensors"
+    write_checkpoint(_checkpoint_dir(directory), f"wave{wave.number}.json", name, tensors, record)
 
 
 def _load_checkpoint(directory: Path, wave: _Wave, inputs: Mapping[str, str]) -> bool:
     """Restore `wave` from its checkpoint if one exists for these inputs; True when restored."""
-    json_path = _checkpoint_dir(directory) / f"wave{wave.number}.json"
-    if not json_path.is_file():
+    found = read_checkpoint(_checkpoint_dir(directory), f"wave{wave.number}.json", inputs)
+    if found is None:
         return False
-    record = json.loads(json_path.read_text())
-    if record.get("inputs") != dict(inputs):
-        raise ArtifactError(f"{json_path} belongs to a BLD run with other inputs")  # cleared by the caller
-    tensors = load_file(str(_checkpoint_dir(directory) / record["tensors"]))
+    record, tensors, _ = found
     wave.step, wave.tokens = int(record["step"]), int(record["tokens"])
     for data in record["results"]:
         result = VariantResult.from_dict(data)
@@ -518,18 +497,7 @@ def _load_checkpoint(directory: Path, wave: _Wave, inputs: Mapping[str, str]) ->
         current = mixer.state_dict()
         state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
         mixer.load_state_dict({k: shard.like(v, current[k]) if k in current else v for k, v in state.items()})
-        optimizer = wave.optimizers[variant]
-        saved = optimizer.state_dict()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        prefix = f"{_key(variant)}/adam/"
-        for key in sorted(tensors):  # sorted: the same scatter order on every rank
-            if key.startswith(prefix):
-                index, name = key[len(prefix) :].split("/")
-                value = tensors[key]
-                if value.ndim > 0:  # moments are laid out as their parameter; the step count is a scalar
-                    value = shard.like(value, params[int(index)])
-                saved["state"].setdefault(int(index), {})[name] = value
-        optimizer.load_state_dict(saved)
+        load_optimizer_tensors(wave.optimizers[variant], tensors, f"{_key(variant)}/adam/")
     return True
 
 

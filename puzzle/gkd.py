@@ -44,7 +44,6 @@ same inputs is reused without work.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import shutil
 import time
@@ -55,7 +54,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -72,7 +70,6 @@ from puzzle.artifacts import (
 )
 from puzzle.bld import BLDSettings, _rows, learning_rate
 from puzzle.data import DataError, TokenSplit
-from puzzle.files import atomic_write
 from puzzle.logits import (
     KL_SUM,
     NLL_SUM,
@@ -84,6 +81,7 @@ from puzzle.logits import (
 )
 from puzzle.model import HybridLM
 from puzzle.progress import progress_bar
+from puzzle.resume import load_optimizer_tensors, optimizer_tensors, read_checkpoint, write_checkpoint
 
 FORMAT_VERSION = 1
 ARTIFACT_NAME = "gkd"
@@ -577,64 +575,35 @@ def _save_checkpoint(
     optimizer: torch.optim.Optimizer,
     inputs: Mapping[str, str],
 ) -> None:
-    """Rank 0 writes the tensors, then the JSON that names them (last), so a kill at any moment leaves the
-    previous complete checkpoint readable. Sharded tensors are gathered on every rank first."""
+    """The student, AdamW, RNG states and position (`puzzle.resume.write_checkpoint`). Sharded tensors are
+    gathered on every rank first."""
     tensors = {f"param/{k}": v for k, v in _full_state(student).items()}
-    saved = optimizer.state_dict()["state"]
-    for index in sorted(saved):
-        for name in sorted(saved[index]):
-            tensors[f"adam/{index}/{name}"] = shard.full(torch.as_tensor(saved[index][name]))
+    tensors.update(optimizer_tensors(optimizer, "adam/"))
     tensors["rng/cpu"] = torch.get_rng_state()
     if torch.cuda.is_available():
         tensors["rng/cuda"] = torch.cuda.get_rng_state()
-    if not dist.is_main():
-        dist.barrier()
-        return
-    try:
-        folder = _checkpoint_dir(directory)
-        name = f"step{state.step}.safetensors"
-        atomic_write(folder / name, lambda path: save_file(tensors, path))
-        record = {
-            "inputs": dict(inputs),
-            "step": state.step,
-            "tokens": state.tokens,
-            "position": state.position,
-            "tensors": name,
-            "history": state.history,
-        }
-        json_path = folder / "checkpoint.json"
-        old = json.loads(json_path.read_text())["tensors"] if json_path.is_file() else None
-        atomic_write(json_path, json_writer(record))
-        if old and old != name:
-            (folder / old).unlink(missing_ok=True)
-    finally:
-        dist.barrier()
+    record = {
+        "inputs": dict(inputs),
+        "step": state.step,
+        "tokens": state.tokens,
+        "position": state.position,
+        "history": state.history,
+    }
+    name = f"step{state.step}.safetensors"
+    write_checkpoint(_checkpoint_dir(directory), "checkpoint.json", name, tensors, record)
 
 
 def _load_checkpoint(
     directory: Path, student: HybridLM, optimizer: torch.optim.Optimizer, inputs: Mapping[str, str]
 ) -> _State | None:
     """The state of the last checkpoint of a run with these inputs (weights and AdamW restored), else None."""
-    json_path = _checkpoint_dir(directory) / "checkpoint.json"
-    if not json_path.is_file():
+    found = read_checkpoint(_checkpoint_dir(directory), "checkpoint.json", inputs)
+    if found is None:
         return None
-    record = json.loads(json_path.read_text())
-    if record.get("inputs") != dict(inputs):
-        return None
-    path = _checkpoint_dir(directory) / record["tensors"]
-    tensors = load_file(str(path))
+    record, tensors, path = found
     params = {k[len("param/") :]: v for k, v in tensors.items() if k.startswith("param/")}
     _load_state(student, params, str(path))
-    saved = optimizer.state_dict()
-    parameters = [p for group in optimizer.param_groups for p in group["params"]]
-    for key in sorted(tensors):  # sorted: the same scatter order on every rank
-        if key.startswith("adam/"):
-            index, name = key[len("adam/") :].split("/")
-            value = tensors[key]
-            if value.ndim > 0:  # moments are laid out as their parameter; the step count is a scalar
-                value = shard.like(value, parameters[int(index)])
-            saved["state"].setdefault(int(index), {})[name] = value
-    optimizer.load_state_dict(saved)
+    load_optimizer_tensors(optimizer, tensors, "adam/")
     torch.set_rng_state(tensors["rng/cpu"])
     if "rng/cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["rng/cuda"])

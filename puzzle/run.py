@@ -35,7 +35,7 @@ import re
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,6 +46,9 @@ from puzzle.files import atomic_write_bytes
 from puzzle.layout import STAGES, RunLayout
 from puzzle.model import HybridLM
 from puzzle.spec import BlockSpec, ModelSpec, Variant
+
+if TYPE_CHECKING:
+    from puzzle.search.run_dir import CostModel
 
 MANIFEST_FORMAT = 1
 DONE = ("done", "reused")
@@ -145,7 +148,7 @@ class Run:
             problem = run_problem(
                 self.layout,
                 texts,
-                cost_model=self._cost_model(),
+                cost_model=self.cost_model(),
                 keep_blocks=self.config.search.keep_blocks,
                 same_attributes=self.config.search.same_attributes,
                 shared_state_size=self.config.search.shared_state_size,
@@ -188,7 +191,7 @@ class Run:
             if recorded.get("fingerprint") and recorded.get("files") == self._parent_files():
                 self._parent_fp = str(recorded["fingerprint"])
             else:
-                self._parent_fp = fingerprint_model(self._load_parent())
+                self._parent_fp = fingerprint_model(self.load_parent())
         return self._parent_fp
 
     def _parent_files(self) -> str:
@@ -238,8 +241,9 @@ class Run:
         dist.barrier()
         self._prepared = True
 
-    def _load_parent(self) -> HybridLM:
-        """A fresh copy of the parent (BLD and GKD may shard the model they are given)."""
+    def load_parent(self) -> HybridLM:
+        """A fresh copy of the parent, as the stages load it (BLD and GKD may shard the model they are given;
+        the library's parent fingerprint matches it)."""
         from puzzle import nemotron_h
 
         dtype = None if self.config.parent.dtype == "auto" else self.config.parent.dtype
@@ -262,8 +266,9 @@ class Run:
             self._data = TokenData.load(**kwargs)
         return self._data
 
-    def _held_out(self) -> list[torch.Tensor]:
-        """Held-out batches of data.eval_batch_size, up to data.held_out_tokens (global, int64)."""
+    def held_out_batches(self) -> list[torch.Tensor]:
+        """The held-out batches every stage measures on (scoring, measured KL, GKD's evaluations): batches of
+        data.eval_batch_size, up to data.held_out_tokens (global, int64)."""
         settings = self.config.data
         split = self.data.held_out
         per_batch = settings.eval_batch_size * split.seq_len
@@ -272,18 +277,6 @@ class Run:
             count = min(count, math.ceil(settings.held_out_tokens / per_batch))
         stream = split.batches(settings.eval_batch_size, self.config.seed, rank=0, world=1, epochs=1)
         return [batch for _, batch in zip(range(count), stream)]
-
-    def held_out_batches(self) -> list[torch.Tensor]:
-        """The held-out batches every stage measures on (scoring, measured KL, GKD's evaluations)."""
-        return self._held_out()
-
-    def load_parent(self) -> HybridLM:
-        """A fresh copy of the parent, as the stages load it (the library's parent fingerprint matches it)."""
-        return self._load_parent()
-
-    def cost_model(self) -> Any:
-        """The search's cost model of this run (`puzzle.search.run_dir.CostModel` from `hardware`)."""
-        return self._cost_model()
 
     def _held_out_key(self) -> str:
         settings = self.config.data
@@ -380,7 +373,7 @@ class Run:
             from puzzle.prune.importance import importance_for
 
             importance_for(
-                self._load_parent(),
+                self.load_parent(),
                 self._calibration,
                 self.layout.importance,
                 linear_fit=settings.linear_fit,
@@ -426,13 +419,13 @@ class Run:
             from puzzle.bld import build_library
             from puzzle.prune.importance import load_importance
 
-            parent = self._load_parent()
+            parent = self.load_parent()
             split, batch = self.data.train, self.config.data.batch_size
             build_library(
                 parent,
                 self._variants(parent),
                 lambda: split.batches(batch, self.config.seed, rank=0, world=1),
-                self._held_out(),
+                self.held_out_batches(),
                 load_importance(self.layout.importance),
                 self.config.bld,
                 self.layout.library,
@@ -456,7 +449,7 @@ class Run:
             from puzzle.blocks import build_block
             from puzzle.score import score_variants
 
-            parent = self._load_parent()
+            parent = self.load_parent()
             library = read_library(self.layout.library)
             usable = [v for v, r in library.results.items() if r.status != "failed"]
             hidden, eps = parent.spec.hidden_size, parent.spec.norm_eps
@@ -479,7 +472,7 @@ class Run:
                 parent,
                 usable,
                 mixer,
-                self._held_out(),
+                self.held_out_batches(),
                 self.layout.scores,
                 self.config.scoring,
                 data_fingerprint=self._held_out_key(),
@@ -506,7 +499,8 @@ class Run:
             names[name] = texts
         return names
 
-    def _cost_model(self) -> Any:
+    def cost_model(self) -> CostModel:
+        """The search's cost model of this run, from its `hardware` settings."""
         from puzzle.search.run_dir import CostModel
 
         return CostModel(**self.config.hardware.cost_model_kwargs())
@@ -538,7 +532,7 @@ class Run:
                 self.layout,
                 texts,
                 objective=search.objective,
-                cost_model=self._cost_model(),
+                cost_model=self.cost_model(),
                 keep_blocks=search.keep_blocks,
                 same_attributes=search.same_attributes,
                 shared_state_size=search.shared_state_size,
@@ -586,7 +580,7 @@ class Run:
         return assemble(
             choice,
             read_library(self.layout.library),
-            self._load_parent(),
+            self.load_parent(),
             scores=load_scores(self.layout.scores),
         )
 
@@ -603,11 +597,13 @@ class Run:
         def compute() -> dict[str, Any]:
             from puzzle.assemble import measured_kl
 
-            parent = self._load_parent()
+            parent = self.load_parent()
             outputs = {}
             for name in upstream:
                 child = self._child(name)
-                measured = measured_kl(child, parent, self._held_out(), self.config.scoring.vocab_chunk)
+                measured = measured_kl(
+                    child, parent, self.held_out_batches(), self.config.scoring.vocab_chunk
+                )
                 outputs[name] = {"measured": measured, "spec": fingerprint_json(child.spec.to_dict())}
                 _log.info(
                     "assemble %s: measured KL %.6g, predicted %s",
@@ -638,9 +634,9 @@ class Run:
             for name in upstream:
                 result = distill(
                     self._child(name),
-                    self._load_parent(),
+                    self.load_parent(),
                     self.data.train,
-                    self._held_out(),
+                    self.held_out_batches(),
                     self.config.gkd,
                     self.layout.child(name),
                 )

@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from gloo_helpers import gloo_rank, spawn_ranks
 from safetensors.torch import load_file
 
-from puzzle import __version__, dist
+from puzzle import __version__
 from puzzle.artifacts import (
     MANIFEST_SUFFIX,
     Artifact,
@@ -262,24 +260,9 @@ def test_importance_with_a_damaged_manifest_is_recomputed(spec, tmp_path):
 # Two gloo ranks: rank 0 writes, the other waits and reads the same thing.
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, directory: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
-    assert dist.init_from_env() is True
     root = Path(directory)
-    try:
+    with gloo_rank(rank, world, port):
         artifact = Artifact(root / "run", "stage", 3)
         assert artifact.load_if_current(INPUTS) is None
 
@@ -298,12 +281,10 @@ def _worker(rank: int, world: int, port: int, directory: str) -> None:
         # Ranks that disagree on an input fail together, before anything is read or written.
         with pytest.raises(ValueError, match=r"rank\(s\) \[1\] in \['calibration'\]"):
             artifact.load_if_current({**INPUTS, "calibration": str(rank)})
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def test_two_gloo_ranks_rank_zero_writes_and_the_other_reads_it(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_worker, str(tmp_path))
     assert (tmp_path / "writes.log").read_text() == "0\n"  # only rank 0 ran the writers
     manifests = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert manifests[0] == manifests[1] and manifests[0]["inputs"] == INPUTS

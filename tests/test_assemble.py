@@ -8,14 +8,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import socket
 
 import kl_worker
 import pytest
 import torch
-import torch.multiprocessing as mp
 from assemble_helpers import build_small_library, held_out, library_scores, save_parent, solve
 from bld_helpers import trained_parent, variants
+from gloo_helpers import spawn_ranks
 from safetensors.torch import load_file, save_file
 
 import puzzle
@@ -181,20 +180,13 @@ def test_bad_solutions_are_clear_errors(setup, parent, tmp_path):
         assemble({}, library, other)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_two_gloo_ranks_measure_the_single_process_kl(setup, parent, tmp_path):
     parent_dir, library, _ = setup
     child = assemble({0: _table()[0][0], 3: _table()[3][1]}, library, parent)
     child_dir = child.save_pretrained(tmp_path / "child")
     batches_file = tmp_path / "held_out.safetensors"
     save_file({str(index): batch for index, batch in enumerate(held_out())}, batches_file)
-    args = (2, _free_port(), str(parent_dir), str(child_dir), str(batches_file))
-    mp.spawn(kl_worker.worker, args=args, nprocs=2, join=True)
+    spawn_ranks(kl_worker.worker, str(parent_dir), str(child_dir), str(batches_file))
     one = compare_models(parent, child, held_out(), vocab_chunk=16)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1] and ranks[0]["tokens"] == one.tokens and ranks[0]["top1"] == one.top1

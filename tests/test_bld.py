@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from bld_helpers import (
     MEMORY_LIMIT,
     SPEC,
@@ -26,10 +24,10 @@ from bld_helpers import (
     token_batches,
     variants,
 )
+from gloo_helpers import gloo_rank, spawn_ranks
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
-from puzzle import dist
 from puzzle.bld import (
     CHECKPOINT_DIR,
     LIBRARY_FILE,
@@ -212,27 +210,12 @@ def test_a_sigkilled_run_resumes_to_the_uninterrupted_weights(setup, tmp_path):
     assert resumed == json.loads((uninterrupted / LIBRARY_FILE).read_text())["variants"]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class _Crash(Exception):
     pass
 
 
 def _worker(rank: int, world: int, port: int, setup: str, output: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
-    assert dist.init_from_env() is True
-    try:
+    with gloo_rank(rank, world, port):
         train = token_batches(12, seed=300)
         calls, crashed = [], []
 
@@ -277,13 +260,11 @@ def _worker(rank: int, world: int, port: int, setup: str, output: str) -> None:
             Path(f"{output}-none"),
             data_fingerprint="train-300",
         )
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def test_two_gloo_ranks_give_the_single_process_library(one_wave, setup, tmp_path):
     library, output = one_wave
-    mp.spawn(_worker, args=(2, _free_port(), str(setup), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_worker, str(setup), str(tmp_path))
     for rank in range(2):  # FSDP sharded the parent: each rank holds about half of it
         numels = json.loads(Path(f"{tmp_path}-rank{rank}.json").read_text())
         assert numels["local"] < 0.6 * numels["full"], numels

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from gloo_helpers import gloo_rank, spawn_ranks
 from nemotron_helpers import EVERY_KIND_SPEC as SPEC
 
 from puzzle import artifacts as artifacts_module
@@ -112,12 +110,6 @@ def test_world_size_one_importance_for_writes_and_reuses(tmp_path):
 # Two ranks on gloo, launched the way torchrun launches them (environment variables).
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _check_collectives(rank: int, directory: Path) -> None:
     assert (dist.rank(), dist.world_size(), dist.is_main()) == (rank, 2, rank == 0)
     assert list(dist.shard(range(5))) == [[0, 2, 4], [1, 3]][rank]
@@ -175,24 +167,14 @@ def _run_importance(rank: int, directory: Path) -> None:
 
 
 def _worker(rank: int, world: int, port: int, directory: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
-    assert dist.init_from_env() is True and torch.distributed.get_backend() == "gloo"
-    try:
+    with gloo_rank(rank, world, port):
+        assert torch.distributed.get_backend() == "gloo"
         _check_collectives(rank, Path(directory))
         _run_importance(rank, Path(directory))
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def test_two_gloo_ranks_give_the_single_process_importance(tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_worker, str(tmp_path))
     model, batches = _model(), _batches()
     expected = collect_importance(model, batches)  # one process, every batch
     assert expected.tokens == sum(b.numel() for b in batches)

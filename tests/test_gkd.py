@@ -8,19 +8,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from gkd_helpers import KILL_AT, child_spec, held_out, load_setup, save_setup, settings, train_split
+from gloo_helpers import gloo_rank, spawn_ranks
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
-from puzzle import dist
 from puzzle.gkd import (
     CHECKPOINT_DIR,
     HISTORY_FILE,
@@ -183,27 +181,12 @@ def test_a_sigkilled_run_resumes_to_the_uninterrupted_losses_and_weights(uninter
         assert torch.equal(value, expected[name]), name
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class _Crash(Exception):
     pass
 
 
 def _worker(rank: int, world: int, port: int, setup: str, output: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
-    assert dist.init_from_env() is True
-    try:
+    with gloo_rank(rank, world, port):
         # FSDP2 over a TokenSplit; the first attempt dies after step 8 (both ranks), the second resumes from the
         # step-6 checkpoint (sharded weights and AdamW moments reloaded).
         def crash(step: int, record: dict) -> None:
@@ -235,13 +218,11 @@ def _worker(rank: int, world: int, port: int, setup: str, output: str) -> None:
             settings(shard="none", micro_batch_size=1),
             Path(output) / "none",
         )
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def test_two_gloo_ranks_give_the_single_process_run(uninterrupted, setup, tmp_path):
     result, output = uninterrupted
-    mp.spawn(_worker, args=(2, _free_port(), str(setup), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_worker, str(setup), str(tmp_path))
     for rank in range(2):  # FSDP sharded the student: each rank holds about half of it
         numels = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert numels["local"] < 0.6 * numels["full"], numels

@@ -103,7 +103,7 @@ def test_a_finished_run_reruns_without_loading_the_parent(finished):
     def refuse() -> None:
         raise AssertionError("the parent was loaded")
 
-    pipeline._load_parent = refuse  # its recorded fingerprint stands while the parent's files are unchanged
+    pipeline.load_parent = refuse  # its recorded fingerprint stands while the parent's files are unchanged
     pipeline.all()
     assert _statuses(run_dir) == {stage: "reused" for stage in STAGES}
 

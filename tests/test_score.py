@@ -7,18 +7,16 @@ import copy
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo_helpers import gloo_rank, spawn_ranks
 from nemotron_helpers import EVERY_KIND_SPEC as SPEC
 
-from puzzle import dist
 from puzzle.blocks import build_block
 from puzzle.model import HybridLM
 from puzzle.prune import collect_importance, init_child
@@ -310,23 +308,8 @@ def test_sigkilled_run_resumes_inside_its_wave(tmp_path):
 # Two ranks on gloo.
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _worker(rank: int, world: int, port: int, directory: str) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
-    assert dist.init_from_env() is True
-    try:
+    with gloo_rank(rank, world, port):
         for mode in ("fsdp", "none"):
             parent = _parent()
             full = sum(p.numel() for p in parent.parameters())
@@ -351,13 +334,11 @@ def _worker(rank: int, world: int, port: int, directory: str) -> None:
             Path(directory, f"{mode}-rank{rank}.json").write_text(
                 json.dumps({"scores": records, "held": held})
             )
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def test_two_gloo_ranks_give_the_single_process_scores(tmp_path):
     """FSDP2 (about half the parent and of each variant per rank) and replicated: both equal 1 process."""
-    mp.spawn(_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_worker, str(tmp_path))
     parent = _parent()
     library = _library(parent)
     one = score_variants(

@@ -238,8 +238,9 @@ def _run_demo(
     say(f"the pipeline: {out}")
     pipeline.run()
     say("measuring parent and children")
-    rows = measure(pipeline, size)
-    exported = pipeline.manifest()["stages"]["export"]["outputs"]
+    stages = pipeline.manifest()["stages"]
+    rows = measure(pipeline, size, stages)
+    exported = stages["export"]["outputs"]
     exports = {name: out / entry["path"] for name, entry in exported.items()}
     report = write_report(out)
     seconds = time.perf_counter() - started
@@ -247,17 +248,17 @@ def _run_demo(
     return DemoResult(out, rows, table, report, exports, seconds)
 
 
-def measure(pipeline: Run, size: DemoSize) -> list[ModelRow]:
+def measure(pipeline: Run, size: DemoSize, stages: dict[str, Any] | None = None) -> list[ModelRow]:
     """Parent and exported children: sizes from the cost model, held-out quality from distillation's last
     evaluation, decode tokens/s predicted (cost model, this machine calibrated) and measured (interleaved,
-    one thread, medians over `size.decode_repeats`)."""
+    one thread, medians over `size.decode_repeats`). `stages`: the run manifest's, when already read."""
     from puzzle.cost.analytic import model_active_params, model_params, model_weight_bytes
     from puzzle.cost.hardware import calibrate_this_machine
     from puzzle.cost.measure import decode_seconds
     from puzzle.cost.roofline import model_performance
     from puzzle.nemotron_h.checkpoint import load
 
-    manifest = pipeline.manifest()["stages"]
+    manifest = stages if stages is not None else pipeline.manifest()["stages"]
     distilled = manifest["distill"]["outputs"]
     exported = manifest["export"]["outputs"]
     solutions = manifest["solutions"]["outputs"]
