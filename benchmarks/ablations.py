@@ -3,6 +3,7 @@
     python benchmarks/ablations.py            # the quick demo parent, four levels (~6 min cold, 1 min cached)
     python benchmarks/ablations.py --full     # the full demo parent
     python benchmarks/ablations.py --quick    # CI-sized smoke run (tiny tokens, two levels, 2 seeds; ~30 s)
+    python benchmarks/ablations.py --render   # the document and plot again from the JSON, nothing rerun
 
 One run directory (`runs/ablations[-full|-quick]`, reused: a rerun only re-measures) holds the pipeline's
 importance, BLD library and replace-one-block scores (`puzzle.run.Run` up to `scores`) over a space with
@@ -42,6 +43,7 @@ import logging
 import math
 import os
 import platform
+import shlex
 import statistics
 import sys
 import time
@@ -638,17 +640,50 @@ def summary_table(data: dict[str, Any], phase: str) -> list[str]:
     return lines
 
 
-def markdown(data: dict[str, Any]) -> str:
+def shown_command(command: str) -> str:
+    """The command as a reader reruns it: without `--cache DIR` (where this machine keeps the demo parent,
+    which is the same parent wherever it is cached)."""
+    words = shlex.split(command)
+    kept = []
+    skip = False
+    for word in words:
+        if skip:
+            skip = False
+        elif word == "--cache":
+            skip = True
+        elif not word.startswith("--cache="):
+            kept.append(word)
+    return shlex.join(kept)
+
+
+def _shown_path(path: Path) -> str:
+    """`path` relative to the repository when it lies inside it, else as given."""
+    path = Path(path).absolute()
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def markdown(
+    data: dict[str, Any],
+    json_path: Path | None = None,
+    plot_path: Path | None = None,
+    doc_path: Path | None = None,
+) -> str:
+    """The document: `json_path` and `plot_path` are where the JSON and the plot were written (named in the
+    text; the plot is linked relative to `doc_path`'s folder). Defaults: the default run's files."""
+    json_path = json_path or HERE / "results" / "ablations.json"
+    plot_path = plot_path or ROOT / "docs" / "results_kl.png"
+    doc_path = doc_path or ROOT / "docs" / "RESULTS.md"
+    link = os.path.relpath(Path(plot_path).absolute(), Path(doc_path).absolute().parent)
     rows, meta, summary = data["rows"], data["meta"], data["summary"]
     parent_arch = " ".join(compact(b) for b in data["parent"]["blocks"])
     bld = meta["bld"]
     lines = [
         "# Results: Puzzle against the alternatives at equal budget",
         "",
-        "Reproduce (writes this file, docs/results_kl.png and benchmarks/results/ablations.json):",
+        f"Reproduce (writes this file, {_shown_path(plot_path)} and {_shown_path(json_path)}):",
         "",
         "```",
-        meta["command"],
+        shown_command(meta["command"]),
         "```",
         "",
         f"Parent: {meta['parent']}, `{parent_arch}` ({meta['parent_active_params']:,} active parameters, "
@@ -698,7 +733,7 @@ def markdown(data: dict[str, Any]) -> str:
         "",
         *summary_table(data, "after"),
         "",
-        "![measured KL against active parameters](results_kl.png)",
+        f"![measured KL against active parameters]({link})",
         "",
     ]
     lines += data.get("findings", [])
@@ -839,20 +874,22 @@ def findings(data: dict[str, Any]) -> list[str]:
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
-    """Measured KL against active parameters, one line per method, before and after GKD."""
-    import matplotlib
+    """Measured KL against active parameters, one line per method, before and after GKD (after: only the
+    methods the run distilled; another method's child that equals a distilled one is not drawn there)."""
+    from matplotlib.figure import Figure  # no pyplot: the caller's plotting backend stays as it is
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    fig = Figure(figsize=(13, 5))
+    axes = fig.subplots(1, 2)
     levels = data["meta"]["levels"]
     folded = [r for level in levels for r in level_rows(data["rows"], level) if r["feasible"]]
     methods = list(dict.fromkeys(r["method"] for r in folded))
+    distilled = set(data["meta"].get("gkd_methods", methods))
     for index, method in enumerate(methods):
         style = "-" if method in ("puzzle", "homogeneous", "homogeneous_width", "greedy", "random") else "--"
         width = 2.5 if method == "puzzle" else 1.2
         for ax, phase in zip(axes, ("before", "after")):
+            if phase == "after" and method not in distilled:
+                continue
             points = [
                 (
                     r["active_fraction"],
@@ -888,7 +925,6 @@ def plot(data: dict[str, Any], path: Path) -> None:
     staging = path.with_name(path.stem + ".tmp.png")
     fig.savefig(staging, dpi=110)
     os.replace(staging, path)
-    plt.close(fig)
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -955,6 +991,16 @@ def ablate(
     }
 
 
+def write_outputs(data: dict[str, Any], output: Path, png: Path | None, doc: Path | None) -> None:
+    """The plot and the document of `data` (the JSON written to `output`), where asked for."""
+    if png is not None:
+        plot(data, png)
+        print(f"wrote {png}")
+    if doc is not None:
+        atomic_write_bytes(doc, markdown(data, output, png, doc).encode())
+        print(f"wrote {doc}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     group = parser.add_mutually_exclusive_group()
@@ -981,6 +1027,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also bound the predicted decode throughput: one minimum speed-up over the parent per level",
     )
     parser.add_argument(
+        "--render",
+        action="store_true",
+        help="only write the document and the plot again from the JSON (--output) of an earlier run",
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -1004,6 +1055,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     output = args.output or results / "ablations.json"
     doc = args.doc or (None if args.quick else ROOT / "docs" / "RESULTS.md")
     png = args.plot or (None if args.quick else (doc.parent if doc else ROOT / "docs") / "results_kl.png")
+
+    if args.render:
+        if not output.is_file():
+            parser.error(f"--render reads the JSON of an earlier run: {output} does not exist")
+        write_outputs(json.loads(output.read_text()), output, png, doc)
+        return 0
 
     parent = demo_parent(args.cache, quick=not args.full, progress=False)
     print(f"parent: {parent.path}", flush=True)
@@ -1043,12 +1100,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     output.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(output, (json.dumps(data, indent=2, default=str) + "\n").encode())
     print(f"wrote {output}")
-    if png is not None:
-        plot(data, png)
-        print(f"wrote {png}")
-    if doc is not None:
-        atomic_write_bytes(doc, markdown(data).encode())
-        print(f"wrote {doc}")
+    write_outputs(data, output, png, doc)
     print(
         f"Spearman (predicted vs measured KL, {data['summary']['children_bld']} children): "
         f"{data['summary']['spearman_bld']:.3f}; {data['meta']['seconds']:.0f} s"

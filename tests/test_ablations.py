@@ -126,8 +126,20 @@ def test_the_report_and_plot_are_written(result, tmp_path):
     text = ablations.markdown(data)
     assert "### 60% of the parent's active parameters" in text and "| puzzle |" in text
     assert "random (n=2)" in text and "Spearman" in text
+    assert "](results_kl.png)" in text and "benchmarks/results/ablations.json" in text  # the default run's
+    other = ablations.markdown(
+        data, tmp_path / "a.json", tmp_path / "docs" / "kl.png", tmp_path / "docs" / "R.md"
+    )
+    assert "](kl.png)" in other and f"{tmp_path / 'a.json'}" in other  # the files this run wrote
     ablations.plot(data, tmp_path / "kl.png")
     assert (tmp_path / "kl.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_shown_command_leaves_out_where_this_machine_caches_the_parent():
+    shown = ablations.shown_command(
+        "python benchmarks/ablations.py --full --cache /tmp/c --gkd puzzle --cache=/x"
+    )
+    assert shown == "python benchmarks/ablations.py --full --gkd puzzle"
 
 
 def test_spearman_matches_the_closed_form_without_ties():
