@@ -737,7 +737,7 @@ def markdown(
         "",
     ]
     lines += data.get("findings", [])
-    lines += CAVEATS
+    lines += caveats(meta)
     lines += [
         "## How additive are the scores",
         "",
@@ -800,20 +800,29 @@ def _stages_text(stages: dict[str, Any]) -> str:
     )
 
 
-CAVEATS = [
-    "## Caveats",
-    "",
-    "- One BLD, one GKD (32 steps at the default size) and one held-out set per child, no repeats: the "
-    "spread of a method's own result is not measured here, so differences of a few percent between methods "
-    "(the MIP variants, greedy) are not significant evidence either way; the gaps of 1.3x and more are.",
-    "- The replace-one-block scores and the measured KL use the same held-out tokens, so the rank correlation "
-    "measures additivity, not generalisation of the scores.",
-    "- Short BLD on a small parent: where BLD makes a variant worse than its pruned initialisation (counted "
-    "above), the MIP without BLD can pick a better child; the library's BLD budget is the demo's.",
-    "- Budgets bound active parameters only (decode speed-up is predicted and reported); `--speedup` adds a "
-    "decode-throughput bound per level.",
-    "",
-]
+def caveats(meta: dict[str, Any]) -> list[str]:
+    """What the figures do not show, for this run's settings."""
+    bound = (
+        "- Budgets bound active parameters and the cost model's predicted decode throughput (calibrated on this "
+        "machine, batch 1); the measured throughput is not part of the budget."
+        if meta.get("speedups")
+        else "- Budgets bound active parameters only (decode speed-up is predicted and reported); `--speedup` adds "
+        "a decode-throughput bound per level."
+    )
+    return [
+        "## Caveats",
+        "",
+        f"- One BLD, one GKD ({meta['gkd_tokens']:,} tokens) and one held-out set per child, no repeats: the "
+        "spread of a method's own result is not measured here, so differences of a few percent between "
+        "methods (the MIP variants, greedy) are not significant evidence either way; the gaps of 1.3x and "
+        "more are.",
+        "- The replace-one-block scores and the measured KL use the same held-out tokens, so the rank "
+        "correlation measures additivity, not generalisation of the scores.",
+        "- Short BLD on a small parent: where BLD makes a variant worse than its pruned initialisation (counted "
+        "above), the MIP without BLD can pick a better child; the library's BLD budget is the demo's.",
+        bound,
+        "",
+    ]
 
 
 def findings(data: dict[str, Any]) -> list[str]:

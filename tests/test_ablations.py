@@ -131,6 +131,9 @@ def test_the_report_and_plot_are_written(result, tmp_path):
         data, tmp_path / "a.json", tmp_path / "docs" / "kl.png", tmp_path / "docs" / "R.md"
     )
     assert "](kl.png)" in other and f"{tmp_path / 'a.json'}" in other  # the files this run wrote
+    assert "Budgets bound active parameters only" in text
+    bounded = ablations.markdown({**data, "meta": {**data["meta"], "speedups": {"0.6": 1.2}}})
+    assert "predicted decode throughput" in bounded and "active parameters only" not in bounded
     ablations.plot(data, tmp_path / "kl.png")
     assert (tmp_path / "kl.png").read_bytes()[:4] == b"\x89PNG"
 
