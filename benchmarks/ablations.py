@@ -64,7 +64,7 @@ from puzzle.demo.pipeline import FULL, QUICK, DemoSize, demo_config
 from puzzle.files import atomic_write_bytes
 from puzzle.run import Run
 from puzzle.search import InfeasibleError, search
-from puzzle.search.mip import resolve_limits
+from puzzle.search.mip import feasible_choices, resolve_limits
 from puzzle.search.run_dir import RunCandidates, RunProblem, run_candidates, run_problem
 from puzzle.spec import BlockSpec, MambaSpec, ModelSpec, MoESpec, Variant
 
@@ -183,24 +183,7 @@ class Problem:
 
     def feasible(self, choices: np.ndarray) -> np.ndarray:
         """Which rows of `choices` ([N, blocks] variant index per block) meet the limits and the rules."""
-        rows = self.table.offsets[:-1][None, :] + choices
-        ok = np.ones(len(choices), dtype=bool)
-        for limit, lower, upper in self.resolved:
-            total = self.table.cost(limit.key)[rows].sum(axis=1)
-            if upper is not None:
-                ok &= total <= upper + 1e-6 * max(1.0, abs(upper))
-            if lower is not None:
-                ok &= total >= lower - 1e-6 * max(1.0, abs(lower))
-        for attr in self.rules.shared_attributes():
-            values = self.table.attrs.get(attr)
-            if values is None:
-                continue
-            coded = np.array([-1 if v is None else v for v in values], dtype=np.int64)[rows]
-            present = np.where(coded >= 0, coded, np.iinfo(np.int64).max)
-            low = present.min(axis=1)
-            high = np.where(coded >= 0, coded, -1).max(axis=1)
-            ok &= (high < 0) | (low == high)
-        return ok
+        return feasible_choices(self.table, choices, self.resolved, self.rules)
 
     def score(self, choices: Sequence[int]) -> float:
         return float(self.table.score[self.table.offsets[:-1] + np.asarray(choices)].sum())
@@ -346,6 +329,7 @@ class Bench:
         self.init_kl_of = self._lookup(self.init_kl) if self.init_kl is not None else {}
         self.measured: dict[tuple[Arch, str], dict[str, Any]] = {}
         self.parent_lm_loss: float | None = None
+        self._decode: tuple[Any, Any, float] | None = None  # scenario, hardware, parent's step (s)
 
     @staticmethod
     def _lookup(candidates: RunCandidates) -> dict[tuple[int, BlockSpec], float]:
@@ -398,30 +382,47 @@ class Bench:
         library = self.library if weights == "bld" else self.pruned
         return assemble(dict(enumerate(arch)), library, self.parent)
 
-    def measure(self, arch: Arch, weights: str) -> dict[str, Any]:
+    def _measured(self, child: Any) -> dict[str, Any]:
+        return measured_kl(child, self.parent, self.held_out, self.run.config.scoring.vocab_chunk)
+
+    def measure(self, arch: Arch, weights: str, child: Any = None) -> dict[str, Any]:
+        """The child's measurements before GKD (cached per architecture); `child`: it, already assembled."""
         key = (arch, weights)
         if key not in self.measured:
-            child = self.child(arch, weights)
-            vocab_chunk = self.run.config.scoring.vocab_chunk
-            self.measured[key] = {"before": measured_kl(child, self.parent, self.held_out, vocab_chunk)}
+            self.measured[key] = {
+                "before": self._measured(child if child is not None else self.child(arch, weights))
+            }
         return self.measured[key]
 
     def distil(self, arch: Arch, weights: str, name: str) -> dict[str, Any]:
         """GKD of the child by the run's settings, measured again as before (cached on disk by `distill`)."""
         from puzzle.gkd import distill
 
-        record = self.measure(arch, weights)
+        record = self.measured.get((arch, weights), {})
         if "after" not in record:
             child = self.child(arch, weights)
+            record = self.measure(arch, weights, child)  # the same child, before GKD trains it
             directory = self.run.layout.root / "ablations" / "gkd" / name
             result = distill(
                 child, self.parent, self.run.data.train, self.held_out, self.run.config.gkd, directory
             )
-            vocab_chunk = self.run.config.scoring.vocab_chunk
-            record["after"] = measured_kl(child.eval(), self.parent, self.held_out, vocab_chunk)
+            record["after"] = self._measured(child.eval())
             record["gkd"] = {"steps": result.steps, "tokens": result.tokens}
             self.parent_lm_loss = result.last_eval.get("parent_lm_loss", self.parent_lm_loss)
         return record
+
+    def predicted_speedup(self, spec: ModelSpec) -> float:
+        """The cost model's decode step time of the parent over that of `spec` (the run's decode scenario)."""
+        from puzzle.cost.hardware import get_hardware
+        from puzzle.cost.roofline import model_performance
+
+        if self._decode is None:
+            cost_model = self.run.cost_model()
+            scenario, hardware = cost_model.scenarios["decode"], get_hardware(cost_model.hardware)
+            parent_s = model_performance(self.spec, scenario, hardware).decode_step_s
+            self._decode = (scenario, hardware, parent_s)
+        scenario, hardware, parent_s = self._decode
+        return parent_s / model_performance(spec, scenario, hardware).decode_step_s
 
 
 def choose(
@@ -464,9 +465,6 @@ def choose(
 
 def row(bench: Bench, choice: Choice, gkd: bool, tag: str = "") -> dict[str, Any]:
     """The JSON record of one method at one level: its architecture, costs, predictions and measurements."""
-    from puzzle.cost.hardware import get_hardware
-    from puzzle.cost.roofline import model_performance
-
     base = {
         "method": choice.method,
         "level": choice.level,
@@ -477,13 +475,7 @@ def row(bench: Bench, choice: Choice, gkd: bool, tag: str = "") -> dict[str, Any
     if choice.arch is None:
         return {**base, "feasible": False}
     spec = dataclasses.replace(bench.spec, blocks=choice.arch)
-    cost_model = bench.run.cost_model()
-    scenario = cost_model.scenarios["decode"]
-    hardware = get_hardware(cost_model.hardware)
-    speedup = (
-        model_performance(bench.spec, scenario, hardware).decode_step_s
-        / model_performance(spec, scenario, hardware).decode_step_s
-    )
+    speedup = bench.predicted_speedup(spec)
     active = model_active_params(spec)
     name = f"{choice.level:.2f}{tag}-{choice.method}" + ("" if choice.seed is None else f"-{choice.seed}")
     record = (

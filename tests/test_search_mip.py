@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from puzzle.search import Choice, InfeasibleError, Rules, SearchError, SolverOptions, Table, search, search_k
 from puzzle.search.limits import Limit, Relative, merge_limits, parse_limit, parse_value
+from puzzle.search.mip import feasible_choices, resolve_limits
 
 COST_KEYS = ("memory", "runtime", "params")
 
@@ -414,3 +415,26 @@ def test_knapsack_search_hands_over_to_the_mip_when_it_gives_up(monkeypatch):
             _best([_objective(table, c) for c in feasible], table.maximize), abs=1e-9
         )
     assert gave_up >= 5  # 6 of these seeds need more than one state somewhere
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(instances())
+def test_feasible_choices_agrees_with_the_scalar_check_on_every_architecture(instance):
+    table, limits, rules, *_ = instance
+    every = np.array(list(_all_choices(table)))
+    got = feasible_choices(table, every, resolve_limits(table, limits), rules)
+    expected = [_meets(table, c, limits) and _meets_rules(table, c, rules) for c in every]
+    assert got.tolist() == expected
+
+
+def test_feasible_choices_holds_any_hashable_attribute_to_one_value():
+    blocks = {
+        f"b{b}": [
+            Choice(f"v{v}", 0.0, {"m": 1}, {"dtype": dtype}) for v, dtype in enumerate(["bf16", "fp8", None])
+        ]
+        for b in range(2)
+    }
+    table = Table.from_choices(blocks)
+    rules = Rules(same_attributes=("dtype",))
+    got = feasible_choices(table, [[0, 0], [0, 1], [1, 2], [2, 2], [1, 1]], [], rules)
+    assert got.tolist() == [True, False, True, True, True]

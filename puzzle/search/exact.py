@@ -39,7 +39,7 @@ from puzzle.search.backend import (
 )
 from puzzle.search.heuristics import dive, improve, probe, rows_hold
 from puzzle.search.limits import Limit
-from puzzle.search.mip import Problem, build_problem, resolve_limits, tolerance
+from puzzle.search.mip import Problem, build_problem, feasible_choices, resolve_limits, tolerance
 from puzzle.search.types import InfeasibleError, Rules, SearchError, Solution, SolverOptions, Table
 
 _log = logging.getLogger(__name__)
@@ -272,18 +272,17 @@ def _solve_from_incumbent(
 
 def _check(table: Table, choices: Sequence[int], resolved, rules: Rules) -> None:
     """The solver's answer is re-checked on the tables, never trusted blindly."""
+    if feasible_choices(table, [choices], resolved, rules)[0]:
+        return
     totals = table.totals(choices)
-    for limit, lower, upper in resolved:
-        total = totals[limit.key] - table.fixed.get(limit.key, 0.0)
-        if upper is not None and total > upper + 1e-6 * max(1.0, abs(upper)):
-            raise SearchError(f"internal error: solution breaks {limit} ({total} > {upper})")
-        if lower is not None and total < lower - 1e-6 * max(1.0, abs(lower)):
-            raise SearchError(f"internal error: solution breaks {limit} ({total} < {lower})")
-    rows = table.offsets[:-1] + np.asarray(choices)
-    for attr in rules.shared_attributes():
-        values = table.attrs.get(attr)
-        if values is not None and len({values[row] for row in rows if values[row] is not None}) > 1:
-            raise SearchError(f"internal error: solution mixes {attr} values")
+    bounds = "; ".join(
+        f"{limit}: {totals[limit.key] - table.fixed.get(limit.key, 0.0)} in [{lower}, {upper}]"
+        for limit, lower, upper in resolved
+    )
+    raise SearchError(
+        f"internal error: solution {list(choices)} breaks a limit or mixes {rules.shared_attributes()} values"
+        f" ({bounds})"
+    )
 
 
 def _make_solution(
