@@ -597,13 +597,11 @@ class Run:
         def compute() -> dict[str, Any]:
             from puzzle.assemble import measured_kl
 
-            parent = self.load_parent()
+            parent, held_out = self.load_parent(), self.held_out_batches()
             outputs = {}
             for name in upstream:
                 child = self._child(name)
-                measured = measured_kl(
-                    child, parent, self.held_out_batches(), self.config.scoring.vocab_chunk
-                )
+                measured = measured_kl(child, parent, held_out, self.config.scoring.vocab_chunk)
                 outputs[name] = {"measured": measured, "spec": fingerprint_json(child.spec.to_dict())}
                 _log.info(
                     "assemble %s: measured KL %.6g, predicted %s",
