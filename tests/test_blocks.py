@@ -182,6 +182,30 @@ def test_moe_gradients_match_transformers():
         torch.testing.assert_close(grad, hf_grads[name], atol=ATOL, rtol=1e-4, msg=name)
 
 
+def test_moe_top1_normalised_router_gets_no_gradient_and_routes_as_transformers():
+    """w / w = 1 for one expert: transformers' computed router gradient is rounding noise (Adam turns it into
+    full-size random steps, which made BLD's 1- and 2-rank libraries differ by 4e-3); ours is exactly none."""
+    spec = MoESpec(num_experts=4, top_k=1, expert_width=8, shared_width=8, norm_topk_prob=True)
+    hidden = 16
+    hf = hf_moe_for(spec, hidden, seed=5)
+    ours = MoEMixer(spec, hidden)
+    ours.load_state_dict(hf_moe_to_ours(hf.state_dict(), True))
+    x = torch.randn(2, 32, hidden, generator=torch.Generator().manual_seed(6))
+    target = torch.randn(2, 32, hidden, generator=torch.Generator().manual_seed(7))
+    (hf(x) * target).sum().backward()
+    got = ours(x)
+    (got * target).sum().backward()
+    torch.testing.assert_close(got, hf(x), atol=ATOL, rtol=1e-5)
+    hf_router = hf.gate.weight.grad.abs().max()
+    experts = ours.experts.up.grad.abs().max()
+    assert 0 < hf_router < 1e-5 * experts  # what Adam would amplify: noise, not signal
+    assert ours.gate.weight.grad is None
+    two = dataclasses.replace(spec, top_k=2)
+    mixer = MoEMixer(two, hidden)
+    mixer(x).pow(2).sum().backward()
+    assert mixer.gate.weight.grad.abs().max() > 1e-3  # with two experts the router does learn
+
+
 def test_moe_moves_from_meta_with_to_empty():
     with torch.device("meta"):
         mixer = MoEMixer(MoESpec(4, 2, 8, latent_size=4), 8)

@@ -139,7 +139,8 @@ def _counts(directory: Path, pid: int) -> dict[str, int]:
 @pytest.mark.parametrize(("stage", "call"), [("library", 5), ("library", 13), ("scores", 6)])
 def test_a_killed_stage_resumes_where_it_stopped(finished, tmp_path, stage, call):
     run_dir, _ = finished
-    config = write_config(tmp_path / "run.yaml", config_dict(run_dir.parent, run_dir=str(tmp_path / "run")))
+    data = config_dict(run_dir.parent, run_dir=str(tmp_path / "run"))
+    config = write_config(tmp_path / "run.yaml", data)
     env = {**os.environ, "PUZZLE_PROGRESS": "0", "PYTHONPATH": os.pathsep.join(sys.path)}
     process = subprocess.Popen([sys.executable, str(HELPER), str(config), stage, str(call)], env=env)
     try:
@@ -252,7 +253,8 @@ def test_a_run_dir_of_another_parent_is_an_error(finished, tmp_path, capsys):
 def test_two_gloo_processes_under_torchrun_match_one(finished, tmp_path):
     """`torchrun --nproc-per-node 2 -m puzzle run` (gloo on the CPU), the command a user runs."""
     run_dir, _ = finished
-    config = write_config(tmp_path / "run.yaml", config_dict(run_dir.parent, run_dir=str(tmp_path / "run")))
+    data = config_dict(run_dir.parent, run_dir=str(tmp_path / "run"))
+    config = write_config(tmp_path / "run.yaml", data)
     env = {
         **os.environ,
         "PUZZLE_PROGRESS": "0",
@@ -268,10 +270,15 @@ def test_two_gloo_processes_under_torchrun_match_one(finished, tmp_path):
     assert _statuses(other) == {stage: "done" for stage in STAGES}
     files = sorted((run_dir / "library").glob("block*/*.safetensors"))
     assert files
-    for path in files:  # data parallel: equal up to float summation order (amplified by Adam over 10 steps)
+    # Data parallel: equal up to float summation order (measured: at most 2e-7 after 10 AdamW steps). Adam
+    # moves an element by about lr per step whatever its gradient's size, so one step taken differently
+    # anywhere (a wrong shard, a missing all-reduce, a gradient of rounding noise: the top-1 router's once
+    # made this 4e-3) shows as a difference near lr; lr / 100 passes only summation order.
+    atol = data["bld"]["lr"] / 100
+    for path in files:
         want, got = load_file(str(path)), load_file(str(other / path.relative_to(run_dir)))
         for key in want:
-            torch.testing.assert_close(got[key], want[key], rtol=0, atol=2e-3, msg=key)
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=atol, msg=key)
     for path in (run_dir / "solutions").glob("*.json"):
         assert (
             json.loads(path.read_text())["choices"]

@@ -422,6 +422,11 @@ class TopKRouter(nn.Module):
         weights = scores.gather(1, indices)
         if spec.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + _NORM_EPS)
+            if spec.top_k == 1:
+                # One expert's weight normalised by itself is 1: its true gradient is zero, and the computed
+                # one is rounding error (~1e-7 against ~10 for the experts) that Adam would scale up into
+                # full-size random steps of the router. Same values, no gradient.
+                weights = weights.detach()
         return weights * spec.routed_scaling_factor, indices
 
 
