@@ -1,7 +1,8 @@
 """Where each stage's output lives in a run directory: one place for the paths every stage and command use.
 
     RUN_DIR/
-      config.yaml        the run config (`puzzle run`)
+      run.resolved.yaml  the config the run started with, its paths made absolute (`puzzle run`; a
+                         user's own config file, even one kept in the run directory, is never written)
       run.json           the run's manifest: each stage's status, inputs (content hashes) and outputs
       parent.json        the parent's ModelSpec (`ModelSpec.to_json`), what the cost model reads
       importance/        activation importance of the parent (child initialisation)
@@ -30,7 +31,9 @@ from puzzle.spec import ModelSpec
 
 # The pipeline's stages in order (puzzle/run.py; `puzzle run --until`).
 STAGES = ("importance", "library", "scores", "solutions", "assemble", "distill", "export")
-CONFIG_FILE = "config.yaml"
+CONFIG_FILE = "run.resolved.yaml"
+# Where runs before 0.1 saved their resolved config; read (never written) when CONFIG_FILE is missing.
+LEGACY_CONFIG_FILE = "config.yaml"
 RUN_MANIFEST_FILE = "run.json"
 IMPORTANCE_DIR = "importance"
 CHILDREN_DIR = "children"
@@ -41,6 +44,24 @@ PARENT_FILE = "parent.json"
 LIBRARY_DIR = "library"
 SCORES_DIR = "scores"
 SOLUTIONS_DIR = "solutions"
+# Top-level entries a run writes (round-{r}/ too); anything else in a directory without run.json is the
+# user's, and the run refuses that directory (`RunLayout.check_usable`).
+_OWN_ENTRIES = frozenset(
+    {
+        CONFIG_FILE,
+        RUN_MANIFEST_FILE,
+        PARENT_FILE,
+        IMPORTANCE_DIR,
+        LIBRARY_DIR,
+        SCORES_DIR,
+        SOLUTIONS_DIR,
+        CHILDREN_DIR,
+        EXPORTS_DIR,
+        REPORT_DIR,
+        LOGS_DIR,
+        "tokens",
+    }
+)
 # The stages' manifests, as puzzle.artifacts names them (`{stage}.manifest.json`).
 _LIBRARY_MANIFEST = "library.manifest.json"
 _SCORES_MANIFEST = "scores.manifest.json"
@@ -61,7 +82,40 @@ class RunLayout:
 
     @property
     def config(self) -> Path:
+        """Where the run saves the config it started with (resolved: absolute paths)."""
         return self.root / CONFIG_FILE
+
+    @property
+    def resolved_config(self) -> Path:
+        """The saved config to read: `config`, or an older run's `config.yaml` when only that exists."""
+        legacy = self.root / LEGACY_CONFIG_FILE
+        return legacy if not self.config.is_file() and legacy.is_file() else self.config
+
+    def check_usable(self) -> None:
+        """RunDirError unless a run may write here: the directory is new, empty, an earlier run's (it holds
+        run.json), or holds only YAML files (a config kept in its own run directory) and a run's own entries.
+        A run never writes a file it does not own; this keeps it out of folders full of the user's files.
+        """
+        root = self.root
+        if not root.exists():
+            return
+        if not root.is_dir():
+            raise RunDirError(f"run directory {root} is a file: expected a directory")
+        if self.manifest.is_file():
+            return
+        foreign = sorted(
+            entry.name
+            for entry in root.iterdir()
+            if entry.name not in _OWN_ENTRIES
+            and not entry.name.startswith(("round-", "."))
+            and not (entry.is_file() and entry.suffix in (".yaml", ".yml"))
+        )
+        if foreign:
+            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+            raise RunDirError(
+                f"run directory {root} holds files that are not a puzzle run's ({shown}): choose a new or "
+                "empty directory (nothing was written)"
+            )
 
     @property
     def parent(self) -> Path:

@@ -322,15 +322,15 @@ def _scenario_metrics(hardware: Any) -> list[tuple[str, Callable[[ModelSpec], fl
 
 
 def _hardware(report: _Report, layout: RunLayout) -> Any:
-    """The hardware section of the run's config.yaml (profile, recipe, scenarios); None without one."""
-    if not layout.config.is_file():
+    """The hardware section of the run's saved config (run.resolved.yaml) (profile, recipe, scenarios); None without one."""
+    if not layout.resolved_config.is_file():
         return None
     from puzzle.config import ConfigError, load_config
 
     try:
-        return load_config(layout.config, check_paths=False).hardware
+        return load_config(layout.resolved_config, check_paths=False).hardware
     except (ConfigError, OSError) as error:
-        report.add(f"_Scenario costs skipped: cannot read {layout.config} ({error})._", "")
+        report.add(f"_Scenario costs skipped: cannot read {layout.resolved_config} ({error})._", "")
         return None
 
 

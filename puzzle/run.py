@@ -43,7 +43,7 @@ from puzzle import dist
 from puzzle.artifacts import fingerprint_file, fingerprint_json, fingerprint_model
 from puzzle.config import RunConfig, dump_config, load_config, load_config_data, to_dict
 from puzzle.files import atomic_write_bytes
-from puzzle.layout import STAGES, RunLayout
+from puzzle.layout import STAGES, RunDirError, RunLayout
 from puzzle.model import HybridLM
 from puzzle.spec import BlockSpec, ModelSpec, Variant
 
@@ -128,6 +128,14 @@ class Run:
         config = load_config(path, check_paths=True)
         return cls(config.run_dir, config)
 
+    def check_run_dir(self) -> None:
+        """RunError unless the run directory may be written (`RunLayout.check_usable`: new, empty, an earlier
+        run's, or holding only YAML configs); `puzzle run` calls it before anything is written."""
+        try:
+            self.layout.check_usable()
+        except RunDirError as error:
+            raise RunError(str(error)) from None
+
     def check_budgets(self, parent: ModelSpec) -> None:
         """Raise InfeasibleError (the search's message) when no architecture of the space meets a budget of
         this round, before anything is trained: the search over every variant of the space, all scored 0.
@@ -206,9 +214,11 @@ class Run:
         return fingerprint_json({"files": entries, "dtype": self.config.parent.dtype})
 
     def _prepare(self) -> None:
-        """Check the directory belongs to this parent, then write config.yaml, parent.json and the manifest."""
+        """Check the directory is usable and belongs to this parent, then write run.resolved.yaml,
+        parent.json and the manifest."""
         if self._prepared:
             return
+        self.check_run_dir()
         parent_dir = self.config.parent.path.resolve()
         root = self.layout.root.resolve()
         if root == parent_dir or parent_dir in root.parents:
@@ -225,7 +235,8 @@ class Run:
         if dist.is_main():
             self.layout.root.mkdir(parents=True, exist_ok=True)
             # Paths made absolute (relative ones are relative to the working directory by now), so that
-            # config.yaml reads back the same from inside the run directory (`puzzle search RUN_DIR`).
+            # the saved config reads back the same from inside the run directory (`puzzle search RUN_DIR`).
+            # Under a name of our own: the user's config may live in this directory too.
             resolved = load_config_data(self.config.to_dict(), Path.cwd())
             _write_if_changed(self.layout.config, dump_config(resolved).encode())
             spec = self.config.validate_paths()  # the parent's spec, from its config.json

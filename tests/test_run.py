@@ -15,15 +15,17 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from run_helpers import config_dict, make_inputs, write_config
 from safetensors.torch import load_file
 
 import puzzle
 from puzzle.cli import main
+from puzzle.config import load_config
 from puzzle.gkd import load_distilled
 from puzzle.layout import STAGES
 from puzzle.nemotron_h.checkpoint import load
-from puzzle.run import Run
+from puzzle.run import Run, RunError
 
 HELPER = Path(__file__).parent / "run_helpers.py"
 
@@ -83,7 +85,7 @@ def test_end_to_end_exports_the_distilled_child(finished):
         manifest["stages"]["distill"]["outputs"][name]["last_eval"]["kl"]
         < manifest["stages"]["assemble"]["outputs"][name]["measured"]["kl"]
     )
-    assert (run_dir / "logs" / "rank0.log").is_file() and (run_dir / "config.yaml").is_file()
+    assert (run_dir / "logs" / "rank0.log").is_file() and (run_dir / "run.resolved.yaml").is_file()
     # `puzzle search RUN_DIR` works on the run, the config's scenarios known without --scenario.
     assert main(["search", str(run_dir), "--budget", "throughput[chat]>=1.01x", "--json"]) == 0
 
@@ -232,6 +234,39 @@ def test_config_errors_exit_2_before_anything_is_written(inputs, tmp_path, capsy
     message = _error_run(tmp_path, infeasible, capsys)
     assert "puzzle run: infeasible:" in message and "params" in message
     assert not (tmp_path / "run").exists()
+
+
+def test_a_config_kept_in_its_own_run_dir_is_never_rewritten(inputs, tmp_path):
+    root, base = inputs
+    run_dir = tmp_path / "mine"
+    run_dir.mkdir()
+    data = copy.deepcopy(base) | {"run_dir": "."}  # relative to the config file's folder
+    text = "# my experiment: keep this comment\n" + yaml.safe_dump(data, sort_keys=False)
+    (run_dir / "config.yaml").write_text(text)
+    assert _run(run_dir / "config.yaml", "--until", "importance") == 0
+    assert (run_dir / "config.yaml").read_text() == text  # comments and formatting kept, byte for byte
+    saved = load_config(run_dir / "run.resolved.yaml", check_paths=False)
+    assert saved.run_dir == run_dir and saved.parent.path == root / "parent"
+    assert _statuses(run_dir) == {"importance": "done"}
+    assert _run(run_dir / "config.yaml", "--until", "importance") == 0  # an earlier run's folder: fine
+    assert (run_dir / "config.yaml").read_text() == text
+
+
+def test_a_run_dir_holding_the_users_files_is_refused_untouched(inputs, tmp_path, capsys):
+    _, base = inputs
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "config.yaml").write_text("# the user's own, not this run's\n")
+    (folder / "notes.txt").write_text("results so far\n")
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    config = write_config(tmp_path / "run.yaml", copy.deepcopy(base) | {"run_dir": str(folder)})
+    assert _run(config) == 2
+    err = capsys.readouterr().err
+    assert "holds files that are not a puzzle run's (notes.txt)" in err and str(folder) in err
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before  # no logs/, nothing written
+    with pytest.raises(RunError, match=r"notes\.txt"):  # the Python API refuses it too
+        Run(folder, load_config(config, check_paths=True)).importance()
+    assert {p.name: p.read_bytes() for p in folder.iterdir()} == before
 
 
 def test_a_run_dir_of_another_parent_is_an_error(finished, tmp_path, capsys):

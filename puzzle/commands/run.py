@@ -92,7 +92,11 @@ def run(args: argparse.Namespace) -> int:
 
     pipeline = Run(config.run_dir, config)
     try:
+        pipeline.check_run_dir()  # before the logs: a folder of the user's files is refused untouched
         pipeline.check_budgets(config.validate_paths())
+    except RunError as error:
+        print(f"puzzle run: error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except InfeasibleError as error:
         print(f"puzzle run: infeasible: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -168,7 +168,7 @@ def register(subparsers: Any) -> None:
         default=[],
         metavar="NAME:batch=B,prompt=P,generated=G",
         help="a serving scenario budgets may name (repeatable; also recipe=, kv_dtype=, ssm_dtype=, "
-        "conv_dtype=, activation_dtype=, compute_dtype=); the scenarios of RUN_DIR/config.yaml (a `puzzle "
+        "conv_dtype=, activation_dtype=, compute_dtype=); the scenarios of RUN_DIR/run.resolved.yaml (a `puzzle "
         "run` directory) are defined without it",
     )
     hardware = run_dir.add_argument(
@@ -373,12 +373,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_scenarios(layout: Any) -> dict[str, Any]:
-    """The serving scenarios of the run config a pipeline run saved (RUN_DIR/config.yaml), if any."""
+    """The serving scenarios of the run config a pipeline run saved (RUN_DIR/run.resolved.yaml), if any."""
     from puzzle.config import load_config
 
-    if not layout.config.is_file():
+    if not layout.resolved_config.is_file():
         return {}
-    return dict(load_config(layout.config).hardware.scenarios)  # a ConfigError is a ValueError: exit 2
+    return dict(
+        load_config(layout.resolved_config).hardware.scenarios
+    )  # a ConfigError is a ValueError: exit 2
 
 
 def _run_dir(args: argparse.Namespace) -> int:

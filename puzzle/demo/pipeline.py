@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 DEMO_FILE = "demo.md"
 DEMO_JSON = "demo.json"
+DEMO_CONFIG = "config.yaml"
 PROGRESS_ENV = "PUZZLE_PROGRESS"
 SWEEP = "active_params<=0.75x,0.5x"  # the two children: 3/4 and 1/2 of the parent's active parameters
 
@@ -218,7 +219,7 @@ def _run_demo(
     say: Callable[[str], None],
     started: float,
 ) -> DemoResult:
-    from puzzle.config.run import load_config_data
+    from puzzle.config.run import dump_config, load_config_data
     from puzzle.demo.parent import demo_parent
     from puzzle.report import write_report
     from puzzle.run import Run
@@ -234,7 +235,10 @@ def _run_demo(
     data = demo_config(parent.path, parent.corpus.path, out, size, seed)
     config = load_config_data(data)
     pipeline = Run(out, config)
+    pipeline.check_run_dir()
     pipeline.check_budgets(config.validate_paths())
+    # The demo's own config for the user to rerun or copy (the run saves its resolved copy apart).
+    atomic_write_bytes(out / DEMO_CONFIG, dump_config(config).encode())
     say(f"the pipeline: {out}")
     pipeline.run()
     say("measuring parent and children")
