@@ -849,14 +849,3 @@ def test_attention_with_rope_cannot_be_written():
     with pytest.raises(CheckpointError, match=r"attention block with rope_theta=10000\.0 cannot be written"):
         block_config_fields(AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0))
 
-
-def test_deprecated_hf_module_still_answers():
-    import importlib
-
-    with pytest.warns(DeprecationWarning, match="puzzle.nemotron_h"):
-        import puzzle.hf
-
-        shim = importlib.reload(puzzle.hf)  # warns again even when imported earlier
-    assert shim.load is nemotron_h.load and shim.CheckpointError is CheckpointError is puzzle.CheckpointError
-    assert shim.spec_from_config is nemotron_h.spec_from_config
-    assert shim.save_pretrained is nemotron_h.save_pretrained
