@@ -848,4 +848,3 @@ def test_field_table_reads_back_what_it_writes(block):
 def test_attention_with_rope_cannot_be_written():
     with pytest.raises(CheckpointError, match=r"attention block with rope_theta=10000\.0 cannot be written"):
         block_config_fields(AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=10000.0))
-
