@@ -1,6 +1,6 @@
 """puzzle: compress hybrid Mamba / attention / MoE language models by decomposed NAS (the Puzzle method)."""
 
-from typing import Any
+from puzzle._lazy import lazy_attributes as _lazy_attributes
 
 __version__ = "0.1.0"
 
@@ -45,12 +45,8 @@ _LAZY_EXPORTS.update(
 )
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY_EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY_EXPORTS[name]), name)
-    raise AttributeError(f"module 'puzzle' has no attribute {name!r}")
+# Subpackages and modules load on first use too: `puzzle.presets.get_space_preset(...)` after `import puzzle`.
+__getattr__, __dir__ = _lazy_attributes(__name__, _LAZY_EXPORTS)
 
 
 __all__ = [

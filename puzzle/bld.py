@@ -40,7 +40,7 @@ tokens) are written atomically under `<directory>/bld-checkpoints/`; a finished 
 final weights there. A killed run restarted with the same inputs continues from there and ends with the
 same weights as an uninterrupted run (the schedule is a function of the tokens seen, the data stream is
 replayed and skipped up to the saved position). The library is then written through `puzzle.artifacts`:
-``block{i}/{variant id}.safetensors`` per trained variant (the mixer's `state_dict()`, i.e. module keys
+``block{i}/{id, ':' as '_'}.safetensors`` per trained variant (the mixer's `state_dict()`, i.e. module keys
 relative to the mixer, as `HybridLM.layers[i].mixer` loads them; routed MoE experts in the expert-bank
 layout) and ``library.json``; the checkpoints are then removed.
 """
@@ -73,6 +73,7 @@ from puzzle.artifacts import (
 )
 from puzzle.blocks import build_block
 from puzzle.files import atomic_write
+from puzzle.layout import library_variant_file
 from puzzle.model import HybridLM
 from puzzle.progress import progress_bar
 from puzzle.prune.importance import ModelImportance
@@ -162,11 +163,15 @@ class VariantResult:
     final_nmse: float | None = None
     failed_step: int | None = None
     reason: str | None = None
+    # The file library.json names, when read from one: libraries written before portable names keep theirs.
+    stored_file: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def file(self) -> str | None:
         """The library file of a trained variant (None otherwise)."""
-        return variant_file(self.variant) if self.status == "trained" else None
+        if self.status != "trained":
+            return None
+        return self.stored_file or variant_file(self.variant)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -184,7 +189,7 @@ class VariantResult:
     def from_dict(cls, data: Mapping[str, Any]) -> VariantResult:
         variant = Variant.from_dict({k: data[k] for k in ("block_index", "id", "spec")})
         fields = ("tokens", "init_nmse", "final_nmse", "failed_step", "reason")
-        return cls(variant, data["status"], **{k: data.get(k) for k in fields})
+        return cls(variant, data["status"], **{k: data.get(k) for k in fields}, stored_file=data.get("file"))
 
 
 @dataclass
@@ -206,13 +211,13 @@ class Library:
             )
         artifact = Artifact(self.directory, ARTIFACT_NAME, FORMAT_VERSION)
         mixer = build_block(variant.spec, hidden_size, norm_eps)
-        mixer.load_state_dict(artifact.load_tensors(variant_file(variant)))
+        mixer.load_state_dict(artifact.load_tensors(result.file))
         return mixer
 
 
 def variant_file(variant: Variant) -> str:
-    """The library file of a variant, relative to the library directory."""
-    return f"block{variant.block_index}/{variant.id}.safetensors"
+    """The library file BLD writes for a variant, relative to the library directory (portable names)."""
+    return library_variant_file(variant.block_index, variant.id)
 
 
 def _key(variant: Variant) -> str:

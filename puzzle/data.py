@@ -102,7 +102,11 @@ def load_tokenizer(directory: str | Path) -> Any:
     from transformers import AutoTokenizer  # import on use: most stages never tokenise
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+        # trust_remote_code=False: a tokenizer needs no code, and transformers would otherwise ask (and wait
+        # 15 s) whether to run the code a nemotron_h_puzzle config.json names, since it reads config.json too.
+        tokenizer = AutoTokenizer.from_pretrained(
+            str(directory), local_files_only=True, trust_remote_code=False
+        )
     except (OSError, ValueError, KeyError) as error:
         raise DataError(f"cannot load the tokenizer in {directory}: {error}") from error
     if tokenizer.eos_token_id is None:

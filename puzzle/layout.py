@@ -6,7 +6,8 @@
       run.json           the run's manifest: each stage's status, inputs (content hashes) and outputs
       parent.json        the parent's ModelSpec (`ModelSpec.to_json`), what the cost model reads
       importance/        activation importance of the parent (child initialisation)
-      library/           BLD: library.manifest.json, library.json, block{i}/{variant id}.safetensors
+      library/           BLD: library.manifest.json, library.json, block{i}/{variant file name}.safetensors
+                         (`library_variant_file`: the variant id, portable)
       scores/            scoring: scores.manifest.json, scores.json
       solutions/         searches saved by the pipeline, {name}.json per budget (`puzzle search RUN_DIR`
                          writes only to --out)
@@ -23,6 +24,8 @@ last, so it only ever describes complete files.
 
 from __future__ import annotations
 
+import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +67,34 @@ _OWN_ENTRIES = frozenset(
 )
 # The stages' manifests, as puzzle.artifacts names them (`{stage}.manifest.json`).
 _LIBRARY_MANIFEST = "library.manifest.json"
+
+# Characters every file system keeps in a name (Windows and SMB shares refuse ':', which variant ids use).
+_PORTABLE_NAME = re.compile(r"[A-Za-z0-9._-]+")
+_ID_WITHOUT_UNDERSCORE = re.compile(r"[A-Za-z0-9.:-]+")
+
+
+def variant_file_stem(variant_id: str) -> str:
+    """A portable file name (characters [A-Za-z0-9._-]) for a variant id, distinct for distinct ids.
+
+    An id of letters, digits, '.', '-' and ':' (every id today, e.g. `moe:e4:k1:w8:s8`) has its ':' spelt
+    '_' (`moe_e4_k1_w8_s8`): one to one, as such ids hold no '_'. Any other id (e.g. a float written
+    `1e+16`) has every other character spelt '_' and a digest of the id appended, which keeps it apart.
+    """
+    if _ID_WITHOUT_UNDERSCORE.fullmatch(variant_id):
+        return variant_id.replace(":", "_")
+    readable = re.sub(r"[^A-Za-z0-9.-]", "_", variant_id)
+    return f"{readable}.{hashlib.sha256(variant_id.encode()).hexdigest()[:12]}"
+
+
+def library_variant_file(block_index: int, variant_id: str) -> str:
+    """Where BLD writes a trained variant, relative to the library directory: `block{i}/{stem}.safetensors`.
+
+    The one place library file names are made. Libraries written before names were portable used the raw
+    id (`block3/moe:e4:k1:w8:s8.safetensors`); their library.json records each file, which is what is read.
+    """
+    return f"block{block_index}/{variant_file_stem(variant_id)}.safetensors"
+
+
 _SCORES_MANIFEST = "scores.manifest.json"
 
 

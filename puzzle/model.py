@@ -84,11 +84,29 @@ class ModelCache:
 
 @dataclass
 class ModelOutput:
-    """`logits` [b, t, V] (fp32); `hidden_states`: (embeddings output, block 0 output, ...) when asked, else None."""
+    """`logits` [b, t, V] (fp32); `hidden_states`: (embeddings output, block 0 output, ...) when asked, else None;
+    `loss`: the causal LM loss when `labels` were given (see `causal_lm_loss`), else None."""
 
     logits: torch.Tensor
     hidden_states: tuple[torch.Tensor, ...] | None = None
     cache: ModelCache | None = None
+    loss: torch.Tensor | None = None
+
+
+IGNORE_INDEX = -100  # label value excluded from the loss, as in transformers
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy as transformers' causal LMs compute it: position i predicts labels[:, i + 1],
+    the mean over the labels that are not IGNORE_INDEX (-100), in fp32. logits [b, t, V], labels [b, t]."""
+    if labels.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"labels have shape {list(labels.shape)}, expected {list(logits.shape[:-1])} (the input_ids' shape)"
+        )
+    shifted = logits[:, :-1].float().flatten(0, 1)
+    return nn.functional.cross_entropy(
+        shifted, labels[:, 1:].flatten().to(shifted.device), ignore_index=IGNORE_INDEX
+    )
 
 
 def _check_mixer(index: int, mixer: nn.Module, expected: BlockSpec | None, hidden_size: int) -> None:
@@ -217,13 +235,18 @@ class HybridLM(nn.Module):
         output_hidden_states: bool = False,
         cache: ModelCache | None = None,
         logits_to_keep: int = 0,
+        labels: torch.Tensor | None = None,
     ) -> ModelOutput:
         """input_ids [b, t] (int64) -> ModelOutput with logits [b, t, V] in fp32.
 
         With a cache, continue from it and leave it at the end of input_ids; one token at a time
         goes through each mixer's `step`. `logits_to_keep` > 0 computes logits of the last
-        positions only (generation needs one).
+        positions only (generation needs one). `labels` [b, t] (usually input_ids, -100 where no loss
+        is wanted) add `loss`, the shifted next-token cross-entropy (`causal_lm_loss`), as transformers'
+        NemotronHForCausalLM returns it.
         """
+        if labels is not None and logits_to_keep > 0:
+            raise ValueError("labels need the logits of every position: pass logits_to_keep=0 with labels")
         x = self.embeddings(input_ids)
         hidden: list[torch.Tensor] | None = [x] if output_hidden_states else None
         decode = cache is not None and input_ids.shape[1] == 1 and cache.position > 0
@@ -242,7 +265,10 @@ class HybridLM(nn.Module):
             x = x[:, -logits_to_keep:]
         logits = self.lm_head(self.norm_f(x)).float()
         return ModelOutput(
-            logits=logits, hidden_states=tuple(hidden) if hidden is not None else None, cache=cache
+            logits=logits,
+            hidden_states=tuple(hidden) if hidden is not None else None,
+            cache=cache,
+            loss=None if labels is None else causal_lm_loss(logits, labels),
         )
 
     @torch.no_grad()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +40,7 @@ from puzzle.bld import (
     variant_file,
     variant_training_bytes,
 )
+from puzzle.layout import variant_file_stem
 from puzzle.spec import Variant
 
 HERE = Path(__file__).parent
@@ -117,6 +120,63 @@ def test_a_finished_library_is_reused(one_wave, setup):
 
 def _refuse(variant):
     raise AssertionError(f"variant {variant.id} was rebuilt")
+
+
+def test_library_file_names_are_portable(one_wave):
+    """Every path BLD writes is spelt in [A-Za-z0-9._-] (Windows and SMB shares refuse ':', which ids use);
+    the ids themselves stay as they are in library.json."""
+    library, output = one_wave
+    names = [part for path in output.rglob("*") for part in path.relative_to(output).parts]
+    assert names and [name for name in names if not re.fullmatch(r"[A-Za-z0-9._-]+", name)] == []
+    data = json.loads((output / LIBRARY_FILE).read_text())
+    assert {entry["id"] for entry in data["variants"]} == {v.id for v in library.results}
+    assert any(":" in entry["id"] and entry["file"] for entry in data["variants"])
+
+
+def test_variant_file_stems_are_portable_and_distinct():
+    ids = [
+        "moe:e4:k1:w8:s8",
+        "moe:e4:k1:w8:s8:scale2.5",
+        "mamba:h4:p8:n4:g2:dtmin1e-05",
+        "attn:q4:kv2:d8:rope1e+16",
+    ]
+    ids += ["attn:q4:kv2:d8:rope1e_16", "linear", "mlp:w12avg.1a2b3c4d5e6f"]
+    stems = [variant_file_stem(variant_id) for variant_id in ids]
+    assert stems[0] == "moe_e4_k1_w8_s8"  # readable: ':' spelt '_'
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", stem) for stem in stems)
+    assert len(set(stems)) == len(ids)
+
+
+def test_a_library_written_with_the_old_file_names_still_loads(one_wave, setup, tmp_path):
+    """A library from before portable names (`block3/moe:e4:k1:w8:s8.safetensors`, named so in library.json and
+    its manifest) reads, loads the same weights and is reused by build_library as it is."""
+    library, output = one_wave
+    old = tmp_path / "old"
+    shutil.copytree(output, old)
+    data = json.loads((old / LIBRARY_FILE).read_text())
+    manifest = json.loads((old / "library.manifest.json").read_text())
+    for entry in data["variants"]:
+        if entry["file"] is not None:
+            legacy = f"block{entry['block_index']}/{entry['id']}.safetensors"
+            (old / entry["file"]).rename(old / legacy)
+            manifest["outputs"][legacy] = manifest["outputs"].pop(entry["file"])
+            entry["file"] = legacy
+    (old / LIBRARY_FILE).write_text(json.dumps(data))
+    manifest["outputs"][LIBRARY_FILE] = (old / LIBRARY_FILE).stat().st_size
+    (old / "library.manifest.json").write_text(json.dumps(manifest))
+    assert any(":" in path.name for path in old.rglob("*.safetensors"))
+
+    reread = read_library(old)
+    assert reread.results == library.results
+    trained = [r for r in library.results.values() if r.status == "trained"]
+    for result in trained:
+        variant = result.variant
+        assert reread.results[variant].file == f"block{variant.block_index}/{variant.id}.safetensors"
+        loaded = reread.load_mixer(result.variant, SPEC.hidden_size, SPEC.norm_eps).state_dict()
+        expected = library.load_mixer(result.variant, SPEC.hidden_size, SPEC.norm_eps).state_dict()
+        assert loaded.keys() == expected.keys() and all(torch.equal(loaded[k], expected[k]) for k in loaded)
+    again = _build(setup, old, options={"init": _refuse})  # reused as it is: nothing rebuilt or renamed
+    assert {r.file for r in again.results.values()} == {r.file for r in reread.results.values()}
 
 
 def test_wave_plan_respects_the_memory_limit_and_waves_do_not_change_the_weights(one_wave, setup, tmp_path):

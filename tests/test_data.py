@@ -342,3 +342,32 @@ def test_token_file_errors_list_tensors_and_dtypes(tmp_path: Path, tokenizer_dir
     path.write_bytes(b"not safetensors")
     with pytest.raises(DataError, match=r"t.safetensors is not a readable safetensors file"):
         TokenData.load(path, seq_len=1)
+
+
+def test_a_remote_code_export_s_tokenizer_loads_without_asking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A nemotron_h_puzzle checkpoint (config.json's auto_map names trust_remote_code files) carries the
+    parent's tokenizer: puzzle reads it without transformers asking whether to run that code (a 15 s wait
+    on a terminal), as does AutoTokenizer with trust_remote_code=False, and both encode as the parent's."""
+    from transformers import AutoTokenizer
+
+    from puzzle.demo.corpus import write_tokenizer
+    from puzzle.model import HybridLM
+    from puzzle.nemotron_h import save_pretrained
+    from puzzle.spec import MLPSpec, ModelSpec
+
+    parent_tokenizer = write_tokenizer(tmp_path / "parent")
+    child = HybridLM(ModelSpec(vocab_size=258, hidden_size=16, blocks=(MLPSpec(width=8), MLPSpec(width=12))))
+    export = save_pretrained(
+        child, tmp_path / "export", model_type="nemotron_h_puzzle", aux_source=parent_tokenizer
+    )
+    assert "auto_map" in json.loads((export / "config.json").read_text())  # the case transformers asks about
+    asked: list[str] = []
+    monkeypatch.setattr("builtins.input", lambda prompt="": asked.append(prompt) or "n")
+
+    text = 'def f(x):\n    return "é ✓"  # 0\n'
+    expected = load_tokenizer(parent_tokenizer)(text)["input_ids"]
+    assert load_tokenizer(export)(text)["input_ids"] == expected
+    assert AutoTokenizer.from_pretrained(export, trust_remote_code=False)(text)["input_ids"] == expected
+    assert asked == []

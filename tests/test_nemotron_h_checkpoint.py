@@ -160,6 +160,35 @@ def test_greedy_generate_matches_transformers(parents, name):
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_labels_give_the_loss_transformers_gives(parents, name):
+    """forward(input_ids, labels=...) returns transformers' shifted causal LM loss (ignore_index -100), and
+    its gradient flows; without labels there is no loss."""
+    parent, path = parents[name]
+    model = puzzle.load(path)
+    ids = token_batch()
+    labels = ids.clone()
+    labels[0, :4] = -100  # e.g. a prompt
+    labels[1, -1] = -100
+    with torch.no_grad():
+        expected = parent(ids, labels=labels).loss
+    out = model(ids, labels=labels)
+    assert_close(out.loss, expected, atol=ATOL, rtol=ATOL)
+    assert out.loss.shape == () and out.loss.requires_grad
+    out.loss.backward()
+    assert model.lm_head.weight.grad is not None
+    assert model(ids).loss is None
+
+
+def test_labels_errors_name_the_problem(parents):
+    model = puzzle.load(parents["latent_moe"][1])
+    ids = token_batch()
+    with pytest.raises(ValueError, match=r"labels have shape \[2, 12\], expected \[2, 13\]"):
+        model(ids, labels=ids[:, 1:])
+    with pytest.raises(ValueError, match="logits_to_keep=0"):
+        model(ids, labels=ids, logits_to_keep=1)
+
+
 def test_sharded_checkpoint_roundtrip(parents, tmp_path):
     parent, path = parents["dense_mlp"]
     model = puzzle.load(path)

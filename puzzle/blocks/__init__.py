@@ -7,8 +7,7 @@ model's imports stay torch-free.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from puzzle._lazy import lazy_attributes as _lazy_attributes
 
 _LAZY: dict[str, str] = {
     "BLOCK_TYPES": "puzzle.blocks.registry",
@@ -23,15 +22,7 @@ _LAZY: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'puzzle.blocks' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_LAZY])
+__getattr__, __dir__ = _lazy_attributes(__name__, _LAZY)  # and submodules, e.g. `tensors`
 
 
 __all__ = sorted(_LAZY)

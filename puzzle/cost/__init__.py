@@ -3,6 +3,7 @@
 Per-kind rules live in one table keyed by spec type, `puzzle.cost.kinds.BLOCK_COSTS`.
 """
 
+from puzzle._lazy import lazy_attributes as _lazy_attributes
 from puzzle.cost.analytic import (
     QuantRecipe,
     block_active_params,
@@ -28,6 +29,8 @@ from puzzle.cost.roofline import (
     model_throughput,
     time_to_first_token,
 )
+
+__getattr__, __dir__ = _lazy_attributes(__name__)  # submodules not imported above, e.g. `measure`
 
 __all__ = [
     "BLOCK_COSTS",

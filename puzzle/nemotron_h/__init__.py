@@ -8,8 +8,7 @@ The config names import eagerly (they need no torch, e.g. for `puzzle costs`); `
 `save_pretrained` and the weights names load torch and the model on first use.
 """
 
-from typing import Any
-
+from puzzle._lazy import lazy_attributes as _lazy_attributes
 from puzzle.nemotron_h.config import (
     CONFIG_NAME,
     SUPPORTED_MODEL_TYPES,
@@ -39,12 +38,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'puzzle.nemotron_h' has no attribute {name!r}")
+__getattr__, __dir__ = _lazy_attributes(__name__, _LAZY)  # and submodules, e.g. `remote`
 
 
 __all__ = [

@@ -10,8 +10,7 @@ fixing, the MIP, the proven gap, infeasibility diagnosis), `heuristics` (diving,
 directory's library and scores under deployment budgets).
 """
 
-from typing import Any
-
+from puzzle._lazy import lazy_attributes as _lazy_attributes
 from puzzle.search.exact import search, search_k
 from puzzle.search.limits import BudgetError, Limit, Relative, merge_limits, parse_limit, parse_value
 from puzzle.search.types import Choice, InfeasibleError, Rules, SearchError, Solution, SolverOptions, Table
@@ -31,12 +30,7 @@ _LAZY_EXPORTS = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY_EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(_LAZY_EXPORTS[name]), name)
-    raise AttributeError(f"module 'puzzle.search' has no attribute {name!r}")
+__getattr__, __dir__ = _lazy_attributes(__name__, _LAZY_EXPORTS)  # and submodules, e.g. `run_dir`
 
 
 __all__ = [
