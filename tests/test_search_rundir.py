@@ -426,6 +426,9 @@ def test_this_machine_is_the_runs_stored_calibration(run, tmp_path, capsys):
         model_performance(child, LONG_FP8, STORED).total_s
     )
     assert (root / "hardware.json").read_bytes() == stored  # read, not measured again
+    model = CostModel("this-machine", scenarios={"long": LONG_FP8})  # the Python API prices the same way
+    solution = search_run(root, ["latency[long]<=0.8x"], cost_model=model, note=lambda _: None)
+    assert solution.totals == answer["totals"]
     # Without a stored calibration: measured once, stored, and every later search prices with it.
     (root / "hardware.json").unlink()
     code, first, err = _cli([*argv, "--hardware", "this-machine"], capsys)

@@ -461,7 +461,7 @@ def _run_search(args: argparse.Namespace, config: Any) -> _RunSearch:
     mixed = args.mixed_state_sizes
     return _RunSearch(
         cost_model=CostModel(name, recipe, memory_fraction, scenarios),
-        objective=args.objective or settings.objective,
+        objective=settings.objective if args.objective is None else args.objective,
         keep_blocks=tuple(args.keep_block) or settings.keep_blocks,
         same_attributes=tuple(args.same) or settings.same_attributes,
         shared_state_size=settings.shared_state_size if mixed is None else not mixed,
