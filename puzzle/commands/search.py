@@ -66,7 +66,8 @@ def register(subparsers: Any) -> None:
             "budgets or an option is malformed, 1 for other errors (unreadable library, missing keys). "
             "With RUN_DIR instead of --library: the run's library and scores, costs from the cost model "
             "(budget keys params, active_params, weight_bytes, memory_bytes[S], concurrent_requests[S], "
-            "throughput[S], latency[S], ttft[S] for scenarios S given with --scenario; [chat,long] = each)."
+            "throughput[S], latency[S], ttft[S] for scenarios S given with --scenario or by the run's config; "
+            "[chat,long] = each; every setting not given is the run's own)."
         ),
     )
     parser.add_argument(
