@@ -5,6 +5,8 @@
                          user's own config file, even one kept in the run directory, is never written)
       run.json           the run's manifest: each stage's status, inputs (content hashes) and outputs
       parent.json        the parent's ModelSpec (`ModelSpec.to_json`), what the cost model reads
+      hardware.json      this machine's calibration for the "this-machine" cost model, measured once per
+                         run (`RunLayout.hardware`) and reused by the search, `puzzle search`, the report
       importance/        activation importance of the parent (child initialisation)
       library/           BLD: library.manifest.json, library.json, block{i}/{variant file name}.safetensors
                          (`library_variant_file`: the variant id, portable)
@@ -28,15 +30,20 @@ import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from puzzle.files import atomic_write_bytes
 from puzzle.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from puzzle.cost.hardware import HardwareProfile
 
 # The pipeline's stages in order (puzzle/run.py; `puzzle run --until`).
 STAGES = ("importance", "library", "scores", "solutions", "assemble", "distill", "export")
 CONFIG_FILE = "run.resolved.yaml"
 # Where runs before 0.1 saved their resolved config; read (never written) when CONFIG_FILE is missing.
 LEGACY_CONFIG_FILE = "config.yaml"
+CALIBRATION_FILE = "hardware.json"
 RUN_MANIFEST_FILE = "run.json"
 IMPORTANCE_DIR = "importance"
 CHILDREN_DIR = "children"
@@ -52,6 +59,7 @@ SOLUTIONS_DIR = "solutions"
 _OWN_ENTRIES = frozenset(
     {
         CONFIG_FILE,
+        CALIBRATION_FILE,
         RUN_MANIFEST_FILE,
         PARENT_FILE,
         IMPORTANCE_DIR,
@@ -149,6 +157,11 @@ class RunLayout:
             )
 
     @property
+    def calibration(self) -> Path:
+        """This machine's calibration of the run (`puzzle.cost.hardware.stored_calibration`)."""
+        return self.root / CALIBRATION_FILE
+
+    @property
     def parent(self) -> Path:
         return self.root / PARENT_FILE
 
@@ -199,6 +212,19 @@ class RunLayout:
         if number < 1:
             raise ValueError(f"rounds are numbered from 1, got {number}")
         return self if number == 1 else RunLayout(self.root / f"round-{number}")
+
+    def hardware(self, name: str | HardwareProfile) -> str | HardwareProfile:
+        """Hardware `name` as this run's cost model takes it (`get_hardware` accepts both): "this-machine"
+        (or an alias) is the run's stored calibration, measured and stored on first use so that every
+        stage and command of the run prices with the same figures; other names and profiles as given.
+        SpecError for an unknown name, RunDirError if the run directory does not exist."""
+        # Late: the layout is imported by commands that never price anything.
+        from puzzle.cost.hardware import HardwareProfile, hardware_key, stored_calibration
+
+        if isinstance(name, HardwareProfile) or hardware_key(name) != "this-machine":
+            return name
+        self._require_root()  # never creates a run directory
+        return stored_calibration(self.calibration)
 
     def write_parent(self, spec: ModelSpec) -> Path:
         """Record the parent's spec (atomically); the run's costs are computed from it."""

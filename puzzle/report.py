@@ -13,7 +13,9 @@ of an iterative run (round-{r}/) get a report of their own in OUT/round-{r}, lin
 
 Plots need matplotlib (the optional `plot` extra); each is drawn on its own `Figure` with the Agg canvas,
 so the caller's pyplot state and backend are never touched. Without matplotlib the tables are written
-and the report says how to get the plots. Nothing but RUN_DIR/report (or `out_dir`) is written.
+and the report says how to get the plots. Nothing but RUN_DIR/report (or `out_dir`) is written, and
+RUN_DIR/hardware.json when the run prices on "this-machine" and has no stored calibration yet (measured
+once, then read back: the report's figures are the search's and do not change between reports).
 """
 
 from __future__ import annotations
@@ -197,7 +199,7 @@ def _frontier(
     cost_model, budgets = CostModel(), []
     if hardware is not None:
         cost_model = CostModel(
-            hardware.profile, hardware.recipe, hardware.memory_fraction, hardware.scenarios
+            layout.hardware(hardware.profile), hardware.recipe, hardware.memory_fraction, hardware.scenarios
         )
         budgets = [
             f"{key}[{name}]<=1x" for name in hardware.scenarios for key in ("latency", "ttft", "memory_bytes")
@@ -306,31 +308,34 @@ def _block_map(
         report.save(figure, f"blocks_{_file_name(name)}.png", f"architecture of {name}")
 
 
-def _scenario_metrics(hardware: Any) -> list[tuple[str, Callable[[ModelSpec], float]]]:
-    """Predicted throughput per scenario of the run config's hardware section (none without one)."""
+def _scenario_metrics(layout: RunLayout, hardware: Any) -> list[tuple[str, Callable[[ModelSpec], float]]]:
+    """Predicted throughput per scenario of the run config's hardware section (none without one), on the
+    run's hardware ("this-machine": its stored calibration, `RunLayout.hardware`)."""
     if hardware is None:
         return []
     from puzzle.cost import model_throughput
 
+    device = layout.hardware(hardware.profile)
     return [
         (
             f"throughput {name} (tokens/s, {hardware.profile})",
-            lambda spec, scenario=scenario: model_throughput(spec, scenario, hardware.profile),
+            lambda spec, scenario=scenario: model_throughput(spec, scenario, device),
         )
         for name, scenario in hardware.scenarios.items()
     ]
 
 
 def _hardware(report: _Report, layout: RunLayout) -> Any:
-    """The hardware section of the run's saved config (run.resolved.yaml) (profile, recipe, scenarios); None without one."""
-    if not layout.resolved_config.is_file():
+    """The hardware section of the run's saved config (profile, recipe, scenarios); None without one."""
+    path = layout.resolved_config
+    if not path.is_file():
         return None
     from puzzle.config import ConfigError, load_config
 
     try:
-        return load_config(layout.resolved_config, check_paths=False).hardware
+        return load_config(path, check_paths=False).hardware
     except (ConfigError, OSError) as error:
-        report.add(f"_Scenario costs skipped: cannot read {layout.resolved_config} ({error})._", "")
+        report.add(f"_Scenario costs skipped: cannot read {path} ({error})._", "")
         return None
 
 
@@ -355,7 +360,7 @@ def _costs(
             lambda s: state_bytes_per_request(s, STATE_CONTEXT),
         ),
     ]
-    metrics += _scenario_metrics(hardware)
+    metrics += _scenario_metrics(layout, hardware)
     names = list(children)
     rows = []
     for label, function in metrics:

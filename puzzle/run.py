@@ -156,7 +156,7 @@ class Run:
             problem = run_problem(
                 self.layout,
                 texts,
-                cost_model=self.cost_model(),
+                cost_model=self.cost_model(store=False),
                 keep_blocks=self.config.search.keep_blocks,
                 same_attributes=self.config.search.same_attributes,
                 shared_state_size=self.config.search.shared_state_size,
@@ -510,11 +510,18 @@ class Run:
             names[name] = texts
         return names
 
-    def cost_model(self) -> CostModel:
-        """The search's cost model of this run, from its `hardware` settings."""
+    def cost_model(self, *, store: bool = True) -> CostModel:
+        """The search's cost model of this run, from its `hardware` settings. "this-machine" is the run's
+        calibration (`RunLayout.hardware`: RUN_DIR/hardware.json, measured and stored on first use), so
+        the search, `puzzle search RUN_DIR`, `puzzle report` and the demo price with the same figures.
+        `store=False` (`check_budgets`, before the run directory is checked) uses a stored calibration
+        but measures without storing one."""
         from puzzle.search.run_dir import CostModel
 
-        return CostModel(**self.config.hardware.cost_model_kwargs())
+        kwargs = self.config.hardware.cost_model_kwargs()
+        if store or self.layout.calibration.is_file():
+            kwargs["hardware"] = self.layout.hardware(kwargs["hardware"])
+        return CostModel(**kwargs)
 
     def solutions(self) -> dict[str, Any]:
         """The search under each budget list (rank 0) -> solutions/{name}.json; `search.solutions` > 1 adds
@@ -529,6 +536,15 @@ class Run:
             "search": to_dict(dataclasses.replace(search, budgets=(), sweep=None)),
             "hardware": to_dict(self.config.hardware),
         }
+        self._prepare()  # the calibration is stored in the checked run directory
+        if dist.is_main():
+            self.cost_model()  # rank 0 measures and stores this machine's calibration once, if absent
+        dist.barrier()
+        device = self.cost_model().hardware
+        if not isinstance(device, str):  # this machine's calibration: new figures re-solve
+            from puzzle.cost.hardware import profile_to_json
+
+            inputs["calibration"] = profile_to_json(device)
 
         return self._stage("solutions", inputs, lambda: _on_main(self._solve))
 

@@ -12,10 +12,13 @@ import pytest
 import yaml
 
 from puzzle.config.run import load_config, load_config_data
+from puzzle.cost import model_performance
 from puzzle.cost.analytic import model_active_params
+from puzzle.cost.hardware import profile_from_json
 from puzzle.demo.corpus import stdlib_root
 from puzzle.demo.parent import TrainSettings, demo_parent
 from puzzle.demo.pipeline import DEMO_FILE, DEMO_JSON, FULL, DemoSize, demo_config, run_demo
+from puzzle.layout import RunLayout
 from puzzle.nemotron_h.checkpoint import load
 from puzzle.presets.demo import demo_spec
 from puzzle.run import RunError
@@ -83,6 +86,15 @@ def test_the_demo_compresses_for_two_budgets_and_tables_the_exports(demo):
     assert [r["name"] for r in saved["rows"]] == [r.name for r in result.rows]
     report = result.report.read_text()
     assert all(row.name in report for row in children)
+    # Predicted decode speed: the cost model on the run's calibration of this machine, made at one thread as
+    # the decode is measured, stored in the run (the search priced the children with it).
+    hardware = profile_from_json(json.loads((result.out / "hardware.json").read_text()), "hardware.json")
+    assert "(1 torch threads)" in hardware.source
+    scenario = load_config(RunLayout(result.out).resolved_config).hardware.scenarios["decode"]
+    for row in result.rows:
+        spec = parent.model.spec if row.name == "parent" else load(result.exports[row.name]).spec
+        step = model_performance(spec, scenario, hardware).decode_step_s
+        assert row.predicted_tokens_per_s == pytest.approx(1 / step, rel=1e-12)
 
 
 def test_a_second_demo_into_the_same_directory_reuses_every_stage(demo):
@@ -91,6 +103,8 @@ def test_a_second_demo_into_the_same_directory_reuses_every_stage(demo):
     again = run_demo(result.out, size=TINY, parent=parent, progress=False)
     assert _finished(result.out) == before  # nothing recomputed
     assert [(r.name, r.kl, r.blocks) for r in again.rows] == [(r.name, r.kl, r.blocks) for r in result.rows]
+    # The same predicted speeds: the run's stored calibration, not a new measurement.
+    assert [r.predicted_tokens_per_s for r in again.rows] == [r.predicted_tokens_per_s for r in result.rows]
 
 
 def test_a_demo_of_another_parent_refuses_the_directory(demo):

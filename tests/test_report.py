@@ -16,12 +16,13 @@ from rundir_helpers import make_run
 
 from puzzle.assemble import assemble, measured_kl
 from puzzle.cli import main
-from puzzle.cost import Scenario
+from puzzle.cost import Scenario, model_performance, model_throughput
+from puzzle.cost.hardware import HardwareProfile, profile_from_json, profile_to_json
 from puzzle.export import export
 from puzzle.files import atomic_write_bytes
 from puzzle.gkd import GKDSettings, distill
-from puzzle.layout import RunDirError
-from puzzle.report import PLOT_HINT, write_report
+from puzzle.layout import RunDirError, RunLayout
+from puzzle.report import PLOT_HINT, _format, write_report
 from puzzle.search.run_dir import CostModel, search_run
 
 NAME = "small"
@@ -169,3 +170,48 @@ def test_later_rounds_get_their_own_report(run_dir, tmp_path):
     assert "- round 3: no report (" in text and str(run / "round-3" / "library") in text
     assert "## BLD losses" in (run / "report" / "round-2" / "report.md").read_text()
     write_report(run)  # a second report over the first, round directories included
+
+
+def _throughput_rows(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.startswith("| throughput chat ")]
+
+
+def test_this_machine_figures_are_the_runs_stored_calibration(run_dir, tmp_path, capsys):
+    """Two reports and a search of one run price on this machine with the calibration stored in the run:
+    measured once when absent, then read back (a hand-made one shows it is read, not measured again)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("parent.json", "library", "scores", "solutions"):
+        source = run_dir / name
+        (shutil.copytree if source.is_dir() else shutil.copy)(source, run / name)
+    config = (
+        (run_dir / "config.yaml").read_text().replace("hardware: {", "hardware: {profile: this-machine, ")
+    )
+    (run / "run.resolved.yaml").write_text(config)
+    layout = RunLayout(run)
+    chat = Scenario(batch_size=2, prompt_tokens=16, generated_tokens=4, name="chat")
+
+    first = _throughput_rows(write_report(run, tmp_path / "first"))
+    stored = layout.calibration.read_bytes()  # measured by the first report
+    profile = profile_from_json(json.loads(stored), str(layout.calibration))
+    parent = layout.read_parent()
+    assert first[0].startswith(
+        f"| throughput chat (tokens/s, this-machine) | {_format(model_throughput(parent, chat, profile))} |"
+    )
+    assert _throughput_rows(write_report(run, tmp_path / "second")) == first
+    assert layout.calibration.read_bytes() == stored
+    argv = ["search", str(run), "--budget", "throughput[chat]>=1x", "--json"]
+    assert main(argv) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["totals"]["seconds[chat]"] == pytest.approx(
+        model_performance(parent, chat, profile).total_s
+    )
+    assert layout.calibration.read_bytes() == stored
+
+    # A calibration no machine measures: the report's figures are its own.
+    made = HardwareProfile("this-machine", (("fp32", 3e9),), 1e9, 2**30, 2e-5, eager=True, source="tests")
+    layout.calibration.write_text(json.dumps(profile_to_json(made)))
+    rows = _throughput_rows(write_report(run, tmp_path / "third"))
+    assert rows[0].startswith(
+        f"| throughput chat (tokens/s, this-machine) | {_format(model_throughput(parent, chat, made))} |"
+    )

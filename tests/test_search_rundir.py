@@ -14,12 +14,14 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 from bld_helpers import SPEC
 from rundir_helpers import BLD_FAILURE, SCORE_FAILURE, make_run
 
 from puzzle import cli
 from puzzle.artifacts import Artifact, json_writer
 from puzzle.bld import read_library
+from puzzle.config import load_config
 from puzzle.cost import (
     max_concurrent_requests,
     model_active_params,
@@ -28,7 +30,9 @@ from puzzle.cost import (
     state_bytes_per_request,
 )
 from puzzle.cost.analytic import model_weight_bytes
+from puzzle.cost.hardware import HardwareProfile, profile_from_json, profile_to_json
 from puzzle.presets import tiny_hybrid
+from puzzle.run import Run
 from puzzle.score import SCORES_FILE, load_scores
 from puzzle.search.run_dir import CostModel, parse_scenario, run_problem, search_run
 from puzzle.spec import ModelSpec
@@ -36,6 +40,7 @@ from puzzle.spec import ModelSpec
 HARDWARE = "h100-80gb"
 SCENARIOS = ["chat:batch=8,prompt=512,generated=128", "long:batch=2,prompt=8k,generated=64"]
 CHAT, LONG = (parse_scenario(text, {}) for text in SCENARIOS)
+LONG_FP8 = parse_scenario("long:batch=2,prompt=8k,generated=64,kv_dtype=fp8", {})
 SCENARIO_ARGS = [arg for text in SCENARIOS for arg in ("--scenario", text)]
 
 
@@ -315,3 +320,137 @@ def test_a_library_variant_without_a_score_is_an_error_naming_it(run, tmp_path, 
     code, out, err = _cli(["search", str(copy), "--budget", "active_params<=0.7x"], capsys)
     assert code == 1 and out == ""
     assert f"{copy / 'scores' / SCORES_FILE} has no score for block 1 variant attn:q4:kv1:d4" in err
+
+
+# -- the run's own settings and its stored calibration of this machine ----------------------------------
+
+# A this-machine calibration no measurement produces: figures priced with it come from the stored file.
+STORED = HardwareProfile(
+    "this-machine",
+    (("fp32", 5e10),),
+    2e10,
+    2**30,
+    op_overhead_s=4e-6,
+    eager=True,
+    few_rows_flops=1e10,
+    source="tests: stored by hand",
+)
+RUN_SETTINGS = {
+    # The run prices on this machine (its stored calibration); h100-80gb, the default, chooses otherwise.
+    "hardware": (
+        {
+            "profile": "this-machine",
+            "scenarios": {
+                "long": {"batch_size": 2, "prompt_tokens": 8000, "generated_tokens": 64, "kv_dtype": "fp8"}
+            },
+        },
+        {"budgets": ["latency[long]<=0.8x"]},
+        ["--hardware", "h100-80gb"],
+        {"cost_model": CostModel("h100-80gb", scenarios={"long": LONG_FP8})},
+    ),
+    # The run's objective, state-size rule and memory fraction; --objective kl chooses otherwise.
+    "search": (
+        {
+            "memory_fraction": 0.5,
+            "scenarios": {"chat": {"batch_size": 8, "prompt_tokens": 512, "generated_tokens": 128}},
+        },
+        {"objective": "lm_loss_delta", "shared_state_size": False, "budgets": ["throughput[chat]>=1.3x"]},
+        ["--objective", "kl"],
+        {
+            "cost_model": CostModel(memory_fraction=0.5, scenarios={"chat": CHAT}),
+            "shared_state_size": False,
+        },
+    ),
+}
+
+
+def _saved_run(
+    run: Path, root: Path, hardware: dict, search: dict, config_file: str = "run.resolved.yaml"
+) -> Path:
+    """A copy of `run` with a saved run config (as `puzzle run` saves it) and the calibration STORED."""
+    shutil.copytree(run, root)
+    (root / config_file).write_text(
+        yaml.safe_dump(
+            {
+                "run_dir": str(root),
+                "parent": {"path": str(root / "parent")},
+                "data": {"sources": [str(root / "corpus.txt")], "seq_len": 8},
+                "space": {"kinds": {"mlp": {"width_fraction": [0.5]}}},
+                "search": search,
+                "hardware": hardware,
+            }
+        )
+    )
+    (root / "hardware.json").write_text(json.dumps(profile_to_json(STORED)))
+    return root
+
+
+def _same_answer(answer: dict, solution: dict) -> None:
+    for key in ("choices", "objective", "totals"):
+        assert answer[key] == solution[key], key
+
+
+@pytest.mark.parametrize("config_file", ["run.resolved.yaml", "config.yaml"])  # config.yaml: older runs
+@pytest.mark.parametrize("case", list(RUN_SETTINGS))
+def test_search_of_a_run_directory_is_the_runs_own_solution(run, tmp_path, capsys, case, config_file):
+    hardware, search, flag, override = RUN_SETTINGS[case]
+    root = _saved_run(run, tmp_path / "run", hardware, search, config_file)
+    config = load_config(root / config_file)
+    saved = Run(root, config)._solve()  # the run's solutions stage
+    (name,) = saved
+    solution = json.loads((root / saved[name]["file"]).read_text())
+    budgets = [arg for text in search["budgets"] for arg in ("--budget", text)]
+    code, out, err = _cli(["search", str(root), *budgets, "--json"], capsys)
+    assert code == 0, err
+    _same_answer(json.loads(out), solution)
+    # A flag overrides the one setting it names; the rest is still the run's.
+    expected = search_run(root, search["budgets"], note=lambda _: None, **override)
+    code, out, err = _cli(["search", str(root), *budgets, *flag, "--json"], capsys)
+    assert code == 0, err
+    answer = json.loads(out)
+    assert answer["choices"] == expected.names and answer["objective"] == pytest.approx(expected.objective)
+    assert answer["choices"] != solution["choices"]  # the override made a difference
+
+
+def test_this_machine_is_the_runs_stored_calibration(run, tmp_path, capsys):
+    hardware, search, _, _ = RUN_SETTINGS["hardware"]
+    root = _saved_run(run, tmp_path / "run", hardware, search)
+    stored = (root / "hardware.json").read_bytes()
+    argv = ["search", str(root), "--budget", "latency[long]<=0.8x", "--json"]
+    code, out, err = _cli(argv, capsys)
+    assert code == 0, err
+    answer = json.loads(out)
+    chosen = {name: spec for block in _candidates(root, "kl") for name, spec, _ in block}
+    child = ModelSpec(SPEC.vocab_size, SPEC.hidden_size, tuple(chosen[v] for v in answer["choices"].values()))
+    assert answer["totals"]["seconds[long]"] == pytest.approx(
+        model_performance(child, LONG_FP8, STORED).total_s
+    )
+    assert (root / "hardware.json").read_bytes() == stored  # read, not measured again
+    model = CostModel("this-machine", scenarios={"long": LONG_FP8})  # the Python API prices the same way
+    solution = search_run(root, ["latency[long]<=0.8x"], cost_model=model, note=lambda _: None)
+    assert solution.totals == answer["totals"]
+    # Without a stored calibration: measured once, stored, and every later search prices with it.
+    (root / "hardware.json").unlink()
+    code, first, err = _cli([*argv, "--hardware", "this-machine"], capsys)
+    assert code == 0, err
+    measured = (root / "hardware.json").read_bytes()
+    profile = profile_from_json(json.loads(measured), "hardware.json")
+    assert profile.name == "this-machine" and profile != STORED
+    for _ in range(2):
+        code, again, err = _cli(argv, capsys)
+        assert code == 0 and (root / "hardware.json").read_bytes() == measured
+        assert json.loads(again)["totals"] == json.loads(first)["totals"]
+
+
+def test_an_unwritable_out_prints_the_answer_and_exits_2(run, tmp_path, capsys):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where --out wants a folder\n")
+    out = blocker / "solution.json"
+    argv = ["search", str(run), "--budget", "active_params<=0.7x", "--json"]
+    code, expected, _ = _cli(argv, capsys)
+    assert code == 0
+    code, printed, err = _cli([*argv, "--out", str(out)], capsys)
+    assert code == 2 and json.loads(printed)["choices"] == json.loads(expected)["choices"]
+    assert f"cannot write --out {out}" in err and "Traceback" not in err
+    code, printed, err = _cli([*argv[:-1], "--out", str(out)], capsys)  # the table, too
+    assert code == 2 and "kl = " in printed and f"cannot write --out {out}" in err

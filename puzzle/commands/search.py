@@ -4,6 +4,7 @@ on a run directory (`puzzle search RUN_DIR`: its library, scores and the cost mo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import math
@@ -65,7 +66,8 @@ def register(subparsers: Any) -> None:
             "budgets or an option is malformed, 1 for other errors (unreadable library, missing keys). "
             "With RUN_DIR instead of --library: the run's library and scores, costs from the cost model "
             "(budget keys params, active_params, weight_bytes, memory_bytes[S], concurrent_requests[S], "
-            "throughput[S], latency[S], ttft[S] for scenarios S given with --scenario; [chat,long] = each)."
+            "throughput[S], latency[S], ttft[S] for scenarios S given with --scenario or by the run's config; "
+            "[chat,long] = each; every setting not given is the run's own)."
         ),
     )
     parser.add_argument(
@@ -142,59 +144,75 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--solver",
         choices=SOLVERS,
-        default="auto",
-        help="MIP solver (default auto: HiGHS if highspy is installed, else CBC)",
+        default=None,
+        help="MIP solver (default auto: HiGHS if highspy is installed, else CBC; with RUN_DIR the run's "
+        "search.solver)",
     )
     parser.add_argument(
         "--time-limit",
         type=_positive_seconds,
         default=None,
         metavar="SECONDS",
-        help="wall-clock limit per solve in seconds, > 0 (default: none); "
+        help="wall-clock limit per solve in seconds, > 0 (default: none; with RUN_DIR the run's); "
         "a solve stopped by it reports status time_limit",
     )
     parser.add_argument(
         "--gap",
         type=_relative_gap,
-        default=1e-6,
-        help="relative optimality gap to prove, in [0, 1) (default 1e-6); status optimal means the "
+        default=None,
+        help="relative optimality gap to prove, in [0, 1) (default 1e-6; with RUN_DIR the run's); status "
+        "optimal means the "
         "proven gap, (objective - best bound) / |objective|, is at most this",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    run_dir = parser.add_argument_group("with RUN_DIR: the cost model, as `puzzle costs` counts")
+    run_dir = parser.add_argument_group(
+        "with RUN_DIR: the cost model, as `puzzle costs` counts; each setting not given is the run's own "
+        "(RUN_DIR/run.resolved.yaml, or config.yaml in older runs), as are --objective, --keep-block, "
+        "--same, --solver, --time-limit and --gap"
+    )
     run_dir.add_argument(
         "--scenario",
         action="append",
         default=[],
         metavar="NAME:batch=B,prompt=P,generated=G",
         help="a serving scenario budgets may name (repeatable; also recipe=, kv_dtype=, ssm_dtype=, "
-        "conv_dtype=, activation_dtype=, compute_dtype=); the scenarios of RUN_DIR/run.resolved.yaml (a `puzzle "
-        "run` directory) are defined without it",
+        "conv_dtype=, activation_dtype=, compute_dtype=); the run's own scenarios are defined without it "
+        "(one given here replaces the run's of that name)",
     )
     hardware = run_dir.add_argument(
         "--hardware",
         default=None,
-        help="the device that times scenarios and holds requests: one of %(names)s (default h100-80gb)",
+        help="the device that times scenarios and holds requests: one of %(names)s (default: the run's "
+        "hardware.profile, else h100-80gb; this-machine is the run's stored calibration, "
+        "RUN_DIR/hardware.json, measured and stored once if absent)",
     )
     hardware.names = _Deferred("puzzle.cost.hardware", lambda module: module.hardware_names())
     run_dir.add_argument(
         "--recipe",
         default=None,
         choices=_Deferred("puzzle.cost.formats", lambda module: sorted(module.RECIPES)),
-        help="weight storage format of weight_bytes and of scenarios (default bf16)",
+        help="weight storage format of weight_bytes and of every scenario (default: the run's "
+        "hardware.recipe and its scenarios' own, else bf16)",
     )
     run_dir.add_argument(
-        "--kv-dtype", default=None, choices=_STATE_DTYPES, help="scenarios' KV cache (default bf16)"
+        "--kv-dtype",
+        default=None,
+        choices=_STATE_DTYPES,
+        help="every scenario's KV cache (default: the run's scenarios' own, else bf16)",
     )
     run_dir.add_argument(
-        "--ssm-dtype", default=None, choices=_STATE_DTYPES, help="scenarios' Mamba state (default fp32)"
+        "--ssm-dtype",
+        default=None,
+        choices=_STATE_DTYPES,
+        help="every scenario's Mamba state (default: the run's scenarios' own, else fp32)",
     )
     run_dir.add_argument(
         "--memory-fraction",
         type=fraction,
         default=None,
         metavar="FRACTION",
-        help="share of the device memory usable by concurrent_requests, in (0, 1] (default 0.9)",
+        help="share of the device memory usable by concurrent_requests, in (0, 1] (default: the run's "
+        "hardware.memory_fraction, else 0.9)",
     )
     run_dir.add_argument(
         "--parent",
@@ -205,11 +223,17 @@ def register(subparsers: Any) -> None:
     )
     run_dir.add_argument(
         "--mixed-state-sizes",
-        action="store_true",
-        help="let Mamba blocks keep different SSM state sizes (default: one size, as serving engines need)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="let Mamba blocks keep different SSM state sizes, or (--no-mixed-state-sizes) not (default: "
+        "the run's search.shared_state_size, else one size, as serving engines need)",
     )
     run_dir.add_argument(
-        "--out", default=None, metavar="FILE", help="also write the JSON answer to FILE (atomically)"
+        "--out",
+        default=None,
+        metavar="FILE",
+        help="also write the JSON answer to FILE (atomically); if it cannot be written, the answer is "
+        "still printed and the exit code is 2",
     )
     parser.set_defaults(func=run, parser_error=parser.error)
 
@@ -273,6 +297,7 @@ _RUN_DIR_ONLY = (
     "out",
 )
 _LIBRARY_ONLY = ("fixed", "maximize", "sweep", "frontier")
+_SWITCHES = ("maximize",)  # store_true options: False is their unset value (--no-mixed-state-sizes is set)
 
 
 def _option(dest: str) -> str:
@@ -287,7 +312,8 @@ def _check_combinations(parser_error: Any, args: argparse.Namespace) -> None:
         )
     mode, others = ("RUN_DIR", _LIBRARY_ONLY) if args.run_dir is not None else ("--library", _RUN_DIR_ONLY)
     for dest in others:
-        if getattr(args, dest) not in (None, False, []):
+        value = getattr(args, dest)
+        if value not in (None, []) and not (value is False and dest in _SWITCHES):
             parser_error(f"{_option(dest)} does not apply with {mode}")
     if args.frontier is not None and args.sweep is None:
         parser_error("--frontier needs --sweep (it writes the sweep's points)")
@@ -325,7 +351,9 @@ def run(args: argparse.Namespace) -> int:
         keys = [limit.key for limit in limits] + ([swept[0]] if swept else [])
         table = load_library(args.library, args.objective, keys, args.maximize, args.same, _fixed(args.fixed))
         rules = Rules(same_attributes=tuple(args.same), keep_blocks=tuple(args.keep_block))
-        options = SolverOptions(args.solver, args.time_limit, args.gap)
+        options = SolverOptions(
+            args.solver or "auto", args.time_limit, 1e-6 if args.gap is None else args.gap
+        )
         if swept:
             key, side, values = swept
             points = sweep(table, limits, key, side, values, rules, options)
@@ -372,78 +400,125 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_scenarios(layout: Any) -> dict[str, Any]:
-    """The serving scenarios of the run config a pipeline run saved (RUN_DIR/run.resolved.yaml), if any."""
+def _run_config(layout: Any) -> Any:
+    """The run config a pipeline run saved in its directory (`RunLayout.resolved_config`); None without one.
+
+    A ConfigError is a ValueError: a malformed saved config exits 2, naming the file."""
     from puzzle.config import load_config
 
-    if not layout.resolved_config.is_file():
-        return {}
-    return dict(
-        load_config(layout.resolved_config).hardware.scenarios
-    )  # a ConfigError is a ValueError: exit 2
+    path = layout.resolved_config
+    return load_config(path) if path.is_file() else None
+
+
+def _with_dtypes(scenario: Any, args: argparse.Namespace) -> Any:
+    """A run scenario with the dtypes given on the command line (--recipe, --kv-dtype, --ssm-dtype)."""
+    given = {"recipe": args.recipe, "kv_dtype": args.kv_dtype, "ssm_dtype": args.ssm_dtype}
+    return dataclasses.replace(scenario, **{key: value for key, value in given.items() if value is not None})
+
+
+@dataclasses.dataclass(frozen=True)
+class _RunSearch:
+    """What `puzzle search RUN_DIR` searches with: each option given, else the run config's, else the default."""
+
+    cost_model: Any  # puzzle.search.run_dir.CostModel, its hardware still a name
+    objective: str
+    keep_blocks: tuple[Any, ...]
+    same_attributes: tuple[str, ...]
+    shared_state_size: bool
+    options: SolverOptions
+
+
+def _run_search(args: argparse.Namespace, config: Any) -> _RunSearch:
+    """Settings of `puzzle search RUN_DIR` from the options and the run's config (None: no saved config).
+
+    The run's solutions stage searched with the config's `hardware` and `search` sections, so that is
+    what a search of its directory starts from; an option overrides the one setting it names."""
+    from puzzle.config.run import HardwareConfig, SearchConfig
+    from puzzle.cost.hardware import hardware_key
+    from puzzle.search.run_dir import CostModel, parse_scenario
+
+    hardware = config.hardware if config is not None else HardwareConfig()
+    settings = config.search if config is not None else SearchConfig()
+    name = args.hardware if args.hardware is not None else hardware.profile
+    hardware_key(name)  # SpecError (exit 2) for an unknown name, before any file is read
+    recipe = args.recipe or hardware.recipe
+    defaults = {"recipe": recipe, "kv_dtype": args.kv_dtype or "bf16", "ssm_dtype": args.ssm_dtype or "fp32"}
+    scenarios = {}
+    for text in args.scenario:
+        scenario = parse_scenario(text, defaults)
+        if scenario.name in scenarios:
+            raise BudgetError(f"--scenario {scenario.name!r} is defined twice")
+        scenarios[scenario.name] = scenario
+    for scenario_name, scenario in hardware.scenarios.items():
+        scenarios.setdefault(scenario_name, _with_dtypes(scenario, args))  # --scenario replaces the run's
+    memory_fraction = hardware.memory_fraction if args.memory_fraction is None else args.memory_fraction
+    solver = settings.solver
+    options = dataclasses.replace(
+        solver,
+        solver=args.solver or solver.solver,
+        time_limit_s=solver.time_limit_s if args.time_limit is None else args.time_limit,
+        gap_rel=solver.gap_rel if args.gap is None else args.gap,
+    )
+    mixed = args.mixed_state_sizes
+    return _RunSearch(
+        cost_model=CostModel(name, recipe, memory_fraction, scenarios),
+        objective=settings.objective if args.objective is None else args.objective,
+        keep_blocks=tuple(args.keep_block) or settings.keep_blocks,
+        same_attributes=tuple(args.same) or settings.same_attributes,
+        shared_state_size=settings.shared_state_size if mixed is None else not mixed,
+        options=options,
+    )
 
 
 def _run_dir(args: argparse.Namespace) -> int:
     """`puzzle search RUN_DIR`: malformed options exit 2 before any file is read; an unusable run exits 1."""
     # Late: the run's files are read through puzzle.bld / puzzle.score, which import torch.
     from puzzle.commands.costs import load_target
-    from puzzle.cost import get_hardware
-    from puzzle.files import atomic_write_bytes
     from puzzle.layout import RunLayout
-    from puzzle.search.run_dir import METRICS, CostModel, parse_budget, parse_scenario, run_problem
+    from puzzle.search.run_dir import METRICS, parse_budget, run_problem
 
-    objective = "kl" if args.objective is None else args.objective
+    layout = RunLayout(Path(args.run_dir))
     try:
-        if objective not in METRICS:
+        found = _run_search(args, _run_config(layout))
+        if found.objective not in METRICS:
             raise BudgetError(
-                f"--objective {objective!r} is not a recorded metric; choose one of {', '.join(METRICS)}"
+                f"--objective {found.objective!r} is not a recorded metric; choose one of {', '.join(METRICS)}"
             )
-        bad_same = sorted(set(args.same) - {"state_size", "top_k", "kind"})
+        bad_same = sorted(set(found.same_attributes) - {"state_size", "top_k", "kind"})
         if bad_same:
             raise BudgetError(f"--same {bad_same[0]!r}: a run's variants have state_size, top_k and kind")
-        hardware = "h100-80gb" if args.hardware is None else args.hardware
-        get_hardware(hardware)
-        recipe = args.recipe or "bf16"
-        defaults = {
-            "recipe": recipe,
-            "kv_dtype": args.kv_dtype or "bf16",
-            "ssm_dtype": args.ssm_dtype or "fp32",
-        }
-        scenarios = {}
-        for text in args.scenario:
-            scenario = parse_scenario(text, defaults)
-            if scenario.name in scenarios:
-                raise BudgetError(f"--scenario {scenario.name!r} is defined twice")
-            scenarios[scenario.name] = scenario
-        memory_fraction = 0.9 if args.memory_fraction is None else args.memory_fraction
-        for name, scenario in _run_scenarios(RunLayout(Path(args.run_dir))).items():
-            scenarios.setdefault(name, scenario)  # --scenario overrides the run config's
-        cost_model = CostModel(hardware, recipe, memory_fraction, scenarios)
-        budgets = [parse_budget(text, cost_model) for text in args.budget]
+        budgets = [parse_budget(text, found.cost_model) for text in args.budget]
         out = Path(args.out) if args.out is not None else None
         if out is not None and (out.is_dir() or not out.name):
             raise BudgetError(f"--out {args.out!r} is a directory; name the file to write")
-        parent = load_target(args.parent)[0] if args.parent is not None else None
-    except ValueError as error:  # BudgetError, SpecError, CheckpointError
+        parent = load_target(args.parent) if args.parent is not None else None
+        parent = parent[0] if parent is not None else None
+    except ValueError as error:  # BudgetError, SpecError, CheckpointError, ConfigError
         print(f"puzzle search: error: {error}", file=sys.stderr)
         return EXIT_INFEASIBLE  # 2: bad input, as argparse's usage errors
+    objective = found.objective
     try:
+        # The hardware as the run prices it: "this-machine" is the run's stored calibration.
+        cost_model = dataclasses.replace(
+            found.cost_model, hardware=layout.hardware(found.cost_model.hardware)
+        )
         problem = run_problem(
-            RunLayout(Path(args.run_dir)),
+            layout,
             budgets,
             objective=objective,
             cost_model=cost_model,
-            keep_blocks=args.keep_block,
-            same_attributes=args.same,
-            shared_state_size=not args.mixed_state_sizes,
+            keep_blocks=found.keep_blocks,
+            same_attributes=found.same_attributes,
+            shared_state_size=found.shared_state_size,
             parent=parent,
         )
         for note in problem.notes:
             print(f"puzzle search: note: {note}", file=sys.stderr)
-        options = SolverOptions(args.solver, args.time_limit, args.gap)
         min_diff = 1 if args.min_diff is None else args.min_diff
         rules = problem.problem.rules
-        solutions = search_k(problem.table, problem.problem.limits, rules, options, args.solutions, min_diff)
+        solutions = search_k(
+            problem.table, problem.problem.limits, rules, found.options, args.solutions, min_diff
+        )
     except InfeasibleError as error:
         if args.json:
             print(
@@ -463,16 +538,33 @@ def _run_dir(args: argparse.Namespace) -> int:
         return 1
     payload = [s.to_json() for s in solutions]
     answer = payload[0] if args.solutions == 1 else payload
-    if out is not None:
-        atomic_write_bytes(out, (json.dumps(answer, indent=2) + "\n").encode())
-        print(f"wrote {out}", file=sys.stderr)
+    # The answer is printed before --out is written, so that a file that cannot be written loses nothing.
     if args.json:
         print(json.dumps(answer, indent=2))
-        return 0
-    for index, solution in enumerate(solutions):
-        if len(solutions) > 1:
-            print(f"solution {index + 1}:")
-        _print_solution(solution, objective, sys.stdout)
+    else:
+        for index, solution in enumerate(solutions):
+            if len(solutions) > 1:
+                print(f"solution {index + 1}:")
+            _print_solution(solution, objective, sys.stdout)
     if len(solutions) < args.solutions:
         print(f"only {len(solutions)} architectures differ in >= {min_diff} blocks", file=sys.stderr)
+    if out is not None:
+        return _write_out(out, answer)
+    return 0
+
+
+def _write_out(out: Path, answer: Any) -> int:
+    """Write the JSON answer to --out; 0, or 2 with a message naming the path if it cannot be written."""
+    from puzzle.files import atomic_write_bytes
+
+    try:
+        atomic_write_bytes(out, (json.dumps(answer, indent=2) + "\n").encode())
+    except OSError as error:
+        reason = error.strerror or str(error)
+        print(
+            f"puzzle search: error: cannot write --out {out}: {reason} (the answer is printed above)",
+            file=sys.stderr,
+        )
+        return EXIT_INFEASIBLE  # 2: bad input
+    print(f"wrote {out}", file=sys.stderr)
     return 0

@@ -1,18 +1,28 @@
 """Accelerator profiles for the roofline model: peak dense FLOP/s per dtype, memory bandwidth and capacity.
 
 Published datacenter GPUs, plus "this-machine": the current CPU, calibrated once per process by a
-short measurement (fp32 matmul rate, copy bandwidth, per-op dispatch overhead; well under 2 s).
+short measurement (fp32 matmul rate, copy bandwidth, per-op dispatch overhead; well under 2 s). A run
+directory keeps its own calibration (`stored_calibration`, RUN_DIR/hardware.json), measured once and read
+back by every later stage and command, so that its figures do not change with the machine's load.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
+import logging
 import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 from puzzle.cost.timing import median_seconds
+from puzzle.files import default_mode
 from puzzle.spec import SpecError
 
+_log = logging.getLogger(__name__)
 TERA = 1e12
 MIB = 1024**2
 FEW_ROWS = 16  # matmuls with at most this many rows use HardwareProfile.few_rows_flops
@@ -211,3 +221,68 @@ def hardware_key(name: str) -> str:
     if key != "this-machine" and key not in PROFILES:
         raise SpecError(f"unknown hardware {name!r}; choose one of {hardware_names()}")
     return key
+
+
+CALIBRATION_FORMAT = 1
+
+
+def profile_to_json(profile: HardwareProfile) -> dict[str, Any]:
+    """A profile as plain JSON data (`profile_from_json` reads it back, float for float)."""
+    data = dataclasses.asdict(profile)
+    data["peak_flops"] = [list(pair) for pair in profile.peak_flops]
+    return {"format": CALIBRATION_FORMAT, "profile": data}
+
+
+def profile_from_json(data: Any, where: str) -> HardwareProfile:
+    """The profile `profile_to_json` wrote; SpecError naming `where` (the file) if the data is not one."""
+    if not isinstance(data, dict) or data.get("format") != CALIBRATION_FORMAT:
+        raise SpecError(f"{where}: expected a hardware calibration of format {CALIBRATION_FORMAT}")
+    fields = data.get("profile")
+    try:
+        fields = dict(fields)
+        fields["peak_flops"] = tuple((str(dtype), float(rate)) for dtype, rate in fields["peak_flops"])
+        return HardwareProfile(**fields)
+    except (TypeError, ValueError, KeyError) as error:
+        raise SpecError(f"{where}: not a hardware profile ({error})") from None
+
+
+def _create_once(path: Path, data: bytes) -> bool:
+    """Write `path` atomically unless it exists; False if another writer made it first (theirs is kept)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            file.write(data)
+        os.chmod(temporary, default_mode())
+        os.link(temporary, path)  # fails if the file exists: two processes never both win
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        Path(temporary).unlink(missing_ok=True)
+
+
+def stored_calibration(path: str | Path) -> HardwareProfile:
+    """This machine as calibrated once for a run and stored at `path` (RUN_DIR/hardware.json).
+
+    Read back when the file exists (never re-measured: every stage and command of the run sees the same
+    figures); otherwise measured now (`calibrate_this_machine`, fresh, at the process's torch thread
+    count) and written. The first writer wins when two processes calibrate at once, and both use its
+    figures. If the file cannot be written (a read-only run directory), the measurement is used with a
+    warning. SpecError naming the file if it exists but is not a calibration.
+    """
+    path = Path(path)
+    if not path.is_file():
+        measured = calibrate_this_machine.__wrapped__()
+        text = json.dumps(profile_to_json(measured), indent=2) + "\n"
+        try:
+            if _create_once(path, text.encode()):
+                return measured
+        except OSError as error:
+            _log.warning("cannot store this machine's calibration in %s (%s): using it unstored", path, error)
+            return measured
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise SpecError(f"{path}: cannot read the hardware calibration ({error})") from None
+    return profile_from_json(data, str(path))

@@ -240,6 +240,7 @@ def _run_demo(
     # The demo's own config for the user to rerun or copy (the run saves its resolved copy apart).
     atomic_write_bytes(out / DEMO_CONFIG, dump_config(config).encode())
     say(f"the pipeline: {out}")
+    calibrate(pipeline)
     pipeline.run()
     say("measuring parent and children")
     stages = pipeline.manifest()["stages"]
@@ -252,12 +253,25 @@ def _run_demo(
     return DemoResult(out, rows, table, report, exports, seconds)
 
 
+def calibrate(pipeline: Run) -> Any:
+    """This machine's calibration of the demo's run, at one torch thread as the decode is measured: measured
+    and stored in the run directory (RUN_DIR/hardware.json) before the search needs it, read back when
+    there (a rerun, `puzzle report`, `puzzle search RUN_DIR` all price with it)."""
+    pipeline.layout.root.mkdir(parents=True, exist_ok=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return pipeline.layout.hardware("this-machine")
+    finally:
+        torch.set_num_threads(threads)
+
+
 def measure(pipeline: Run, size: DemoSize, stages: dict[str, Any] | None = None) -> list[ModelRow]:
     """Parent and exported children: sizes from the cost model, held-out quality from distillation's last
-    evaluation, decode tokens/s predicted (cost model, this machine calibrated) and measured (interleaved,
-    one thread, medians over `size.decode_repeats`). `stages`: the run manifest's, when already read."""
+    evaluation, decode tokens/s predicted (cost model, with the run's stored calibration of this machine,
+    `calibrate`) and measured (interleaved, one thread, medians over `size.decode_repeats`). `stages`: the
+    run manifest's, when already read."""
     from puzzle.cost.analytic import model_active_params, model_params, model_weight_bytes
-    from puzzle.cost.hardware import calibrate_this_machine
     from puzzle.cost.measure import decode_seconds
     from puzzle.cost.roofline import model_performance
     from puzzle.nemotron_h.checkpoint import load
@@ -272,18 +286,19 @@ def measure(pipeline: Run, size: DemoSize, stages: dict[str, Any] | None = None)
     scenario = pipeline.config.hardware.scenarios["decode"]
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, models["parent"].spec.vocab_size, (1, size.decode_prompt), generator=generator)
+    hardware = calibrate(pipeline)  # the run's, as its search priced the children
+    predicted = {
+        name: model_performance(m.spec, scenario, hardware).decode_step_s for name, m in models.items()
+    }
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # steadier on a shared CPU, and what the calibration below assumes
+    torch.set_num_threads(1)  # steadier on a shared CPU, and the calibration's thread count
     try:
         for model in models.values():  # warm-up: first calls allocate
             decode_seconds(model, prompt, 2)
         measured: dict[str, list[float]] = {name: [] for name in models}
-        predicted: dict[str, list[float]] = {name: [] for name in models}
         for _ in range(size.decode_repeats):
-            hardware = calibrate_this_machine.__wrapped__()  # fresh: other jobs' load changes by the second
             for name, model in models.items():
                 measured[name].append(decode_seconds(model, prompt, size.decode_steps) / size.decode_steps)
-                predicted[name].append(model_performance(model.spec, scenario, hardware).decode_step_s)
     finally:
         torch.set_num_threads(threads)
 
@@ -311,7 +326,7 @@ def measure(pipeline: Run, size: DemoSize, stages: dict[str, Any] | None = None)
                 kl_before_gkd=before,
                 lm_loss=lm,
                 top1=top1,
-                predicted_tokens_per_s=1.0 / statistics.median(predicted[name]),
+                predicted_tokens_per_s=1.0 / predicted[name],
                 measured_tokens_per_s=1.0 / statistics.median(measured[name]),
                 blocks=[block.short_name() for block in spec.blocks],
             )

@@ -6,7 +6,8 @@
                           cost_model=CostModel(hardware="h100-80gb", scenarios={"chat": chat}))
 
 Only files are read (`RunLayout`: parent.json, library/library.json, scores/scores.json): nothing is trained,
-scored or written. Block i's candidates are the parent's block (first, as `deployment_problem` wants) and
+scored or written (but for `search_run` on "this-machine": the run's calibration, hardware.json, stored
+once when absent, `RunLayout.hardware`). Block i's candidates are the parent's block (first, as `deployment_problem` wants) and
 every library variant of block i; a variant that BLD or scoring recorded as failed is left out (a note
 says which). Costs come from each variant's spec through `puzzle.search.budget.deployment_problem`, so
 totals equal the cost model's whole-model figures (`puzzle costs`) for every architecture.
@@ -26,6 +27,7 @@ bound holds in each.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from puzzle.cost import Scenario
+from puzzle.cost import HardwareProfile, Scenario
 from puzzle.layout import RunDirError, RunLayout
 from puzzle.search.budget import Budget, DeploymentProblem, ScenarioTarget, deployment_problem
 from puzzle.search.exact import search
@@ -118,10 +120,11 @@ def parse_scenario(text: str, defaults: Mapping[str, str] | None = None) -> Scen
 
 @dataclass(frozen=True)
 class CostModel:
-    """How costs are counted: the hardware that times scenarios and holds concurrent requests, the weight
-    recipe of `weight_bytes`, the usable share of memory, and the scenarios budgets may name."""
+    """How costs are counted: the hardware that times scenarios and holds concurrent requests (a name or a
+    profile, as `get_hardware` takes it), the weight recipe of `weight_bytes`, the usable share of memory,
+    and the scenarios budgets may name."""
 
-    hardware: str = "h100-80gb"
+    hardware: str | HardwareProfile = "h100-80gb"
     recipe: str = "bf16"
     memory_fraction: float = 0.9
     scenarios: Mapping[str, Scenario] = field(default_factory=dict)
@@ -399,9 +402,13 @@ def search_run(
 
     Variants left out (failed in BLD or scoring) are reported through `note` (default: a logging warning).
     Raises InfeasibleError (naming the budget that cannot be met) as `puzzle.search.search` does.
+    "this-machine" is the run's stored calibration (`RunLayout.hardware`), as `puzzle search RUN_DIR` prices.
     """
+    layout = run_dir if isinstance(run_dir, RunLayout) else RunLayout(Path(run_dir))
+    cost_model = cost_model or CostModel()
+    cost_model = dataclasses.replace(cost_model, hardware=layout.hardware(cost_model.hardware))
     problem = run_problem(
-        run_dir,
+        layout,
         budgets,
         objective=objective,
         cost_model=cost_model,
