@@ -16,6 +16,7 @@ from typing import Literal
 import pytest
 import torch
 import yaml
+from safetensors.torch import save_file
 
 from puzzle import cli, nemotron_h
 from puzzle.config import (
@@ -523,26 +524,27 @@ def _broken_parent(tmp_path: Path, parent: Path, how: str) -> Path:
 def _bad_input(tmp_path: Path, parent: Path, case: str) -> tuple[dict, str]:
     """A run config with one bad input, and what its one-line error must say."""
     if case in ("truncated", "empty"):
-        broken = _broken_parent(tmp_path, parent, case)
-        return disk_config(
-            tmp_path, broken
-        ), f"parent.path: safetensors file {broken / 'model.safetensors'} is {case}"
+        weights = _broken_parent(tmp_path, parent, case) / "model.safetensors"
+        return disk_config(tmp_path, weights.parent), f"parent.path: safetensors file {weights} is {case}"
     if case == "unwritable":  # under a regular file: unwritable even for root
-        (tmp_path / "a-file").write_text("not a folder")
-        config = disk_config(tmp_path, parent, run_dir=str(tmp_path / "a-file" / "run"))
-        return (
-            config,
-            f"run_dir: {tmp_path / 'a-file' / 'run'} cannot be created: {tmp_path / 'a-file'} is not a directory",
-        )
+        above = tmp_path / "a-file"
+        above.write_text("not a folder")
+        config = disk_config(tmp_path, parent, run_dir=str(above / "run"))
+        return config, f"run_dir: {above / 'run'} cannot be created: {above} is not a directory"
+    if case == "truncated-data":  # a token file cut short
+        config = disk_config(tmp_path, parent)
+        tokens = tmp_path / "data" / "tokens.safetensors"
+        save_file({"input_ids": torch.arange(64)}, str(tokens))
+        tokens.write_bytes(tokens.read_bytes()[:-8])
+        config["data"]["sources"] = [str(tokens)]
+        return config, f"data.sources: safetensors file {tokens} is truncated"
     assert case == "inside-data"
-    config = disk_config(tmp_path, parent, run_dir=str(tmp_path / "data" / "run"))
-    return (
-        config,
-        f"run_dir: its token cache {tmp_path / 'data' / 'run' / 'tokens'} would lie inside {tmp_path / 'data'}",
-    )
+    data = tmp_path / "data"
+    config = disk_config(tmp_path, parent, run_dir=str(data / "run"))
+    return config, f"run_dir: its token cache {data / 'run' / 'tokens'} would lie inside {data}"
 
 
-@pytest.mark.parametrize("case", ["truncated", "empty", "unwritable", "inside-data"])
+@pytest.mark.parametrize("case", ["truncated", "empty", "unwritable", "inside-data", "truncated-data"])
 def test_config_check_and_run_refuse_the_same_bad_inputs(tmp_path, parent_dir, capsys, case):
     """What `puzzle run` would refuse, `puzzle config check` refuses too: exit 2 and one line naming the key
     and the file, from both; the run writes nothing (not even its logs) before refusing."""
