@@ -295,7 +295,8 @@ class Artifact:
             decision = (None, None)
         manifest, reason = dist.broadcast_object(decision)
         if manifest is None and dist.is_main():
-            _log.info("%s in %s is recomputed: %s", self.name, self.directory, reason)
+            # Not "recomputed": the stage may still resume from checkpoints of its own (and says so).
+            _log.info("%s in %s: no finished output to reuse (%s)", self.name, self.directory, reason)
         return manifest
 
     def write(

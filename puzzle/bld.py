@@ -78,7 +78,13 @@ from puzzle.model import HybridLM
 from puzzle.progress import progress_bar
 from puzzle.prune.importance import ModelImportance
 from puzzle.prune.init import init_child
-from puzzle.resume import load_optimizer_tensors, optimizer_tensors, read_checkpoint, write_checkpoint
+from puzzle.resume import (
+    announce_resume,
+    load_optimizer_tensors,
+    optimizer_tensors,
+    read_checkpoint,
+    write_checkpoint,
+)
 from puzzle.spec import NoOpSpec, SpecError, Variant
 
 FORMAT_VERSION = 1
@@ -200,6 +206,8 @@ class Library:
     parent: str
     results: dict[Variant, VariantResult]
     plan: list[list[Variant]] = field(default_factory=list)
+    # {wave number: step} of the waves this call resumed from a checkpoint (empty once read back from disk).
+    resumed: dict[int, int] = field(default_factory=dict)
 
     def load_mixer(self, variant: Variant, hidden_size: int, norm_eps: float = 1e-5) -> nn.Module:
         """The trained mixer of `variant` (on the CPU), built from its spec and loaded from its file."""
@@ -671,10 +679,11 @@ def build_library(
             results[v] = VariantResult(v, statuses[v], init_nmse=errors[v], final_nmse=errors[v])
         del mixers
 
+    resumed: dict[int, int] = {}
     for number, members in enumerate(plan):
         done = _finished_wave(directory, number, inputs)
         if done is None:
-            done = _run_wave(
+            done, resumed[number] = _run_wave(
                 parent,
                 number,
                 members,
@@ -691,7 +700,8 @@ def build_library(
         results.update({r.variant: r for r in done})
 
     ordered = {v: results[v] for v in sorted(results, key=_order)}
-    library = Library(directory, parent_fp, ordered, plan)
+    resumed = {number: step for number, step in resumed.items() if step is not None}
+    library = Library(directory, parent_fp, ordered, plan, resumed)
     finished = _checkpoint_dir(directory) / "done"
     outputs = {
         r.file: (lambda path, src=finished / r.file: shutil.copyfile(src, path))
@@ -763,8 +773,9 @@ def _run_wave(
     init: Callable[[Variant], nn.Module],
     device: torch.device,
     max_steps: int | None,
-) -> list[VariantResult]:
-    """Train one wave to the token budget (resuming from its checkpoint), save it, return its results."""
+) -> tuple[list[VariantResult], int | None]:
+    """Train one wave to the token budget (resuming from its checkpoint), save it; returns its results and
+    the step it resumed from (None when it started afresh)."""
     torch.manual_seed(settings.seed + number)
     mixers: dict[Variant, nn.Module] = {}
     optimizers: dict[Variant, torch.optim.AdamW] = {}
@@ -778,11 +789,17 @@ def _run_wave(
             mixer.parameters(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
         )
     wave = _Wave(number, mixers, optimizers, {v: VariantResult(v, "trained") for v in members})
-    if not _load_checkpoint(directory, wave, inputs):
+    resumed_from = None
+    if _load_checkpoint(directory, wave, inputs):
+        resumed_from = announce_resume(f"BLD wave {number + 1}/{waves}", wave.step, wave.tokens)
+    else:
         for variant, value in _held_out_nmse(parent, mixers, held_out, settings).items():
             wave.results[variant].init_nmse = value
 
-    bar = progress_bar(f"BLD wave {number + 1}/{waves}", total=settings.token_budget, unit="tok")
+    resumed_note = f" (resumed at step {resumed_from})" if resumed_from is not None else ""
+    bar = progress_bar(
+        f"BLD wave {number + 1}/{waves}{resumed_note}", total=settings.token_budget, unit="tok"
+    )
     bar.update(wave.tokens)
     started, start_tokens = time.perf_counter(), wave.tokens
     for index, batch in enumerate(_stream(train_batches)):
@@ -806,7 +823,7 @@ def _run_wave(
     for variant, value in _held_out_nmse(parent, trained, held_out, settings).items():
         wave.results[variant].final_nmse = value
     _save_finished_wave(directory, wave, inputs)
-    return [wave.results[v] for v in members]
+    return [wave.results[v] for v in members], resumed_from
 
 
 def _library_json(library: Library, settings: BLDSettings) -> dict[str, Any]:

@@ -326,17 +326,25 @@ def _check_offsets(path: Path, offsets: torch.Tensor, tokens: torch.Tensor, tota
 # Cache of tokenised sources.
 
 
-def _check_cache_dir(cache_dir: Path, sources: list[Path], tokenizer_dir: Path | None) -> None:
+def input_folder_holding(cache_dir: Path, sources: list[Path], tokenizer_dir: Path | None) -> Path | None:
+    """The folder of inputs (a data file's folder, a saved dataset, the tokenizer's folder) that `cache_dir`
+    is or lies inside, or None. A cache there would mix the run's files with its inputs (a data folder
+    rescanned later reads the cached tokens as data); `RunConfig.validate_paths` checks the same before a
+    run starts."""
     cache = cache_dir.resolve()
     forbidden = [(p.parent if p.is_file() else p).resolve() for p in sources]
     if tokenizer_dir is not None:
         forbidden.append(tokenizer_dir.resolve())
-    for place in forbidden:
-        if cache == place or place in cache.parents:
-            raise DataError(
-                f"cache directory {cache_dir} is inside {place}, which holds inputs (data or the parent's "
-                "tokenizer); choose a cache directory of its own (e.g. in the run directory)"
-            )
+    return next((place for place in forbidden if cache == place or place in cache.parents), None)
+
+
+def _check_cache_dir(cache_dir: Path, sources: list[Path], tokenizer_dir: Path | None) -> None:
+    place = input_folder_holding(cache_dir, sources, tokenizer_dir)
+    if place is not None:
+        raise DataError(
+            f"cache directory {cache_dir} is inside {place}, which holds inputs (data or the parent's "
+            "tokenizer); choose a cache directory of its own (e.g. in the run directory)"
+        )
 
 
 def _load_cache(path: Path, key: str) -> Documents | None:

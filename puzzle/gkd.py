@@ -81,7 +81,13 @@ from puzzle.logits import (
 )
 from puzzle.model import HybridLM
 from puzzle.progress import progress_bar
-from puzzle.resume import load_optimizer_tensors, optimizer_tensors, read_checkpoint, write_checkpoint
+from puzzle.resume import (
+    announce_resume,
+    load_optimizer_tensors,
+    optimizer_tensors,
+    read_checkpoint,
+    write_checkpoint,
+)
 
 FORMAT_VERSION = 1
 ARTIFACT_NAME = "gkd"
@@ -210,6 +216,7 @@ class GKDResult:
     steps: int
     tokens: int
     history: dict[str, list[dict[str, Any]]]
+    resumed_from: int | None = None  # the checkpoint's step when this call resumed an interrupted run
 
     @property
     def weights_path(self) -> Path:
@@ -698,7 +705,10 @@ def distill(
     )
 
     state = _load_checkpoint(directory, student, optimizer, inputs)
-    if state is None:
+    resumed_from = None
+    if state is not None:
+        resumed_from = announce_resume(f"GKD in {directory}", state.step, state.tokens)
+    else:
         state = _State()
         if dist.is_main():
             shutil.rmtree(_checkpoint_dir(directory), ignore_errors=True)  # another run's, if any
@@ -707,7 +717,8 @@ def distill(
             {"step": 0, "tokens": 0, **_evaluate(distiller, teacher, held, settings, micro)}
         )
 
-    bar = progress_bar("GKD", total=int(total), unit="tok")
+    resumed_note = f" (resumed at step {resumed_from})" if resumed_from is not None else ""
+    bar = progress_bar(f"GKD{resumed_note}", total=int(total), unit="tok")
     bar.update(state.tokens)
     started, start_tokens = time.perf_counter(), state.tokens
     for rows, position in stream.iterate(state.position):
@@ -741,4 +752,4 @@ def distill(
     if dist.is_main():
         shutil.rmtree(_checkpoint_dir(directory), ignore_errors=True)
     dist.barrier()
-    return GKDResult(directory, state.step, state.tokens, state.history)
+    return GKDResult(directory, state.step, state.tokens, state.history, resumed_from)

@@ -10,6 +10,7 @@ a record of other inputs is not a checkpoint of this run. Nothing is pickled.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,8 @@ from safetensors.torch import load_file, save_file
 from puzzle import dist, shard
 from puzzle.artifacts import json_writer
 from puzzle.files import atomic_write
+
+_log = logging.getLogger(__name__)
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer, prefix: str) -> dict[str, torch.Tensor]:
@@ -87,3 +90,12 @@ def read_checkpoint(
         return None
     path = folder / record["tensors"]
     return record, load_file(str(path)), path
+
+
+def announce_resume(what: str, step: int, tokens: int) -> int:
+    """Say (INFO, rank 0) that `what` picked up a checkpoint and goes on from `step` after `tokens` trained
+    tokens, rather than from the start; returns `step`. The trainers call it once they have restored the
+    checkpoint, so the log tells a resumed stage from one computed afresh."""
+    if dist.is_main():
+        _log.info("%s: resuming from step %d (%d tokens trained before the interruption)", what, step, tokens)
+    return step

@@ -120,6 +120,8 @@ class Run:
         self._parent_fp: str | None = None
         self._data: Any = None
         self._results: dict[str, Any] = {}
+        # Stage -> what it resumed from checkpoints (BLD waves, GKD children), for its `done` line.
+        self._resumed: dict[str, list[str]] = {}
         self._prepared = False
 
     @classmethod
@@ -332,7 +334,9 @@ class Run:
         outputs = dist.broadcast_object(outputs)
         self._update(name, {**running, "status": "done", "finished": _now(), "outputs": outputs})
         dist.barrier()
-        _log.info("%s%s: done", self._round_label(), name)
+        resumed = self._resumed.pop(name, [])
+        note = f" (resumed from a checkpoint: {', '.join(resumed)})" if resumed else ""
+        _log.info("%s%s: done%s", self._round_label(), name, note)
         self._results[name] = outputs
         return outputs
 
@@ -432,7 +436,7 @@ class Run:
 
             parent = self.load_parent()
             split, batch = self.data.train, self.config.data.batch_size
-            build_library(
+            library = build_library(
                 parent,
                 self._variants(parent),
                 lambda: split.batches(batch, self.config.seed, rank=0, world=1),
@@ -442,6 +446,9 @@ class Run:
                 self.layout.library,
                 data_fingerprint=fingerprint_json([split.fingerprint(), batch, self.config.seed]),
             )
+            self._resumed["library"] = [
+                f"wave {number + 1} from step {step}" for number, step in library.resumed.items()
+            ]
             return {"manifest": self._manifest_fp(self.layout.library, "library")}
 
         return self._stage("library", inputs, compute)
@@ -665,6 +672,8 @@ class Run:
                     self.config.gkd,
                     self.layout.child(name),
                 )
+                if result.resumed_from is not None:
+                    self._resumed.setdefault("distill", []).append(f"{name} from step {result.resumed_from}")
                 outputs[name] = {
                     "steps": result.steps,
                     "tokens": result.tokens,

@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import inspect
 import json
+import shutil
 import typing
 from pathlib import Path
 from typing import Literal
@@ -15,6 +16,7 @@ from typing import Literal
 import pytest
 import torch
 import yaml
+from safetensors.torch import save_file
 
 from puzzle import cli, nemotron_h
 from puzzle.config import (
@@ -419,10 +421,13 @@ def parent_dir(tmp_path_factory) -> Path:
 
 
 def disk_config(tmp_path: Path, parent: Path, **changes) -> dict:
-    (tmp_path / "corpus.txt").write_text("one document\n\nanother\n")
+    # The data in a folder of its own: a run directory beside a data file would put its token cache in the
+    # data's folder, which the run refuses.
+    (tmp_path / "data").mkdir(exist_ok=True)
+    (tmp_path / "data" / "corpus.txt").write_text("one document\n\nanother\n")
     data = copy.deepcopy(BASE)
     data.update(run_dir=str(tmp_path / "run"), parent={"path": str(parent)})
-    data["data"] = {"sources": [str(tmp_path / "corpus.txt")], "seq_len": 8}
+    data["data"] = {"sources": [str(tmp_path / "data" / "corpus.txt")], "seq_len": 8}
     data.update(changes)
     return data
 
@@ -504,6 +509,72 @@ def test_config_check_exits_2_with_one_line(tmp_path, capsys, text, flags, expec
     code, out, err = run_cli(["config", "check", str(path), *flags], capsys)
     assert code == 2 and out == ""
     assert err.count("\n") == 1 and err.startswith(f"puzzle config check: error: {path}") and expected in err
+
+
+def _broken_parent(tmp_path: Path, parent: Path, how: str) -> Path:
+    """A copy of `parent` whose model.safetensors is cut short (`truncated`) or has no byte (`empty`)."""
+    copy_dir = tmp_path / f"parent-{how}"
+    shutil.copytree(parent, copy_dir)
+    weights = copy_dir / "model.safetensors"
+    content = weights.read_bytes()
+    weights.write_bytes(content[: len(content) - 100] if how == "truncated" else b"")
+    return copy_dir
+
+
+def _bad_input(tmp_path: Path, parent: Path, case: str) -> tuple[dict, str]:
+    """A run config with one bad input, and what its one-line error must say."""
+    if case in ("truncated", "empty"):
+        weights = _broken_parent(tmp_path, parent, case) / "model.safetensors"
+        return disk_config(tmp_path, weights.parent), f"parent.path: safetensors file {weights} is {case}"
+    if case == "unwritable":  # under a regular file: unwritable even for root
+        above = tmp_path / "a-file"
+        above.write_text("not a folder")
+        config = disk_config(tmp_path, parent, run_dir=str(above / "run"))
+        return config, f"run_dir: {above / 'run'} cannot be created: {above} is not a directory"
+    if case == "truncated-data":  # a token file cut short
+        config = disk_config(tmp_path, parent)
+        tokens = tmp_path / "data" / "tokens.safetensors"
+        save_file({"input_ids": torch.arange(64)}, str(tokens))
+        tokens.write_bytes(tokens.read_bytes()[:-8])
+        config["data"]["sources"] = [str(tokens)]
+        return config, f"data.sources: safetensors file {tokens} is truncated"
+    assert case == "inside-data"
+    data = tmp_path / "data"
+    config = disk_config(tmp_path, parent, run_dir=str(data / "run"))
+    return config, f"run_dir: its token cache {data / 'run' / 'tokens'} would lie inside {data}"
+
+
+@pytest.mark.parametrize("case", ["truncated", "empty", "unwritable", "inside-data", "truncated-data"])
+def test_config_check_and_run_refuse_the_same_bad_inputs(tmp_path, parent_dir, capsys, case):
+    """What `puzzle run` would refuse, `puzzle config check` refuses too: exit 2 and one line naming the key
+    and the file, from both; the run writes nothing (not even its logs) before refusing."""
+    data, expected = _bad_input(tmp_path, parent_dir, case)
+    path = write(tmp_path, yaml.safe_dump(data))
+    for command in ("config check", "run"):
+        code, out, err = run_cli([*command.split(), str(path)], capsys)
+        assert code == 2 and out == "", err
+        assert err.count("\n") == 1 and err.startswith(f"puzzle {command}: error: {path}"), err
+        assert expected in err, err
+    run_dir = Path(data["run_dir"])
+    assert not run_dir.exists() or not any(run_dir.iterdir())
+
+
+def test_a_corrupt_weights_file_is_exit_2_from_convert_too(tmp_path, parent_dir, capsys):
+    broken = _broken_parent(tmp_path, parent_dir, "truncated")
+    code, out, err = run_cli(["convert", str(broken), str(tmp_path / "out")], capsys)
+    data_bytes = (parent_dir / "model.safetensors").stat().st_size - _header_end(parent_dir)
+    assert code == 2 and out == ""
+    assert err == (
+        f"puzzle convert: error: safetensors file {broken / 'model.safetensors'} is truncated: its header "
+        f"describes {data_bytes} bytes of tensor data, the file holds {data_bytes - 100}\n"
+    )
+    assert not (tmp_path / "out").exists()
+
+
+def _header_end(checkpoint: Path) -> int:
+    """Bytes before the tensor data of checkpoint/model.safetensors: 8, then the JSON header."""
+    with open(checkpoint / "model.safetensors", "rb") as handle:
+        return 8 + int.from_bytes(handle.read(8), "little")
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -103,6 +103,34 @@ def test_destination_inside_source_is_refused(fused, capsys):
     assert sorted(p.name for p in source.iterdir()) == before
 
 
+def test_a_destination_with_other_files_is_refused_unless_overwrite(fused, tmp_path, capsys):
+    """The refusal says what the command line can do (another DST, or --overwrite), before SRC is loaded;
+    --overwrite writes the checkpoint beside the other files, which stay untouched."""
+    _, source = fused
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "notes.txt").write_text("mine")
+    assert main(["convert", str(source), str(target)]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"puzzle convert: error: refusing to write into {target}: it holds files that are not checkpoint "
+        "files (notes.txt); choose a new or empty DST, or add --overwrite to write the checkpoint files "
+        "beside them\n"
+    )
+    assert sorted(p.name for p in target.iterdir()) == ["notes.txt"]
+    assert main(["convert", str(source), str(target), "--overwrite"]) == 0
+    assert (target / "notes.txt").read_text() == "mine"
+    torch.testing.assert_close(
+        _logits(puzzle.load(target), token_batch(seed=2)), _logits(puzzle.load(source), token_batch(seed=2))
+    )
+    # --overwrite never reaches into SRC: DST inside SRC, or SRC itself, is still refused.
+    before = sorted(p.name for p in source.iterdir())
+    for dst in (source, source / "inner"):
+        assert main(["convert", str(source), str(dst), "--overwrite"]) == 2
+        assert "inside" in capsys.readouterr().err
+    assert sorted(p.name for p in source.iterdir()) == before
+
+
 def test_bad_arguments_exit_2(fused, tmp_path, capsys):
     _, source = fused
     for argv in (

@@ -6,6 +6,7 @@ replicated with gradient accumulation) give the 1-process run."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -183,6 +184,27 @@ def test_a_sigkilled_run_resumes_to_the_uninterrupted_losses_and_weights(uninter
 
 class _Crash(Exception):
     pass
+
+
+def test_a_resumed_run_says_from_which_step(uninterrupted, setup, tmp_path, caplog):
+    """Interrupted after step 8 (last checkpoint: step 6), the rerun logs that it resumes from step 6, not
+    that it starts over, and reports it; the run that started afresh reports no resume."""
+    result, _ = uninterrupted
+    assert result.resumed_from is None
+
+    def crash(step: int, record: dict) -> None:
+        if step == 8:
+            raise _Crash
+
+    parent, child = load_setup(setup)
+    with pytest.raises(_Crash):
+        distill(child, parent, train_split(), held_out(), settings(), tmp_path / "gkd", callback=crash)
+    parent, child = load_setup(setup)
+    with caplog.at_level(logging.INFO, logger="puzzle"):
+        resumed = distill(child, parent, train_split(), held_out(), settings(), tmp_path / "gkd")
+    assert resumed.resumed_from == 6 and resumed.history == result.history
+    tokens = result.history["train"][5]["tokens"]  # after step 6
+    assert f"GKD in {tmp_path / 'gkd'}: resuming from step 6 ({tokens} tokens trained before" in caplog.text
 
 
 def _worker(rank: int, world: int, port: int, setup: str, output: str) -> None:

@@ -170,6 +170,23 @@ def test_a_killed_stage_resumes_where_it_stopped(finished, tmp_path, stage, call
         s: "reused" for s in STAGES[: STAGES.index(stage)]
     }
     _same_outcome(run_dir, tmp_path / "run")
+    if stage == "library":
+        _assert_resume_announced(run_dir, tmp_path / "run", killed[stage])
+
+
+def _assert_resume_announced(finished: Path, resumed: Path, reached: int) -> None:
+    """The log of a BLD stage killed at its `reached`-th step says which wave resumed from which step (the
+    last checkpoint: every 3 steps, 10 steps per wave), on the trainer's line and on the stage's done line;
+    a wave killed before its first checkpoint starts over, and the log claims no resume."""
+    waves = len(json.loads((finished / "library" / "library.json").read_text())["plan"])
+    wave, inside = divmod(reached - 1, 10)
+    step = (inside // 3) * 3
+    log = (resumed / "logs" / "rank0.log").read_text()
+    if step == 0:
+        assert "resuming from step" not in log and "resumed from a checkpoint" not in log
+        return
+    assert f"BLD wave {wave + 1}/{waves}: resuming from step {step} ({step * 64} tokens trained before" in log
+    assert f"library: done (resumed from a checkpoint: wave {wave + 1} from step {step})" in log
 
 
 def _total_units(run_dir: Path, stage: str) -> int:

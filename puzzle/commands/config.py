@@ -23,9 +23,10 @@ def register(subparsers: Any) -> None:
         "check",
         help="validate a run config and print it resolved",
         description="Validate CONFIG (types, values, budgets, scenarios) and what it names on disk (the "
-        "parent's config.json and weights, the tokenizer, the data, the space file; no weight is loaded), "
-        "then print the resolved config. Exit code 2 with a one-line error naming the file, line and key "
-        "on any config error; nothing is written.",
+        "parent's config.json and safetensors headers, the tokenizer, the data, the space file, a writable "
+        "run_dir outside the parent and the data's folders; no weight is read): the checks `puzzle run` "
+        "makes before its first stage. Then print the resolved config. Exit code 2 with a one-line error "
+        "naming the file, line and key on any config error; nothing is written.",
     )
     check.add_argument("config", metavar="CONFIG", help="the run config, a YAML file")
     check.add_argument(

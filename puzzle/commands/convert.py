@@ -48,9 +48,9 @@ def register(subparsers: Any) -> None:
         "convert",
         help="rewrite a checkpoint in another dtype, format or shard size",
         description="Load the NemotronH checkpoint SRC (puzzle.load) and save it to DST (a new or empty "
-        "directory, or an earlier checkpoint, replaced atomically): routed experts stored one by one as the "
-        "hub does, shards of at most --max-shard-size, the tokenizer and generation files copied. DST may "
-        "not lie inside SRC nor hold it.",
+        "directory, or an earlier checkpoint, replaced atomically; with --overwrite, a directory holding other "
+        "files too): routed experts stored one by one as the hub does, shards of at most --max-shard-size, "
+        "the tokenizer and generation files copied. DST may not lie inside SRC nor hold it.",
     )
     parser.add_argument("src", metavar="SRC", help="the checkpoint directory to read")
     parser.add_argument("dst", metavar="DST", help="the directory to write")
@@ -69,12 +69,18 @@ def register(subparsers: Any) -> None:
         metavar="SIZE",
         help="largest weight file, e.g. 5GB, 500MB, 2GiB (default 5GB)",
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="DST may hold other files: write the checkpoint files beside them (files with checkpoint "
+        "names are replaced, stale weights removed, nothing else touched); never allowed into SRC",
+    )
     parser.set_defaults(func=run_convert)
 
 
 def run_convert(args: argparse.Namespace) -> int:
     """`puzzle convert`: DST's path on stdout, or one error line and exit code 2 for bad input."""
-    from puzzle.nemotron_h.checkpoint import load, save_pretrained
+    from puzzle.nemotron_h.checkpoint import foreign_entries, load, refusal_to_overwrite, save_pretrained
     from puzzle.nemotron_h.config import CheckpointError
 
     if not args.src or not args.dst:
@@ -90,9 +96,23 @@ def run_convert(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_BAD_INPUT
+    foreign = [] if args.overwrite else foreign_entries(target)
+    if foreign:  # before loading SRC (minutes for a large parent), in the command line's terms
+        print(
+            f"puzzle convert: error: {refusal_to_overwrite(target, foreign)}; choose a new or empty DST, or "
+            "add --overwrite to write the checkpoint files beside them",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
     try:
         model = load(source, dtype=args.dtype)
-        path = save_pretrained(model, target, max_shard_bytes=args.max_shard_size, model_type=args.format)
+        path = save_pretrained(
+            model,
+            target,
+            max_shard_bytes=args.max_shard_size,
+            overwrite=args.overwrite,
+            model_type=args.format,
+        )
     except CheckpointError as error:
         print(f"puzzle convert: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

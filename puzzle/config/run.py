@@ -12,6 +12,7 @@ as written (`RunConfig.round_budgets`), with the cost model of the `hardware` se
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -463,25 +464,32 @@ class RunConfig:
     def validate_paths(self) -> ModelSpec:
         """Check what the run will read, without loading a weight; returns the parent's ModelSpec.
 
-        The parent directory holds a readable NemotronH config.json and safetensors weights; the tokenizer
-        directory holds tokenizer files (when a source is text); every data source exists; the space file
-        (if any) is a valid space whose variants fit the parent's blocks; the run directory and the token
-        cache are outside the parent's directory; kept blocks exist. Raises ConfigError naming the key.
+        The parent directory holds a readable NemotronH config.json and complete safetensors weights (their
+        headers read, never the tensors); the tokenizer directory holds tokenizer files (when a source is
+        text); every data source exists (token files with complete headers); the space file (if any) is a
+        valid space whose variants fit the parent's blocks; the run directory and the token cache can be
+        created and written, and lie outside the parent's directory and the folders of the data; kept
+        blocks exist. `puzzle config check` and `puzzle run` (before any stage) both call this: what one
+        accepts the other does not refuse for its inputs. Raises ConfigError naming the key.
         """
         from puzzle import data as token_data
         from puzzle import nemotron_h
-        from puzzle.nemotron_h.weights import weight_files
+        from puzzle.nemotron_h.weights import check_safetensors_file, weight_files
 
         parent = self.parent.path
         try:
             spec = nemotron_h.spec_from_config(
                 nemotron_h.read_config(parent), str(parent / nemotron_h.CONFIG_NAME)
             )
-            weight_files(parent)
+            for file in weight_files(parent):
+                check_safetensors_file(file)
         except (ValueError, OSError) as error:
             raise ConfigError(str(error), "parent.path") from None
         try:
             sources = token_data.resolve_sources(self.data.sources)
+            for file in sources:
+                if file.is_file() and file.suffix.lower() in token_data.TOKEN_SUFFIXES:
+                    check_safetensors_file(file)
         except (ValueError, OSError) as error:
             raise ConfigError(str(error), "data.sources") from None
         needs_tokenizer = any(
@@ -496,17 +504,7 @@ class RunConfig:
                 f"{', '.join(token_data.TOKENIZER_FILES)}); the text sources need one: set `tokenizer:`",
                 tokenizer_key,
             )
-        resolved_parent = parent.resolve()
-        for key, path in (("run_dir", self.run_dir), ("data.cache_dir", self.data.cache_dir)):
-            if path is None:
-                continue
-            resolved = path.resolve()
-            if resolved == resolved_parent or resolved_parent in resolved.parents:
-                raise ConfigError(
-                    f"{path} is inside the parent checkpoint {parent}, which is never written to", key
-                )
-            if path.exists() and not path.is_dir():
-                raise ConfigError(f"{path} exists and is not a directory", key)
+        self._check_output_dirs(sources)
         space = self.search_space()
         if not any(kind.profiles for kind in space.kinds.values()) and not any(
             o.space is not None and o.space.profiles for o in space.overrides
@@ -522,9 +520,61 @@ class RunConfig:
             )
         return spec
 
+    def _check_output_dirs(self, sources: list[Path]) -> None:
+        """The run directory and the token cache: outside the parent, directories that can be created and
+        written, and the cache (data.cache_dir, else tokens/ in the run directory) outside the folders of
+        the inputs (the rule `puzzle.data.TokenData.load` enforces, checked here before anything runs)."""
+        from puzzle import data as token_data
+
+        parent = self.parent.path
+        resolved_parent = parent.resolve()
+        for key, path in (("run_dir", self.run_dir), ("data.cache_dir", self.data.cache_dir)):
+            if path is None:
+                continue
+            resolved = path.resolve()
+            if resolved == resolved_parent or resolved_parent in resolved.parents:
+                raise ConfigError(
+                    f"{path} is inside the parent checkpoint {parent}, which is never written to", key
+                )
+            problem = _unwritable(path)
+            if problem is not None:
+                raise ConfigError(problem, key)
+        # The tokenizer the run reads (puzzle.run.Run.data): the configured one, else the parent's if it has one.
+        tokenizer = self.tokenizer_dir
+        if self.tokenizer is None and not token_data.tokenizer_files(tokenizer):
+            tokenizer = None
+        cache = self.data.cache_dir if self.data.cache_dir is not None else self.run_dir / "tokens"
+        place = token_data.input_folder_holding(cache, sources, tokenizer)
+        if place is not None:
+            key = "data.cache_dir" if self.data.cache_dir is not None else "run_dir"
+            what = "the token cache" if self.data.cache_dir is not None else f"its token cache {cache}"
+            raise ConfigError(
+                f"{what} would lie inside {place}, which holds the run's inputs (data or tokenizer files); "
+                "choose a directory outside it, so that the run's files never mix with its inputs",
+                key,
+            )
+
     def to_dict(self) -> dict[str, Any]:
         """Plain data: `load_config_data(to_dict())` equals this config."""
         return to_dict(self)
+
+
+def _unwritable(directory: Path) -> str | None:
+    """Why the run cannot create or write `directory` (a sentence), or None. Asks the system (os.access)
+    about the directory, or the nearest folder above it that exists, where it will be made; writes
+    nothing."""
+    if directory.exists():
+        if not directory.is_dir():
+            return f"{directory} exists and is not a directory"
+        if not os.access(directory, os.W_OK | os.X_OK):
+            return f"{directory} is not writable (no write permission)"
+        return None
+    above = next((p for p in directory.absolute().parents if p.exists()), None)
+    if above is None or not above.is_dir():
+        return f"{directory} cannot be created: {above} is not a directory"
+    if not os.access(above, os.W_OK | os.X_OK):
+        return f"{directory} cannot be created: {above} is not writable (no write permission)"
+    return None
 
 
 def load_config_data(

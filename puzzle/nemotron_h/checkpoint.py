@@ -223,11 +223,21 @@ def is_checkpoint_file(name: str) -> bool:
     )
 
 
-def _foreign_entries(directory: Path) -> list[str]:
-    """Entries of `directory` a checkpoint save would not write: other files and every subdirectory."""
+def foreign_entries(directory: Path) -> list[str]:
+    """Entries of `directory` a checkpoint save would not write: other files and every subdirectory (what
+    makes `save_pretrained` refuse it without `overwrite`); none for a missing directory."""
+    if not directory.is_dir():
+        return []
     return sorted(
         entry.name for entry in directory.iterdir() if entry.is_dir() or not is_checkpoint_file(entry.name)
     )
+
+
+def refusal_to_overwrite(target: Path, foreign: list[str]) -> str:
+    """The first half of the refusal to save into `target`, which holds `foreign` (`foreign_entries`): the
+    caller adds what its user can do about it (a keyword argument, a command-line flag)."""
+    shown = ", ".join(foreign[:5]) + (f" (and {len(foreign) - 5} more)" if len(foreign) > 5 else "")
+    return f"refusing to write into {target}: it holds files that are not checkpoint files ({shown})"
 
 
 def save_pretrained(
@@ -286,13 +296,11 @@ def save_pretrained(
     if meta:
         raise CheckpointError(f"cannot save a model with tensors on the meta device (e.g. {meta[0]!r})")
     remove_stale_staging(target)
-    foreign = _foreign_entries(target) if target.is_dir() else []
+    foreign = foreign_entries(target)
     if foreign and not overwrite:
-        shown = ", ".join(foreign[:5]) + (f" (and {len(foreign) - 5} more)" if len(foreign) > 5 else "")
         raise CheckpointError(
-            f"refusing to write into {target}: it holds files that are not checkpoint files ({shown}); "
-            "save into a new or empty directory, or pass overwrite=True to write the checkpoint files "
-            "beside them"
+            f"{refusal_to_overwrite(target, foreign)}; save into a new or empty directory, or pass "
+            "overwrite=True to write the checkpoint files beside them"
         )
     config = config_from_spec(
         model.spec, model.source_config, dtype=model.embeddings.weight.dtype, model_type=model_type

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -54,9 +55,78 @@ WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64")
 # --------------------------------------------------------------------------------------- reading files
 
 
+# safetensors' own limit on the JSON header; a bigger length is a corrupt file, not a header to read.
+MAX_HEADER_BYTES = 100_000_000
+
+
+def check_safetensors_file(file: Path) -> None:
+    """CheckpointError naming `file` and what is wrong unless it is a complete safetensors file.
+
+    Reads the header only (8 bytes of length, then the JSON table of tensors), never the tensor data, so
+    it costs the same for a 5 GB shard as for a tiny file: the header must parse, each tensor's byte range
+    must match its shape and dtype, and the ranges must end exactly at the end of the file (a truncated
+    copy, an empty file or trailing garbage fail here rather than halfway through a run).
+    """
+    try:
+        with open(file, "rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size < 8:
+                state = "empty" if size == 0 else "truncated"
+                raise CheckpointError(f"safetensors file {file} is {state} ({size} bytes)")
+            length = int.from_bytes(handle.read(8), "little")
+            if length > min(size - 8, MAX_HEADER_BYTES):
+                raise CheckpointError(
+                    f"safetensors file {file} is corrupt or truncated: its header length {length} does not "
+                    f"fit in the file's {size} bytes"
+                )
+            header = handle.read(length)
+    except OSError as error:
+        raise CheckpointError(f"cannot read safetensors file {file}: {error.strerror or error}") from None
+    try:
+        table = json.loads(header.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(
+            f"safetensors file {file} is corrupt: its header is not JSON ({error})"
+        ) from None
+    if not isinstance(table, dict):
+        raise CheckpointError(f"safetensors file {file} is corrupt: its header is not a table of tensors")
+    end = max(
+        (_tensor_range(file, name, entry)[1] for name, entry in table.items() if name != "__metadata__"),
+        default=0,
+    )
+    data_bytes = size - 8 - length
+    if end != data_bytes:
+        what = "truncated" if end > data_bytes else "corrupt"
+        raise CheckpointError(
+            f"safetensors file {file} is {what}: its header describes {end} bytes of tensor data, the file "
+            f"holds {data_bytes}"
+        )
+
+
+def _tensor_range(file: Path, name: str, entry: Any) -> tuple[int, int]:
+    """The byte range of tensor `name` in `file`'s header, checked against its shape and dtype."""
+    try:
+        dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+        valid = all(isinstance(n, int) and n >= 0 for n in (*shape, begin, end)) and begin <= end
+    except (TypeError, KeyError, ValueError):
+        valid = False
+    if not valid:
+        raise CheckpointError(
+            f"safetensors file {file} is corrupt: tensor {name!r} has no valid dtype, shape and data_offsets"
+        )
+    if dtype in SAFETENSORS_DTYPES and end - begin != math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize:
+        raise CheckpointError(
+            f"safetensors file {file} is corrupt: tensor {name!r} ({dtype}, shape {list(shape)}) takes "
+            f"{end - begin} bytes"
+        )
+    return begin, end
+
+
 @contextlib.contextmanager
 def open_safetensors(file: Path) -> Iterator[Any]:
-    """A safe_open handle on `file`; a truncated or corrupt file is a CheckpointError naming it."""
+    """A safe_open handle on `file`; a truncated or corrupt file is a CheckpointError naming it
+    (`check_safetensors_file`)."""
+    check_safetensors_file(file)
     try:
         handle = safe_open(str(file), framework="pt")
     except Exception as error:  # safetensors raises its own error types for truncated or corrupt files
