@@ -185,7 +185,9 @@ def test_this_machine_figures_are_the_runs_stored_calibration(run_dir, tmp_path,
         source = run_dir / name
         (shutil.copytree if source.is_dir() else shutil.copy)(source, run / name)
     config = (
-        (run_dir / "run.resolved.yaml").read_text().replace("hardware: {", "hardware: {profile: this-machine, ")
+        (run_dir / "run.resolved.yaml")
+        .read_text()
+        .replace("hardware: {", "hardware: {profile: this-machine, ")
     )
     (run / "run.resolved.yaml").write_text(config)
     layout = RunLayout(run)
