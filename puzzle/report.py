@@ -24,6 +24,7 @@ import io
 import json
 import math
 import re
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,25 @@ KIND_COLOURS = {
     "linear": "tab:grey",
     "noop": "white",
 }
+# Block kinds that mix information across positions; a model without any predicts each token from
+# itself alone (MoE, MLP, linear and no-op blocks act on each position separately).
+TOKEN_MIXERS = ("mamba", "attention")
+# The GKD evaluations a report tables in full; a longer run's table shows the first and the last.
+GKD_EVAL_ROWS = 12
+# Font size of tick labels, legends and annotations: readable at the PNG's own size (dpi 100).
+SMALL_FONT = 8
+
+
+def mixes_tokens(spec: ModelSpec) -> bool:
+    """Whether any block of `spec` mixes tokens (Mamba or attention)."""
+    return any(block.kind in TOKEN_MIXERS for block in spec.blocks)
+
+
+NO_TOKEN_MIXER = (
+    "it keeps no Mamba or attention block, so nothing in it mixes tokens: each position is predicted "
+    "from its own token alone (a bigram model). The search space allowed it (every Mamba and attention "
+    "block may become a no-op)"
+)
 
 
 def _figure_class() -> Any:
@@ -249,7 +269,7 @@ def _frontier(
         axis.set_xlabel(key)
         axis.set_ylabel("predicted KL (nats/token)")
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
+        axis.legend(fontsize=SMALL_FONT)
         report.save(figure, f"frontier_{_file_name(key)}.png", f"KL against {key}")
 
 
@@ -275,6 +295,8 @@ def _block_map(
             ["active params vs parent", *(relative(b, i) for i, b in enumerate(child.blocks))],
         ]
         report.add(*_table(header, rows))
+        if not mixes_tokens(child):
+            report.add(f"_Note: {name}: {NO_TOKEN_MIXER}._", "")
         if report.figure is None:
             report.plot_note()
             continue
@@ -282,7 +304,7 @@ def _block_map(
         from matplotlib.patches import Patch, Rectangle
 
         count = parent.num_blocks
-        figure = report.figure(figsize=(max(4.0, 0.35 * count + 1.5), 2.2))
+        figure = report.figure(figsize=(max(6.5, 0.35 * count + 2.5), 2.6))
         axis = figure.subplots()
         for row, spec in enumerate((parent, child)):
             for index, block in enumerate(spec.blocks):
@@ -293,18 +315,21 @@ def _block_map(
         axis.set_xlim(-0.1, count)
         axis.set_ylim(-0.1, 2)
         axis.set_yticks([0.45, 1.45], ["child", "parent"])
-        axis.set_xticks([i + 0.45 for i in range(count)], [str(i) for i in range(count)], fontsize=7)
+        axis.set_xticks([i + 0.45 for i in range(count)], [str(i) for i in range(count)], fontsize=SMALL_FONT)
         axis.set_xlabel("block")
         kinds = sorted({b.kind for b in (*parent.blocks, *child.blocks)})
         axis.legend(
             handles=[
                 Patch(facecolor=KIND_COLOURS.get(k, "black"), edgecolor="black", label=k) for k in kinds
             ],
-            fontsize=7,
+            fontsize=SMALL_FONT,
             loc="upper left",
             bbox_to_anchor=(1.0, 1.0),
         )
-        axis.set_title(f"{name}: shade = active params relative to the parent's block", fontsize=8)
+        # Two lines, wrapped, so that a long solution name stays inside the figure (tight_layout does not
+        # shrink a title).
+        title = textwrap.fill(name, 60) + "\nshade: active params relative to the parent's block"
+        axis.set_title(title, fontsize=9)
         report.save(figure, f"blocks_{_file_name(name)}.png", f"architecture of {name}")
 
 
@@ -376,7 +401,7 @@ def _costs(
     if report.figure is None:
         report.plot_note()
         return
-    figure = report.figure(figsize=(7, 3.5))
+    figure = report.figure(figsize=(max(7.0, 1.4 * len(metrics) + 1), 4))
     axis = figure.subplots()
     width = 0.8 / (len(names) + 1)
     for column, (label, values) in enumerate(
@@ -389,11 +414,12 @@ def _costs(
         axis.bar([m + column * width for m in range(len(metrics))], values, width, label=label)
     axis.set_xticks(
         [m + 0.4 - width / 2 for m in range(len(metrics))],
-        [label.split(" (")[0] for label, _ in metrics],
-        fontsize=7,
+        # Wrapped: the labels of neighbouring bars must not run into each other.
+        [textwrap.fill(label.split(" (")[0], 14) for label, _ in metrics],
+        fontsize=SMALL_FONT,
     )
     axis.set_ylabel("relative to the parent")
-    axis.legend(fontsize=8)
+    axis.legend(fontsize=SMALL_FONT)
     axis.grid(axis="y", alpha=0.3)
     report.save(figure, "costs.png", "costs parent vs child")
 
@@ -426,22 +452,22 @@ def _bld(report: _Report, library: Any) -> None:
         return
     if not trained:
         return
-    figure = report.figure(figsize=(max(5.0, 0.5 * len(trained) + 2), 3.5))
+    # Horizontal bars: the variants' labels (block: spec) are long, and read level at a legible size.
+    figure = report.figure(figsize=(8, max(3.0, 0.32 * len(trained) + 1.2)))
     axis = figure.subplots()
     positions = range(len(trained))
-    axis.bar([p - 0.2 for p in positions], [r.init_nmse for r in trained], 0.4, label="init")
-    axis.bar([p + 0.2 for p in positions], [r.final_nmse for r in trained], 0.4, label="after BLD")
-    axis.set_xticks(
+    axis.barh([p - 0.2 for p in positions], [r.init_nmse for r in trained], 0.4, label="init")
+    axis.barh([p + 0.2 for p in positions], [r.final_nmse for r in trained], 0.4, label="after BLD")
+    axis.set_yticks(
         list(positions),
-        [f"{r.variant.block_index}:{r.variant.id}" for r in trained],
-        rotation=60,
-        ha="right",
-        fontsize=6,
+        [f"{r.variant.block_index}: {r.variant.id}" for r in trained],
+        fontsize=SMALL_FONT,
     )
-    axis.set_ylabel("held-out nMSE")
+    axis.invert_yaxis()  # block 0 on top, as in the table
+    axis.set_xlabel("held-out nMSE")
     if all(v > 0 for r in trained for v in (r.init_nmse, r.final_nmse)):
-        axis.set_yscale("log")  # a bad variant's nMSE can be orders of magnitude above the rest
-    axis.legend(fontsize=8)
+        axis.set_xscale("log")  # a bad variant's nMSE can be orders of magnitude above the rest
+    axis.legend(fontsize=SMALL_FONT)
     report.save(figure, "bld.png", "BLD losses")
 
 
@@ -471,14 +497,13 @@ def _gkd(report: _Report, layout: RunLayout, names: list[str]) -> None:
         history = _read_json(path)
         evals = history.get("eval", []) if isinstance(history, dict) else []
         train = history.get("train", []) if isinstance(history, dict) else []
-        report.add(f"### {name}", "", f"{len(train)} training steps, {len(evals)} evaluations.", "")
+        shown = evals if len(evals) <= GKD_EVAL_ROWS else [evals[0], evals[-1]]
+        which = "" if shown is evals else " (the first and the last below)"
+        report.add(f"### {name}", "", f"{len(train)} training steps, {len(evals)} evaluations{which}.", "")
         if evals:
             keys = sorted(_numeric_series(evals))
             report.add(
-                *_table(
-                    ["", *keys],
-                    [[f"step {e.get('step')}", *(e.get(k) for k in keys)] for e in (evals[0], evals[-1])],
-                )
+                *_table(["", *keys], [[f"step {e.get('step')}", *(e.get(k) for k in keys)] for e in shown])
             )
         if report.figure is None:
             report.plot_note()
@@ -504,7 +529,7 @@ def _gkd(report: _Report, layout: RunLayout, names: list[str]) -> None:
             for p in s
         ):
             axis.set_yscale("log")
-        axis.legend(fontsize=6)
+        axis.legend(fontsize=SMALL_FONT)
         axis.grid(alpha=0.3)
         report.save(figure, f"gkd_{_file_name(name)}.png", f"GKD of {name}")
 
@@ -534,12 +559,20 @@ def _measured(report: _Report, layout: RunLayout) -> None:
         return
     if not points:
         return
-    figure = report.figure(figsize=(4, 4))
+    figure = report.figure(figsize=(5, 4.5))
     axis = figure.subplots()
     axis.scatter([p[1] for p in points], [p[2] for p in points])
-    for name, x, y, _ in points:
-        axis.annotate(name, (x, y), fontsize=7)
     top = max(max(p[1], p[2]) for p in points) * 1.1 or 1.0
+    for name, x, y, _ in points:  # labels towards the middle, so that none runs off the plot
+        right = x > top / 2
+        axis.annotate(
+            name,
+            (x, y),
+            xytext=(-5 if right else 5, 5),
+            textcoords="offset points",
+            ha="right" if right else "left",
+            fontsize=SMALL_FONT,
+        )
     axis.plot([0, top], [0, top], ":", color="grey")
     axis.set_xlabel("predicted KL (sum of replace-one-block)")
     axis.set_ylabel("measured KL")

@@ -123,6 +123,7 @@ class Run:
         # Stage -> what it resumed from checkpoints (BLD waves, GKD children), for its `done` line.
         self._resumed: dict[str, list[str]] = {}
         self._prepared = False
+        self._budgets_checked = False
 
     @classmethod
     def from_config(cls, path: str | Path) -> Run:
@@ -165,6 +166,15 @@ class Run:
                 candidates=candidates,
             )
             search(problem.table, problem.problem.limits, problem.problem.rules, self.config.search.solver)
+        self._budgets_checked = True
+
+    def _check_budgets_up_front(self) -> None:
+        """`check_budgets` on the parent's config.json, once per Run, before a stage reads data or writes
+        anything: an unmeetable budget fails in seconds, not after importance, BLD and scoring (as `puzzle
+        run` checks it). The training stages call it first; a Run that already checked (`puzzle run`, the
+        demo) does not check again."""
+        if not self._budgets_checked:
+            self.check_budgets(self.config.validate_paths())
 
     # -- the manifest -----------------------------------------------------------------------------------
 
@@ -376,6 +386,7 @@ class Run:
 
     def importance(self) -> dict[str, Any]:
         """Activation importance of the parent on importance.tokens training tokens -> importance/."""
+        self._check_budgets_up_front()
         settings = self.config.importance
         inputs = {
             "parent": self.parent_fingerprint(),
@@ -417,6 +428,7 @@ class Run:
 
     def library(self) -> dict[str, Any]:
         """BLD of every variant of the space -> library/ (resumes from its checkpoints)."""
+        self._check_budgets_up_front()
         upstream = self._outputs("importance")
         inputs = {
             "parent": self.parent_fingerprint(),
@@ -455,6 +467,7 @@ class Run:
 
     def scores(self) -> dict[str, Any]:
         """Replace-one-block scores of every usable library variant on held-out tokens -> scores/."""
+        self._check_budgets_up_front()
         upstream = self._outputs("library")
         inputs = {
             "library": upstream["manifest"],

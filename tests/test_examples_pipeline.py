@@ -1,7 +1,7 @@
-"""The pipeline examples run as a user would: examples/quickstart.ipynb's code cells in order in one
-namespace, and examples/compress_nemotron3_nano.py as a process (alone and under torchrun with 2 gloo
-ranks), all on a tiny trained NemotronH checkpoint and token data (tests/run_helpers.py), with tiny
-settings in place of the Nano config's."""
+"""The pipeline examples run as a user would: examples/quickstart.ipynb in a Jupyter kernel (nbclient), and
+examples/compress_nemotron3_nano.py as a process (alone and under torchrun with 2 gloo ranks), all on a tiny
+trained NemotronH checkpoint and token data (tests/run_helpers.py), with tiny settings in place of the
+defaults (the notebook's through PUZZLE_QUICKSTART, the script's through --set)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from run_helpers import make_inputs
 
 import puzzle
+from puzzle.layout import STAGES
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -26,64 +28,102 @@ def inputs(tmp_path_factory):
     return root, make_inputs(root)
 
 
-def _tiny_parameters(root: Path, tiny: dict) -> str:
-    """The notebook's parameters cell for the tiny parent (what papermill's -p would inject)."""
-    values = {
+def _tiny_parameters(root: Path, tiny: dict) -> dict:
+    """The notebook's parameters for the tiny parent, as PUZZLE_QUICKSTART passes them (JSON)."""
+    return {
         "PARENT": tiny["parent"]["path"],
         "DATA": tiny["data"]["sources"][0],
-        "RUN_DIR": str(root / "notebook-run"),
+        "RUN_DIR": "notebook-run",  # relative: the kernel runs in `root`, as a user's runs in theirs
+        "BUDGET": "active_params<=0.8x",
         "SEQ_LEN": 16,
         "BATCH_SIZE": 4,
+        "HELD_OUT_FRACTION": tiny["data"]["held_out_fraction"],
         "HELD_OUT_TOKENS": 256,
+        "IMPORTANCE_TOKENS": 512,
         "BLD_TOKENS": 640,
         "GKD_TOKENS": 640,
         "VOCAB_CHUNK": 16,
+        "SPACE": tiny["space"]["kinds"],
     }
-    return "\n".join(f"{key} = {value!r}" for key, value in values.items())
 
 
-def test_quickstart_notebook_runs_every_stage(inputs, capsys):
-    root, tiny = inputs
-    notebook = json.loads((EXAMPLES / "quickstart.ipynb").read_text())
-    assert notebook["nbformat"] == 4
-    cells = [cell for cell in notebook["cells"] if cell["cell_type"] == "code"]
-    assert "parameters" in cells[0]["metadata"]["tags"]
-    namespace: dict = {"__name__": "__main__"}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        for cell in cells:
-            exec(compile("".join(cell["source"]), "quickstart.ipynb", "exec"), namespace)
-            if cell is cells[0]:  # the user's defaults are defined; the test's tiny ones replace them
-                exec(_tiny_parameters(root, tiny), namespace)
-    finally:
-        torch.set_num_threads(threads)
-    printed = capsys.readouterr().out
-    run, exports, child, parent = (
-        namespace["run"],
-        namespace["exports"],
-        namespace["child"],
-        namespace["parent"],
+def _execute(notebook_path: Path, cwd: Path, parameters: dict, monkeypatch) -> Any:
+    """Run the notebook in a real Jupyter kernel (nbclient, ipykernel) in `cwd`; returns the executed
+    notebook. The kernel inherits this process's environment: the parameters, one thread, no bars, and
+    this checkout's `puzzle` first on its path."""
+    nbclient = pytest.importorskip("nbclient")
+    nbformat = pytest.importorskip("nbformat")
+    pytest.importorskip("ipykernel")
+    monkeypatch.setenv("PUZZLE_QUICKSTART", json.dumps(parameters))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("PUZZLE_PROGRESS", "0")
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join([str(EXAMPLES.parent), os.environ.get("PYTHONPATH", "")])
     )
-    assert [p.name for p in exports.values()] == list(namespace["solutions"])
-    assert all(p.parent == root / "notebook-run" / "exports" for p in exports.values())
-    manifest = json.loads(run.layout.manifest.read_text())
-    assert all(stage["status"] == "done" for stage in manifest["stages"].values())
-    (name,) = exports
-    solution = json.loads(run.layout.solution(name).read_text())
-    for block, variant in solution["choices"].items():
-        assert f"  {block}: {variant}" in printed
-    measured = namespace["assembled"][name]["measured"]
-    assert f"measured KL {measured['kl']:.4g}" in printed and measured["kl"] > 0
-    # The child reloaded from the export is the distilled one, and meets the budget.
+    notebook = nbformat.read(notebook_path, as_version=4)
+    nbformat.validate(notebook)
+    client = nbclient.NotebookClient(
+        notebook, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(cwd)}}
+    )
+    client.execute()
+    return notebook
+
+
+def _printed(notebook: Any) -> str:
+    return "".join(
+        output.get("text", "")
+        for cell in notebook.cells
+        if cell.cell_type == "code"
+        for output in cell.outputs
+        if output.get("output_type") == "stream" and output.get("name") == "stdout"
+    )
+
+
+def test_quickstart_notebook_runs_every_stage_in_a_kernel(inputs, monkeypatch):
+    """examples/quickstart.ipynb executed by nbclient, as Jupyter runs it, with tiny parameters."""
+    from puzzle.assemble import assemble
+    from puzzle.bld import read_library
     from puzzle.cost.analytic import model_active_params
     from puzzle.gkd import load_distilled
+    from puzzle.score import load_scores
 
-    distilled = load_distilled(run.layout.child(name), run._child(name))
+    root, tiny = inputs
+    notebook_file = EXAMPLES / "quickstart.ipynb"
+    cells = [cell for cell in json.loads(notebook_file.read_text())["cells"] if cell["cell_type"] == "code"]
+    assert "parameters" in cells[0]["metadata"]["tags"]  # papermill's -p finds it
+    printed = _printed(_execute(notebook_file, root, _tiny_parameters(root, tiny), monkeypatch))
+    run_dir = root / "notebook-run"
+    manifest = json.loads((run_dir / "run.json").read_text())
+    assert list(manifest["stages"]) == list(STAGES)
+    assert all(stage["status"] == "done" for stage in manifest["stages"].values())
+    (name,) = manifest["stages"]["solutions"]["outputs"]
+    solution = json.loads((run_dir / "solutions" / f"{name}.json").read_text())
+    for block, variant in solution["choices"].items():
+        assert f"  {block}: {variant}" in printed
+    measured = manifest["stages"]["assemble"]["outputs"][name]["measured"]
+    assert f"measured KL {measured['kl']:.4g}" in printed and measured["kl"] > 0
+    assert f"{name}: exported to {run_dir / 'exports' / name}" in printed
+    # The export is the distilled child, and meets the budget.
+    parent = puzzle.load(tiny["parent"]["path"])
+    choice = {int(block.rsplit("_", 1)[1]): variant for block, variant in solution["choices"].items()}
+    assembled = assemble(
+        choice, read_library(run_dir / "library"), parent, scores=load_scores(run_dir / "scores")
+    )
+    distilled = load_distilled(run_dir / "children" / name, assembled)
+    child = puzzle.load(run_dir / "exports" / name)
     ids = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(child(ids).logits, distilled(ids).logits, rtol=0, atol=0)
     assert model_active_params(child.spec) <= 0.8 * model_active_params(parent.spec)
+
+
+def test_quickstart_notebook_refuses_an_unknown_parameter(inputs, tmp_path, monkeypatch):
+    nbclient = pytest.importorskip("nbclient")
+    root, tiny = inputs
+    parameters = {**_tiny_parameters(root, tiny), "GKD_TOKEN": 64}  # a typo must not pass silently
+    with pytest.raises(nbclient.exceptions.CellExecutionError, match="unknown parameters \\['GKD_TOKEN'\\]"):
+        _execute(EXAMPLES / "quickstart.ipynb", tmp_path, parameters, monkeypatch)
+    assert not (tmp_path / "notebook-run").exists()
 
 
 def _script(tiny: dict, out: Path, launcher: list[str]) -> subprocess.CompletedProcess:

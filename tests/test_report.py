@@ -3,6 +3,7 @@ distilled a few steps and exported), valid PNGs, notes for missing sections, the
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import sys
@@ -125,6 +126,134 @@ def test_tables_without_matplotlib(run_dir, tmp_path, monkeypatch):
     text = path.read_text()
     assert PLOT_HINT in text and "## BLD losses" in text and "| params |" in text
     assert not list(tmp_path.glob("*.png"))
+
+
+def _figures(run_dir: Path, out: Path, monkeypatch) -> dict[str, object]:
+    """write_report's figures by PNG name, as saved (laid out and drawn on their Agg canvas)."""
+    import puzzle.report
+
+    figures = {}
+    save = puzzle.report._Report.save
+
+    def keep(self, figure, name, alt):
+        save(self, figure, name, alt)
+        figures[name] = figure
+
+    monkeypatch.setattr(puzzle.report._Report, "save", keep)
+    write_report(run_dir, out)
+    return figures
+
+
+def _in_view(figure) -> tuple[list, list]:
+    """(every drawn text of `figure`, the drawn tick labels of each axis): matplotlib also makes labels for
+    ticks beyond an axis's limits, which are never drawn."""
+    from matplotlib.text import Text
+
+    ticks, hidden = [], set()
+    for axis in figure.axes:
+        for labels, limits, coordinate in (
+            (axis.get_xticklabels(), axis.get_xlim(), 0),
+            (axis.get_xticklabels(minor=True), axis.get_xlim(), 0),
+            (axis.get_yticklabels(), axis.get_ylim(), 1),
+            (axis.get_yticklabels(minor=True), axis.get_ylim(), 1),
+        ):
+            low, high = sorted(limits)
+            drawn = [t for t in labels if low <= t.get_position()[coordinate] <= high]
+            hidden.update(id(t) for t in labels if t not in drawn)
+            ticks.append([t for t in drawn if t.get_visible() and t.get_text()])
+    texts = [
+        t for t in figure.findobj(Text) if t.get_visible() and t.get_text().strip() and id(t) not in hidden
+    ]
+    return texts, ticks
+
+
+def test_every_plot_label_is_readable_inside_its_figure_and_apart(run_dir, tmp_path, monkeypatch):
+    """Titles, tick labels, legends and annotations: at least 8 pt, inside the PNG (none cut at an edge),
+    and no two tick labels of an axis on top of each other."""
+
+    figures = _figures(run_dir, tmp_path, monkeypatch)
+    assert {"costs.png", "bld.png", f"blocks_{NAME}.png", f"gkd_{NAME}.png", "kl_measured.png"} <= set(
+        figures
+    )
+    for name, figure in figures.items():
+        _assert_readable(name, figure)
+
+
+def _assert_readable(name: str, figure) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(figure).draw()  # as savefig drew it (its own Agg canvas, same dpi)
+    renderer = figure.canvas.get_renderer()
+    box = figure.bbox
+    texts, ticks = _in_view(figure)
+    for text in texts:
+        label = f"{name}: {text.get_text()!r}"
+        assert text.get_fontsize() >= 8, label
+        extent = text.get_window_extent(renderer)
+        assert extent.x0 >= box.x0 - 1 and extent.x1 <= box.x1 + 1, (label, extent, box)
+        assert extent.y0 >= box.y0 - 1 and extent.y1 <= box.y1 + 1, (label, extent, box)
+    for labels in ticks:
+        extents = [t.get_window_extent(renderer) for t in labels]
+        for first, second in itertools.pairwise(extents):
+            assert not first.overlaps(second), (name, [t.get_text() for t in labels])
+
+
+def test_a_long_solution_name_stays_inside_the_block_map(tmp_path, monkeypatch):
+    """The block map of a child named as `puzzle run` names solutions (its budgets), on the small parent."""
+    from bld_helpers import SPEC
+
+    import puzzle.report
+
+    names = [
+        "active_params-le-0.5x",
+        "active_params-le-0.5x+throughput_chat-ge-1.5x+memory_bytes_chat-le-0.8x",
+    ]
+    figures = {}
+    monkeypatch.setattr(
+        puzzle.report._Report, "save", lambda self, figure, name, alt: figures.update({name: figure})
+    )
+    puzzle.report._block_map(puzzle.report._Report(tmp_path), SPEC, dict.fromkeys(names, SPEC), {})
+    assert len(figures) == 2
+    for name, figure in figures.items():
+        figure.tight_layout()  # as _Report.save lays it out
+        _assert_readable(name, figure)
+
+
+def test_gkd_section_tables_as_many_evaluations_as_it_counts(run_dir, tmp_path):
+    text = write_report(run_dir, tmp_path).read_text()
+    section = text.split("## Global knowledge distillation")[1].split("\n## ")[0]
+    history = json.loads((run_dir / "children" / NAME / "history.json").read_text())
+    count = len(history["eval"])
+    assert count > 2  # the fixture's GKD evaluates at every step: more than a first and a last
+    assert f"{count} evaluations." in section
+    rows = [line for line in section.splitlines() if line.startswith("| step ")]
+    assert [row.split(" |")[0] for row in rows] == [f"| step {e['step']}" for e in history["eval"]]
+
+
+def test_a_child_without_a_token_mixer_is_noted(tmp_path):
+    """A child of MoE / MLP / linear / no-op blocks only (no Mamba, no attention) gets a note; one that keeps
+    a Mamba block does not."""
+    import dataclasses
+
+    from bld_helpers import SPEC
+
+    from puzzle.report import _block_map, _Report, mixes_tokens
+    from puzzle.spec import NoOpSpec
+
+    assert {b.kind for b in SPEC.blocks} >= {"mamba", "attention"}
+    mixers = [i for i, b in enumerate(SPEC.blocks) if b.kind in ("mamba", "attention")]
+    none_left = tuple(NoOpSpec() if i in mixers else b for i, b in enumerate(SPEC.blocks))
+    one_left = tuple(NoOpSpec() if i in mixers[1:] else b for i, b in enumerate(SPEC.blocks))
+    children = {
+        "bigram": dataclasses.replace(SPEC, blocks=none_left),
+        "mamba_kept": dataclasses.replace(SPEC, blocks=one_left),
+    }
+    assert not mixes_tokens(children["bigram"]) and mixes_tokens(children["mamba_kept"])
+    report = _Report(tmp_path)
+    report.figure = None  # tables only: the note is in the text
+    _block_map(report, SPEC, children, {})
+    notes = [line for line in report.lines if "mixes tokens" in line]
+    assert len(notes) == 1 and notes[0].startswith("_Note: bigram: it keeps no Mamba or attention block")
 
 
 def test_run_without_library_is_an_error(tmp_path, capsys):

@@ -161,6 +161,7 @@ class ModelRow:
     predicted_tokens_per_s: float
     measured_tokens_per_s: float
     blocks: list[str]
+    mixes_tokens: bool = True  # some block is Mamba or attention (`puzzle.report.mixes_tokens`)
 
 
 @dataclass(frozen=True)
@@ -275,6 +276,7 @@ def measure(pipeline: Run, size: DemoSize, stages: dict[str, Any] | None = None)
     from puzzle.cost.measure import decode_seconds
     from puzzle.cost.roofline import model_performance
     from puzzle.nemotron_h.checkpoint import load
+    from puzzle.report import mixes_tokens
 
     manifest = stages if stages is not None else pipeline.manifest()["stages"]
     distilled = manifest["distill"]["outputs"]
@@ -329,6 +331,7 @@ def measure(pipeline: Run, size: DemoSize, stages: dict[str, Any] | None = None)
                 predicted_tokens_per_s=1.0 / predicted[name],
                 measured_tokens_per_s=1.0 / statistics.median(measured[name]),
                 blocks=[block.short_name() for block in spec.blocks],
+                mixes_tokens=mixes_tokens(spec),
             )
         )
     return rows
@@ -339,21 +342,29 @@ def render_table(
 ) -> str:
     """The Markdown of demo.md: the table of parent vs children, then the chosen architecture per block."""
     parent = rows[0]
+    nan = float("nan")
+    # Two held-out losses of the parent, on different windows of the same held-out files: its trainer's
+    # (beside the unigram baseline, from the cached record) and the run's (the table's LM loss column).
+    trained_on = record.get("data", {}).get("seq_len", "?")
     lines = [
         f"# puzzle demo{' --quick' if quick else ''}",
         "",
         f"Parent: the {'quick ' if quick else ''}demo hybrid trained on the Python standard library's source "
-        f"({record.get('train_tokens', 0):,} tokens, held-out loss {record.get('held_out_loss', float('nan')):.3f} "
-        f"nats/byte against {record.get('unigram_held_out_loss', float('nan')):.3f} for a unigram model). "
+        f"({record.get('train_tokens', 0):,} tokens; when trained, its loss on {record.get('held_out_tokens', 0):,} "
+        f"held-out tokens in sequences of {trained_on} was {record.get('held_out_loss', nan):.3f} nats/byte "
+        f"against {record.get('unigram_held_out_loss', nan):.3f} for a unigram model). "
         f"Children: the search's choice for each budget, distilled against the parent. KL (nats/token) to the "
         f"parent: predicted by the search (the sum of each chosen block's replace-one-block score), measured "
-        f"once assembled, and after global distillation (GKD). Held-out figures on "
-        f"{size.held_out_tokens:,} held-out tokens; decode tokens/s at batch 1 after a {size.decode_prompt}-token "
+        f"once assembled, and after global distillation (GKD). Held-out figures (KL, LM loss in nats/byte, "
+        f"top-1) on the run's {size.held_out_tokens:,} held-out tokens in sequences of {size.seq_len} (the same "
+        f"held-out files as the parent's figure above, other windows: hence another loss); decode tokens/s "
+        f"at batch 1 after a {size.decode_prompt}-token "
         f"prompt, one thread, measured here (median of {size.decode_repeats}) and predicted by the cost model "
         f"calibrated on this machine. Whole demo: {seconds:.0f} s.",
         "",
         "| model | budget | params | active params | weights (fp32) | KL predicted | KL assembled | KL after GKD "
-        "| LM loss | top-1 agreement | decode tok/s measured | predicted | speed-up measured / predicted |",
+        "| LM loss (run's held-out) | top-1 agreement | decode tok/s measured | predicted "
+        "| speed-up measured / predicted |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
@@ -377,6 +388,7 @@ def render_table(
             row.blocks[index] if row.blocks[index] != parent_block else "=" for row in rows[1:]
         ]
         lines.append(f"| {index} | " + " | ".join(cells) + " |")
+    lines += _no_token_mixer_notes(rows[1:])
     lines += [
         "",
         "Report with plots: [report/report.md](report/report.md). Exported children: "
@@ -385,6 +397,17 @@ def render_table(
         "",
     ]
     return "\n".join(lines)
+
+
+def _no_token_mixer_notes(children: list[ModelRow]) -> list[str]:
+    """A line for each child without a Mamba or attention block: legitimate, but worth saying."""
+    from puzzle.report import NO_TOKEN_MIXER
+
+    lines = []
+    for row in children:
+        if not row.mixes_tokens:
+            lines += ["", f"Note: {row.name}: {NO_TOKEN_MIXER}."]
+    return lines
 
 
 def write_table(
