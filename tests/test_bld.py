@@ -84,6 +84,7 @@ def test_training_lowers_the_held_out_error_and_parent_copies_stay_exact(one_wav
     library, output = one_wave
     trained = [r for r in library.results.values() if r.status == "trained"]
     assert len(trained) == 8
+    assert all(r.kept == "trained" and r.final_nmse == r.trained_nmse for r in trained)
     improved = [r for r in trained if r.final_nmse < r.init_nmse]
     assert len(improved) >= 0.9 * len(trained), [(r.variant.id, r.init_nmse, r.final_nmse) for r in trained]
     assert all(r.tokens == 12 * 4 * 16 for r in trained)
@@ -171,6 +172,39 @@ def test_a_diverging_variant_is_recorded_as_failed_and_the_others_finish(one_wav
     for name, tensors in got.items():
         for key, value in tensors.items():
             assert torch.equal(value, expected[name][key]), (name, key)
+
+
+def test_variants_that_training_made_worse_keep_their_initial_weights_and_say_so(setup, tmp_path):
+    # lr=30 makes every variant diverge: some to a finite but larger error, some to NaN / inf gradients.
+    library = _build(setup, tmp_path, lr=30.0)
+    parent, importance = load_setup(setup)
+    init = default_init(parent, importance)
+    data = json.loads((tmp_path / LIBRARY_FILE).read_text())["variants"]
+    diverged = [e for e in data if e["reason"] is not None]
+    worse = [e for e in data if e["trained_nmse"] is not None and e["trained_nmse"] > e["init_nmse"]]
+    assert diverged and worse  # both ways of going wrong are exercised
+    for entry in data:
+        if entry["status"] in ("parent", "noop"):
+            assert entry["kept"] is None and entry["file"] is None
+            continue
+        assert (entry["status"], entry["kept"]) == ("trained", "init"), entry
+        assert entry["final_nmse"] == entry["init_nmse"] is not None
+        (result,) = [
+            r
+            for v, r in library.results.items()
+            if (v.block_index, v.id) == (entry["block_index"], entry["id"])
+        ]
+        assert result.kept == "init" and result.final_nmse == entry["final_nmse"]
+        # The library file holds init_child's weights, bit for bit, and the mixer loads them.
+        expected = init(result.variant).state_dict()
+        saved = load_file(str(tmp_path / entry["file"]))
+        assert saved.keys() == expected.keys()
+        for key, value in saved.items():
+            assert torch.equal(value, expected[key]), (entry["id"], key)
+        library.load_mixer(result.variant, SPEC.hidden_size, SPEC.norm_eps)
+    for entry in diverged:  # training stopped there; the record says where and why
+        assert entry["trained_nmse"] is None and entry["failed_step"] is not None
+        assert "nan" in entry["reason"] or "inf" in entry["reason"]
 
 
 def test_a_sigkilled_run_resumes_to_the_uninterrupted_weights(setup, tmp_path):
