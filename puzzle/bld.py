@@ -14,8 +14,14 @@ Variants start from `puzzle.prune.init_child` (activation importance of the pare
 (one optimiser per variant: a diverging variant cannot disturb the others), linear warm-up then cosine
 decay over a token budget, gradient clipping per variant, bf16 autocast on CUDA. A variant equal to the
 parent block ("parent") or a no-op ("noop") is not trained; its held-out error is measured all the same.
-A variant whose loss or gradient norm becomes NaN / inf is recorded as "failed" with the step and reason,
-and the others go on.
+MoE routers are not trained by default (`BLDSettings.router_lr_scale`): which experts a router picks has no
+gradient, and AdamW's lr-sized steps on its weights change those picks. A variant whose loss or gradient
+norm becomes NaN / inf stops training with the step and reason recorded, and the others go on.
+
+The guard: every trained variant keeps whichever of its initial and trained weights has the lower held-out
+normalised MSE (the initial weights are saved under the checkpoints when its wave starts, so a resumed wave
+has them too); library.json says which (`kept`) and records both errors. A variant whose training diverged
+keeps its initial weights; it is "failed" only when those are not finite either.
 
 Memory: the variants train in waves whose estimated training bytes (`variant_training_bytes`) fit
 `BLDSettings.memory_limit_bytes`; each wave is one pass of the parent over the training data. The plan is
@@ -40,9 +46,9 @@ tokens) are written atomically under `<directory>/bld-checkpoints/`; a finished 
 final weights there. A killed run restarted with the same inputs continues from there and ends with the
 same weights as an uninterrupted run (the schedule is a function of the tokens seen, the data stream is
 replayed and skipped up to the saved position). The library is then written through `puzzle.artifacts`:
-``block{i}/{variant id}.safetensors`` per trained variant (the mixer's `state_dict()`, i.e. module keys
-relative to the mixer, as `HybridLM.layers[i].mixer` loads them; routed MoE experts in the expert-bank
-layout) and ``library.json``; the checkpoints are then removed.
+``block{i}/{variant id}.safetensors`` per trained variant (its kept weights: the mixer's `state_dict()`,
+i.e. module keys relative to the mixer, as `HybridLM.layers[i].mixer` loads them; routed MoE experts in the
+expert-bank layout) and ``library.json``; the checkpoints are then removed.
 """
 
 from __future__ import annotations

@@ -43,6 +43,10 @@ from puzzle.spec import Variant
 HERE = Path(__file__).parent
 
 
+class _Crash(Exception):
+    pass
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     directory = tmp_path_factory.mktemp("bld_setup")
@@ -53,10 +57,11 @@ def setup(tmp_path_factory):
 def _build(setup: Path, output: Path, **kwargs):
     parent, importance = load_setup(setup)
     options = {"data_fingerprint": "train-300", **kwargs.pop("options", {})}
+    train = options.pop("train", token_batches(12, seed=300))
     return build_library(
         parent,
         variants(),
-        token_batches(12, seed=300),
+        train,
         token_batches(2, seed=400),
         importance,
         settings(**kwargs),
@@ -175,8 +180,21 @@ def test_a_diverging_variant_is_recorded_as_failed_and_the_others_finish(one_wav
 
 
 def test_variants_that_training_made_worse_keep_their_initial_weights_and_say_so(setup, tmp_path):
-    # lr=30 makes every variant diverge: some to a finite but larger error, some to NaN / inf gradients.
-    library = _build(setup, tmp_path, lr=30.0)
+    # lr=30 makes every variant diverge: some to a finite but larger error, some to NaN / inf gradients. The
+    # run dies mid-wave and resumes: the initial weights saved when the wave started outlive the crash.
+    train, calls = token_batches(12, seed=300), []
+
+    def crashing():  # call 1 reads the first batch; call 2 (the wave) dies at batch 7, after the step-6 checkpoint
+        calls.append(1)
+        for index, batch in enumerate(train):
+            if len(calls) == 2 and index == 7:
+                raise _Crash
+            yield batch
+
+    with pytest.raises(_Crash):
+        _build(setup, tmp_path, lr=30.0, checkpoint_every=3, options={"train": crashing})
+    assert json.loads((tmp_path / CHECKPOINT_DIR / "wave0.json").read_text())["step"] == 6
+    library = _build(setup, tmp_path, lr=30.0, checkpoint_every=3)
     parent, importance = load_setup(setup)
     init = default_init(parent, importance)
     data = json.loads((tmp_path / LIBRARY_FILE).read_text())["variants"]
@@ -242,10 +260,6 @@ def test_a_sigkilled_run_resumes_to_the_uninterrupted_weights(setup, tmp_path):
             assert torch.equal(value, expected[name][key]), (name, key)
     resumed = json.loads((killed / LIBRARY_FILE).read_text())["variants"]
     assert resumed == json.loads((uninterrupted / LIBRARY_FILE).read_text())["variants"]
-
-
-class _Crash(Exception):
-    pass
 
 
 def _worker(rank: int, world: int, port: int, setup: str, output: str) -> None:
