@@ -80,7 +80,7 @@ def run(parent: HybridLM, per_block: int, batch: torch.Tensor, repeats: int) -> 
             mixers[variant] = init(variant)
         except (ValueError, KeyError):  # no importance here: fresh weights, same shapes and cost
             mixers[variant] = bld.build_block(variant.spec, parent.spec.hidden_size)
-    optimizers = {v: torch.optim.AdamW(m.parameters(), lr=1e-5) for v, m in mixers.items()}
+    optimizers = {v: torch.optim.AdamW(bld._param_groups(m, settings), lr=1e-5) for v, m in mixers.items()}
     wave = bld._Wave(0, mixers, optimizers, {v: bld.VariantResult(v, "trained") for v in variants})
     last = len(parent.layers) - 1
     inputs = [(i, h, p) for i, h, p in bld._parent_blocks(parent, batch, last)]

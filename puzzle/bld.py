@@ -14,8 +14,14 @@ Variants start from `puzzle.prune.init_child` (activation importance of the pare
 (one optimiser per variant: a diverging variant cannot disturb the others), linear warm-up then cosine
 decay over a token budget, gradient clipping per variant, bf16 autocast on CUDA. A variant equal to the
 parent block ("parent") or a no-op ("noop") is not trained; its held-out error is measured all the same.
-A variant whose loss or gradient norm becomes NaN / inf is recorded as "failed" with the step and reason,
-and the others go on.
+MoE routers are not trained by default (`BLDSettings.router_lr_scale`): which experts a router picks has no
+gradient, and AdamW's lr-sized steps on its weights change those picks. A variant whose loss or gradient
+norm becomes NaN / inf stops training with the step and reason recorded, and the others go on.
+
+The guard: every trained variant keeps whichever of its initial and trained weights has the lower held-out
+normalised MSE (the initial weights are saved under the checkpoints when its wave starts, so a resumed wave
+has them too); library.json says which (`kept`) and records both errors. A variant whose training diverged
+keeps its initial weights; it is "failed" only when those are not finite either.
 
 Memory: the variants train in waves whose estimated training bytes (`variant_training_bytes`) fit
 `BLDSettings.memory_limit_bytes`; each wave is one pass of the parent over the training data. The plan is
@@ -40,9 +46,9 @@ tokens) are written atomically under `<directory>/bld-checkpoints/`; a finished 
 final weights there. A killed run restarted with the same inputs continues from there and ends with the
 same weights as an uninterrupted run (the schedule is a function of the tokens seen, the data stream is
 replayed and skipped up to the saved position). The library is then written through `puzzle.artifacts`:
-``block{i}/{id, ':' as '_'}.safetensors`` per trained variant (the mixer's `state_dict()`, i.e. module keys
-relative to the mixer, as `HybridLM.layers[i].mixer` loads them; routed MoE experts in the expert-bank
-layout) and ``library.json``; the checkpoints are then removed.
+``block{i}/{id, ':' as '_'}.safetensors`` per trained variant (its kept weights: the mixer's `state_dict()`,
+i.e. module keys relative to the mixer, as `HybridLM.layers[i].mixer` loads them; routed MoE experts in the
+expert-bank layout) and ``library.json``; the checkpoints are then removed.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ from puzzle.artifacts import (
     json_writer,
 )
 from puzzle.blocks import build_block
+from puzzle.blocks.moe import TopKRouter
 from puzzle.files import atomic_write
 from puzzle.layout import library_variant_file
 from puzzle.model import HybridLM
@@ -111,7 +118,9 @@ class BLDSettings:
     between checkpoints (0 = never); `memory_limit_bytes`: what one wave's variants may use (None = one
     wave); `dtype`: the variants' training dtype ("float32" or "bfloat16"); `autocast`: bf16 autocast on
     CUDA; `seed`: seeds torch before each wave's variants are built; `shard`: "fsdp" shards the parent and
-    the variants over the ranks with FSDP2, "none" replicates them (no effect in a single process).
+    the variants over the ranks with FSDP2, "none" replicates them (no effect in a single process);
+    `router_lr_scale`: the MoE routers' learning rate as a fraction of lr (0 = they keep their initial weights:
+    the loss reaches a router only through the weights of the experts it chose, never through the choice).
     """
 
     lr: float = 1e-4
@@ -127,6 +136,11 @@ class BLDSettings:
     autocast: bool = True
     seed: int = 0
     shard: str = "fsdp"
+    # Why 0: top-k has no gradient, so the router's gradient ignores the expert choices a step changes, while
+    # AdamW moves every router weight by about lr a step whatever its gradient. Each step then flips experts
+    # for many tokens: trained routers made the quick demo's top-2 half-width variants 1.6-2.6x worse than
+    # their init (frozen: 0.4-0.5x). With top-1 and normalised weights the gradient is rounding noise.
+    router_lr_scale: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
@@ -137,6 +151,10 @@ class BLDSettings:
                 raise ValueError(f"BLDSettings.{name} must be an integer >= 0, found {getattr(self, name)!r}")
         if not isinstance(self.token_budget, int) or self.token_budget < 1:
             raise ValueError(f"BLDSettings.token_budget must be an integer >= 1, found {self.token_budget!r}")
+        if not (self.router_lr_scale >= 0 and math.isfinite(self.router_lr_scale)):
+            raise ValueError(
+                f"BLDSettings.router_lr_scale must be a number >= 0, found {self.router_lr_scale!r}"
+            )
         if self.clip < 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(
                 f"BLDSettings: clip >= 0 and 0 <= min_lr_ratio <= 1, found {self.clip}, {self.min_lr_ratio}"
@@ -160,7 +178,13 @@ class BLDSettings:
 @dataclass
 class VariantResult:
     """What BLD did with one variant: `status` (one of STATUSES), tokens trained on, held-out normalised MSE
-    at init and at the end (None when not finite), and for a failure the step and reason."""
+    (None when not finite) at init, after training (`trained_nmse`) and of the weights kept (`final_nmse`),
+    which weights the library kept (`kept`: "trained" or "init", None for a variant not trained), and for a
+    failure the step and reason.
+
+    A trained variant keeps its initial weights when training left it worse on the held-out tokens: the
+    library never holds a variant that BLD made worse than `init_child` did.
+    """
 
     variant: Variant
     status: str
@@ -169,6 +193,8 @@ class VariantResult:
     final_nmse: float | None = None
     failed_step: int | None = None
     reason: str | None = None
+    trained_nmse: float | None = None
+    kept: str | None = None
     # The file library.json names, when read from one: libraries written before portable names keep theirs.
     stored_file: str | None = field(default=None, repr=False, compare=False)
 
@@ -186,7 +212,9 @@ class VariantResult:
             "file": self.file,
             "tokens": self.tokens,
             "init_nmse": self.init_nmse,
+            "trained_nmse": self.trained_nmse,
             "final_nmse": self.final_nmse,
+            "kept": self.kept,
             "failed_step": self.failed_step,
             "reason": self.reason,
         }
@@ -194,7 +222,8 @@ class VariantResult:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> VariantResult:
         variant = Variant.from_dict({k: data[k] for k in ("block_index", "id", "spec")})
-        fields = ("tokens", "init_nmse", "final_nmse", "failed_step", "reason")
+        # trained_nmse and kept are absent from libraries written before the guard (read as None).
+        fields = ("tokens", "init_nmse", "final_nmse", "failed_step", "reason", "trained_nmse", "kept")
         return cls(variant, data["status"], **{k: data.get(k) for k in fields}, stored_file=data.get("file"))
 
 
@@ -401,6 +430,23 @@ class _Wave:
         return {v: m for v, m in self.mixers.items() if self.results[v].status == "trained"}
 
 
+def _param_groups(mixer: nn.Module, settings: BLDSettings) -> list[dict[str, Any]]:
+    """AdamW groups of a variant mixer, each with its `lr_scale` (the step's lr times it): the routers'
+    parameters at `settings.router_lr_scale` (frozen, and in no group, at 0), every other parameter at 1.
+
+    Sets `requires_grad` accordingly; empty groups are left out (the order is fixed: resume restores the
+    AdamW state by parameter index)."""
+    routers = {id(p) for m in mixer.modules() if isinstance(m, TopKRouter) for p in m.parameters()}
+    scales = {"router": settings.router_lr_scale, "rest": 1.0}
+    members: dict[str, list[nn.Parameter]] = {"rest": [], "router": []}
+    for parameter in mixer.parameters():
+        name = "router" if id(parameter) in routers else "rest"
+        parameter.requires_grad_(scales[name] > 0)
+        if scales[name] > 0:
+            members[name].append(parameter)
+    return [{"params": ps, "lr_scale": scales[name]} for name, ps in members.items() if ps]
+
+
 def _train_step(
     parent: HybridLM, wave: _Wave, batch: torch.Tensor, settings: BLDSettings
 ) -> dict[Variant, float]:
@@ -459,7 +505,7 @@ def _train_step(
             continue
         optimizer = wave.optimizers[variant]
         for group in optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group["lr_scale"]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         record.tokens += batch.numel()
@@ -514,16 +560,30 @@ def _load_checkpoint(directory: Path, wave: _Wave, inputs: Mapping[str, str]) ->
     return True
 
 
+def _save_weights(folder: Path, mixers: Mapping[Variant, nn.Module]) -> None:
+    """Rank 0 writes each mixer's full state dict to `folder/variant_file(variant)` (every rank gathers)."""
+    for variant in sorted(mixers, key=_order):
+        state = {k: shard.full(v) for k, v in mixers[variant].state_dict().items()}
+        if dist.is_main():
+            atomic_write(folder / variant_file(variant), lambda path, s=state: save_file(s, path))
+    dist.barrier()
+
+
 def _save_finished_wave(directory: Path, wave: _Wave, inputs: Mapping[str, str]) -> None:
-    """Rank 0 writes each trained variant's final weights, then the wave's results (last: the marker)."""
+    """Rank 0 writes each trained variant's kept weights (the trained ones, or a copy of the initial ones
+    saved at the wave's start), then the wave's results (last: the marker)."""
     folder = _checkpoint_dir(directory) / "done"
-    for variant in sorted(wave.mixers, key=_order):
-        if wave.results[variant].status == "trained":
-            state = {
-                k: shard.full(v) for k, v in wave.mixers[variant].state_dict().items()
-            }  # every rank gathers
-            if dist.is_main():
-                atomic_write(folder / variant_file(variant), lambda path, s=state: save_file(s, path))
+    kept = {v: wave.results[v].kept for v in wave.mixers if wave.results[v].status == "trained"}
+    _save_weights(folder, {v: wave.mixers[v] for v, which in kept.items() if which == "trained"})
+    for variant in sorted((v for v, which in kept.items() if which == "init"), key=_order):
+        source = _checkpoint_dir(directory) / "init" / variant_file(variant)
+        if not source.is_file():
+            raise ArtifactError(
+                f"{source}: the initial weights of variant {variant.id} of block {variant.block_index} are "
+                "missing (written when its wave started); remove the checkpoints to retrain the wave"
+            )
+        if dist.is_main():
+            atomic_write(folder / variant_file(variant), lambda path, src=source: shutil.copyfile(src, path))
     if dist.is_main():
         record = {
             "inputs": dict(inputs),
@@ -781,12 +841,13 @@ def _run_wave(
     optimizers: dict[Variant, torch.optim.AdamW] = {}
     for variant in members:
         mixer = init(variant).to(device=device, dtype=settings.torch_dtype)
-        mixer.requires_grad_(True)
+        groups = _param_groups(mixer, settings)  # frozen parameters: requires_grad False before sharding
         if shard.active(settings.shard):
             shard.shard_variant(mixer)
+            groups = _param_groups(mixer, settings)  # the sharded parameters
         mixers[variant] = mixer
         optimizers[variant] = torch.optim.AdamW(
-            mixer.parameters(), lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
+            groups, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay
         )
     wave = _Wave(number, mixers, optimizers, {v: VariantResult(v, "trained") for v in members})
     resumed_from = None
@@ -795,6 +856,7 @@ def _run_wave(
     else:
         for variant, value in _held_out_nmse(parent, mixers, held_out, settings).items():
             wave.results[variant].init_nmse = value
+        _save_weights(directory / CHECKPOINT_DIR / "init", mixers)  # what the guard falls back to
 
     resumed_note = f" (resumed at step {resumed_from})" if resumed_from is not None else ""
     bar = progress_bar(
@@ -820,10 +882,39 @@ def _run_wave(
             _save_checkpoint(directory, wave, inputs)
     bar.close()
     trained = {v: m for v, m in mixers.items() if wave.results[v].status == "trained"}
-    for variant, value in _held_out_nmse(parent, trained, held_out, settings).items():
-        wave.results[variant].final_nmse = value
+    measured = _held_out_nmse(parent, trained, held_out, settings)
+    for variant in members:
+        _keep_the_better(wave.results[variant], measured.get(variant))
     _save_finished_wave(directory, wave, inputs)
     return [wave.results[v] for v in members], resumed_from
+
+
+def _keep_the_better(result: VariantResult, trained_nmse: float | None) -> None:
+    """The guard: record the trained weights' held-out error and keep whichever of init and trained is lower.
+
+    Ties keep the trained weights, and so does a variant whose init could not be measured. A variant whose
+    training failed (non-finite loss or gradient) keeps a finite init, becoming usable again ("trained",
+    kept "init", its failed step and reason still recorded); with a non-finite init it stays "failed".
+    """
+    diverged = result.status == "failed"
+    init = result.init_nmse
+    if init is None and diverged:
+        return
+    result.trained_nmse = None if diverged else trained_nmse
+    after = result.trained_nmse
+    worse = init is not None and (after is None or after > init)  # a diverged variant's `after` is None
+    result.status = "trained"
+    result.kept = "init" if worse else "trained"
+    result.final_nmse = init if result.kept == "init" else result.trained_nmse
+    if result.kept == "init":
+        why = result.reason if diverged else f"held-out nMSE {after} after training"
+        _log.warning(
+            "BLD: variant %s of block %d keeps its initial weights (held-out nMSE %.4g): %s",
+            result.variant.id,
+            result.variant.block_index,
+            init,
+            why,
+        )
 
 
 def _library_json(library: Library, settings: BLDSettings) -> dict[str, Any]:

@@ -428,15 +428,19 @@ def _bld(report: _Report, library: Any) -> None:
     report.add("## BLD losses", "")
     results = sorted(library.results.values(), key=lambda r: (r.variant.block_index, r.variant.id))
     rows = [
-        [r.variant.block_index, r.variant.id, r.status, r.init_nmse, r.final_nmse, r.tokens]
+        [r.variant.block_index, r.variant.id, r.status, r.kept or "", r.init_nmse, r.final_nmse, r.tokens]
         for r in results
         if r.status not in ("parent",)
     ]
     if not rows:
         report.add("_Skipped: the library holds no trained variant._", "")
         return
-    report.add("Held-out normalised MSE of each variant's block output, at initialisation and after BLD.", "")
-    report.add(*_table(["block", "variant", "status", "nMSE init", "nMSE after", "tokens"], rows))
+    report.add(
+        "Held-out normalised MSE of each variant's block output, at initialisation and after BLD (of the weights "
+        'kept: the initial ones where training made the variant worse, `kept` "init").',
+        "",
+    )
+    report.add(*_table(["block", "variant", "status", "kept", "nMSE init", "nMSE after", "tokens"], rows))
     failed = [r for r in results if r.status == "failed"]
     if failed:
         report.add("Failed variants:", "")

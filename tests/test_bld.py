@@ -46,6 +46,10 @@ from puzzle.spec import Variant
 HERE = Path(__file__).parent
 
 
+class _Crash(Exception):
+    pass
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     directory = tmp_path_factory.mktemp("bld_setup")
@@ -56,10 +60,11 @@ def setup(tmp_path_factory):
 def _build(setup: Path, output: Path, **kwargs):
     parent, importance = load_setup(setup)
     options = {"data_fingerprint": "train-300", **kwargs.pop("options", {})}
+    train = options.pop("train", token_batches(12, seed=300))
     return build_library(
         parent,
         variants(),
-        token_batches(12, seed=300),
+        train,
         token_batches(2, seed=400),
         importance,
         settings(**kwargs),
@@ -87,6 +92,7 @@ def test_training_lowers_the_held_out_error_and_parent_copies_stay_exact(one_wav
     library, output = one_wave
     trained = [r for r in library.results.values() if r.status == "trained"]
     assert len(trained) == 8
+    assert all(r.kept == "trained" and r.final_nmse == r.trained_nmse for r in trained)
     improved = [r for r in trained if r.final_nmse < r.init_nmse]
     assert len(improved) >= 0.9 * len(trained), [(r.variant.id, r.init_nmse, r.final_nmse) for r in trained]
     assert all(r.tokens == 12 * 4 * 16 for r in trained)
@@ -233,6 +239,52 @@ def test_a_diverging_variant_is_recorded_as_failed_and_the_others_finish(one_wav
             assert torch.equal(value, expected[name][key]), (name, key)
 
 
+def test_variants_that_training_made_worse_keep_their_initial_weights_and_say_so(setup, tmp_path):
+    # lr=30 makes every variant diverge: some to a finite but larger error, some to NaN / inf gradients. The
+    # run dies mid-wave and resumes: the initial weights saved when the wave started outlive the crash.
+    train, calls = token_batches(12, seed=300), []
+
+    def crashing():  # call 1 reads the first batch; call 2 (the wave) dies at batch 7, after the step-6 checkpoint
+        calls.append(1)
+        for index, batch in enumerate(train):
+            if len(calls) == 2 and index == 7:
+                raise _Crash
+            yield batch
+
+    with pytest.raises(_Crash):
+        _build(setup, tmp_path, lr=30.0, checkpoint_every=3, options={"train": crashing})
+    assert json.loads((tmp_path / CHECKPOINT_DIR / "wave0.json").read_text())["step"] == 6
+    library = _build(setup, tmp_path, lr=30.0, checkpoint_every=3)
+    parent, importance = load_setup(setup)
+    init = default_init(parent, importance)
+    data = json.loads((tmp_path / LIBRARY_FILE).read_text())["variants"]
+    diverged = [e for e in data if e["reason"] is not None]
+    worse = [e for e in data if e["trained_nmse"] is not None and e["trained_nmse"] > e["init_nmse"]]
+    assert diverged and worse  # both ways of going wrong are exercised
+    for entry in data:
+        if entry["status"] in ("parent", "noop"):
+            assert entry["kept"] is None and entry["file"] is None
+            continue
+        assert (entry["status"], entry["kept"]) == ("trained", "init"), entry
+        assert entry["final_nmse"] == entry["init_nmse"] is not None
+        (result,) = [
+            r
+            for v, r in library.results.items()
+            if (v.block_index, v.id) == (entry["block_index"], entry["id"])
+        ]
+        assert result.kept == "init" and result.final_nmse == entry["final_nmse"]
+        # The library file holds init_child's weights, bit for bit, and the mixer loads them.
+        expected = init(result.variant).state_dict()
+        saved = load_file(str(tmp_path / entry["file"]))
+        assert saved.keys() == expected.keys()
+        for key, value in saved.items():
+            assert torch.equal(value, expected[key]), (entry["id"], key)
+        library.load_mixer(result.variant, SPEC.hidden_size, SPEC.norm_eps)
+    for entry in diverged:  # training stopped there; the record says where and why
+        assert entry["trained_nmse"] is None and entry["failed_step"] is not None
+        assert "nan" in entry["reason"] or "inf" in entry["reason"]
+
+
 def test_a_sigkilled_run_resumes_to_the_uninterrupted_weights(setup, tmp_path):
     script = HERE / "bld_helpers.py"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)]), "PUZZLE_PROGRESS": "0"}
@@ -268,10 +320,6 @@ def test_a_sigkilled_run_resumes_to_the_uninterrupted_weights(setup, tmp_path):
             assert torch.equal(value, expected[name][key]), (name, key)
     resumed = json.loads((killed / LIBRARY_FILE).read_text())["variants"]
     assert resumed == json.loads((uninterrupted / LIBRARY_FILE).read_text())["variants"]
-
-
-class _Crash(Exception):
-    pass
 
 
 def _worker(rank: int, world: int, port: int, setup: str, output: str) -> None:
