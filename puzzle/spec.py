@@ -225,7 +225,8 @@ class MoESpec:
     """Mixture of relu^2 experts with a sigmoid router (DeepSeek-V3 / Nemotron-3 style).
 
     `expert_width` is one width for every routed expert, or a tuple with one width per expert
-    (heterogeneous widths inside one block). `shared_width` 0 means no shared expert.
+    (heterogeneous widths inside one block; a tuple of equal widths is stored as that one width).
+    `shared_width` 0 means no shared expert.
     `latent_size` None means the routed experts work on the hidden size directly.
     """
 
@@ -257,7 +258,8 @@ class MoESpec:
                 )
             for index, width in enumerate(widths):
                 _require_positive_int(owner, f"expert_width[{index}]", width)
-            object.__setattr__(self, "expert_width", widths)
+            # Equal widths are one width: (8, 8) and 8 are the same block, so they compare (and name) equal.
+            object.__setattr__(self, "expert_width", widths[0] if len(set(widths)) == 1 else widths)
         elif isinstance(self.expert_width, bool) or not isinstance(self.expert_width, int):
             raise SpecError(
                 f"{owner}.expert_width must be a positive integer or a list with one per expert, "
