@@ -222,9 +222,9 @@ def test_missing_required_key(path, expected):
 def test_budgets_and_the_cost_model_for_the_search():
     config = load_config_data(with_value("hardware.profile", "H100"))
     assert config.round_budgets() == [["active_params<=0.6x", "throughput[chat]>=1.5x"]]
-    model = config.hardware.cost_model_kwargs()
-    assert model["hardware"] == "h100-80gb" and model["recipe"] == "bf16" and model["memory_fraction"] == 0.9
-    assert model["scenarios"]["chat"].name == "chat" and model["scenarios"]["chat"].batch_size == 8
+    model = config.hardware  # the search's cost model itself
+    assert model.profile == "h100-80gb" and model.recipe == "bf16" and model.memory_fraction == 0.9
+    assert model.scenarios["chat"].name == "chat" and model.scenarios["chat"].batch_size == 8
 
 
 def test_a_sweep_is_one_budget_list_per_value_and_the_other_budgets_hold():
