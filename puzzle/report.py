@@ -20,6 +20,7 @@ once, then read back: the report's figures are the search's and do not change be
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -212,17 +213,18 @@ def _frontier(
     if not layout.scores.joinpath("scores.manifest.json").is_file():
         report.add(f"_Skipped: no scores in {layout.scores} (the search needs them)._", "")
         return
+    from puzzle.search.budget import CostModel, parse_budget
     from puzzle.search.frontier import sweep
-    from puzzle.search.run_dir import CostModel, run_problem
+    from puzzle.search.run_dir import run_problem
 
     # The run's cost model; one bound per scenario cost, so that the table sums each of them.
     cost_model, budgets = CostModel(), []
     if hardware is not None:
-        cost_model = CostModel(
-            layout.hardware(hardware.profile), hardware.recipe, hardware.memory_fraction, hardware.scenarios
-        )
+        cost_model = dataclasses.replace(hardware, profile=layout.hardware(hardware.profile))
         budgets = [
-            f"{key}[{name}]<=1x" for name in hardware.scenarios for key in ("latency", "ttft", "memory_bytes")
+            parse_budget(f"{key}[{name}]<=1x", cost_model)
+            for name in hardware.scenarios
+            for key in ("latency", "ttft", "memory_bytes")
         ]
     problem = run_problem(layout, budgets, cost_model=cost_model)
     table = problem.table

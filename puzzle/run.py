@@ -48,7 +48,7 @@ from puzzle.model import HybridLM
 from puzzle.spec import BlockSpec, ModelSpec, Variant
 
 if TYPE_CHECKING:
-    from puzzle.search.run_dir import CostModel
+    from puzzle.search.budget import CostModel, DeploymentLimit
 
 MANIFEST_FORMAT = 1
 DONE = ("done", "reused")
@@ -155,10 +155,10 @@ class Run:
         for index, listed in space.all_variants(parent).items():
             variants[index] += [v.spec for v in listed if v.spec != parent.blocks[index]]
         candidates = RunCandidates(parent, variants, [[0.0] * len(v) for v in variants])
-        for texts in self.budgets().values():
+        for limits in self.budget_limits().values():
             problem = run_problem(
                 self.layout,
-                texts,
+                limits,
                 cost_model=self.cost_model(store=False),
                 keep_blocks=self.config.search.keep_blocks,
                 same_attributes=self.config.search.same_attributes,
@@ -521,13 +521,17 @@ class Run:
 
     def budgets(self) -> dict[str, list[str]]:
         """{solution name: budget texts} of this round (one per budget list / sweep point)."""
-        lists = self.config.round_budgets(self.round_number - 1)
-        names: dict[str, list[str]] = {}
-        for texts in lists:
-            name = _slug(texts)
+        return {name: [limit.text for limit in limits] for name, limits in self.budget_limits().items()}
+
+    def budget_limits(self) -> dict[str, list[DeploymentLimit]]:
+        """{solution name: budgets} of this round as the config read them (`RunConfig.round_limits`), the
+        objects the search takes."""
+        names: dict[str, list[DeploymentLimit]] = {}
+        for limits in self.config.round_limits(self.round_number - 1):
+            name = _slug([limit.text for limit in limits])
             while name in names:
                 name += "_"
-            names[name] = texts
+            names[name] = limits
         return names
 
     def cost_model(self, *, store: bool = True) -> CostModel:
@@ -536,12 +540,10 @@ class Run:
         the search, `puzzle search RUN_DIR`, `puzzle report` and the demo price with the same figures.
         `store=False` (`check_budgets`, before the run directory is checked) uses a stored calibration
         but measures without storing one."""
-        from puzzle.search.run_dir import CostModel
-
-        kwargs = self.config.hardware.cost_model_kwargs()
+        cost_model = self.config.hardware
         if store or self.layout.calibration.is_file():
-            kwargs["hardware"] = self.layout.hardware(kwargs["hardware"])
-        return CostModel(**kwargs)
+            cost_model = dataclasses.replace(cost_model, profile=self.layout.hardware(cost_model.profile))
+        return cost_model
 
     def solutions(self) -> dict[str, Any]:
         """The search under each budget list (rank 0) -> solutions/{name}.json; `search.solutions` > 1 adds
@@ -560,7 +562,7 @@ class Run:
         if dist.is_main():
             self.cost_model()  # rank 0 measures and stores this machine's calibration once, if absent
         dist.barrier()
-        device = self.cost_model().hardware
+        device = self.cost_model().profile
         if not isinstance(device, str):  # this machine's calibration: new figures re-solve
             from puzzle.cost.hardware import profile_to_json
 
@@ -574,10 +576,11 @@ class Run:
 
         search = self.config.search
         saved: dict[str, Any] = {}
-        for name, texts in self.budgets().items():
+        for name, limits in self.budget_limits().items():
+            texts = [limit.text for limit in limits]
             problem = run_problem(
                 self.layout,
-                texts,
+                limits,
                 objective=search.objective,
                 cost_model=self.cost_model(),
                 keep_blocks=search.keep_blocks,

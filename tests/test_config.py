@@ -34,6 +34,9 @@ from puzzle.data import TokenData
 from puzzle.model import HybridLM
 from puzzle.presets import nemotron3_nano, tiny_hybrid
 from puzzle.presets.demo import demo_parent_spec
+from puzzle.search.budget import DeploymentLimit
+from puzzle.search.budget import parse_budget as search_parse_budget
+from puzzle.search.limits import Relative
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "configs"
@@ -222,9 +225,28 @@ def test_missing_required_key(path, expected):
 def test_budgets_and_the_cost_model_for_the_search():
     config = load_config_data(with_value("hardware.profile", "H100"))
     assert config.round_budgets() == [["active_params<=0.6x", "throughput[chat]>=1.5x"]]
-    model = config.hardware.cost_model_kwargs()
-    assert model["hardware"] == "h100-80gb" and model["recipe"] == "bf16" and model["memory_fraction"] == 0.9
-    assert model["scenarios"]["chat"].name == "chat" and model["scenarios"]["chat"].batch_size == 8
+    model = config.hardware  # the search's cost model itself
+    assert model.profile == "h100-80gb" and model.recipe == "bf16" and model.memory_fraction == 0.9
+    assert model.scenarios["chat"].name == "chat" and model.scenarios["chat"].batch_size == 8
+
+
+def test_budgets_are_read_once_into_the_objects_the_search_takes():
+    """The config reads each budget with the search's parser, against its own cost model, and hands on
+    those objects: the texts, the parsed values and the sweep points all come from them."""
+    data = with_value(
+        "search", {"sweep": "active_params<=0.5x,0.7x", "budgets": ["params<=20G", "throughput[chat]>=1.5x"]}
+    )
+    data["hardware"] = {
+        "scenarios": {"chat": {"batch_size": 8, "prompt_tokens": 512, "generated_tokens": 64}}
+    }
+    config = load_config_data(data)
+    solves = config.round_limits()
+    assert [[limit.text for limit in solve] for solve in solves] == config.round_budgets()
+    assert all(isinstance(limit, DeploymentLimit) for solve in solves for limit in solve)
+    assert solves[0][1] == search_parse_budget("throughput[chat]>=1.5x", config.hardware)
+    assert (solves[0][1].key, solves[0][1].scenarios, solves[0][0].value) == ("throughput", ("chat",), 20e9)
+    assert solves[0][0] is config.round_limits()[0][0]  # read once, not again per call
+    assert solves[1][2].value == Relative(0.7)
 
 
 def test_a_sweep_is_one_budget_list_per_value_and_the_other_budgets_hold():

@@ -18,8 +18,18 @@ from puzzle.cost import (
 )
 from puzzle.presets.tiny import tiny_hybrid
 from puzzle.search import InfeasibleError, search
-from puzzle.search.budget import Budget, ScenarioTarget, choices_to_spec, deployment_problem
+from puzzle.search.budget import (
+    BUDGET_KEYS,
+    BUDGET_ROWS,
+    Budget,
+    CostModel,
+    ScenarioTarget,
+    choices_to_spec,
+    deployment_problem,
+    parse_budget,
+)
 from puzzle.search.limits import BudgetError, Relative
+from puzzle.search.run_dir import RunCandidates, run_problem
 from puzzle.spec import LinearSpec, MambaSpec, MLPSpec, MoESpec, NoOpSpec, SpecError
 
 HARDWARE = "h100"
@@ -28,6 +38,7 @@ LONG = Scenario(batch_size=2, prompt_tokens=8192, generated_tokens=64, name="lon
 CONTEXT = 100_000
 # Requests of CONTEXT tokens with the default dtypes (bf16 weights and KV cache, fp32 SSM state).
 SERVING = Scenario(batch_size=1, prompt_tokens=CONTEXT - 1000, generated_tokens=1000, name="serving")
+COST_MODEL = CostModel(HARDWARE, scenarios={s.name: s for s in (CHAT, LONG, SERVING)})
 
 
 def _variants(parent):
@@ -188,3 +199,41 @@ def test_concurrency_budget_agrees_with_puzzle_costs(kv_dtype, ssm_dtype, recipe
             else:
                 with pytest.raises(InfeasibleError):
                     search(problem.table, problem.limits, problem.rules)
+
+
+# One budget per row of the table, as text (config, `puzzle search RUN_DIR`) and as a Python `Budget`.
+_BOTH_WAYS = {
+    "params<=0.8x": {"params": Relative(0.8)},
+    "active_params<=0.9x": {"active_params": Relative(0.9)},
+    "weight_bytes<=0.9x": {"weight_bytes": Relative(0.9), "recipe": "fp8"},
+    "memory_bytes[long]<=0.95x": {"memory_bytes": Relative(0.95), "memory_scenario": LONG},
+    "concurrent_requests[serving]>=3": {"min_concurrent_requests": 3, "concurrency_scenario": SERVING},
+    "throughput[chat]>=1.1x": {"scenarios": (ScenarioTarget(CHAT, min_tokens_per_s=Relative(1.1)),)},
+    "latency[chat]<=0.9x": {"scenarios": (ScenarioTarget(CHAT, max_latency_s=Relative(0.9)),)},
+    "ttft[long]<=0.97x": {"scenarios": (ScenarioTarget(LONG, max_ttft_s=Relative(0.97)),)},
+}
+
+
+def test_the_table_has_one_row_per_budget_key_and_the_docs_list_them():
+    assert {parse_budget(text, COST_MODEL).key for text in _BOTH_WAYS} == set(BUDGET_ROWS)
+    assert {k: (r.side, r.scenarios, r.meaning) for k, r in BUDGET_ROWS.items()} == BUDGET_KEYS
+
+
+@pytest.mark.parametrize("text", list(_BOTH_WAYS))
+def test_a_budget_prices_the_same_read_from_text_or_given_as_objects(text):
+    """Both roads go through the same row: the same bound on the same column, the same costs."""
+    parent = tiny_hybrid(hidden_size=64)
+    variants = _variants(parent)
+    scores = [[0.0] * len(options) for options in variants]
+    given = deployment_problem(parent, variants, scores, Budget(hardware=HARDWARE, **_BOTH_WAYS[text]))
+    cost_model = dataclasses.replace(COST_MODEL, recipe=_BOTH_WAYS[text].get("recipe", "bf16"))
+    read = run_problem(
+        "unused",
+        [parse_budget(text, cost_model)],
+        cost_model=cost_model,
+        candidates=RunCandidates(parent, variants, scores),
+    )
+    assert read.problem.limits == given.limits and read.sources == {str(given.limits[0]): text}
+    column = given.limits[0].key
+    np.testing.assert_array_equal(read.table.costs[column], given.table.costs[column])
+    assert read.table.fixed[column] == given.table.fixed[column]

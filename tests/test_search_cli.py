@@ -161,6 +161,17 @@ def test_k_best_with_diversity(capsys, library_file):
         assert sum(a["choices"][k] != b["choices"][k] for k in a["choices"]) >= 2
 
 
+def test_counts_and_seconds_read_as_every_command_reads_numbers(capsys, library_file):
+    """`puzzle search` takes `3e0` solutions and `1e3` seconds, as `puzzle costs` takes `--context 1e6`."""
+    path, _ = library_file
+    common = ("--library", str(path), "--budget", "stats.memory_mib<=0.7x", "--json")
+    code, out, _ = _run(capsys, *common, "--solutions", "3e0", "--min-diff", "2", "--time-limit", "1e3")
+    assert code == 0 and len(json.loads(out)) == 3
+    with pytest.raises(SystemExit) as caught:  # a count must still come out whole
+        _run(capsys, *common, "--solutions", "2.5")
+    assert caught.value.code == 2 and "--solutions" in capsys.readouterr().err
+
+
 def test_same_rule_and_keep_block(capsys, library_file):
     path, library = library_file
     code, out, _ = _run(

@@ -181,7 +181,7 @@ def test_failed_variants_are_left_out_with_a_note(run, capsys):
 
 
 def test_python_api_gives_the_cli_answer(run, capsys):
-    cost_model = CostModel(hardware=HARDWARE, scenarios={"chat": CHAT})
+    cost_model = CostModel(profile=HARDWARE, scenarios={"chat": CHAT})
     notes = []
     solution = search_run(run, ["throughput[chat]>=1.6x"], cost_model=cost_model, note=notes.append)
     code, out, _ = _cli(

@@ -29,7 +29,7 @@ from puzzle.cost.analytic import (
     state_bytes_per_request,
     state_bytes_per_sequence,
 )
-from puzzle.cost.hardware import get_hardware, hardware_names
+from puzzle.cost.hardware import DEFAULT_HARDWARE, DEFAULT_MEMORY_FRACTION, get_hardware, hardware_names
 from puzzle.cost.roofline import max_concurrent_requests
 from puzzle.presets import PRESETS, get_preset
 from puzzle.spec import ModelSpec, SpecError
@@ -51,7 +51,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--hardware",
-        default="h100-80gb",
+        default=DEFAULT_HARDWARE,
         help=f"the device whose memory holds weights and requests: one of {hardware_names()} "
         "(default %(default)s)",
     )
@@ -82,7 +82,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--memory-fraction",
         type=fraction,
-        default=0.9,
+        default=DEFAULT_MEMORY_FRACTION,
         metavar="FRACTION",
         help="share of the device memory usable for weights and requests, in (0, 1] "
         "(default %(default)s, vLLM's gpu_memory_utilization)",
@@ -117,7 +117,7 @@ def compute_costs(
     recipe: str,
     kv_dtype: str,
     ssm_dtype: str = "fp32",
-    memory_fraction: float = 0.9,
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION,
 ) -> dict[str, Any]:
     """Every figure `puzzle costs` prints, as a JSON-ready dict (bytes, parameters, counts: all integers).
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from puzzle.commands import fraction
+from puzzle.commands import fraction, parse_number, positive_int
 from puzzle.search import InfeasibleError, Rules, SearchError, Solution, SolverOptions, search_k
 from puzzle.search.frontier import frontier_prefix, parse_sweep, sweep, write_frontier
 from puzzle.search.library import load_library
@@ -47,6 +47,16 @@ class _Deferred(Sequence[str]):
 
     def __str__(self) -> str:
         return str(self._list())
+
+
+class _DeferredValue:
+    """One name of a module of the cost model (a default), read when the help is formatted (`%(...)s`)."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self._module, self._name = module, name
+
+    def __str__(self) -> str:
+        return str(getattr(importlib.import_module(self._module), self._name))
 
 
 _STATE_DTYPES = _Deferred("puzzle.commands.costs", lambda module: module.STATE_DTYPES)
@@ -119,14 +129,14 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--solutions",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         metavar="K",
         help="the K best distinct architectures (default 1)",
     )
     parser.add_argument(
         "--min-diff",
-        type=_positive_int,
+        type=positive_int,
         default=None,
         metavar="D",
         help="with --solutions K > 1: each further solution differs from every earlier one in >= D "
@@ -183,10 +193,11 @@ def register(subparsers: Any) -> None:
         "--hardware",
         default=None,
         help="the device that times scenarios and holds requests: one of %(names)s (default: the run's "
-        "hardware.profile, else h100-80gb; this-machine is the run's stored calibration, "
+        "hardware.profile, else %(default_name)s; this-machine is the run's stored calibration, "
         "RUN_DIR/hardware.json, measured and stored once if absent)",
     )
     hardware.names = _Deferred("puzzle.cost.hardware", lambda module: module.hardware_names())
+    hardware.default_name = _DeferredValue("puzzle.cost.hardware", "DEFAULT_HARDWARE")
     run_dir.add_argument(
         "--recipe",
         default=None,
@@ -206,14 +217,15 @@ def register(subparsers: Any) -> None:
         choices=_STATE_DTYPES,
         help="every scenario's Mamba state (default: the run's scenarios' own, else fp32)",
     )
-    run_dir.add_argument(
+    memory_fraction = run_dir.add_argument(
         "--memory-fraction",
         type=fraction,
         default=None,
         metavar="FRACTION",
         help="share of the device memory usable by concurrent_requests, in (0, 1] (default: the run's "
-        "hardware.memory_fraction, else 0.9)",
+        "hardware.memory_fraction, else %(default_fraction)s)",
     )
+    memory_fraction.default_fraction = _DeferredValue("puzzle.cost.hardware", "DEFAULT_MEMORY_FRACTION")
     run_dir.add_argument(
         "--parent",
         default=None,
@@ -239,35 +251,19 @@ def register(subparsers: Any) -> None:
 
 
 def _positive_seconds(text: str) -> float:
-    """argparse type for --time-limit: a finite number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
+    """argparse type for --time-limit: a finite number of seconds > 0 (`90`, `1e3`), as numbers read
+    everywhere on the command line (`puzzle.commands.parse_number`)."""
+    value = parse_number(text)
+    if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a number of seconds > 0, found {text!r}")
     return value
 
 
 def _relative_gap(text: str) -> float:
     """argparse type for --gap: a relative gap in [0, 1)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value < 1:  # also false for nan
+    value = parse_number(text)
+    if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"expected a relative gap in [0, 1) such as 1e-6, found {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    """argparse type for counts (--solutions, --min-diff): an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, found {text!r}")
     return value
 
 
@@ -420,7 +416,7 @@ def _with_dtypes(scenario: Any, args: argparse.Namespace) -> Any:
 class _RunSearch:
     """What `puzzle search RUN_DIR` searches with: each option given, else the run config's, else the default."""
 
-    cost_model: Any  # puzzle.search.run_dir.CostModel, its hardware still a name
+    cost_model: Any  # puzzle.search.budget.CostModel, its profile still a name
     objective: str
     keep_blocks: tuple[Any, ...]
     same_attributes: tuple[str, ...]
@@ -433,11 +429,11 @@ def _run_search(args: argparse.Namespace, config: Any) -> _RunSearch:
 
     The run's solutions stage searched with the config's `hardware` and `search` sections, so that is
     what a search of its directory starts from; an option overrides the one setting it names."""
-    from puzzle.config.run import HardwareConfig, SearchConfig
+    from puzzle.config.run import SearchConfig
     from puzzle.cost.hardware import hardware_key
-    from puzzle.search.run_dir import CostModel, parse_scenario
+    from puzzle.search.budget import CostModel, parse_scenario
 
-    hardware = config.hardware if config is not None else HardwareConfig()
+    hardware = config.hardware if config is not None else CostModel()
     settings = config.search if config is not None else SearchConfig()
     name = args.hardware if args.hardware is not None else hardware.profile
     hardware_key(name)  # SpecError (exit 2) for an unknown name, before any file is read
@@ -461,7 +457,7 @@ def _run_search(args: argparse.Namespace, config: Any) -> _RunSearch:
     )
     mixed = args.mixed_state_sizes
     return _RunSearch(
-        cost_model=CostModel(name, recipe, memory_fraction, scenarios),
+        cost_model=CostModel(name, memory_fraction, recipe, scenarios),
         objective=settings.objective if args.objective is None else args.objective,
         keep_blocks=tuple(args.keep_block) or settings.keep_blocks,
         same_attributes=tuple(args.same) or settings.same_attributes,
@@ -475,7 +471,8 @@ def _run_dir(args: argparse.Namespace) -> int:
     # Late: the run's files are read through puzzle.bld / puzzle.score, which import torch.
     from puzzle.commands.costs import load_target
     from puzzle.layout import RunLayout
-    from puzzle.search.run_dir import METRICS, parse_budget, run_problem
+    from puzzle.search.budget import parse_budget
+    from puzzle.search.run_dir import METRICS, run_problem
 
     layout = RunLayout(Path(args.run_dir))
     try:
@@ -499,9 +496,7 @@ def _run_dir(args: argparse.Namespace) -> int:
     objective = found.objective
     try:
         # The hardware as the run prices it: "this-machine" is the run's stored calibration.
-        cost_model = dataclasses.replace(
-            found.cost_model, hardware=layout.hardware(found.cost_model.hardware)
-        )
+        cost_model = dataclasses.replace(found.cost_model, profile=layout.hardware(found.cost_model.profile))
         problem = run_problem(
             layout,
             budgets,

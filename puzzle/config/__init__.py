@@ -9,7 +9,6 @@ key path; the `puzzle` command exits with code 2 on one.
 from puzzle.config.loader import ConfigError, describe, from_data, read_yaml, to_dict
 from puzzle.config.reference import reference_markdown
 from puzzle.config.run import (
-    BUDGET_KEYS,
     DataConfig,
     HardwareConfig,
     ImportanceConfig,
@@ -22,6 +21,7 @@ from puzzle.config.run import (
     load_config_data,
     parse_budget,
 )
+from puzzle.search.budget import BUDGET_KEYS
 
 __all__ = [
     "BUDGET_KEYS",

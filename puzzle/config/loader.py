@@ -340,7 +340,8 @@ def _translated(cls: type, message: str, key: str, given: Mapping[str, Any]) -> 
         if isinstance(written, (int, float)) and not isinstance(written, bool) and _reads_as(found, written):
             found = repr(written)  # -1, not the -1.0 it became
         return ConfigError(f"expected {expected}, got {found}", join_key(key, name))
-    match = re.match(rf"{owner}\.({fields_pattern})\b\s*(.*)", message, re.S)
+    # `Owner.field message`, `Owner.field: message` or `Owner.field.NAME.sub: message` (a path into the field)
+    match = re.match(rf"{owner}\.((?:{fields_pattern})\b(?:\.[\w.-]+)?):?\s*(.*)", message, re.S)
     if match:
         return ConfigError(match.group(2), join_key(key, match.group(1)))
     text = re.sub(rf"^{owner}:?\s*", "", message)

@@ -4,9 +4,11 @@
 `RunConfig.validate_paths()` checks what it names on disk (the parent's config.json and weights, the
 tokenizer, the data, the space file) without loading a weight. Sections reuse the stages' own settings
 where they exist (`puzzle.bld.BLDSettings`, `puzzle.gkd.GKDSettings`, `puzzle.score.ScoreSettings`, `puzzle.search.SolverOptions`,
-`puzzle.cost.Scenario`). Budgets are texts in the syntax of `puzzle search RUN_DIR` over deployment keys
-(`BUDGET_KEYS`: `active_params<=0.6x`, `throughput[chat]>=1.5x`), checked here and handed to the search
-as written (`RunConfig.round_budgets`), with the cost model of the `hardware` section.
+`puzzle.cost.Scenario`, and the search's cost model `puzzle.search.budget.CostModel` as the `hardware`
+section). Budgets are texts in the syntax of `puzzle search RUN_DIR` over deployment keys (`BUDGET_KEYS`:
+`active_params<=0.6x`, `throughput[chat]>=1.5x`), read here once by the search's own parser into
+`DeploymentLimit`s, which the search takes as they are (`RunConfig.round_limits`; the texts:
+`RunConfig.round_budgets`).
 """
 
 from __future__ import annotations
@@ -17,37 +19,34 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 
 from puzzle.bld import BLDSettings
 from puzzle.config.loader import ConfigError, doc, from_data, line_of, read_yaml, to_dict
-from puzzle.cost.analytic import get_recipe
-from puzzle.cost.hardware import hardware_key
-from puzzle.cost.roofline import Scenario
 from puzzle.gkd import GKDSettings
 from puzzle.presets import SPACE_PRESETS, get_space_preset
 from puzzle.score import ScoreSettings
-from puzzle.search import run_dir
+from puzzle.search import budget
+from puzzle.search.budget import CostModel, DeploymentLimit
 from puzzle.search.frontier import parse_sweep
-from puzzle.search.limits import BudgetError, Limit, Value, parse_limit
+from puzzle.search.limits import BudgetError, Limit, Value
 from puzzle.search.types import SolverOptions
 from puzzle.space import SearchSpace
 from puzzle.spec import ModelSpec
 
-# Budget keys and their grammar are the search's own (`puzzle search RUN_DIR`, puzzle/search/run_dir.py):
-# key -> (the bound it takes, whether it names scenarios, what it bounds).
-BUDGET_KEYS = run_dir.BUDGET_KEYS
+# The `hardware` section is the search's cost model itself (one type: profile, memory fraction, recipe,
+# scenarios); the old name stays for code that imports it.
+HardwareConfig = CostModel
 
 
-def parse_budget(text: str, hardware: HardwareConfig | None = None) -> run_dir.DeploymentLimit:
+def parse_budget(text: str, hardware: CostModel | None = None) -> DeploymentLimit:
     """A run budget (`active_params<=0.6x`, `throughput[chat,long]>=1.5x`) read by the search's own parser
-    (`puzzle.search.run_dir.parse_budget`) with the cost model of `hardware` (its scenarios). ConfigError
+    (`puzzle.search.budget.parse_budget`) against the cost model `hardware` (its scenarios). ConfigError
     (without a key path) if malformed."""
-    hardware = hardware if hardware is not None else HardwareConfig()
     try:
-        return run_dir.parse_budget(text, run_dir.CostModel(**hardware.cost_model_kwargs()))
+        return budget.parse_budget(text, hardware if hardware is not None else CostModel())
     except BudgetError as error:  # the search's hint names its command-line option; here it is a key
         message = re.sub(
             r"; define it with --scenario .*", "; define it under hardware.scenarios", str(error)
@@ -283,63 +282,6 @@ class RoundsConfig:
 
 
 @dataclass(frozen=True)
-class HardwareConfig:
-    """Where the child will be served: the accelerator profile (roofline timing, memory) and the named
-    serving scenarios that budgets refer to (`throughput[chat]`)."""
-
-    profile: str = field(
-        default="h100-80gb",
-        metadata=doc(
-            "Accelerator profile of puzzle.cost (h100-80gb, h200-141gb, b200, a100-80gb, this-machine; "
-            "aliases such as h100 accepted)."
-        ),
-    )
-    memory_fraction: float = field(
-        default=0.9, metadata=doc("Share of the device memory usable for weights and requests.")
-    )
-    recipe: str = field(
-        default="bf16", metadata=doc("Weight storage for weight_bytes budgets (bf16, fp8, nvfp4, ...).")
-    )
-    scenarios: dict[str, Scenario] = field(
-        default_factory=dict,
-        metadata=doc(
-            "Serving scenarios by name: batch_size, prompt_tokens, generated_tokens and dtypes (see Scenario)."
-        ),
-    )
-
-    def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "profile", hardware_key(self.profile))
-        except ValueError as error:
-            raise ConfigError(str(error), "profile") from None
-        try:
-            get_recipe(self.recipe)
-        except ValueError as error:
-            raise ConfigError(str(error), "recipe") from None
-        if not 0 < self.memory_fraction <= 1:
-            raise ConfigError(
-                f"expected a fraction in (0, 1], got {self.memory_fraction!r}", "memory_fraction"
-            )
-        named = {}
-        for name, scenario in self.scenarios.items():
-            if scenario.name not in ("", name):
-                raise ConfigError(
-                    f"name {scenario.name!r} differs from its key {name!r}", f"scenarios.{name}.name"
-                )
-            named[name] = dataclasses.replace(scenario, name=name)
-        object.__setattr__(self, "scenarios", named)
-
-    def cost_model_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of the search's cost model (`puzzle.search.run_dir.CostModel`)."""
-        return {
-            "hardware": self.profile,
-            "recipe": self.recipe,
-            "memory_fraction": self.memory_fraction,
-            "scenarios": dict(self.scenarios),
-        }
-
-
-@dataclass(frozen=True)
 class RunConfig:
     """A whole Puzzle run: one YAML file. Relative paths are relative to the file's folder."""
 
@@ -373,9 +315,7 @@ class RunConfig:
         metadata=doc("Global knowledge distillation of the child (puzzle.gkd.GKDSettings)."),
     )
     rounds: RoundsConfig = field(default_factory=RoundsConfig, metadata=doc("Iterative Puzzle rounds."))
-    hardware: HardwareConfig = field(
-        default_factory=HardwareConfig, metadata=doc("Serving hardware and scenarios.")
-    )
+    hardware: CostModel = field(default_factory=CostModel, metadata=doc("Serving hardware and scenarios."))
     seed: int = field(
         default=0,
         metadata=doc(
@@ -383,6 +323,10 @@ class RunConfig:
             "of every other random choice of the run (the held-out split has its own, data.split_seed)."
         ),
     )
+
+    # Per round, per solve: the budgets as read in __post_init__ (`round_limits`); set on the instance, not
+    # a field, so that the config's keys, equality and dump stay those of the YAML file.
+    _solves: ClassVar[tuple[tuple[tuple[DeploymentLimit, ...], ...], ...]]
 
     def __post_init__(self) -> None:
         if isinstance(self.space, str) and not self.space.strip():
@@ -405,20 +349,31 @@ class RunConfig:
                 "rounds.budgets",
                 "search.budgets",
             )
-        places = [("search.budgets", self.search.budgets)]
-        places += [(f"rounds.budgets[{r}]", texts) for r, texts in enumerate(rounds.budgets or ())]
-        for where, texts in places:
-            for index, text in enumerate(texts):
-                try:
-                    parse_budget(text, self.hardware)
-                except ConfigError as error:
-                    raise error.within(f"{where}[{index}]") from None
-        swept = search.swept()
-        for value in swept[2] if swept is not None else ():  # each point is a budget like any other
-            try:
-                parse_budget(_sweep_budget(swept[0], swept[1], value), self.hardware)
-            except ConfigError as error:
-                raise error.within("search.sweep") from None
+        # Every budget is read here, once: the search takes these objects (`round_limits`).
+        solves = [self._read_solves(r) for r in range(rounds.count)]
+        object.__setattr__(self, "_solves", tuple(solves))
+
+    def _read(self, text: str, where: str) -> DeploymentLimit:
+        try:
+            return parse_budget(text, self.hardware)
+        except ConfigError as error:
+            raise error.within(where) from None
+
+    def _read_solves(self, round_index: int) -> tuple[tuple[DeploymentLimit, ...], ...]:
+        """Round `round_index`'s budgets, one tuple per solve (one per sweep value, the swept value replacing
+        any budget on the same key), each budget read against the `hardware` scenarios."""
+        if self.rounds.budgets is not None:
+            where = f"rounds.budgets[{round_index}]"
+            texts = self.rounds.budgets[round_index]
+            return (tuple(self._read(text, f"{where}[{i}]") for i, text in enumerate(texts)),)
+        given = [self._read(text, f"search.budgets[{i}]") for i, text in enumerate(self.search.budgets)]
+        swept = self.search.swept()
+        if swept is None:
+            return (tuple(given),)
+        key, side, values = swept
+        kept = tuple(limit for limit in given if limit.name != key)
+        points = (self._read(_sweep_budget(key, side, value), "search.sweep") for value in values)
+        return tuple((*kept, point) for point in points)
 
     # -- what the stages read -------------------------------------------------------------------------
 
@@ -445,19 +400,17 @@ class RunConfig:
         except ValueError as error:
             raise ConfigError(str(error), "space") from None
 
-    def round_budgets(self, round_index: int = 0) -> list[list[str]]:
-        """The budgets of round `round_index` as `puzzle search` texts, one list per solve (one per sweep
-        value, the swept value replacing any budget on the same key)."""
+    def round_limits(self, round_index: int = 0) -> list[list[DeploymentLimit]]:
+        """The budgets of round `round_index` as the search takes them (`puzzle.search.budget.DeploymentLimit`,
+        read once when the config was loaded), one list per solve (one per sweep value, the swept value
+        replacing any budget on the same key)."""
         if not 0 <= round_index < self.rounds.count:
             raise IndexError(f"round {round_index} of a {self.rounds.count}-round run")
-        if self.rounds.budgets is not None:
-            return [list(self.rounds.budgets[round_index])]
-        swept = self.search.swept()
-        if swept is None:
-            return [list(self.search.budgets)]
-        key, side, values = swept
-        kept = [text for text in self.search.budgets if parse_limit(text).key != key]
-        return [[*kept, _sweep_budget(key, side, value)] for value in values]
+        return [list(solve) for solve in self._solves[round_index]]
+
+    def round_budgets(self, round_index: int = 0) -> list[list[str]]:
+        """`round_limits` as `puzzle search` texts."""
+        return [[limit.text for limit in solve] for solve in self.round_limits(round_index)]
 
     # -- checks against the disk ----------------------------------------------------------------------
 

@@ -27,6 +27,11 @@ TERA = 1e12
 MIB = 1024**2
 FEW_ROWS = 16  # matmuls with at most this many rows use HardwareProfile.few_rows_flops
 
+# The defaults of every command, config and search that prices a deployment: the device, and the share of
+# its memory a serving engine may use (vLLM's gpu_memory_utilization).
+DEFAULT_HARDWARE = "h100-80gb"
+DEFAULT_MEMORY_FRACTION = 0.9
+
 # A compute dtype the hardware lacks runs at the rate of the next one up (nvfp4 on Hopper runs as fp8).
 _FALLBACK = {"nvfp4": "fp8", "fp8": "bf16", "fp16": "bf16", "bf16": "fp32"}
 

@@ -32,7 +32,7 @@ from puzzle.cost.analytic import (
     state_bytes_per_sequence,
     tensor_bytes,
 )
-from puzzle.cost.hardware import HardwareProfile, get_hardware
+from puzzle.cost.hardware import DEFAULT_MEMORY_FRACTION, HardwareProfile, get_hardware
 from puzzle.cost.kinds import block_cost
 from puzzle.spec import BlockSpec, ModelSpec, SpecError
 
@@ -333,7 +333,7 @@ def max_concurrent_requests(
     context_len: int,
     recipe: str | QuantRecipe = "bf16",
     kv_dtype: str = "bf16",
-    memory_fraction: float = 0.9,
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION,
     ssm_dtype: str = "fp32",
     conv_dtype: str = "bf16",
     reserved_bytes: float = 0.0,

@@ -5,7 +5,8 @@
 Modules: `types` (Table, Choice, Rules, SolverOptions, Solution, errors), `limits` (budget syntax and
 `Limit`), `mip` (the rows and columns, dominance presolve), `exact` (`search` / `search_k`: LP bound,
 fixing, the MIP, the proven gap, infeasibility diagnosis), `heuristics` (diving, local search, probing),
-`backend` (HiGHS and CBC through PuLP), `budget` (deployment budgets through `puzzle.cost`), `library`
+`backend` (HiGHS and CBC through PuLP), `budget` (deployment budgets: the cost model, one grammar and one
+row per key, priced through `puzzle.cost`), `library`
 (block library files measured elsewhere), `frontier` (budget sweeps and Pareto frontiers), `run_dir` (a run
 directory's library and scores under deployment budgets).
 """
@@ -19,6 +20,9 @@ from puzzle.search.types import Choice, InfeasibleError, Rules, SearchError, Sol
 # search (`puzzle search --library`) imports only what it runs.
 _LAZY_EXPORTS = {
     "Budget": "puzzle.search.budget",
+    "CostModel": "puzzle.search.budget",
+    "DeploymentLimit": "puzzle.search.budget",
+    "parse_budget": "puzzle.search.budget",
     "ScenarioTarget": "puzzle.search.budget",
     "DeploymentProblem": "puzzle.search.budget",
     "deployment_problem": "puzzle.search.budget",
@@ -37,6 +41,8 @@ __all__ = [
     "Budget",
     "BudgetError",
     "Choice",
+    "CostModel",
+    "DeploymentLimit",
     "DeploymentProblem",
     "InfeasibleError",
     "Limit",
@@ -51,6 +57,7 @@ __all__ = [
     "deployment_problem",
     "load_library",
     "merge_limits",
+    "parse_budget",
     "parse_limit",
     "parse_value",
     "search",

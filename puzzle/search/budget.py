@@ -1,11 +1,18 @@
-"""Budgets in deployment terms, turned into linear sums over blocks through the cost model (`puzzle.cost`).
+"""Budgets in deployment terms: one grammar, one row per key, turned into linear sums over blocks by the cost
+model (`puzzle.cost`).
 
-Each user-level target becomes one cost column of the search `Table` (per-variant value from the block's
-spec, the rest of the model as the fixed part) and one `Limit` on it:
+A budget is written `KEY<=V` or `KEY>=V`, `KEY[S]` for a key measured at scenario S (`[chat,long]` = the
+bound holds in each), V absolute or a factor of the parent (`0.6x`). `parse_budget` reads it once into a
+`DeploymentLimit`; the config, `puzzle search RUN_DIR`, the run's solutions stage and the report all use
+that parser and hand on its objects. Each key is one row of `BUDGET_ROWS`: its side, whether it takes
+scenarios, its cost per block (from the block's spec), the whole parent's value (the fixed part is that
+minus the parent's blocks, so totals equal the cost model's whole-model figures), its cost column's name
+and the bound on that column. `priced_table` loops over the rows; it makes one column and one `Limit`
+per (budget, scenario):
 
-- total / active parameters and weight bytes under a quantisation recipe: block sums plus embeddings;
+- total / active parameters and weight bytes in the cost model's recipe: block sums plus embeddings;
 - memory at a scenario: weights + batch x (KV cache at the scenario's full context + recurrent state);
-- at least R concurrent requests of a scenario's context on a hardware profile: weights + R x per-request
+- at least R concurrent requests of a scenario's context on the hardware: weights + R x per-request
   state <= memory_fraction x capacity (floor(free / per_request) >= R is exactly that, R being an
   integer), weights and state in the scenario's recipe and dtypes as `puzzle costs` counts them;
 - throughput per scenario: batch x generated / (prefill + generated x decode step) >= T is
@@ -13,13 +20,18 @@ spec, the rest of the model as the fixed part) and one `Limit` on it:
 - latency per scenario (the batch's prefill + generation) and time to first token (the prefill).
 
 Relative targets (`Relative(0.6)`) are factors of the parent's value; for a throughput, `Relative(1.5)`
-means 1.5x the parent's tokens/s, i.e. at most 1/1.5 of its seconds.
+means 1.5x the parent's tokens/s, i.e. at most 1/1.5 of its seconds. `Budget` is the same in Python
+objects (scenarios given as `Scenario`s rather than names) for `deployment_problem`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+import dataclasses
+import functools
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from puzzle.cost import (
     Scenario,
@@ -33,10 +45,451 @@ from puzzle.cost import (
     model_weight_bytes,
     state_bytes_per_request,
 )
+from puzzle.cost.analytic import get_recipe
+from puzzle.cost.hardware import DEFAULT_HARDWARE, DEFAULT_MEMORY_FRACTION, HardwareProfile, hardware_key
 from puzzle.cost.roofline import LatencyFn, RooflineLatency
-from puzzle.search.limits import BudgetError, Limit, Relative, Value, parse_value
+from puzzle.search.limits import BudgetError, Limit, Relative, Value, parse_limit, parse_value
 from puzzle.search.types import Choice, Rules, SearchError, Table
-from puzzle.spec import BlockSpec, MambaSpec, ModelSpec, MoESpec
+from puzzle.spec import BlockSpec, MambaSpec, ModelSpec, MoESpec, SpecError
+
+# ------------------------------------------------------------------------------------------ the cost model
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Where the child will be served: the accelerator profile (roofline timing, memory) and the named
+    serving scenarios that budgets refer to (`throughput[chat]`).
+
+    `profile`: Accelerator profile of puzzle.cost (h100-80gb, h200-141gb, b200, a100-80gb, this-machine;
+    aliases such as h100 accepted); in Python also a `HardwareProfile` (a run's stored calibration).
+    `memory_fraction`: Share of the device memory usable for weights and requests.
+    `recipe`: Weight storage for weight_bytes budgets (bf16, fp8, nvfp4, ...).
+    `scenarios`: Serving scenarios by name: batch_size, prompt_tokens, generated_tokens and dtypes (see
+    Scenario).
+    """
+
+    profile: str | HardwareProfile = DEFAULT_HARDWARE
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION
+    recipe: str = "bf16"
+    scenarios: dict[str, Scenario] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # Messages name the field as `CostModel.FIELD`, which the config loader turns into `hardware.FIELD`.
+        if isinstance(self.profile, str):
+            try:
+                object.__setattr__(self, "profile", hardware_key(self.profile))
+            except SpecError as error:
+                raise BudgetError(f"CostModel.profile: {error}") from None
+        elif not isinstance(self.profile, HardwareProfile):
+            raise BudgetError(
+                f"CostModel.profile must be a hardware name or a HardwareProfile, found {self.profile!r}"
+            )
+        try:
+            get_recipe(self.recipe)
+        except ValueError as error:
+            raise BudgetError(f"CostModel.recipe: {error}") from None
+        fraction = self.memory_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise BudgetError(f"CostModel.memory_fraction must be a fraction in (0, 1], found {fraction!r}")
+        named = {}
+        for name, scenario in self.scenarios.items():
+            if scenario.name not in ("", name):
+                raise BudgetError(
+                    f"CostModel.scenarios.{name}.name: name {scenario.name!r} differs from its key {name!r}"
+                )
+            named[name] = scenario if scenario.name == name else dataclasses.replace(scenario, name=name)
+        object.__setattr__(self, "scenarios", named)
+
+
+# ---------------------------------------------------------------------------------------------- scenarios
+
+# --scenario fields: short name -> Scenario field; the first three are required.
+SCENARIO_FIELDS: dict[str, str] = {
+    "batch": "batch_size",
+    "prompt": "prompt_tokens",
+    "generated": "generated_tokens",
+    "recipe": "recipe",
+    "kv_dtype": "kv_dtype",
+    "ssm_dtype": "ssm_dtype",
+    "conv_dtype": "conv_dtype",
+    "activation_dtype": "activation_dtype",
+    "compute_dtype": "compute_dtype",
+}
+SCENARIO_SYNTAX = "NAME:batch=B,prompt=P,generated=G[,recipe=R,kv_dtype=D,...]"
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def parse_scenario(text: str, defaults: Mapping[str, str] | None = None) -> Scenario:
+    """`'chat:batch=8,prompt=1k,generated=256'` -> Scenario(8, 1000, 256, name='chat').
+
+    Counts take the budget syntax's suffixes (1k = 1000); `defaults` fills the dtype fields not given
+    (recipe, kv_dtype, ssm_dtype... as `puzzle costs` names them). BudgetError naming the text otherwise.
+    """
+    name, separator, body = text.partition(":")
+    name = name.strip()
+    if not separator or not _NAME.fullmatch(name):
+        raise BudgetError(f"cannot read scenario {text!r}: expected {SCENARIO_SYNTAX}")
+    values: dict[str, Any] = dict(defaults or {})
+    for item in body.split(","):
+        key, equals, value = (part.strip() for part in item.partition("="))
+        if not equals or key not in SCENARIO_FIELDS or not value:
+            raise BudgetError(
+                f"scenario {name!r}: cannot read {item.strip()!r}; expected KEY=VALUE with KEY one of "
+                f"{', '.join(SCENARIO_FIELDS)} ({SCENARIO_SYNTAX})"
+            )
+        field_name = SCENARIO_FIELDS[key]
+        if field_name.endswith("_tokens") or field_name == "batch_size":
+            number = parse_value(value)
+            if isinstance(number, Relative) or not float(number).is_integer() or number < 1:
+                raise BudgetError(f"scenario {name!r}: {key} must be a whole number >= 1, found {value!r}")
+            values[field_name] = int(number)
+        else:
+            values[field_name] = value
+    missing = [key for key in ("batch", "prompt", "generated") if SCENARIO_FIELDS[key] not in values]
+    if missing:
+        raise BudgetError(f"scenario {name!r} needs {', '.join(missing)} ({SCENARIO_SYNTAX})")
+    try:
+        return Scenario(**values, name=name)
+    except SpecError as error:
+        raise BudgetError(f"scenario {name!r}: {error}") from None
+
+
+def _scenario_name(scenario: Scenario) -> str:
+    return (
+        scenario.name or f"b{scenario.batch_size}:in{scenario.prompt_tokens}:out{scenario.generated_tokens}"
+    )
+
+
+# ------------------------------------------------------------------------------------------ one row per key
+
+
+class _Pricing:
+    """What a row prices with: the parent, the weight recipe, the usable share of memory, and the hardware
+    and its timer, looked up (a calibration for "this-machine") only when a row needs them."""
+
+    def __init__(
+        self,
+        parent: ModelSpec,
+        recipe: str,
+        memory_fraction: float,
+        profile: str | HardwareProfile | None,
+        latency_fn: LatencyFn | None = None,
+    ) -> None:
+        self.parent, self.recipe, self.memory_fraction = parent, recipe, memory_fraction
+        self._profile, self._latency_fn = profile, latency_fn
+
+    @functools.cached_property
+    def hardware(self) -> HardwareProfile:
+        if self._profile is None:
+            raise SearchError("this budget needs hardware (it times the scenarios or holds the requests)")
+        return get_hardware(self._profile)
+
+    @functools.cached_property
+    def timer(self) -> LatencyFn:
+        return self._latency_fn or RooflineLatency(self.hardware)
+
+
+@dataclass(frozen=True)
+class Term:
+    """One bound of one budget at one scenario: a row's key, its scenario (None for a scenario-free key),
+    and the bound as written (None: the cost column only, reported but not bounded); `source`: the budget
+    text it was read from, for messages."""
+
+    key: str
+    scenario: Scenario | None = None
+    value: Value | None = None
+    source: str = field(default="", compare=False)
+
+
+@dataclass(frozen=True)
+class BudgetRow:
+    """How one budget key is priced. `side`: the bound it takes as written (`<=`, or `>=` for throughput and
+    concurrent requests); `scenarios`: whether it names scenarios; `meaning`: what it bounds, in words.
+
+    The functions take the `_Pricing` and the `Term`: `column` names the cost column (`seconds[chat]`),
+    `block_cost` is one block's value from its spec, `parent_total` the whole parent's value (the column's
+    fixed part is that minus the parent's blocks), `bound` the upper bound on the column's sum (a number or
+    a factor of the parent's sum)."""
+
+    side: str
+    scenarios: bool
+    meaning: str
+    column: Callable[[_Pricing, Term], str]
+    block_cost: Callable[[_Pricing, Term, BlockSpec], float]
+    parent_total: Callable[[_Pricing, Term], float]
+    bound: Callable[[_Pricing, Term], Value] = lambda pricing, term: term.value
+
+
+def _plus_weights_outside(
+    block_cost: Callable[[_Pricing, Term, BlockSpec], float],
+) -> Callable[[_Pricing, Term], float]:
+    """The parent's value of a memory column: its blocks' values plus the weights outside the blocks
+    (embeddings, lm_head, final norm) in the scenario's recipe."""
+
+    def parent_total(pricing: _Pricing, term: Term) -> float:
+        parent, recipe = pricing.parent, term.scenario.recipe
+        outside = model_weight_bytes(parent, recipe) - sum(
+            block_weight_bytes(b, parent.hidden_size, recipe) for b in parent.blocks
+        )
+        return sum(block_cost(pricing, term, b) for b in parent.blocks) + outside
+
+    return parent_total
+
+
+def _state_bytes(term: Term, spec: BlockSpec) -> float:
+    """One request's KV cache and recurrent state in `spec` at the scenario's full context, its dtypes."""
+    s = term.scenario
+    return state_bytes_per_request(
+        spec, s.prompt_tokens + s.generated_tokens, s.kv_dtype, s.ssm_dtype, s.conv_dtype
+    )
+
+
+def _memory_bytes(pricing: _Pricing, term: Term, spec: BlockSpec) -> float:
+    weights = block_weight_bytes(spec, pricing.parent.hidden_size, term.scenario.recipe)
+    return weights + term.scenario.batch_size * _state_bytes(term, spec)
+
+
+def _bytes_for_requests(pricing: _Pricing, term: Term, spec: BlockSpec) -> float:
+    weights = block_weight_bytes(spec, pricing.parent.hidden_size, term.scenario.recipe)
+    return weights + int(term.value) * _state_bytes(term, spec)
+
+
+def _seconds(pricing: _Pricing, term: Term, spec: BlockSpec) -> float:
+    latency = pricing.timer(spec, pricing.parent.hidden_size, term.scenario)
+    return latency.prefill_s + term.scenario.generated_tokens * latency.decode_step_s
+
+
+def _prefill_seconds(pricing: _Pricing, term: Term, spec: BlockSpec) -> float:
+    return pricing.timer(spec, pricing.parent.hidden_size, term.scenario).prefill_s
+
+
+def _performance(pricing: _Pricing, term: Term) -> Any:
+    return model_performance(pricing.parent, term.scenario, pricing.hardware, pricing.timer)
+
+
+def _seconds_for_tokens(pricing: _Pricing, term: Term) -> Value:
+    """throughput >= T as a bound on the batch's seconds: tokens / T, or 1/f of the parent's for `fx`."""
+    wanted = term.value
+    if isinstance(wanted, Relative):
+        return Relative(1.0 / wanted.factor)
+    return term.scenario.batch_size * term.scenario.generated_tokens / float(wanted)
+
+
+BUDGET_ROWS: dict[str, BudgetRow] = {
+    "params": BudgetRow(
+        "<=",
+        False,
+        "total parameters",
+        column=lambda p, t: "params",
+        block_cost=lambda p, t, s: block_params(s, p.parent.hidden_size),
+        parent_total=lambda p, t: model_params(p.parent),
+    ),
+    "active_params": BudgetRow(
+        "<=",
+        False,
+        "parameters used per token",
+        column=lambda p, t: "active_params",
+        block_cost=lambda p, t, s: block_active_params(s, p.parent.hidden_size),
+        parent_total=lambda p, t: model_active_params(p.parent),
+    ),
+    "weight_bytes": BudgetRow(
+        "<=",
+        False,
+        "weight bytes in the recipe",
+        column=lambda p, t: f"weight_bytes[{p.recipe}]",
+        block_cost=lambda p, t, s: block_weight_bytes(s, p.parent.hidden_size, p.recipe),
+        parent_total=lambda p, t: model_weight_bytes(p.parent, p.recipe),
+    ),
+    "memory_bytes": BudgetRow(
+        "<=",
+        True,
+        "weights + the batch's KV cache and recurrent state, bytes",
+        column=lambda p, t: f"memory_bytes[{_scenario_name(t.scenario)}]",
+        block_cost=_memory_bytes,
+        parent_total=_plus_weights_outside(_memory_bytes),
+    ),
+    "concurrent_requests": BudgetRow(
+        ">=",
+        True,
+        "requests of the scenario's context that fit in memory",
+        column=lambda p, t: f"bytes_for_{int(t.value)}_requests[{_scenario_name(t.scenario)}]",
+        block_cost=_bytes_for_requests,
+        parent_total=_plus_weights_outside(_bytes_for_requests),
+        bound=lambda p, t: float(p.memory_fraction * p.hardware.memory_bytes),
+    ),
+    "throughput": BudgetRow(
+        ">=",
+        True,
+        "output tokens/s of the scenario's batch",
+        column=lambda p, t: f"seconds[{_scenario_name(t.scenario)}]",
+        block_cost=_seconds,
+        parent_total=lambda p, t: _performance(p, t).total_s,
+        bound=_seconds_for_tokens,
+    ),
+    "latency": BudgetRow(
+        "<=",
+        True,
+        "seconds for the scenario's batch (prefill + generation)",
+        column=lambda p, t: f"seconds[{_scenario_name(t.scenario)}]",
+        block_cost=_seconds,
+        parent_total=lambda p, t: _performance(p, t).total_s,
+    ),
+    "ttft": BudgetRow(
+        "<=",
+        True,
+        "seconds to the first token (the batch's prefill)",
+        column=lambda p, t: f"prefill_seconds[{_scenario_name(t.scenario)}]",
+        block_cost=_prefill_seconds,
+        parent_total=lambda p, t: _performance(p, t).prefill_s,
+    ),
+}
+
+# key -> (the bound it takes, whether it names scenarios, what it bounds): the rows as the docs show them.
+BUDGET_KEYS: dict[str, tuple[str, bool, str]] = {
+    key: (row.side, row.scenarios, row.meaning) for key, row in BUDGET_ROWS.items()
+}
+
+# Per block kind, the spec fields the global rules read (`Rules.shared_state_size`, `same_top_k`).
+SEARCH_ATTRIBUTES: dict[type[BlockSpec], tuple[str, ...]] = {MambaSpec: ("state_size",), MoESpec: ("top_k",)}
+
+
+# ------------------------------------------------------------------------------------------- the grammar
+
+_KEY = re.compile(r"(\w+)(?:\[([^\[\]]*)\])?")
+
+
+@dataclass(frozen=True)
+class DeploymentLimit:
+    """One budget as written (`throughput[chat,long]>=1.5x`), read once by `parse_budget`: the text, its key
+    (a row of `BUDGET_ROWS`), the scenarios it names (names in the cost model it was read with) and its
+    bound (a number or `Relative`)."""
+
+    text: str
+    key: str
+    scenarios: tuple[str, ...]
+    value: float | Relative
+
+    @property
+    def name(self) -> str:
+        """The key as the search's syntax writes it: `throughput[chat,long]`, `params`."""
+        return f"{self.key}[{','.join(self.scenarios)}]" if self.scenarios else self.key
+
+    def terms(self, cost_model: CostModel) -> list[Term]:
+        """One term per scenario named (one in all for a scenario-free key), scenarios from `cost_model`."""
+        if not self.scenarios:
+            return [Term(self.key, None, self.value, self.text)]
+        missing = [name for name in self.scenarios if name not in cost_model.scenarios]
+        if missing:
+            raise BudgetError(f"budget {self.text!r}: the cost model has no scenario {missing[0]!r}")
+        return [Term(self.key, cost_model.scenarios[name], self.value, self.text) for name in self.scenarios]
+
+
+def parse_budget(text: str, cost_model: CostModel | None = None) -> DeploymentLimit:
+    """Read one budget; BudgetError naming the text, the known keys and scenarios otherwise."""
+    scenarios = (cost_model or CostModel()).scenarios
+    limit = parse_limit(text)
+    match = _KEY.fullmatch(limit.key)
+    known = ", ".join(f"{key}[S]" if row.scenarios else key for key, row in BUDGET_ROWS.items())
+    if match is None or match.group(1) not in BUDGET_ROWS:
+        raise BudgetError(f"budget {text!r}: unknown key {limit.key!r}; known keys: {known}")
+    key, listed = match.group(1), match.group(2)
+    row = BUDGET_ROWS[key]
+    if row.scenarios and not listed:
+        raise BudgetError(f"budget {text!r}: {key} needs scenarios, e.g. {key}[chat] or {key}[chat,long]")
+    if not row.scenarios and listed is not None:
+        raise BudgetError(f"budget {text!r}: {key} takes no scenario (write {key}{row.side}VALUE)")
+    names = tuple(name.strip() for name in listed.split(",")) if listed else ()
+    for name in names:
+        if name not in scenarios:
+            defined = ", ".join(sorted(scenarios)) or "none"
+            raise BudgetError(
+                f"budget {text!r} names scenario {name!r}, which is not defined (defined: {defined}); "
+                f"define it with --scenario {name or 'NAME'}:batch=B,prompt=P,generated=G"
+            )
+    if len(set(names)) != len(names):
+        raise BudgetError(f"budget {text!r} names a scenario twice")
+    value = limit.upper if row.side == "<=" else limit.lower
+    other = limit.lower if row.side == "<=" else limit.upper
+    if value is None or other is not None:
+        raise BudgetError(f"budget {text!r}: {key} takes a bound {key}{row.side}VALUE only")
+    if key == "concurrent_requests" and (isinstance(value, Relative) or not float(value).is_integer()):
+        raise BudgetError(
+            f"budget {text!r}: concurrent_requests needs a whole number of requests (not a factor)"
+        )
+    if not isinstance(value, Relative) and value <= 0:
+        raise BudgetError(f"budget {text!r}: the bound must be positive")
+    return DeploymentLimit(text, key, names, value)
+
+
+# ----------------------------------------------------------------------------------- the priced table
+
+
+def _check_candidates(
+    parent: ModelSpec, variants: Sequence[Sequence[BlockSpec]], scores: Sequence[Sequence[float]]
+) -> None:
+    if len(variants) != parent.num_blocks or len(scores) != parent.num_blocks:
+        raise SearchError(
+            f"need one variant list and one score list per parent block ({parent.num_blocks}), found "
+            f"{len(variants)} and {len(scores)}"
+        )
+    for index, (candidates, block_scores) in enumerate(zip(variants, scores)):
+        if not candidates or candidates[0] != parent.blocks[index]:
+            raise SearchError(f"variants[{index}][0] must be the parent's block {parent.blocks[index]}")
+        if len(block_scores) != len(candidates):
+            raise SearchError(f"block {index}: {len(candidates)} variants but {len(block_scores)} scores")
+
+
+def priced_table(
+    parent: ModelSpec,
+    variants: Sequence[Sequence[BlockSpec]],
+    scores: Sequence[Sequence[float]],
+    terms: Sequence[Term],
+    pricing: _Pricing,
+    *,
+    maximize: bool = False,
+    objective_name: str = "score",
+) -> tuple[Table, list[tuple[Term, Limit]]]:
+    """The search table of `variants[i]` (block i's candidates, the parent's block first) scored by
+    `scores[i][j]`, with one cost column per term's row and scenario, and the limit each bounded term makes
+    (in the order of `terms`). Every cost comes from the variant's spec through `puzzle.cost`."""
+    _check_candidates(parent, variants, scores)
+    per_block: dict[str, Callable[[BlockSpec], float]] = {}
+    fixed: dict[str, float] = {}
+    limits: list[tuple[Term, Limit]] = []
+    for term in terms:
+        row = BUDGET_ROWS[term.key]
+        column = row.column(pricing, term)
+        if column not in per_block:  # throughput and latency of one scenario share `seconds[S]`
+            cost = functools.partial(row.block_cost, pricing, term)
+            per_block[column] = cost
+            fixed[column] = row.parent_total(pricing, term) - sum(cost(b) for b in parent.blocks)
+        if term.value is not None:
+            limits.append((term, Limit(column, upper=row.bound(pricing, term))))
+
+    blocks: dict[str, list[Choice]] = {}
+    cache: dict[tuple[str, BlockSpec], float] = {}
+    for index, (candidates, block_scores) in enumerate(zip(variants, scores)):
+        choices = []
+        seen: dict[str, int] = {}
+        for spec, score in zip(candidates, block_scores):
+            costs = {}
+            for column, cost in per_block.items():
+                if (column, spec) not in cache:
+                    cache[(column, spec)] = float(cost(spec))
+                costs[column] = cache[(column, spec)]
+            name = spec.short_name()
+            seen[name] = seen.get(name, 0) + 1
+            if seen[name] > 1:
+                name = f"{name}#{seen[name]}"
+            attrs = {"kind": spec.kind}
+            attrs.update({a: getattr(spec, a) for a in SEARCH_ATTRIBUTES.get(type(spec), ())})
+            choices.append(Choice(name, float(score), costs, attrs))
+        blocks[f"block_{index}"] = choices
+    table = Table.from_choices(blocks, fixed, maximize, objective_name)
+    return table, limits
+
+
+# ------------------------------------------------------------------------------ budgets as Python objects
 
 
 def _checked_value(owner: str, name: str, value: object) -> Value | None:
@@ -68,6 +521,10 @@ class ScenarioTarget:
             object.__setattr__(self, name, _checked_value("ScenarioTarget", name, getattr(self, name)))
 
 
+# ScenarioTarget field -> the budget key it is
+_TARGET_KEYS = {"min_tokens_per_s": "throughput", "max_latency_s": "latency", "max_ttft_s": "ttft"}
+
+
 @dataclass(frozen=True)
 class Budget:
     """What the child must meet, in deployment terms, plus the global rules of the search.
@@ -93,8 +550,8 @@ class Budget:
     memory_scenario: Scenario | None = None
     min_concurrent_requests: int | None = None
     concurrency_scenario: Scenario | None = None
-    memory_fraction: float = 0.9
-    hardware: str | None = None
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION
+    hardware: str | HardwareProfile | None = None
     scenarios: tuple[ScenarioTarget, ...] = ()
     shared_state_size: bool = True
     same_top_k: bool = False
@@ -120,6 +577,24 @@ class Budget:
             min_attention_blocks=self.min_attention_blocks,
         )
 
+    def terms(self) -> list[Term]:
+        """The budget as terms of `BUDGET_ROWS`, in the order its limits are listed."""
+        terms = [Term(key, None, getattr(self, key)) for key in ("params", "active_params", "weight_bytes")]
+        if self.memory_bytes is not None:
+            if self.memory_scenario is None:
+                raise SearchError("Budget.memory_bytes needs memory_scenario (batch, context, dtypes)")
+            terms.append(Term("memory_bytes", self.memory_scenario, self.memory_bytes))
+        if self.min_concurrent_requests is not None:
+            if self.hardware is None or self.concurrency_scenario is None:
+                raise SearchError("Budget.min_concurrent_requests needs hardware and concurrency_scenario")
+            terms.append(Term("concurrent_requests", self.concurrency_scenario, self.min_concurrent_requests))
+        if self.scenarios and self.hardware is None:
+            raise SearchError("scenario targets need Budget.hardware (it also times embeddings and lm_head)")
+        for target in self.scenarios:
+            for name, key in _TARGET_KEYS.items():
+                terms.append(Term(key, target.scenario, getattr(target, name)))
+        return [term for term in terms if term.value is not None]
+
 
 @dataclass
 class DeploymentProblem:
@@ -128,12 +603,6 @@ class DeploymentProblem:
     table: Table
     limits: list[Limit]
     rules: Rules
-
-
-def _scenario_name(scenario: Scenario) -> str:
-    return (
-        scenario.name or f"b{scenario.batch_size}:in{scenario.prompt_tokens}:out{scenario.generated_tokens}"
-    )
 
 
 def deployment_problem(
@@ -151,132 +620,17 @@ def deployment_problem(
     lm_head, final norm) is the parent model's value minus its blocks', so totals equal the cost model's
     whole-model functions for every architecture.
     """
-    if len(variants) != parent.num_blocks or len(scores) != parent.num_blocks:
-        raise SearchError(
-            f"need one variant list and one score list per parent block ({parent.num_blocks}), found "
-            f"{len(variants)} and {len(scores)}"
-        )
-    for index, (candidates, block_scores) in enumerate(zip(variants, scores)):
-        if not candidates or candidates[0] != parent.blocks[index]:
-            raise SearchError(f"variants[{index}][0] must be the parent's block {parent.blocks[index]}")
-        if len(block_scores) != len(candidates):
-            raise SearchError(f"block {index}: {len(candidates)} variants but {len(block_scores)} scores")
-    H = parent.hidden_size
-    columns: dict[str, tuple] = {}  # key -> (per-block cost function, fixed part)
-    limits: list[Limit] = []
-
-    def add(key: str, per_block, whole_model_parent: float) -> None:
-        fixed = whole_model_parent - sum(per_block(block) for block in parent.blocks)
-        columns[key] = (per_block, fixed)
-
-    if budget.params is not None:
-        add("params", lambda s: block_params(s, H), model_params(parent))
-        limits.append(Limit("params", upper=budget.params))
-    if budget.active_params is not None:
-        add("active_params", lambda s: block_active_params(s, H), model_active_params(parent))
-        limits.append(Limit("active_params", upper=budget.active_params))
-    if budget.weight_bytes is not None:
-        key = f"weight_bytes[{budget.recipe}]"
-        add(key, lambda s: block_weight_bytes(s, H, budget.recipe), model_weight_bytes(parent, budget.recipe))
-        limits.append(Limit(key, upper=budget.weight_bytes))
-    if budget.memory_bytes is not None:
-        scenario = budget.memory_scenario
-        if scenario is None:
-            raise SearchError("Budget.memory_bytes needs memory_scenario (batch, context, dtypes)")
-        context = scenario.prompt_tokens + scenario.generated_tokens
-
-        def memory(s: BlockSpec, scenario: Scenario = scenario, context: int = context) -> float:
-            state = state_bytes_per_request(
-                s, context, scenario.kv_dtype, scenario.ssm_dtype, scenario.conv_dtype
-            )
-            return block_weight_bytes(s, H, scenario.recipe) + scenario.batch_size * state
-
-        key = f"memory_bytes[{_scenario_name(scenario)}]"
-        add(key, memory, sum(memory(b) for b in parent.blocks) + _fixed_weight_bytes(parent, scenario.recipe))
-        limits.append(Limit(key, upper=budget.memory_bytes))
-    if budget.min_concurrent_requests is not None:
-        serving = budget.concurrency_scenario
-        if budget.hardware is None or serving is None:
-            raise SearchError("Budget.min_concurrent_requests needs hardware and concurrency_scenario")
-        requests = budget.min_concurrent_requests
-        context = serving.prompt_tokens + serving.generated_tokens
-
-        def footprint(s: BlockSpec) -> float:
-            state = state_bytes_per_request(
-                s, context, serving.kv_dtype, serving.ssm_dtype, serving.conv_dtype
-            )
-            return block_weight_bytes(s, H, serving.recipe) + requests * state
-
-        key = f"bytes_for_{requests}_requests[{_scenario_name(serving)}]"
-        add(
-            key,
-            footprint,
-            sum(footprint(b) for b in parent.blocks) + _fixed_weight_bytes(parent, serving.recipe),
-        )
-        capacity = budget.memory_fraction * get_hardware(budget.hardware).memory_bytes
-        limits.append(Limit(key, upper=float(capacity)))
-    if budget.scenarios:
-        if budget.hardware is None:
-            raise SearchError("scenario targets need Budget.hardware (it also times embeddings and lm_head)")
-        hardware = get_hardware(budget.hardware)
-        timer = latency_fn or RooflineLatency(hardware)
-        for target in budget.scenarios:
-            scenario = target.scenario
-            name = _scenario_name(scenario)
-            performance = model_performance(parent, scenario, hardware, timer)
-
-            def seconds(s: BlockSpec, scenario: Scenario = scenario) -> float:
-                latency = timer(s, H, scenario)
-                return latency.prefill_s + scenario.generated_tokens * latency.decode_step_s
-
-            def prefill(s: BlockSpec, scenario: Scenario = scenario) -> float:
-                return timer(s, H, scenario).prefill_s
-
-            if target.min_tokens_per_s is not None or target.max_latency_s is not None:
-                add(f"seconds[{name}]", seconds, performance.total_s)
-            if target.min_tokens_per_s is not None:
-                wanted = target.min_tokens_per_s
-                tokens = scenario.batch_size * scenario.generated_tokens
-                bound = (
-                    Relative(1.0 / wanted.factor) if isinstance(wanted, Relative) else tokens / float(wanted)
-                )
-                limits.append(Limit(f"seconds[{name}]", upper=bound))
-            if target.max_latency_s is not None:
-                limits.append(Limit(f"seconds[{name}]", upper=target.max_latency_s))
-            if target.max_ttft_s is not None:
-                add(f"prefill_seconds[{name}]", prefill, performance.prefill_s)
-                limits.append(Limit(f"prefill_seconds[{name}]", upper=target.max_ttft_s))
-
-    blocks: dict[str, list[Choice]] = {}
-    cache: dict[tuple[str, BlockSpec], float] = {}
-    for index, (candidates, block_scores) in enumerate(zip(variants, scores)):
-        choices = []
-        seen: dict[str, int] = {}
-        for spec, score in zip(candidates, block_scores):
-            costs = {}
-            for key, (per_block, _) in columns.items():
-                if (key, spec) not in cache:
-                    cache[(key, spec)] = float(per_block(spec))
-                costs[key] = cache[(key, spec)]
-            name = spec.short_name()
-            seen[name] = seen.get(name, 0) + 1
-            if seen[name] > 1:
-                name = f"{name}#{seen[name]}"
-            attrs = {"kind": spec.kind}
-            if isinstance(spec, MambaSpec):
-                attrs["state_size"] = spec.state_size
-            if isinstance(spec, MoESpec):
-                attrs["top_k"] = spec.top_k
-            choices.append(Choice(name, float(score), costs, attrs))
-        blocks[f"block_{index}"] = choices
-    table = Table.from_choices(blocks, {key: fixed for key, (_, fixed) in columns.items()}, maximize)
-    return DeploymentProblem(table, limits, budget.rules())
+    _check_candidates(parent, variants, scores)
+    pricing = _Pricing(parent, budget.recipe, budget.memory_fraction, budget.hardware, latency_fn)
+    table, limits = priced_table(parent, variants, scores, budget.terms(), pricing, maximize=maximize)
+    return DeploymentProblem(table, [limit for _, limit in limits], budget.rules())
 
 
-def _fixed_weight_bytes(parent: ModelSpec, recipe: str) -> float:
-    """Weight bytes outside the blocks (embeddings, lm_head, final norm)."""
-    H = parent.hidden_size
-    return model_weight_bytes(parent, recipe) - sum(block_weight_bytes(b, H, recipe) for b in parent.blocks)
+def cost_model_pricing(
+    parent: ModelSpec, cost_model: CostModel, latency_fn: LatencyFn | None = None
+) -> _Pricing:
+    """How `cost_model` prices budgets on `parent` (its hardware looked up only when a budget needs it)."""
+    return _Pricing(parent, cost_model.recipe, cost_model.memory_fraction, cost_model.profile, latency_fn)
 
 
 def choices_to_spec(

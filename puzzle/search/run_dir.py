@@ -3,7 +3,7 @@
     from puzzle.search.run_dir import CostModel, parse_scenario, search_run
     chat = parse_scenario("chat:batch=8,prompt=1024,generated=256")
     solution = search_run("run", ["active_params<=0.6x", "throughput[chat]>=1.6x"],
-                          cost_model=CostModel(hardware="h100-80gb", scenarios={"chat": chat}))
+                          cost_model=CostModel("h100-80gb", scenarios={"chat": chat}))
 
 Only files are read (`RunLayout`: parent.json, library/library.json, scores/scores.json): nothing is trained,
 scored or written (but for `search_run` on "this-machine": the run's calibration, hardware.json, stored
@@ -17,7 +17,8 @@ Objectives (`METRICS`), each minimised and summed over blocks, 0 for the parent'
 agreement, `top5` = 1 - top-5 agreement (a sum of disagreements keeps "0 = the parent" and makes the
 reported gap relative to the damage rather than to the number of blocks).
 
-Budgets (`BUDGET_KEYS`), in the syntax of `puzzle.search.limits` (`0.6x` = 0.6 x the parent's value):
+Budgets (one row each in `puzzle.search.budget.BUDGET_ROWS`, read by `puzzle.search.budget.parse_budget`, whose
+objects `run_problem` also takes; `0.6x` = 0.6 x the parent's value):
 params, active_params, weight_bytes (in `CostModel.recipe`) <= V; memory_bytes[S] <= V (weights + batch x
 state at S's prompt + generated tokens); concurrent_requests[S] >= N (N requests of S's context fit in
 memory_fraction x the hardware's memory); throughput[S] >= V (output tokens/s of S's batch, roofline on
@@ -29,21 +30,40 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from puzzle.cost import HardwareProfile, Scenario
 from puzzle.layout import RunDirError, RunLayout
-from puzzle.search.budget import Budget, DeploymentProblem, ScenarioTarget, deployment_problem
+from puzzle.search.budget import (  # the grammar and cost model live there; re-exported for callers
+    CostModel,
+    DeploymentLimit,
+    DeploymentProblem,
+    Term,
+    cost_model_pricing,
+    parse_budget,
+    parse_scenario,
+    priced_table,
+)
 from puzzle.search.exact import search
-from puzzle.search.limits import BudgetError, Limit, Relative, parse_limit, parse_value
 from puzzle.search.types import Rules, SearchError, Solution, SolverOptions, Table
-from puzzle.spec import BlockSpec, ModelSpec, SpecError
+from puzzle.spec import BlockSpec, ModelSpec
 
 _log = logging.getLogger(__name__)
+
+__all__ = [
+    "METRICS",
+    "CostModel",
+    "DeploymentLimit",
+    "RunCandidates",
+    "RunProblem",
+    "parse_budget",
+    "parse_scenario",
+    "run_candidates",
+    "run_problem",
+    "search_run",
+]
 
 METRICS: dict[str, str] = {
     "kl": "mean KL(parent || child), nats/token",
@@ -53,160 +73,7 @@ METRICS: dict[str, str] = {
     "hidden_nmse": "normalised MSE of the final hidden state",
 }
 _AGREEMENTS = ("top1", "top5")
-
-# key -> (the bound it takes, whether it names scenarios, what it bounds)
-BUDGET_KEYS: dict[str, tuple[str, bool, str]] = {
-    "params": ("<=", False, "total parameters"),
-    "active_params": ("<=", False, "parameters used per token"),
-    "weight_bytes": ("<=", False, "weight bytes in the recipe"),
-    "memory_bytes": ("<=", True, "weights + the batch's KV cache and recurrent state, bytes"),
-    "concurrent_requests": (">=", True, "requests of the scenario's context that fit in memory"),
-    "throughput": (">=", True, "output tokens/s of the scenario's batch"),
-    "latency": ("<=", True, "seconds for the scenario's batch (prefill + generation)"),
-    "ttft": ("<=", True, "seconds to the first token (the batch's prefill)"),
-}
-_KEY = re.compile(r"(\w+)(?:\[([^\[\]]*)\])?")
-_NAME = re.compile(r"[A-Za-z0-9_.-]+")
-
-# --scenario fields: short name -> Scenario field; the first three are required.
-SCENARIO_FIELDS: dict[str, str] = {
-    "batch": "batch_size",
-    "prompt": "prompt_tokens",
-    "generated": "generated_tokens",
-    "recipe": "recipe",
-    "kv_dtype": "kv_dtype",
-    "ssm_dtype": "ssm_dtype",
-    "conv_dtype": "conv_dtype",
-    "activation_dtype": "activation_dtype",
-    "compute_dtype": "compute_dtype",
-}
-SCENARIO_SYNTAX = "NAME:batch=B,prompt=P,generated=G[,recipe=R,kv_dtype=D,...]"
-
-
-def parse_scenario(text: str, defaults: Mapping[str, str] | None = None) -> Scenario:
-    """`'chat:batch=8,prompt=1k,generated=256'` -> Scenario(8, 1000, 256, name='chat').
-
-    Counts take the budget syntax's suffixes (1k = 1000); `defaults` fills the dtype fields not given
-    (recipe, kv_dtype, ssm_dtype... as `puzzle costs` names them). BudgetError naming the text otherwise.
-    """
-    name, separator, body = text.partition(":")
-    name = name.strip()
-    if not separator or not _NAME.fullmatch(name):
-        raise BudgetError(f"cannot read scenario {text!r}: expected {SCENARIO_SYNTAX}")
-    values: dict[str, Any] = dict(defaults or {})
-    for item in body.split(","):
-        key, equals, value = (part.strip() for part in item.partition("="))
-        if not equals or key not in SCENARIO_FIELDS or not value:
-            raise BudgetError(
-                f"scenario {name!r}: cannot read {item.strip()!r}; expected KEY=VALUE with KEY one of "
-                f"{', '.join(SCENARIO_FIELDS)} ({SCENARIO_SYNTAX})"
-            )
-        field_name = SCENARIO_FIELDS[key]
-        if field_name.endswith("_tokens") or field_name == "batch_size":
-            number = parse_value(value)
-            if isinstance(number, Relative) or not float(number).is_integer() or number < 1:
-                raise BudgetError(f"scenario {name!r}: {key} must be a whole number >= 1, found {value!r}")
-            values[field_name] = int(number)
-        else:
-            values[field_name] = value
-    missing = [key for key in ("batch", "prompt", "generated") if SCENARIO_FIELDS[key] not in values]
-    if missing:
-        raise BudgetError(f"scenario {name!r} needs {', '.join(missing)} ({SCENARIO_SYNTAX})")
-    try:
-        return Scenario(**values, name=name)
-    except SpecError as error:
-        raise BudgetError(f"scenario {name!r}: {error}") from None
-
-
-@dataclass(frozen=True)
-class CostModel:
-    """How costs are counted: the hardware that times scenarios and holds concurrent requests (a name or a
-    profile, as `get_hardware` takes it), the weight recipe of `weight_bytes`, the usable share of memory,
-    and the scenarios budgets may name."""
-
-    hardware: str | HardwareProfile = "h100-80gb"
-    recipe: str = "bf16"
-    memory_fraction: float = 0.9
-    scenarios: Mapping[str, Scenario] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class DeploymentLimit:
-    """One budget as written (`throughput[chat,long]>=1.5x`): its key, the scenarios it names, its bound."""
-
-    text: str
-    key: str
-    scenarios: tuple[str, ...]
-    value: float | Relative
-
-
-def parse_budget(text: str, cost_model: CostModel | None = None) -> DeploymentLimit:
-    """Read one budget; BudgetError naming the text, the known keys and scenarios otherwise."""
-    scenarios = (cost_model or CostModel()).scenarios
-    limit = parse_limit(text)
-    match = _KEY.fullmatch(limit.key)
-    known = ", ".join(f"{key}[S]" if named else key for key, (_, named, _) in BUDGET_KEYS.items())
-    if match is None or match.group(1) not in BUDGET_KEYS:
-        raise BudgetError(f"budget {text!r}: unknown key {limit.key!r}; known keys: {known}")
-    key, listed = match.group(1), match.group(2)
-    side, named, _ = BUDGET_KEYS[key]
-    if named and not listed:
-        raise BudgetError(f"budget {text!r}: {key} needs scenarios, e.g. {key}[chat] or {key}[chat,long]")
-    if not named and listed is not None:
-        raise BudgetError(f"budget {text!r}: {key} takes no scenario (write {key}{side}VALUE)")
-    names = tuple(name.strip() for name in listed.split(",")) if listed else ()
-    for name in names:
-        if name not in scenarios:
-            defined = ", ".join(sorted(scenarios)) or "none"
-            raise BudgetError(
-                f"budget {text!r} names scenario {name!r}, which is not defined (defined: {defined}); "
-                f"define it with --scenario {name or 'NAME'}:batch=B,prompt=P,generated=G"
-            )
-    if len(set(names)) != len(names):
-        raise BudgetError(f"budget {text!r} names a scenario twice")
-    value = limit.upper if side == "<=" else limit.lower
-    other = limit.lower if side == "<=" else limit.upper
-    if value is None or other is not None:
-        raise BudgetError(f"budget {text!r}: {key} takes a bound {key}{side}VALUE only")
-    if key == "concurrent_requests" and (isinstance(value, Relative) or not float(value).is_integer()):
-        raise BudgetError(
-            f"budget {text!r}: concurrent_requests needs a whole number of requests (not a factor)"
-        )
-    if not isinstance(value, Relative) and value <= 0:
-        raise BudgetError(f"budget {text!r}: the bound must be positive")
-    return DeploymentLimit(text, key, names, value)
-
-
-def _budgets(limit: DeploymentLimit, cost_model: CostModel) -> list[Budget]:
-    """One `Budget` per scenario the limit names (one in all for a scenario-free key)."""
-    hardware, value = cost_model.hardware, limit.value
-    if limit.key in ("params", "active_params"):
-        return [Budget(**{limit.key: value})]
-    if limit.key == "weight_bytes":
-        return [Budget(weight_bytes=value, recipe=cost_model.recipe)]
-    budgets = []
-    for name in limit.scenarios:
-        scenario = cost_model.scenarios[name]
-        if limit.key == "memory_bytes":
-            budgets.append(Budget(memory_bytes=value, memory_scenario=scenario))
-        elif limit.key == "concurrent_requests":
-            budgets.append(
-                Budget(
-                    min_concurrent_requests=int(value),
-                    concurrency_scenario=scenario,
-                    hardware=hardware,
-                    memory_fraction=cost_model.memory_fraction,
-                )
-            )
-        else:
-            target_field = {
-                "throughput": "min_tokens_per_s",
-                "latency": "max_latency_s",
-                "ttft": "max_ttft_s",
-            }
-            target = ScenarioTarget(scenario, **{target_field[limit.key]: value})
-            budgets.append(Budget(hardware=hardware, scenarios=(target,)))
-    return budgets
+_REPORTED = ("params", "active_params", "weight_bytes")  # columns of every run's table, bounded or not
 
 
 @dataclass
@@ -302,26 +169,6 @@ class RunProblem:
         return self.problem.table
 
 
-def _merged(problems: Sequence[DeploymentProblem], objective: str) -> Table:
-    """One table with every problem's cost columns (the blocks, variants and scores are the same in all)."""
-    first = problems[0].table
-    costs: dict[str, Any] = {}
-    fixed: dict[str, float] = {}
-    for problem in problems:
-        costs.update(problem.table.costs)
-        fixed.update(problem.table.fixed)
-    return Table(
-        block_names=first.block_names,
-        variant_names=first.variant_names,
-        score=first.score,
-        costs=costs,
-        attrs=first.attrs,
-        fixed=fixed,
-        maximize=False,
-        objective_name=objective,
-    )
-
-
 def run_problem(
     run_dir: str | Path | RunLayout,
     budgets: Iterable[str | DeploymentLimit] = (),
@@ -356,32 +203,14 @@ def run_problem(
     unknown = sorted(set(rules.same_attributes) - allowed)
     if unknown:
         raise SearchError(f"cannot hold {unknown} to one value: a run's variants have {sorted(allowed)}")
-
-    def build(budget: Budget) -> DeploymentProblem:
-        return deployment_problem(candidates.parent, candidates.variants, candidates.scores, budget)
-
-    # Parameters and weight bytes are always reported; their limits only where a budget asks.
-    problems = [
-        build(
-            Budget(
-                params=Relative(1),
-                active_params=Relative(1),
-                weight_bytes=Relative(1),
-                recipe=cost_model.recipe,
-            )
-        )
-    ]
-    all_limits: list[Limit] = []
-    sources: dict[str, str] = {}
-    for limit in limits:
-        for budget in _budgets(limit, cost_model):
-            problem = build(budget)
-            problems.append(problem)
-            for made in problem.limits:
-                all_limits.append(made)
-                sources[str(made)] = limit.text
-    table = _merged(problems, objective)
-    problem = DeploymentProblem(table, all_limits, rules)
+    # Parameters and weight bytes are always reported (columns without a bound); then each budget's terms.
+    terms = [Term(key) for key in _REPORTED] + [term for limit in limits for term in limit.terms(cost_model)]
+    pricing = cost_model_pricing(candidates.parent, cost_model)
+    table, bounded = priced_table(
+        candidates.parent, candidates.variants, candidates.scores, terms, pricing, objective_name=objective
+    )
+    sources = {str(made): term.source for term, made in bounded}
+    problem = DeploymentProblem(table, [made for _, made in bounded], rules)
     return RunProblem(problem, sources, candidates.notes, candidates)
 
 
@@ -406,7 +235,7 @@ def search_run(
     """
     layout = run_dir if isinstance(run_dir, RunLayout) else RunLayout(Path(run_dir))
     cost_model = cost_model or CostModel()
-    cost_model = dataclasses.replace(cost_model, hardware=layout.hardware(cost_model.hardware))
+    cost_model = dataclasses.replace(cost_model, profile=layout.hardware(cost_model.profile))
     problem = run_problem(
         layout,
         budgets,
