@@ -133,7 +133,7 @@ def _on_main(work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
 
 def _config_from_pieces(
     run_dir: str | Path,
-    parent: str | Path | None,
+    parent: str | Path | Mapping[str, Any] | None,
     data: str | Path | Mapping[str, Any] | None,
     space: SearchSpace | str | Path | Mapping[str, Any] | None,
     budgets: Sequence[str],
@@ -151,7 +151,7 @@ def _config_from_pieces(
         space = str(space)
     config: dict[str, Any] = {
         "run_dir": str(run_dir),
-        "parent": {"path": str(parent)},
+        "parent": dict(parent) if isinstance(parent, Mapping) else {"path": str(parent)},
         "data": dict(data) if isinstance(data, Mapping) else {"sources": [str(data)]},
         **sections,
     }
@@ -167,8 +167,8 @@ class Run:
 
     Either from a validated `config` (`Run(run_dir, config)`, `Run.from_config(path)`), or from its main
     pieces by keyword, the rest defaulted as in a run config (docs/CONFIG.md):
-    `Run(run_dir, parent=CHECKPOINT_DIR, data=SOURCE_OR_DATA_SECTION, space=SPACE, budgets=[...],
-    **sections)`, where `space` is a `SearchSpace`, a preset name, a YAML file or an inline mapping, and
+    `Run(run_dir, parent=CHECKPOINT_DIR, data=SOURCE, space=SPACE, budgets=[...], **sections)`, where
+    `parent` and `data` may also be their config sections (mappings), `space` is a `SearchSpace`, a preset name, a YAML file or an inline mapping, and
     `sections` are other config sections as mappings (`bld={"token_budget": ...}`, `seed=1`). `budgets`:
     the search's default budget list (`run.search()` without budgets, `run.all()`); a run config needs one.
 
@@ -183,7 +183,7 @@ class Run:
         config: RunConfig | None = None,
         *,
         round_number: int = 1,
-        parent: str | Path | None = None,
+        parent: str | Path | Mapping[str, Any] | None = None,
         data: str | Path | Mapping[str, Any] | None = None,
         space: SearchSpace | str | Path | Mapping[str, Any] | None = None,
         budgets: Sequence[str] = (),
