@@ -1,23 +1,39 @@
-"""The pipeline: one run config, one resumable run directory, one method per stage (`puzzle run`, notebooks).
+"""The pipeline: one run config, one resumable run directory, one typed call per stage (notebooks, `puzzle run`).
 
-    run = Run.from_config("run.yaml")          # or Run(run_dir, config)
-    run.importance(); run.library(); run.scores(); run.solutions()
-    run.assemble(); run.distill(); run.export()  # or run.all()
+    run = puzzle.Run("runs/x", parent="ckpt/", data="data/", space="space.yaml", budgets=["active_params<=0.6x"])
+    # or Run.from_config("run.yaml"), or Run(run_dir, config)
+    importance = run.importance()            # ModelImportance   (puzzle.prune)
+    lib = run.library()                      # Library           (puzzle.bld: BLD)
+    scores = run.scores()                    # Scores            (puzzle.score: replace-one-block)
+    best = run.search("active_params<=0.6x")[0]  # list[Solution] (puzzle.search, the run's cost model)
+    child = run.assemble(best)               # HybridLM          (puzzle.assemble, its KL measured)
+    child = run.distill(child)               # HybridLM          (puzzle.gkd)
+    path = run.export(child)                 # Path              (puzzle.export; default exports/{name}/)
+    run.all()                                # every stage of every round, as `puzzle run` does
 
-Stages, in order (`STAGES`): importance (activation importance of the parent, `puzzle.prune`), library
-(BLD, `puzzle.bld`), scores (replace-one-block, `puzzle.score`), solutions (the search, one per budget list
-/ sweep point and `search.solutions`, saved to solutions/{name}.json as `puzzle search --json` prints it),
-assemble (the child of each solution and its measured KL to the parent, `puzzle.assemble`), distill (GKD,
-`puzzle.gkd`, into children/{name}/) and export (exports/{name}/, `puzzle.export`).
+Stages, in order (`STAGES`): importance (importance/), library (library/), scores (scores/), solutions (one
+search per budget list / sweep point and `search.solutions`, saved to solutions/{name}.json as `puzzle
+search --json` prints it), assemble (each solution's child and its measured KL to the parent), distill
+(GKD into children/{name}/) and export (exports/{name}/). `Run.record(stage)` is the manifest layer: a
+stage's recorded outputs (dicts of file fingerprints and figures); the typed calls load their objects from
+what it recorded.
 
-The manifest (run.json, written atomically by rank 0) records the parent's fingerprint and, per stage, its
-status (`running`, `failed`, `done` when computed by this invocation, `reused` when a finished output of the
-same inputs was found), a content hash of its inputs (its config sections and the fingerprints of the
-upstream outputs it reads) and its outputs with their fingerprints. A stage whose input hash matches a
-finished record is not run again; any change reaches exactly the stages downstream of it through those
-fingerprints (a new budget re-solves; the library and scores, which do not read the budget, are reused).
-A killed stage resumes from its last completed unit: BLD's finished waves and checkpoints, scoring's
-saved variants and GKD's checkpoints live in their directories and are reused by the stages themselves.
+Reuse, one rule for every call: the work of a call is a record in the manifest (run.json, written
+atomically by rank 0) under `stages[NAME]`. NAME is the stage itself for what the run config asks (its
+budgets' solutions and their children, recorded together, as `puzzle run` records them), or
+`STAGE/SOLUTION` for a solution of budgets given to `search` that the config does not list (and for an
+export to a path of the caller's). The record holds its status (`running`, `failed`, `done` when computed
+by this invocation, `reused` when found finished), the content hash of its inputs and its outputs with
+their fingerprints. The inputs are the config sections the stage reads, the fingerprints of the upstream
+records it reads and the call's own arguments (budgets, an export path). A record that is finished, of
+the same input hash, with its outputs unchanged on disk, is reused; anything else runs (and the record is
+rewritten). So a change reaches exactly the stages downstream of it (a new budget re-solves; the library
+and scores, which do not read the budget, are reused). Objects given to a call are known by the record
+they came from: a Solution by the fingerprint of its saved JSON, a model by the run.assemble / run.distill
+call of this Run that returned it (its weights are not read: a model changed since is not recognised as
+changed). A killed stage resumes from its last completed unit: BLD's finished waves and checkpoints,
+scoring's saved variants and GKD's checkpoints live in their directories, and the stage functions reuse
+them through their own manifests (`puzzle.artifacts`), as they do when called without a Run.
 
 Distributed (torchrun): importance, BLD, scoring, measured KL and GKD run on every rank and shard their
 work; the search and the export run on rank 0 while the others wait at a barrier. Round r >= 2 of an
@@ -28,27 +44,45 @@ exported distilled child (`Run.all` chains them).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
 import re
-from collections.abc import Callable, Iterator
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from puzzle import dist
+# Every stage this module drives, imported here and only here (a name that moves moves in one place).
+from puzzle import dist, nemotron_h
 from puzzle.artifacts import fingerprint_file, fingerprint_json, fingerprint_model
+from puzzle.assemble import assemble as assemble_child
+from puzzle.assemble import measured_kl
+from puzzle.bld import Library, build_library, read_library
+from puzzle.blocks import build_block
 from puzzle.config import RunConfig, dump_config, load_config, load_config_data, to_dict
+from puzzle.cost.hardware import profile_to_json
+from puzzle.data import TokenData, tokenizer_files
+from puzzle.export import export as export_checkpoint
 from puzzle.files import atomic_write_bytes
+from puzzle.gkd import distill as distill_child
+from puzzle.gkd import load_distilled
 from puzzle.layout import STAGES, RunDirError, RunLayout
 from puzzle.model import HybridLM
+from puzzle.prune.importance import ModelImportance, importance_for, load_importance
+from puzzle.score import Scores, load_scores, score_variants
+from puzzle.search import search, search_k
+from puzzle.search.run_dir import CostModel, RunCandidates, RunProblem, run_problem
+from puzzle.search.types import Solution
+from puzzle.space import SearchSpace
 from puzzle.spec import BlockSpec, ModelSpec, Variant
 
 if TYPE_CHECKING:
-    from puzzle.search.budget import CostModel, DeploymentLimit
+    from puzzle.search.budget import DeploymentLimit
 
 MANIFEST_FORMAT = 1
 DONE = ("done", "reused")
@@ -68,6 +102,11 @@ def _slug(budgets: list[str]) -> str:
     """A file name for a budget list: `active_params<=0.75x` -> `active_params-le-0.75x`."""
     text = "+".join(budgets).replace("<=", "-le-").replace(">=", "-ge-")
     return re.sub(r"[^A-Za-z0-9._+-]+", "_", text).strip("_") or "solution"
+
+
+def _solution_bytes(payload: dict[str, Any]) -> bytes:
+    """A solution's file, solutions/{name}.json: `Solution.to_json` as `puzzle search --json` prints it."""
+    return (json.dumps(payload, indent=2) + "\n").encode()
 
 
 def _write_if_changed(path: Path, content: bytes) -> None:
@@ -95,25 +134,69 @@ def _on_main(work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     return dist.broadcast_object(outputs)
 
 
-class _SavedSolution:
-    """A solution as saved in solutions/{name}.json, for `puzzle.export` (which reads `to_json`)."""
-
-    def __init__(self, data: dict[str, Any]) -> None:
-        self.data = data
-
-    def to_json(self) -> dict[str, Any]:
-        return dict(self.data)
+def _config_from_pieces(
+    run_dir: str | Path,
+    parent: str | Path | Mapping[str, Any] | None,
+    data: str | Path | Mapping[str, Any] | None,
+    space: SearchSpace | str | Path | Mapping[str, Any] | None,
+    budgets: Sequence[str],
+    sections: Mapping[str, Any],
+) -> RunConfig:
+    """The RunConfig of `Run(run_dir, parent=..., data=..., space=..., budgets=..., **sections)`; relative
+    paths are relative to the working directory. ConfigError (naming the key) as for a config file."""
+    if parent is None or data is None:
+        raise TypeError("Run(run_dir, parent=..., data=...): the parent checkpoint and the data are needed")
+    if isinstance(budgets, str):
+        budgets = [budgets]
+    if isinstance(space, SearchSpace):
+        space = to_dict(space)
+    elif isinstance(space, Path):
+        space = str(space)
+    config: dict[str, Any] = {
+        "run_dir": str(run_dir),
+        "parent": dict(parent) if isinstance(parent, Mapping) else {"path": str(parent)},
+        "data": dict(data) if isinstance(data, Mapping) else {"sources": [str(data)]},
+        **sections,
+    }
+    if space is not None:
+        config["space"] = space
+    if budgets:
+        config["search"] = {**sections.get("search", {}), "budgets": list(budgets)}
+    return load_config_data(config, Path.cwd())
 
 
 class Run:
-    """One round of a Puzzle run in `run_dir` from `config` (see the module docstring).
+    """One round of a Puzzle run in `run_dir` (see the module docstring).
+
+    Either from a validated `config` (`Run(run_dir, config)`, `Run.from_config(path)`), or from its main
+    pieces by keyword, the rest defaulted as in a run config (docs/CONFIG.md):
+    `Run(run_dir, parent=CHECKPOINT_DIR, data=SOURCE, space=SPACE, budgets=[...], **sections)`, where
+    `parent` and `data` may also be their config sections (mappings), `space` is a `SearchSpace`, a preset name, a YAML file or an inline mapping, and
+    `sections` are other config sections as mappings (`bld={"token_budget": ...}`, `seed=1`). `budgets`:
+    the search's default budget list (`run.search()` without budgets, `run.all()`); a run config needs one.
 
     `round_number`: 1 for the run itself; r >= 2 for round r (its run_dir is `round-{r}/` and the config's
     parent the previous round's child: `Run.all` makes those). Nothing is read or written until a stage
-    method is called.
+    is called.
     """
 
-    def __init__(self, run_dir: str | Path, config: RunConfig, *, round_number: int = 1) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        config: RunConfig | None = None,
+        *,
+        round_number: int = 1,
+        parent: str | Path | Mapping[str, Any] | None = None,
+        data: str | Path | Mapping[str, Any] | None = None,
+        space: SearchSpace | str | Path | Mapping[str, Any] | None = None,
+        budgets: Sequence[str] = (),
+        **sections: Any,
+    ) -> None:
+        pieces = parent is not None or data is not None or space is not None or budgets or sections
+        if config is None:
+            config = _config_from_pieces(run_dir, parent, data, space, budgets, sections)
+        elif pieces:
+            raise TypeError("Run: give either a RunConfig or its pieces (parent=, data=, ...), not both")
         self.layout = RunLayout(Path(run_dir).absolute())
         self.config = config
         self.round_number = round_number
@@ -124,6 +207,8 @@ class Run:
         self._resumed: dict[str, list[str]] = {}
         self._prepared = False
         self._budgets_checked = False
+        # The models this Run returned: model -> (solution name, "assemble" or "distill").
+        self._models: weakref.WeakKeyDictionary[HybridLM, tuple[str, str]] = weakref.WeakKeyDictionary()
 
     @classmethod
     def from_config(cls, path: str | Path) -> Run:
@@ -143,9 +228,6 @@ class Run:
         """Raise InfeasibleError (the search's message) when no architecture of the space meets a budget of
         this round, before anything is trained: the search over every variant of the space, all scored 0.
         Spaces with importance-based widths (profiles) are checked only by the search itself."""
-        from puzzle.search import search
-        from puzzle.search.run_dir import RunCandidates, run_problem
-
         space = self.config.search_space()
         if any(kind.profiles for kind in space.kinds.values()) or any(
             o.space is not None and o.space.profiles for o in space.overrides
@@ -156,15 +238,7 @@ class Run:
             variants[index] += [v.spec for v in listed if v.spec != parent.blocks[index]]
         candidates = RunCandidates(parent, variants, [[0.0] * len(v) for v in variants])
         for limits in self.budget_limits().values():
-            problem = run_problem(
-                self.layout,
-                limits,
-                cost_model=self.cost_model(store=False),
-                keep_blocks=self.config.search.keep_blocks,
-                same_attributes=self.config.search.same_attributes,
-                shared_state_size=self.config.search.shared_state_size,
-                candidates=candidates,
-            )
+            problem = self._problem(limits, cost_model=self.cost_model(store=False), candidates=candidates)
             search(problem.table, problem.problem.limits, problem.problem.rules, self.config.search.solver)
         self._budgets_checked = True
 
@@ -267,8 +341,6 @@ class Run:
     def load_parent(self) -> HybridLM:
         """A fresh copy of the parent, as the stages load it (BLD and GKD may shard the model they are given;
         the library's parent fingerprint matches it)."""
-        from puzzle import nemotron_h
-
         dtype = None if self.config.parent.dtype == "auto" else self.config.parent.dtype
         model = nemotron_h.load(self.config.parent.path, dtype=dtype, device=dist.device())
         return model.eval().requires_grad_(False)
@@ -277,8 +349,6 @@ class Run:
     def data(self) -> Any:
         """The run's TokenData (tokenised once, cached in data.cache_dir or RUN_DIR/tokens)."""
         if self._data is None:
-            from puzzle.data import TokenData, tokenizer_files
-
             # Token files need no tokenizer: the parent's is used when it has one (it bounds the ids).
             tokenizer = self.config.tokenizer_dir
             if self.config.tokenizer is None and not tokenizer_files(tokenizer):
@@ -312,12 +382,13 @@ class Run:
             }
         )
 
-    # -- the stage runner ---------------------------------------------------------------------------------
+    # -- the record runner: the one reuse rule (module docstring) ------------------------------------------
 
     def _stage(
         self, name: str, inputs: dict[str, Any], compute: Callable[[], dict[str, Any]]
     ) -> dict[str, Any]:
-        """Run stage `name` unless a finished record of the same inputs exists; returns its outputs."""
+        """Record `name` (a stage, or STAGE/SOLUTION): reused when a finished record of the same inputs
+        exists and its outputs are unchanged, else `compute()` and record it; returns its outputs."""
         self._prepare()
         key = fingerprint_json(inputs)
         record = dist.broadcast_object(self.manifest()["stages"].get(name))
@@ -344,7 +415,7 @@ class Run:
         outputs = dist.broadcast_object(outputs)
         self._update(name, {**running, "status": "done", "finished": _now(), "outputs": outputs})
         dist.barrier()
-        resumed = self._resumed.pop(name, [])
+        resumed = self._resumed.pop(name.split("/", 1)[0], [])
         note = f" (resumed from a checkpoint: {', '.join(resumed)})" if resumed else ""
         _log.info("%s%s: done%s", self._round_label(), name, note)
         self._results[name] = outputs
@@ -354,38 +425,69 @@ class Run:
         return f"round {self.round_number}: " if self.config.rounds.count > 1 else ""
 
     def _present(self, name: str, outputs: dict[str, Any]) -> bool:
-        """Whether the recorded outputs of stage `name` are still on disk, unchanged."""
+        """Whether the recorded outputs of record `name` (a stage or STAGE/SOLUTION) are on disk, unchanged."""
+        stage = name.split("/", 1)[0]
         directories = {
             "importance": self.layout.importance,
             "library": self.layout.library,
             "scores": self.layout.scores,
         }
-        if name in directories:
-            path = directories[name] / f"{name}.manifest.json"
+        if stage in directories:
+            path = directories[stage] / f"{stage}.manifest.json"
             return path.is_file() and fingerprint_file(path) == outputs["manifest"]
         for entry_name, entry in outputs.items():
-            if name == "solutions":
+            if stage == "solutions":
                 path = self.layout.root / entry["file"]
                 if not path.is_file() or fingerprint_file(path) != entry["fingerprint"]:
                     return False
-            elif name == "distill":
+            elif stage == "distill":
                 path = self.layout.child(entry_name) / "gkd.manifest.json"
                 if not path.is_file() or fingerprint_file(path) != entry["manifest"]:
                     return False
-            elif name == "export" and not (self.layout.root / entry["path"] / "config.json").is_file():
+            elif stage == "export" and not (self.layout.root / entry["path"] / "config.json").is_file():
                 return False
         return True
 
-    def _outputs(self, name: str) -> dict[str, Any]:
-        """The outputs of stage `name`, running it (and what it needs) first if this Run has not."""
-        if name not in self._results:
-            getattr(self, name)()
-        return self._results[name]
+    def record(self, stage: str) -> dict[str, Any]:
+        """The manifest layer: the recorded outputs of `stage` (one of `STAGES`) for what the run config asks,
+        running it (and what it needs) first unless this Run has. Dicts of fingerprints and figures: a
+        solution's file and objective, a child's measured KL, GKD's first and last evaluations, an export's
+        path (relative to the run directory)."""
+        if stage not in self._results:
+            if stage not in _RECORDERS:
+                raise ValueError(f"unknown stage {stage!r}; stages: {', '.join(STAGES)}")
+            _RECORDERS[stage](self)
+        return self._results[stage]
 
-    # -- the stages -----------------------------------------------------------------------------------
+    _outputs = record
 
-    def importance(self) -> dict[str, Any]:
-        """Activation importance of the parent on importance.tokens training tokens -> importance/."""
+    def _per_solution(
+        self, stage: str, name: str, inputs: Callable[[], dict[str, Any]], compute: Callable[[], Any]
+    ) -> dict[str, Any]:
+        """Stage `stage`'s record of solution `name`: the config's stage when `name` is one of its solutions
+        (recorded together, as `puzzle run` does), else a record of its own, STAGE/NAME, of `inputs()`."""
+        if name in self.record("solutions"):
+            return self.record(stage)[name]
+        return self._stage(f"{stage}/{name}", inputs(), lambda: {name: compute()})[name]
+
+    # -- importance, library, scores ----------------------------------------------------------------------
+
+    def importance(self) -> ModelImportance:
+        """Activation importance of the parent on importance.tokens training tokens (importance/)."""
+        self.record("importance")
+        return load_importance(self.layout.importance)
+
+    def library(self) -> Library:
+        """BLD of every variant of the space (library/; resumes from its checkpoints)."""
+        self.record("library")
+        return read_library(self.layout.library)
+
+    def scores(self) -> Scores:
+        """Replace-one-block scores of every usable library variant on held-out tokens (scores/)."""
+        self.record("scores")
+        return load_scores(self.layout.scores)
+
+    def _record_importance(self) -> dict[str, Any]:
         self._check_budgets_up_front()
         settings = self.config.importance
         inputs = {
@@ -396,8 +498,6 @@ class Run:
         }
 
         def compute() -> dict[str, Any]:
-            from puzzle.prune.importance import importance_for
-
             importance_for(
                 self.load_parent(),
                 self._calibration,
@@ -422,14 +522,11 @@ class Run:
         return fingerprint_file(directory / f"{stage}.manifest.json")
 
     def _variants(self, parent: HybridLM) -> dict[int, list[Variant]]:
-        from puzzle.prune.importance import load_importance
-
         return self.config.search_space().all_variants(parent.spec, load_importance(self.layout.importance))
 
-    def library(self) -> dict[str, Any]:
-        """BLD of every variant of the space -> library/ (resumes from its checkpoints)."""
+    def _record_library(self) -> dict[str, Any]:
         self._check_budgets_up_front()
-        upstream = self._outputs("importance")
+        upstream = self.record("importance")
         inputs = {
             "parent": self.parent_fingerprint(),
             "importance": upstream["manifest"],
@@ -443,9 +540,6 @@ class Run:
         }
 
         def compute() -> dict[str, Any]:
-            from puzzle.bld import build_library
-            from puzzle.prune.importance import load_importance
-
             parent = self.load_parent()
             split, batch = self.data.train, self.config.data.batch_size
             library = build_library(
@@ -465,10 +559,9 @@ class Run:
 
         return self._stage("library", inputs, compute)
 
-    def scores(self) -> dict[str, Any]:
-        """Replace-one-block scores of every usable library variant on held-out tokens -> scores/."""
+    def _record_scores(self) -> dict[str, Any]:
         self._check_budgets_up_front()
-        upstream = self._outputs("library")
+        upstream = self.record("library")
         inputs = {
             "library": upstream["manifest"],
             "held_out": self._held_out_key(),
@@ -476,10 +569,6 @@ class Run:
         }
 
         def compute() -> dict[str, Any]:
-            from puzzle.bld import read_library
-            from puzzle.blocks import build_block
-            from puzzle.score import score_variants
-
             parent = self.load_parent()
             library = read_library(self.layout.library)
             usable = [v for v, r in library.results.items() if r.status != "failed"]
@@ -514,10 +603,12 @@ class Run:
         return self._stage("scores", inputs, compute)
 
     @staticmethod
-    def _file_fp(library: Any, result: Any) -> str | None:
+    def _file_fp(library: Library, result: Any) -> str | None:
         if result.file is None:
             return None
         return fingerprint_file(Path(library.directory) / result.file)
+
+    # -- the search -----------------------------------------------------------------------------------------
 
     def budgets(self) -> dict[str, list[str]]:
         """{solution name: budget texts} of this round (one per budget list / sweep point)."""
@@ -545,17 +636,53 @@ class Run:
             cost_model = dataclasses.replace(cost_model, profile=self.layout.hardware(cost_model.profile))
         return cost_model
 
-    def solutions(self) -> dict[str, Any]:
-        """The search under each budget list (rank 0) -> solutions/{name}.json; `search.solutions` > 1 adds
-        `{name}-2`, ... InfeasibleError when a budget cannot be met."""
-        upstream = self._outputs("scores")
-        library = self._outputs("library")
-        search = self.config.search
+    def _problem(
+        self,
+        budgets: Sequence[str | DeploymentLimit],
+        *,
+        cost_model: CostModel | None = None,
+        candidates: RunCandidates | None = None,
+    ) -> RunProblem:
+        """The search problem of this run under `budgets` (texts, or the config's parsed `DeploymentLimit`s),
+        with the run's search settings: the one place this module reads budgets through `puzzle.search`
+        (`puzzle search RUN_DIR` builds the same)."""
+        search_settings = self.config.search
+        return run_problem(
+            self.layout,
+            list(budgets),
+            objective=search_settings.objective,
+            cost_model=cost_model or self.cost_model(),
+            keep_blocks=search_settings.keep_blocks,
+            same_attributes=search_settings.same_attributes,
+            shared_state_size=search_settings.shared_state_size,
+            candidates=candidates,
+        )
+
+    def search(self, *budgets: str) -> list[Solution]:
+        """The best architectures under `budgets` (texts of `puzzle search --budget`; none: the config's
+        first budget list), `search.solutions` of them, best first, each saved to solutions/{name}.json
+        (rank 0 solves). InfeasibleError when the budgets cannot be met."""
+        texts = list(budgets) or next(iter(self.budgets().values()))
+        configured = [name for name, listed in self.budgets().items() if listed == texts]
+        if configured:
+            entries = {n: e for n, e in self.record("solutions").items() if e["budgets"] == texts}
+        else:
+            name = _slug(texts)
+            inputs = self._solutions_inputs({name: texts})
+            entries = self._stage(
+                f"solutions/{name}", inputs, lambda: _on_main(lambda: self._solve_one(name, texts))
+            )
+        problem = self._problem(texts)  # the table the saved names index
+        return [Solution.from_json(self._solution_json(n), problem.table) for n in entries]
+
+    def _solutions_inputs(self, budgets: dict[str, list[str]]) -> dict[str, Any]:
+        """The inputs of a search record under `budgets` ({name: texts}); stores the run's calibration."""
+        search_settings = self.config.search
         inputs = {
-            "library": library["manifest"],
-            "scores": upstream["manifest"],
-            "budgets": self.budgets(),
-            "search": to_dict(dataclasses.replace(search, budgets=(), sweep=None)),
+            "library": self.record("library")["manifest"],
+            "scores": self.record("scores")["manifest"],
+            "budgets": budgets,
+            "search": to_dict(dataclasses.replace(search_settings, budgets=(), sweep=None)),
             "hardware": to_dict(self.config.hardware),
         }
         self._prepare()  # the calibration is stored in the checked run directory
@@ -564,185 +691,277 @@ class Run:
         dist.barrier()
         device = self.cost_model().profile
         if not isinstance(device, str):  # this machine's calibration: new figures re-solve
-            from puzzle.cost.hardware import profile_to_json
-
             inputs["calibration"] = profile_to_json(device)
+        return inputs
 
+    def _record_solutions(self) -> dict[str, Any]:
+        inputs = self._solutions_inputs(self.budgets())
         return self._stage("solutions", inputs, lambda: _on_main(self._solve))
 
     def _solve(self) -> dict[str, Any]:
-        from puzzle.search import search_k
-        from puzzle.search.run_dir import run_problem
-
-        search = self.config.search
+        """Every budget list of the config solved and saved: {solution name: its record}."""
         saved: dict[str, Any] = {}
         for name, limits in self.budget_limits().items():
-            texts = [limit.text for limit in limits]
-            problem = run_problem(
-                self.layout,
-                limits,
-                objective=search.objective,
-                cost_model=self.cost_model(),
-                keep_blocks=search.keep_blocks,
-                same_attributes=search.same_attributes,
-                shared_state_size=search.shared_state_size,
-            )
-            for note in problem.notes:
-                _log.warning("search %s: %s", name, note)
-            found = search_k(
-                problem.table,
-                problem.problem.limits,
-                problem.problem.rules,
-                search.solver,
-                search.solutions,
-                search.min_diff,
-            )
-            for index, solution in enumerate(found):
-                label = name if index == 0 else f"{name}-{index + 1}"
-                payload = solution.to_json()
-                path = self.layout.solution(label)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                atomic_write_bytes(path, (json.dumps(payload, indent=2) + "\n").encode())
-                saved[label] = {
-                    "budgets": texts,
-                    "file": str(path.relative_to(self.layout.root)),
-                    "fingerprint": fingerprint_file(path),
-                    "objective": solution.objective,
-                }
-                _log.info("search %s: objective %.6g, %s", label, solution.objective, payload["totals"])
-            if len(found) < search.solutions:
-                _log.warning(
-                    "search %s: only %d architectures differ in >= %d blocks",
-                    name,
-                    len(found),
-                    search.min_diff,
-                )
+            saved.update(self._solve_one(name, limits))
         return saved
+
+    def _solve_one(self, name: str, budgets: Sequence[str | DeploymentLimit]) -> dict[str, Any]:
+        """The search under `budgets` (texts or the config's parsed budgets) -> solutions/{name}.json (and
+        {name}-2, ... for `search.solutions`)."""
+        settings = self.config.search
+        texts = [budget if isinstance(budget, str) else budget.text for budget in budgets]
+        problem = self._problem(budgets)
+        for note in problem.notes:
+            _log.warning("search %s: %s", name, note)
+        found = search_k(
+            problem.table,
+            problem.problem.limits,
+            problem.problem.rules,
+            settings.solver,
+            settings.solutions,
+            settings.min_diff,
+        )
+        saved: dict[str, Any] = {}
+        for index, solution in enumerate(found):
+            label = name if index == 0 else f"{name}-{index + 1}"
+            payload = solution.to_json()
+            path = self.layout.solution(label)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_bytes(path, _solution_bytes(payload))
+            saved[label] = {
+                "budgets": texts,
+                "file": str(path.relative_to(self.layout.root)),
+                "fingerprint": fingerprint_file(path),
+                "objective": solution.objective,
+            }
+            _log.info("search %s: objective %.6g, %s", label, solution.objective, payload["totals"])
+        if len(found) < settings.solutions:
+            _log.warning(
+                "search %s: only %d architectures differ in >= %d blocks", name, len(found), settings.min_diff
+            )
+        return saved
+
+    def _solution_json(self, name: str) -> dict[str, Any]:
+        return json.loads(self.layout.solution(name).read_text())
+
+    def solution_name(self, solution: Solution) -> str:
+        """The name under which this run's search saved `solution` (solutions/{name}.json); RunError for a
+        Solution that no search of this run returned (it is known by the fingerprint of its JSON)."""
+        # `fingerprint_file` of the file it would have been saved to.
+        fingerprint = hashlib.sha256(_solution_bytes(solution.to_json())).hexdigest()
+        for record_name, record in self.manifest()["stages"].items():
+            if record_name.split("/", 1)[0] != "solutions" or record.get("status") not in DONE:
+                continue
+            for name, entry in record["outputs"].items():
+                if entry["fingerprint"] == fingerprint:
+                    return name
+        raise RunError(
+            f"{self.layout.manifest}: no search of this run found this solution ({solution.names}); "
+            "pass a Solution that run.search returned"
+        )
+
+    # -- assemble, distill, export ----------------------------------------------------------------------
 
     def _child(self, name: str) -> HybridLM:
         """The assembled child of solution `name` (a fresh parent, the library, the scores)."""
-        from puzzle.assemble import assemble
-        from puzzle.bld import read_library
-        from puzzle.score import load_scores
-
-        data = json.loads(self.layout.solution(name).read_text())
+        data = self._solution_json(name)
         choice = {int(block.rsplit("_", 1)[1]): variant for block, variant in data["choices"].items()}
-        return assemble(
+        return assemble_child(
             choice,
             read_library(self.layout.library),
             self.load_parent(),
             scores=load_scores(self.layout.scores),
         )
 
-    def assemble(self) -> dict[str, Any]:
-        """Each solution's child and its measured KL to the parent on held-out tokens (every rank)."""
-        upstream = self._outputs("solutions")
-        inputs = {
-            "solutions": {name: entry["fingerprint"] for name, entry in upstream.items()},
-            "library": self._outputs("library")["manifest"],
+    def _solution_fp(self, name: str) -> str:
+        return fingerprint_file(self.layout.solution(name))
+
+    def _source(self, model: HybridLM) -> tuple[str, str]:
+        """(solution name, "assemble" or "distill") of a model this Run returned; RunError otherwise."""
+        if model not in self._models:
+            raise RunError(
+                "this model was not returned by this Run's assemble or distill: the run knows a child by the "
+                "solution it was assembled from (run.assemble(solution))"
+            )
+        return self._models[model]
+
+    def assemble(self, solution: Solution) -> HybridLM:
+        """The child of `solution` (from `run.search`) with the library's weights; its KL to the parent on
+        held-out tokens is measured and recorded (`measured`)."""
+        name = self.solution_name(solution)
+        self._assembled(name)
+        child = self._child(name)
+        self._models[child] = (name, "assemble")
+        return child
+
+    def measured(self, model: HybridLM) -> dict[str, Any]:
+        """The recorded KL to the parent of the child that `model` was assembled from: `kl` (measured on
+        held-out tokens) and `predicted_kl` (the search's objective), as `measured_kl` reports them."""
+        name, _ = self._source(model)
+        return dict(self._assembled(name)["measured"])
+
+    def _assembled(self, name: str) -> dict[str, Any]:
+        def inputs() -> dict[str, Any]:
+            return {"solution": self._solution_fp(name), **self._assemble_inputs()}
+
+        return self._per_solution("assemble", name, inputs, lambda: self._measure(name))
+
+    def _assemble_inputs(self) -> dict[str, Any]:
+        return {
+            "library": self.record("library")["manifest"],
             "held_out": self._held_out_key(),
             "vocab_chunk": self.config.scoring.vocab_chunk,
         }
 
-        def compute() -> dict[str, Any]:
-            from puzzle.assemble import measured_kl
+    def _measure(self, name: str, parent: HybridLM | None = None) -> dict[str, Any]:
+        child = self._child(name)
+        parent = parent if parent is not None else self.load_parent()
+        measured = measured_kl(child, parent, self.held_out_batches(), self.config.scoring.vocab_chunk)
+        _log.info(
+            "assemble %s: measured KL %.6g, predicted %s", name, measured["kl"], measured["predicted_kl"]
+        )
+        return {"measured": measured, "spec": fingerprint_json(child.spec.to_dict())}
 
-            parent, held_out = self.load_parent(), self.held_out_batches()
-            outputs = {}
-            for name in upstream:
-                child = self._child(name)
-                measured = measured_kl(child, parent, held_out, self.config.scoring.vocab_chunk)
-                outputs[name] = {"measured": measured, "spec": fingerprint_json(child.spec.to_dict())}
-                _log.info(
-                    "assemble %s: measured KL %.6g, predicted %s",
-                    name,
-                    measured["kl"],
-                    measured["predicted_kl"],
-                )
-            return outputs
+    def _record_assemble(self) -> dict[str, Any]:
+        upstream = self.record("solutions")
+        inputs = {"solutions": {name: entry["fingerprint"] for name, entry in upstream.items()}}
+        inputs.update(self._assemble_inputs())
+
+        def compute() -> dict[str, Any]:
+            parent = self.load_parent()
+            return {name: self._measure(name, parent) for name in upstream}
 
         return self._stage("assemble", inputs, compute)
 
-    def distill(self) -> dict[str, Any]:
-        """GKD of each child against the parent -> children/{name}/ (resumes from its checkpoints)."""
-        upstream = self._outputs("assemble")
-        inputs = {
-            "assemble": fingerprint_json(upstream),
-            "solutions": {n: e["fingerprint"] for n, e in self._outputs("solutions").items()},
+    def distill(self, child: HybridLM) -> HybridLM:
+        """GKD of `child` (from `run.assemble`) against the parent (children/{name}/; resumes from its
+        checkpoints): the distilled child, the checkpoint with the best held-out evaluation."""
+        name, source = self._source(child)
+        if source != "assemble":
+            raise RunError(
+                f"this model is the distilled child of {name!r} already; distill its assembled child"
+            )
+
+        self._distilled(name)
+        distilled = load_distilled(self.layout.child(name), self._child(name))
+        self._models[distilled] = (name, "distill")
+        return distilled
+
+    def _distilled(self, name: str) -> dict[str, Any]:
+        def inputs() -> dict[str, Any]:
+            return {
+                "assemble": fingerprint_json({name: self._assembled(name)}),
+                "solutions": {name: self._solution_fp(name)},
+                **self._distill_inputs(),
+            }
+
+        return self._per_solution("distill", name, inputs, lambda: self._distill_one(name))
+
+    def _distill_inputs(self) -> dict[str, Any]:
+        return {
             "data": self.data.train.fingerprint(),
             "held_out": self._held_out_key(),
             "gkd": to_dict(self.config.gkd),
             "world": dist.world_size(),
         }
 
-        def compute() -> dict[str, Any]:
-            from puzzle.gkd import distill
+    def _distill_one(self, name: str) -> dict[str, Any]:
+        result = distill_child(
+            self._child(name),
+            self.load_parent(),
+            self.data.train,
+            self.held_out_batches(),
+            self.config.gkd,
+            self.layout.child(name),
+        )
+        if result.resumed_from is not None:
+            self._resumed.setdefault("distill", []).append(f"{name} from step {result.resumed_from}")
+        _log.info(
+            "distill %s: KL %.6g -> %.6g",
+            name,
+            result.first_eval.get("kl", math.nan),
+            result.last_eval.get("kl", math.nan),
+        )
+        return {
+            "steps": result.steps,
+            "tokens": result.tokens,
+            "first_eval": result.first_eval,
+            "last_eval": result.last_eval,
+            "manifest": self._manifest_fp(self.layout.child(name), "gkd"),
+        }
 
-            outputs = {}
-            for name in upstream:
-                result = distill(
-                    self._child(name),
-                    self.load_parent(),
-                    self.data.train,
-                    self.held_out_batches(),
-                    self.config.gkd,
-                    self.layout.child(name),
-                )
-                if result.resumed_from is not None:
-                    self._resumed.setdefault("distill", []).append(f"{name} from step {result.resumed_from}")
-                outputs[name] = {
-                    "steps": result.steps,
-                    "tokens": result.tokens,
-                    "first_eval": result.first_eval,
-                    "last_eval": result.last_eval,
-                    "manifest": self._manifest_fp(self.layout.child(name), "gkd"),
-                }
-                _log.info(
-                    "distill %s: KL %.6g -> %.6g",
-                    name,
-                    result.first_eval.get("kl", math.nan),
-                    result.last_eval.get("kl", math.nan),
-                )
-            return outputs
+    def _record_distill(self) -> dict[str, Any]:
+        upstream = self.record("assemble")
+        inputs = {
+            "assemble": fingerprint_json(upstream),
+            "solutions": {n: e["fingerprint"] for n, e in self.record("solutions").items()},
+            **self._distill_inputs(),
+        }
+        return self._stage("distill", inputs, lambda: {name: self._distill_one(name) for name in upstream})
 
-        return self._stage("distill", inputs, compute)
+    def export(self, child: HybridLM, path: str | Path | None = None) -> Path:
+        """`child` (from `run.distill`, or `run.assemble` to export it undistilled) as a checkpoint at `path`
+        (default: exports/{name}/) with its model card (rank 0); returns the checkpoint's directory."""
+        name, source = self._source(child)
+        out = self.layout.export(name) if path is None else Path(path).absolute()
+        if source == "distill" and out == self.layout.export(name) and name in self.record("solutions"):
+            entry = self.record("export")[name]
+        else:
+            if source == "distill":
+                made_from = {"distill": self._distilled(name)["manifest"]}
+            else:
+                made_from = {"assemble": fingerprint_json(self._assembled(name))}
+            inputs = {**made_from, "solution": self._solution_fp(name), "path": str(out)}
+            entry = self._stage(
+                f"export/{name}",
+                inputs,
+                lambda: _on_main(lambda: {name: self._export_one(name, source, out)}),
+            )[name]
+        return self.layout.root / entry["path"]
 
-    def export(self) -> dict[str, Any]:
-        """Each distilled child as a checkpoint -> exports/{name}/ (rank 0)."""
-        upstream = self._outputs("distill")
-        assembled = self._outputs("assemble")
+    def _export_one(self, name: str, source: str, out: Path) -> dict[str, Any]:
+        child = self._child(name)
+        if source == "distill":
+            child = load_distilled(self.layout.child(name), child)
+        solution = Solution.from_json(self._solution_json(name), self._problem(self._budgets_of(name)).table)
+        written = export_checkpoint(
+            child,
+            out,
+            parent_dir=self.config.parent.path,
+            solution=solution,
+            measured=self._assembled(name)["measured"],
+            overwrite=True,
+        )
+        root = self.layout.root
+        return {"path": str(written.relative_to(root)) if written.is_relative_to(root) else str(written)}
+
+    def _budgets_of(self, name: str) -> list[str]:
+        """The budget texts solution `name` was found under (its search record's)."""
+        for record_name, record in self.manifest()["stages"].items():
+            if record_name.split("/", 1)[0] == "solutions" and name in record.get("outputs", {}):
+                return list(record["outputs"][name]["budgets"])
+        raise RunError(f"{self.layout.manifest}: no search record of solution {name!r}")
+
+    def _record_export(self) -> dict[str, Any]:
+        upstream = self.record("distill")
         inputs = {"distill": {name: entry["manifest"] for name, entry in upstream.items()}}
 
         def compute() -> dict[str, Any]:
-            from puzzle.export import export
-            from puzzle.gkd import load_distilled
-
-            outputs: dict[str, Any] = {}
-            for name in upstream:
-                child = load_distilled(self.layout.child(name), self._child(name))
-                solution = _SavedSolution(json.loads(self.layout.solution(name).read_text()))
-                path = export(
-                    child,
-                    self.layout.export(name),
-                    parent_dir=self.config.parent.path,
-                    solution=solution,
-                    measured=assembled[name]["measured"],
-                    overwrite=True,
-                )
-                outputs[name] = {"path": str(path.relative_to(self.layout.root))}
-            return outputs
+            return {name: self._export_one(name, "distill", self.layout.export(name)) for name in upstream}
 
         return self._stage("export", inputs, lambda: _on_main(compute))
 
+    # -- every stage ----------------------------------------------------------------------------------------
+
     def run(self, until: str | None = None) -> dict[str, Any]:
-        """Every stage of this round in order (up to and including `until`); returns their outputs."""
+        """Every stage of this round in order (up to and including `until`); returns their recorded outputs."""
         if until is not None and until not in STAGES:
             raise ValueError(f"unknown stage {until!r}; stages: {', '.join(STAGES)}")
         for stage in STAGES:
-            getattr(self, stage)()
+            self.record(stage)
             if stage == until:
                 break
-        return dict(self._results)
+        return {stage: self._results[stage] for stage in STAGES if stage in self._results}
 
     def all(self, until: str | None = None) -> list[Run]:
         """Every stage of every round (`rounds.count`); returns the rounds' Runs. Round r >= 2's parent is
@@ -753,7 +972,7 @@ class Run:
         for number in range(2, self.config.rounds.count + 1):
             if until is not None and until != "export":
                 break
-            exports = current._outputs("export")
+            exports = current.record("export")
             names = list(exports)
             pick = self.config.rounds.pick
             if pick > len(names):
@@ -777,3 +996,16 @@ class Run:
             current.run()
             rounds.append(current)
         return rounds
+
+
+# The recording layer of each stage (config-driven, as `puzzle run` records them), in `STAGES` order.
+_RECORDERS: dict[str, Callable[[Run], dict[str, Any]]] = {
+    "importance": Run._record_importance,
+    "library": Run._record_library,
+    "scores": Run._record_scores,
+    "solutions": Run._record_solutions,
+    "assemble": Run._record_assemble,
+    "distill": Run._record_distill,
+    "export": Run._record_export,
+}
+assert tuple(_RECORDERS) == STAGES

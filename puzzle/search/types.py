@@ -261,3 +261,35 @@ class Solution:
             "presolve_dropped": self.presolve_dropped,
             "free_variables": self.free_variables,
         }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], table: Table) -> Solution:
+        """The Solution whose `to_json` is `data`, its `choices` (variant index per block) found by name in
+        `table`, the search table it was solved on. SearchError naming the block when `data` chose a block
+        or variant that `table` does not have."""
+        names = dict(data["choices"])
+        choices = []
+        for block, variants in zip(table.block_names, table.variant_names):
+            if names.get(block) not in variants:
+                raise SearchError(
+                    f"solution chooses {names.get(block)!r} for block {block!r}; the search table's "
+                    f"variants there are {', '.join(variants)}"
+                )
+            choices.append(variants.index(names[block]))
+        if set(names) != set(table.block_names):
+            raise SearchError(
+                f"solution blocks {sorted(names)} differ from the table's {list(table.block_names)}"
+            )
+        # The values as saved (no conversions), so that `to_json` gives back exactly `data`.
+        return cls(
+            choices=tuple(choices),
+            names=names,
+            objective=data["objective"],
+            totals=dict(data["totals"]),
+            status=data["status"],
+            gap=data["gap"],
+            solver=data["solver"],
+            seconds=data["seconds"],
+            presolve_dropped=data.get("presolve_dropped", 0),
+            free_variables=data.get("free_variables", 0),
+        )
