@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
+from puzzle.axes import pruning_axes
 from puzzle.blocks import build_block
 from puzzle.prune.importance import BlockImportance, collect_block_importance
-from puzzle.axes import pruning_axes
 from puzzle.prune.init import CHILD_INITS, expert_widths_by_importance, init_child, linear_fit, top_indices
 from puzzle.spec import (
     BLOCK_SPEC_TYPES,
