@@ -27,6 +27,7 @@ import math
 import re
 import textwrap
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,16 @@ from puzzle.cost.analytic import (
 )
 from puzzle.files import atomic_write_bytes
 from puzzle.layout import CHILDREN_DIR, EXPORTS_DIR, RunDirError, RunLayout
-from puzzle.spec import BlockSpec, ModelSpec
+from puzzle.spec import (
+    AttentionSpec,
+    BlockSpec,
+    LinearSpec,
+    MambaSpec,
+    MLPSpec,
+    ModelSpec,
+    MoESpec,
+    NoOpSpec,
+)
 
 REPORT_FILE = "report.md"
 PLOT_HINT = "plots need matplotlib: pip install 'puzzle-nas[plot]'"
@@ -51,17 +61,30 @@ STATE_CONTEXT = 4096
 _GKD_CURVES = {"train": ("loss", "kl"), "eval": ("kl", "lm_loss_delta")}
 # Costs of the table above that the search also sums (the others are per scenario).
 _MODEL_COSTS = ("params", "active_params", "weight_bytes")
-KIND_COLOURS = {
-    "mamba": "tab:green",
-    "attention": "tab:blue",
-    "moe": "tab:orange",
-    "mlp": "tab:purple",
-    "linear": "tab:grey",
-    "noop": "white",
+
+
+@dataclass(frozen=True)
+class KindStyle:
+    """How a report shows one block kind: its colour in the layout plot, and whether it mixes tokens.
+
+    A model without a token mixer predicts each token from itself alone (MoE, MLP, linear and no-op
+    blocks act on each position separately).
+    """
+
+    colour: str
+    mixes_tokens: bool = False
+
+
+KIND_STYLES: dict[type, KindStyle] = {
+    MambaSpec: KindStyle("tab:green", mixes_tokens=True),
+    AttentionSpec: KindStyle("tab:blue", mixes_tokens=True),
+    MoESpec: KindStyle("tab:orange"),
+    MLPSpec: KindStyle("tab:purple"),
+    LinearSpec: KindStyle("tab:grey"),
+    NoOpSpec: KindStyle("white"),
 }
-# Block kinds that mix information across positions; a model without any predicts each token from
-# itself alone (MoE, MLP, linear and no-op blocks act on each position separately).
-TOKEN_MIXERS = ("mamba", "attention")
+KIND_COLOURS = {spec_type.kind: style.colour for spec_type, style in KIND_STYLES.items()}
+TOKEN_MIXERS = tuple(spec_type.kind for spec_type, style in KIND_STYLES.items() if style.mixes_tokens)
 # The GKD evaluations a report tables in full; a longer run's table shows the first and the last.
 GKD_EVAL_ROWS = 12
 # Font size of tick labels, legends and annotations: readable at the PNG's own size (dpi 100).

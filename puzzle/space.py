@@ -51,22 +51,25 @@ import dataclasses
 import itertools
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from puzzle.axes import PRUNING_AXES, Axis
 from puzzle.spec import (
     BLOCK_SPEC_TYPES,
     AttentionSpec,
     BlockSpec,
     LinearSpec,
     MambaSpec,
+    MLPSpec,
     ModelSpec,
     MoESpec,
     NoOpSpec,
     SpecError,
     Variant,
+    kind_entry,
 )
 
 
@@ -74,17 +77,20 @@ class SpaceError(SpecError):
     """A search space that is malformed, or that asks a parent block for a shape it cannot take."""
 
 
-# The axes of each kind, in the order variants are enumerated; `SIZE_AXES` also take `<axis>_fraction`
-# and obey the rounding multiple.
+# Derived from `puzzle.axes.PRUNING_AXES` (the one axis table): per kind name, the axes the space offers,
+# in the order variants are enumerated; `SIZE_AXES` also take `<axis>_fraction` and obey the rounding
+# multiple. Linear and no-op blocks have no axis, so no kind space (they are options of the others).
 KIND_AXES: dict[str, tuple[str, ...]] = {
-    "mamba": ("state_size", "num_heads", "head_dim"),
-    "moe": ("num_experts", "top_k", "expert_width", "shared_width", "latent_size"),
-    "attention": ("num_kv_heads",),
-    "mlp": ("width",),
+    spec_type.kind: tuple(axis.name for axis in axes if axis.searched)
+    for spec_type, axes in PRUNING_AXES.items()
+    if any(axis.searched for axis in axes)
 }
-SIZE_AXES: frozenset[str] = frozenset({"expert_width", "shared_width", "latent_size", "width"})
+_AXES: dict[str, dict[str, Axis]] = {
+    spec_type.kind: {axis.name: axis for axis in axes} for spec_type, axes in PRUNING_AXES.items()
+}
+SIZE_AXES: frozenset[str] = frozenset(a.name for axes in PRUNING_AXES.values() for a in axes if a.size)
 # Axes where 0 is a real choice (no shared expert).
-_ZERO_ALLOWED = frozenset({"shared_width"})
+_ZERO_ALLOWED = frozenset(a.name for axes in PRUNING_AXES.values() for a in axes if a.zero_allowed)
 MODES = ("coupled", "decoupled")
 _KIND_OPTIONS = ("mode", "noop", "linear", "rounding")
 _TIER_KEYS = ("experts", "width", "width_fraction")
@@ -97,7 +103,7 @@ def _keys_of(kind: str) -> list[str]:
         keys.append(axis)
         if axis in SIZE_AXES:
             keys.append(f"{axis}_fraction")
-    if kind == "moe":
+    if SPACE_RULES[BLOCK_SPEC_TYPES[kind]].profiles:
         keys.append("width_profiles")
     return keys + list(_KIND_OPTIONS)
 
@@ -472,25 +478,10 @@ def _check_value(block: _Block, axis: str, value: int) -> None:
         return
     if axis in SIZE_AXES and value % block.rounding and value != 0:
         raise block.error(axis, value, f"not a multiple of the rounding multiple {block.rounding}")
-    if isinstance(spec, MambaSpec) and axis == "num_heads" and value % spec.n_groups:
-        raise block.error(
-            axis, value, f"heads must be whole heads per group: not a multiple of n_groups {spec.n_groups}"
-        )
-    if isinstance(spec, AttentionSpec) and axis == "num_kv_heads" and spec.num_kv_heads % value:
-        raise block.error(
-            axis, value, f"KV heads are merged in equal groups: must divide the parent's {spec.num_kv_heads}"
-        )
-    if isinstance(spec, MoESpec) and axis == "num_experts":
-        if spec.n_group > 1:
-            raise block.error(
-                axis,
-                value,
-                f"removing experts from a group-limited router (n_group={spec.n_group}) is not supported",
-            )
-        if not spec.is_uniform:
-            raise block.error(
-                axis, value, "the parent has per-expert widths; removing experts needs one width"
-            )
+    rule = _AXES[spec.kind][axis].parent_rule
+    why = rule(spec, value) if rule is not None else None
+    if why is not None:
+        raise block.error(axis, value, why)
 
 
 def _axis_values(block: _Block, space: KindSpace, axis: str) -> list[Any]:
@@ -580,20 +571,53 @@ def _profile_widths(block: _Block, profile: WidthProfile, num_experts: int) -> i
     return tuple(widths)
 
 
+def _moe_changes(block: _Block, changes: dict[str, Any], coupled: bool) -> dict[str, Any] | None:
+    """top_k above num_experts is left out (coupled) or an error; a width profile becomes concrete widths."""
+    spec = block.spec
+    num_experts = changes.get("num_experts", spec.num_experts)
+    top_k = changes.get("top_k", spec.top_k)
+    if top_k > num_experts:
+        if coupled:
+            return None
+        raise block.error("num_experts", num_experts, f"fewer experts than the parent's top_k {top_k}")
+    width = changes.get("expert_width", spec.expert_width)
+    if isinstance(width, WidthProfile):
+        changes["expert_width"] = _profile_widths(block, width, num_experts)
+    return changes
+
+
+@dataclass(frozen=True)
+class SpaceRules:
+    """What the search space does for one block kind beyond its axes (`puzzle.axes.PRUNING_AXES`).
+
+    `profiles`: the kind space takes `width_profiles` (per-expert widths by importance);
+    `resolve`: (block, changes, coupled) -> the changes to apply, None to leave the combination out
+    (coupled mode only), for rules that span several axes.
+    """
+
+    profiles: bool = False
+    resolve: Callable[[_Block, dict[str, Any], bool], dict[str, Any] | None] | None = None
+
+
+SPACE_RULES: dict[type, SpaceRules] = {
+    MambaSpec: SpaceRules(),
+    MoESpec: SpaceRules(profiles=True, resolve=_moe_changes),
+    AttentionSpec: SpaceRules(),
+    MLPSpec: SpaceRules(),
+    LinearSpec: SpaceRules(),
+    NoOpSpec: SpaceRules(),
+}
+
+
 def _build(block: _Block, changes: dict[str, Any], coupled: bool) -> BlockSpec | None:
     """The parent spec with `changes`; None for a combination the block cannot take (coupled mode only)."""
     spec = block.spec
     changes = dict(changes)
-    if isinstance(spec, MoESpec):
-        num_experts = changes.get("num_experts", spec.num_experts)
-        top_k = changes.get("top_k", spec.top_k)
-        if top_k > num_experts:
-            if coupled:
-                return None
-            raise block.error("num_experts", num_experts, f"fewer experts than the parent's top_k {top_k}")
-        width = changes.get("expert_width", spec.expert_width)
-        if isinstance(width, WidthProfile):
-            changes["expert_width"] = _profile_widths(block, width, num_experts)
+    resolve = kind_entry(SPACE_RULES, spec, "no search space rules for block spec type").resolve
+    if resolve is not None:
+        changes = resolve(block, changes, coupled)
+        if changes is None:
+            return None
     try:
         return dataclasses.replace(spec, **changes)
     except SpecError as error:
@@ -616,14 +640,3 @@ def _enumerate(block: _Block, space: KindSpace) -> list[BlockSpec]:
             for value in values[axis][1:]:
                 specs.append(_build(block, {axis: value}, coupled=False))
     return specs
-
-
-def _check_axes_are_fields() -> None:
-    # A renamed spec field would otherwise make an axis silently do nothing.
-    for kind, axes in KIND_AXES.items():
-        fields = {f.name for f in dataclasses.fields(BLOCK_SPEC_TYPES[kind])}
-        if not set(axes) <= fields:
-            raise TypeError(f"search space axes {sorted(set(axes) - fields)} are not fields of {kind} specs")
-
-
-_check_axes_are_fields()

@@ -859,12 +859,13 @@ SAMPLE_BLOCKS = (  # one per kind, every field away from its default where a con
 
 def test_every_kind_has_a_field_table_that_covers_its_spec():
     """Adding a block kind or a spec field without its config mapping fails here, not in a user's save."""
-    assert set(KIND_TABLES) == set(BLOCK_SPEC_TYPES) == {block.kind for block in SAMPLE_BLOCKS}
-    for kind, table in KIND_TABLES.items():
+    assert set(KIND_TABLES) == set(BLOCK_SPEC_TYPES.values()) == {type(block) for block in SAMPLE_BLOCKS}
+    for spec_type, table in KIND_TABLES.items():
+        assert table.spec_type is spec_type
         carried = {field.attr for field in table.fields if field.attr is not None}
-        spec_fields = {field.name for field in dataclasses.fields(BLOCK_SPEC_TYPES[kind])}
-        assert carried | set(table.not_in_config) == spec_fields, kind
-        assert not carried & set(table.not_in_config), kind
+        spec_fields = {field.name for field in dataclasses.fields(spec_type)}
+        assert carried | set(table.not_in_config) == spec_fields, spec_type.kind
+        assert not carried & set(table.not_in_config), spec_type.kind
 
 
 @pytest.mark.parametrize("block", SAMPLE_BLOCKS, ids=lambda block: block.kind)

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from puzzle.axes import pruning_axes
 from puzzle.blocks import build_block
 from puzzle.prune.importance import BlockImportance, collect_block_importance
 from puzzle.prune.init import CHILD_INITS, expert_widths_by_importance, init_child, linear_fit, top_indices
@@ -78,7 +79,9 @@ def test_child_init_registry_covers_every_spec_type():
     assert {type(spec) for spec in specs} == set(CHILD_INITS)
     for spec in specs:
         rules = CHILD_INITS[type(spec)]
-        assert set(rules.axes) <= {f.name for f in dataclasses.fields(spec)}, spec.kind
+        assert {axis.name for axis in pruning_axes(spec)} <= {f.name for f in dataclasses.fields(spec)}, (
+            spec.kind
+        )
         # A child of this kind is built one way: shrinking a parent of the kind, or from a parent of any kind.
         assert (rules.shrink is None) != (rules.from_any_kind is None), spec.kind
         block = parent(spec)

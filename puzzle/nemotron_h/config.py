@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from puzzle.spec import (
+    BLOCK_SPEC_TYPES,
     AttentionSpec,
     BlockSpec,
     LinearSpec,
@@ -37,6 +38,7 @@ from puzzle.spec import (
     MoESpec,
     NoOpSpec,
     SpecError,
+    kind_entry,
 )
 
 if TYPE_CHECKING:
@@ -101,24 +103,6 @@ DEFAULTS: dict[str, Any] = {
     "norm_topk_prob": True,
     "mamba_dt_clamp_max": None,
     "linear_bias": False,
-}
-
-# Every name a block kind goes by: layers_block_type (old and new), block_configs' block_type, pattern char.
-_KIND_NAMES = {
-    "mamba": "mamba",
-    "linear_attention": "mamba",
-    "M": "mamba",
-    "attention": "attention",
-    "full_attention": "attention",
-    "*": "attention",
-    "moe": "moe",
-    "E": "moe",
-    "mlp": "mlp",
-    "-": "mlp",
-    "linear": "linear",
-    "L": "linear",
-    "noop": "noop",
-    "N": "noop",
 }
 
 # ------------------------------------------------------------------------------------------- field tables
@@ -186,18 +170,40 @@ def _shared_width(fields: Fields) -> int:
     return fields["moe_shared_expert_intermediate_size"] * fields["n_shared_experts"]
 
 
+# MoE fields every nemotron_h_puzzle MoE entry states, as NVIDIA's Puzzle-75B release does: llama.cpp's
+# converter reads the width and top-k of each MoE entry with no fallback to the globals, and vLLM drops
+# from the globals every field some entry sets ("blockwise members"), so an entry without it would get
+# the config class's default instead of the global.
+MOE_ENTRY_KEYS = (
+    "n_routed_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "moe_shared_expert_intermediate_size",
+    "moe_latent_size",
+)
+
+
 @dataclass(frozen=True)
 class KindTable:
-    """How one block kind reads from and writes to config.json: its fields, in the order written."""
+    """How one block kind reads from and writes to config.json: its fields, in the order written.
+
+    `not_in_config`: spec attributes no NemotronH config carries (read as their defaults, writable only
+    at them). `names`: what configs also call the kind, beyond its kind name and pattern char.
+    `globals_order`: the most common block of the kind sets the global fields, kinds in increasing
+    order, so a later kind wins a key two kinds share (MoE's mlp_* over MLP's); None: it sets none.
+    `entry_keys`: keys every nemotron_h_puzzle entry of the kind states even when they equal the global.
+    """
 
     spec_type: type[BlockSpec]
     fields: tuple[Field, ...]
-    # Spec attributes no NemotronH config carries: read as their defaults, writable only at them.
     not_in_config: tuple[str, ...] = ()
+    names: tuple[str, ...] = ()
+    globals_order: int | None = None
+    entry_keys: tuple[str, ...] = ()
 
 
-KIND_TABLES: dict[str, KindTable] = {
-    table.spec_type.kind: table
+KIND_TABLES: dict[type, KindTable] = {
+    table.spec_type: table
     for table in (
         KindTable(
             MambaSpec,
@@ -216,6 +222,8 @@ KIND_TABLES: dict[str, KindTable] = {
                 _plain("mamba_dt_clamp_max", "dt_clamp_max", _optional_float),
                 _fixed("mamba_hidden_act", "silu", lambda act: act == "silu", "Mamba blocks must use 'silu'"),
             ),
+            names=("linear_attention",),
+            globals_order=3,
         ),
         KindTable(
             AttentionSpec,
@@ -226,6 +234,8 @@ KIND_TABLES: dict[str, KindTable] = {
                 _plain("attention_bias", "bias", bool),
             ),
             not_in_config=("rope_theta", "rotary_fraction"),  # NemotronH attention has no position encoding
+            names=("full_attention",),
+            globals_order=2,
         ),
         KindTable(
             MoESpec,
@@ -260,6 +270,8 @@ KIND_TABLES: dict[str, KindTable] = {
                     "MoE blocks with mlp_bias=true are not supported",
                 ),
             ),
+            globals_order=1,
+            entry_keys=MOE_ENTRY_KEYS,
         ),
         KindTable(
             MLPSpec,
@@ -268,10 +280,18 @@ KIND_TABLES: dict[str, KindTable] = {
                 _plain("mlp_hidden_act", "activation"),
                 _plain("mlp_bias", "bias", bool),
             ),
+            globals_order=0,
         ),
         KindTable(LinearSpec, (_plain("linear_bias", "bias", bool),)),
         KindTable(NoOpSpec, ()),
     )
+}
+
+# Every name a block kind goes by: layers_block_type (old and new), block_configs' block_type, pattern char.
+_KIND_NAMES = {
+    name: spec_type.kind
+    for spec_type, table in KIND_TABLES.items()
+    for name in (spec_type.kind, *table.names, spec_type.pattern_char)
 }
 
 # Keys a saved config.json gets from the spec; anything else is carried over from the loaded config.
@@ -300,7 +320,7 @@ _OWNED_KEYS = (
 
 def block_spec_from_fields(kind: str, fields: Fields) -> BlockSpec:
     """The spec of one block of `kind` from its merged config fields (SpecError if they are unsupported)."""
-    table = KIND_TABLES[kind]
+    table = KIND_TABLES[BLOCK_SPEC_TYPES[kind]]
     values = {}
     for field in table.fields:
         value = field.read(fields)
@@ -311,7 +331,7 @@ def block_spec_from_fields(kind: str, fields: Fields) -> BlockSpec:
 
 def block_config_fields(spec: BlockSpec) -> dict[str, Any]:
     """The config fields that describe `spec`, from its kind's table (the inverse of the reading)."""
-    table = KIND_TABLES[spec.kind]
+    table = kind_entry(KIND_TABLES, spec, "no config fields for block spec type")
     defaults = {field.name: field.default for field in dataclass_fields(table.spec_type)}
     for attr in table.not_in_config:
         if getattr(spec, attr) != defaults[attr]:
@@ -463,34 +483,52 @@ def spec_from_config(config: Mapping[str, Any], where: str = CONFIG_NAME) -> Mod
 # ---------------------------------------------------------------------------------------------- config out
 
 
+def _mamba_problems(block: MambaSpec) -> list[str]:
+    return ["an upper dt clamp"] if block.dt_clamp_max is not None else []
+
+
+def _attention_problems(block: AttentionSpec) -> list[str]:
+    return ["attention biases"] if block.bias else []
+
+
+def _moe_problems(block: MoESpec) -> list[str]:
+    problems = [] if block.is_uniform else ["per-expert widths"]
+    return problems + (["MoE without a shared expert"] if block.shared_width == 0 else [])
+
+
+# Why transformers' NemotronH cannot hold a block of each kind, whatever the other blocks are.
+TRANSFORMERS_PROBLEMS: dict[type, Callable[[Any], list[str]]] = {
+    MambaSpec: _mamba_problems,
+    AttentionSpec: _attention_problems,
+    MoESpec: _moe_problems,
+    MLPSpec: lambda block: [],
+    LinearSpec: lambda block: ["linear blocks"],
+    NoOpSpec: lambda block: ["noop blocks"],
+}
+# Keys that blocks of different kinds read from one global field of transformers' NemotronH config.
+_SHARED_KEYS = ("mlp_hidden_act", "mlp_bias")
+
+
 def transformers_incompatibilities(spec: ModelSpec) -> list[str]:
     """Why transformers' NemotronH (model_type nemotron_h) cannot represent `spec`; empty if it can."""
     reasons = []
     by_kind: dict[str, set[BlockSpec]] = {}
     for block in spec.blocks:
         by_kind.setdefault(block.kind, set()).add(block)
-    for kind in ("linear", "noop"):
-        if kind in by_kind:
-            reasons.append(f"{kind} blocks")
+        reasons += kind_entry(TRANSFORMERS_PROBLEMS, block, "no transformers rules for block spec type")(
+            block
+        )
     for kind, specs in by_kind.items():
         if len(specs) > 1:
             reasons.append(f"{len(specs)} different {kind} shapes")
-    for block in spec.blocks:
-        if isinstance(block, MoESpec) and not block.is_uniform:
-            reasons.append("per-expert widths")
-        if isinstance(block, MoESpec) and block.shared_width == 0:
-            reasons.append("MoE without a shared expert")
-        if isinstance(block, AttentionSpec) and block.bias:
-            reasons.append("attention biases")
-        if isinstance(block, MambaSpec) and block.dt_clamp_max is not None:
-            reasons.append("an upper dt clamp")
     shared: dict[str, Any] = {}
-    for kind in ("moe", "mlp"):
-        for block in by_kind.get(kind, ()):
-            for key in ("mlp_hidden_act", "mlp_bias"):
-                value = block_config_fields(block)[key]
-                if shared.setdefault(key, value) != value:
-                    reasons.append(f"MoE and MLP blocks disagree on {key}")
+    for block in spec.blocks:
+        if not {field.key for field in KIND_TABLES[type(block)].fields} & set(_SHARED_KEYS):
+            continue  # not written for this kind (an attention block with rope could not be written at all)
+        fields = block_config_fields(block)
+        for key in _SHARED_KEYS:
+            if key in fields and shared.setdefault(key, fields[key]) != fields[key]:
+                reasons.append(f"MoE and MLP blocks disagree on {key}")
     return sorted(set(reasons))
 
 
@@ -498,17 +536,6 @@ def _dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-# MoE fields every nemotron_h_puzzle MoE entry states, as NVIDIA's Puzzle-75B release does: llama.cpp's
-# converter reads the width and top-k of each MoE entry with no fallback to the globals, and vLLM drops
-# from the globals every field some entry sets ("blockwise members"), so an entry without it would get
-# the config class's default instead of the global.
-MOE_ENTRY_KEYS = (
-    "n_routed_experts",
-    "num_experts_per_tok",
-    "moe_intermediate_size",
-    "moe_shared_expert_intermediate_size",
-    "moe_latent_size",
-)
 MODEL_TYPES = ("auto", "nemotron_h", "nemotron_h_puzzle")
 
 
@@ -535,6 +562,10 @@ def mtp_block_specs(base: Mapping[str, Any]) -> list[BlockSpec]:
     return list(spec_from_config(mtp, where=where).blocks)
 
 
+def _globals_order(table: KindTable) -> int:
+    return table.globals_order if table.globals_order is not None else -1
+
+
 def _global_fields(spec: ModelSpec, base: Mapping[str, Any]) -> dict[str, Any]:
     """Global config fields: the base's, then the defaults, then the most common shape of each kind of block.
 
@@ -542,8 +573,9 @@ def _global_fields(spec: ModelSpec, base: Mapping[str, Any]) -> dict[str, Any]:
     from the globals only, so the globals describe the child's blocks, never the parent's.
     """
     fields = {key: base.get(key, value) for key, value in DEFAULTS.items()}
-    for kind in ("mlp", "moe", "attention", "mamba"):  # MoE wins the mlp_* fields it shares with MLP
-        blocks = [block for block in spec.blocks if block.kind == kind]
+    setters = sorted((t for t in KIND_TABLES.values() if t.globals_order is not None), key=_globals_order)
+    for table in setters:  # MoE wins the mlp_* fields it shares with MLP
+        blocks = [block for block in spec.blocks if type(block) is table.spec_type]
         if blocks:
             fields.update(block_config_fields(Counter(blocks).most_common(1)[0][0]))
     return fields
@@ -565,7 +597,7 @@ def _entries(blocks: list[BlockSpec], config: dict[str, Any]) -> list[dict[str, 
                 config[key] = None
     stated: dict[str, set[str]] = {}
     for block, block_fields in zip(blocks, fields):
-        keys = stated.setdefault(block.kind, set(MOE_ENTRY_KEYS) if block.kind == "moe" else set())
+        keys = stated.setdefault(block.kind, set(KIND_TABLES[type(block)].entry_keys))
         keys.update(key for key, value in block_fields.items() if config.get(key, DEFAULTS.get(key)) != value)
     entries = []
     for block, block_fields in zip(blocks, fields):

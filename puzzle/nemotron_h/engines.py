@@ -22,11 +22,22 @@ A width per expert inside one block, linear blocks and no-op blocks are ours alo
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from puzzle.nemotron_h.config import transformers_incompatibilities
-from puzzle.spec import AttentionSpec, BlockSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec
+from puzzle.spec import (
+    AttentionSpec,
+    BlockSpec,
+    LinearSpec,
+    MambaSpec,
+    MLPSpec,
+    ModelSpec,
+    MoESpec,
+    NoOpSpec,
+    kind_entry,
+)
 
 ENGINES = ("vllm", "llama.cpp", "transformers")
 SERVING_ENGINES = ("vllm", "llama.cpp")  # what `export(format="engine")` checks by default
@@ -70,82 +81,145 @@ def _differs(block: BlockSpec, reference: BlockSpec, fields: Iterable[str]) -> l
     ]
 
 
+@dataclass(frozen=True)
+class _Model:
+    """What a block's engine rule may compare it with: the most common block of each spec type."""
+
+    reference: dict[type, BlockSpec]
+
+    @classmethod
+    def of(cls, spec: ModelSpec) -> _Model:
+        by_type: dict[type, list[BlockSpec]] = {}
+        for block in spec.blocks:
+            by_type.setdefault(type(block), []).append(block)
+        return cls({spec_type: _most_common(blocks) for spec_type, blocks in by_type.items()})
+
+
+# (block, the model it is in) -> why the engine cannot load it, in the order reported ([] = it can).
+EngineRule = Callable[[Any, _Model], list[str]]
+
+
+def _ours_alone(block: BlockSpec, model: _Model) -> list[str]:
+    return [_OURS_ALONE[block.kind]]
+
+
+def _vllm_mamba(block: MambaSpec, model: _Model) -> list[str]:
+    reasons, mamba = [], model.reference[MambaSpec]
+    if block != mamba:
+        reasons.append(
+            f"a Mamba shape {block.short_name()} unlike the other Mamba blocks' {mamba.short_name()} "
+            "(vLLM builds every Mamba layer and its state cache from the global fields)"
+        )
+    if block.dt_clamp_max is not None:
+        reasons.append("an upper dt clamp (mamba_dt_clamp_max is ours alone)")
+    return reasons
+
+
+def _vllm_attention(block: AttentionSpec, model: _Model) -> list[str]:
+    reasons, attention = [], model.reference[AttentionSpec]
+    if block.bias:
+        reasons.append("attention biases (vLLM's NemotronH attention has none)")
+    if block != attention:  # conservative: the hybrid KV-cache manager pages one attention shape
+        reasons.append(
+            f"an attention shape {block.short_name()} unlike the other attention blocks' "
+            f"{attention.short_name()} (vLLM's hybrid KV cache is laid out for one attention shape)"
+        )
+    return reasons
+
+
+def _vllm_moe(block: MoESpec, model: _Model) -> list[str]:
+    return (
+        [] if block.is_uniform else ["a width per expert inside one block (a fused MoE layer has one width)"]
+    )
+
+
+def _vllm_mlp(block: MLPSpec, model: _Model) -> list[str]:
+    if block.activation != "relu2":
+        return [f"MLP activation {block.activation!r} (vLLM's NemotronH MLP is relu^2)"]
+    return []
+
+
+VLLM_RULES: dict[type, EngineRule] = {
+    MambaSpec: _vllm_mamba,
+    AttentionSpec: _vllm_attention,
+    MoESpec: _vllm_moe,
+    MLPSpec: _vllm_mlp,
+    LinearSpec: _ours_alone,
+    NoOpSpec: _ours_alone,
+}
+
+
+def _llama_cpp_global_shape(block: MambaSpec | AttentionSpec, model: _Model, extra: str | None) -> list[str]:
+    """Mamba and attention shapes come from the globals only; `extra`, if any, only when the shape matches."""
+    reference = model.reference[type(block)]
+    if block != reference:
+        return [
+            f"a {block.kind} shape {block.short_name()} unlike the other {block.kind} blocks' "
+            f"{reference.short_name()} (llama.cpp reads {block.kind} shapes from the globals only)"
+        ]
+    return [] if extra is None else [extra]
+
+
+def _llama_cpp_mamba(block: MambaSpec, model: _Model) -> list[str]:
+    clamp = "an upper dt clamp (mamba_dt_clamp_max is ours alone)" if block.dt_clamp_max is not None else None
+    return _llama_cpp_global_shape(block, model, clamp)
+
+
+def _llama_cpp_attention(block: AttentionSpec, model: _Model) -> list[str]:
+    return _llama_cpp_global_shape(block, model, "attention biases" if block.bias else None)
+
+
+def _llama_cpp_moe(block: MoESpec, model: _Model) -> list[str]:
+    reasons = []
+    if not block.is_uniform:
+        reasons.append("a width per expert inside one block (one expert width per MoE layer)")
+    if block.shared_width == 0:
+        reasons.append("no shared expert (llama.cpp's NemotronH MoE layer always has one)")
+    differs = _differs(block, model.reference[MoESpec], _LLAMA_CPP_SHARED_MOE)
+    if differs:
+        reasons.append(
+            "MoE fields other than width and top-k differ between blocks, and llama.cpp reads them "
+            "from the globals only: " + ", ".join(differs)
+        )
+    return reasons
+
+
+def _llama_cpp_mlp(block: MLPSpec, model: _Model) -> list[str]:
+    if MoESpec in model.reference:
+        return [
+            "a dense MLP block in a model with MoE blocks (llama.cpp's converter marks only MoE "
+            "blocks as feed-forward layers and would take it for attention)"
+        ]
+    if block.activation != "relu2" or block.bias:
+        return ["an MLP that is not a bias-free relu^2 MLP"]
+    return []
+
+
+LLAMA_CPP_RULES: dict[type, EngineRule] = {
+    MambaSpec: _llama_cpp_mamba,
+    AttentionSpec: _llama_cpp_attention,
+    MoESpec: _llama_cpp_moe,
+    MLPSpec: _llama_cpp_mlp,
+    LinearSpec: _ours_alone,
+    NoOpSpec: _ours_alone,
+}
+
+
+def _by_rules(engine: str, rules: dict[type, EngineRule], spec: ModelSpec) -> list[EngineProblem]:
+    model = _Model.of(spec)
+    return [
+        EngineProblem(engine, index, block.kind, reason)
+        for index, block in enumerate(spec.blocks)
+        for reason in kind_entry(rules, block, f"no {engine} rules for block spec type")(block, model)
+    ]
+
+
 def _vllm(spec: ModelSpec) -> list[EngineProblem]:
-    problems = []
-    mamba = _most_common([b for b in spec.blocks if isinstance(b, MambaSpec)])
-    attention = _most_common([b for b in spec.blocks if isinstance(b, AttentionSpec)])
-    for index, block in enumerate(spec.blocks):
-
-        def add(reason: str, index: int = index, block: BlockSpec = block) -> None:
-            problems.append(EngineProblem("vllm", index, block.kind, reason))
-
-        if block.kind in _OURS_ALONE:
-            add(_OURS_ALONE[block.kind])
-        elif isinstance(block, MambaSpec):
-            if block != mamba:
-                add(
-                    f"a Mamba shape {block.short_name()} unlike the other Mamba blocks' {mamba.short_name()} "
-                    "(vLLM builds every Mamba layer and its state cache from the global fields)"
-                )
-            if block.dt_clamp_max is not None:
-                add("an upper dt clamp (mamba_dt_clamp_max is ours alone)")
-        elif isinstance(block, AttentionSpec):
-            if block.bias:
-                add("attention biases (vLLM's NemotronH attention has none)")
-            if block != attention:  # conservative: the hybrid KV-cache manager pages one attention shape
-                add(
-                    f"an attention shape {block.short_name()} unlike the other attention blocks' "
-                    f"{attention.short_name()} (vLLM's hybrid KV cache is laid out for one attention shape)"
-                )
-        elif isinstance(block, MoESpec):
-            if not block.is_uniform:
-                add("a width per expert inside one block (a fused MoE layer has one width)")
-        elif isinstance(block, MLPSpec) and block.activation != "relu2":
-            add(f"MLP activation {block.activation!r} (vLLM's NemotronH MLP is relu^2)")
-    return problems
+    return _by_rules("vllm", VLLM_RULES, spec)
 
 
 def _llama_cpp(spec: ModelSpec) -> list[EngineProblem]:
-    problems = []
-    by_kind = {kind: [b for b in spec.blocks if b.kind == kind] for kind in ("mamba", "attention", "moe")}
-    reference = {kind: _most_common(blocks) for kind, blocks in by_kind.items()}
-    has_moe = bool(by_kind["moe"])
-    for index, block in enumerate(spec.blocks):
-
-        def add(reason: str, index: int = index, block: BlockSpec = block) -> None:
-            problems.append(EngineProblem("llama.cpp", index, block.kind, reason))
-
-        if block.kind in _OURS_ALONE:
-            add(_OURS_ALONE[block.kind])
-        elif isinstance(block, (MambaSpec, AttentionSpec)) and block != reference[block.kind]:
-            add(
-                f"a {block.kind} shape {block.short_name()} unlike the other {block.kind} blocks' "
-                f"{reference[block.kind].short_name()} (llama.cpp reads {block.kind} shapes from the globals only)"
-            )
-        elif isinstance(block, MambaSpec) and block.dt_clamp_max is not None:
-            add("an upper dt clamp (mamba_dt_clamp_max is ours alone)")
-        elif isinstance(block, AttentionSpec) and block.bias:
-            add("attention biases")
-        elif isinstance(block, MoESpec):
-            if not block.is_uniform:
-                add("a width per expert inside one block (one expert width per MoE layer)")
-            if block.shared_width == 0:
-                add("no shared expert (llama.cpp's NemotronH MoE layer always has one)")
-            differs = _differs(block, reference["moe"], _LLAMA_CPP_SHARED_MOE)
-            if differs:
-                add(
-                    "MoE fields other than width and top-k differ between blocks, and llama.cpp reads them "
-                    "from the globals only: " + ", ".join(differs)
-                )
-        elif isinstance(block, MLPSpec):
-            if has_moe:
-                add(
-                    "a dense MLP block in a model with MoE blocks (llama.cpp's converter marks only MoE "
-                    "blocks as feed-forward layers and would take it for attention)"
-                )
-            elif block.activation != "relu2" or block.bias:
-                add("an MLP that is not a bias-free relu^2 MLP")
-    return problems
+    return _by_rules("llama.cpp", LLAMA_CPP_RULES, spec)
 
 
 def _transformers(spec: ModelSpec) -> list[EngineProblem]:

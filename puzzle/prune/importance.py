@@ -67,7 +67,7 @@ from puzzle.artifacts import (
 )
 from puzzle.blocks import ssd
 from puzzle.progress import progress
-from puzzle.spec import AttentionSpec, MambaSpec, MoESpec
+from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec, MLPSpec, MoESpec, NoOpSpec, kind_entry
 
 FORMAT_VERSION = 2  # 2: manifest by puzzle.artifacts, reuse keyed on calibration tokens and settings
 SCORES_FILE = "importance.safetensors"
@@ -422,20 +422,27 @@ class _StatelessCollector(_Collector):
         self.tokens += args[0].numel() // args[0].shape[-1]
 
 
-_COLLECTORS: dict[str, type[_Collector]] = {
-    "mamba": _MambaCollector,
-    "attention": _AttentionCollector,
-    "moe": _MoECollector,
-    "mlp": _MLPCollector,
-    "linear": _StatelessCollector,
-    "noop": _StatelessCollector,
+class _NoOpCollector(_StatelessCollector):
+    """A no-op block never calls its mixer (the model skips it), so there is nothing to fit."""
+
+    def __init__(self, mixer: nn.Module, hidden_size: int, fit_every: int) -> None:
+        super().__init__(mixer, hidden_size, 0)
+
+
+# The importance collector of each block kind, keyed by spec type.
+IMPORTANCE_COLLECTORS: dict[type, type[_Collector]] = {
+    MambaSpec: _MambaCollector,
+    AttentionSpec: _AttentionCollector,
+    MoESpec: _MoECollector,
+    MLPSpec: _MLPCollector,
+    LinearSpec: _StatelessCollector,
+    NoOpSpec: _NoOpCollector,
 }
 
 
 def _make_collector(mixer: nn.Module, hidden_size: int, fit_every: int) -> _Collector:
-    kind = mixer.spec.kind
-    # A no-op block never calls its mixer (the model skips it), so there is nothing to fit.
-    return _COLLECTORS[kind](mixer, hidden_size, fit_every if kind != "noop" else 0)
+    collector = kind_entry(IMPORTANCE_COLLECTORS, mixer.spec, "no importance collector for block spec type")
+    return collector(mixer, hidden_size, fit_every)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from puzzle.axes import pruning_axes
 from puzzle.blocks import build_block
 from puzzle.blocks.moe import bank_state, hub_state
 from puzzle.prune.importance import BlockImportance
@@ -77,7 +78,7 @@ def _hidden_size(block: nn.Module, spec: BlockSpec) -> int:
 
 
 def _check_axes(parent: BlockSpec, child: BlockSpec) -> None:
-    axes = child_init_rules(parent).axes
+    axes = [axis.name for axis in pruning_axes(parent)]
     for f in dataclasses.fields(parent):
         if f.name not in axes and getattr(parent, f.name) != getattr(child, f.name):
             raise SpecError(
@@ -566,15 +567,15 @@ FromAnyKind = Callable[
 class ChildInit:
     """How `init_child` treats one block kind, as a child and as a parent.
 
-    `axes`: the spec fields a child of the same kind may change (every other field must equal the
-    parent's); `shrink`: the surgery for a smaller child of the same kind; `from_any_kind`: builds a
-    child of this kind from a parent of any kind (a linear fit, a no-op), replacing `shrink`;
+    The spec fields a child of the same kind may change (every other field must equal the parent's)
+    are the kind's `puzzle.axes.PRUNING_AXES`. `shrink`: the surgery for a smaller child of the same
+    kind; `from_any_kind`: builds a child of this kind from a parent of any kind (a linear fit, a
+    no-op), replacing `shrink`;
     `has_weights`: False for a kind with nothing to derive from; `hidden_size`: reads H off a parent
     block of this kind; `linear_without_fit`: a structural linear map of a parent of this kind for
     when the least-squares sums are missing (None: the fit is needed).
     """
 
-    axes: tuple[str, ...]
     shrink: Shrink | None = None
     from_any_kind: FromAnyKind | None = None
     has_weights: bool = True
@@ -586,37 +587,31 @@ class ChildInit:
 
 CHILD_INITS: dict[type, ChildInit] = {
     MambaSpec: ChildInit(
-        axes=("num_heads", "head_dim", "state_size", "chunk_size"),
         shrink=lambda state, parent, child, importance, kv_mode: _mamba_state(
             state, parent, child, importance
         ),
         hidden_size=lambda block: block.out_proj.weight.shape[0],
     ),
     AttentionSpec: ChildInit(
-        axes=("num_heads", "num_kv_heads"),
         shrink=_attention_state,
         hidden_size=lambda block: block.o_proj.weight.shape[0],
         linear_without_fit=_attention_as_linear,
     ),
     MoESpec: ChildInit(
-        axes=("num_experts", "top_k", "expert_width", "shared_width", "latent_size"),
         shrink=lambda state, parent, child, importance, kv_mode: _moe_state(state, parent, child, importance),
         hidden_size=lambda block: block.gate.weight.shape[1],
     ),
     MLPSpec: ChildInit(
-        axes=("width",),
         shrink=lambda state, parent, child, importance, kv_mode: _mlp_state(state, parent, child, importance),
         hidden_size=lambda block: block.down_proj.weight.shape[0],
         linear_without_fit=_mlp_as_linear,
     ),
     LinearSpec: ChildInit(
-        axes=(),
         from_any_kind=_linear_state,
         hidden_size=lambda block: block.linear.weight.shape[0],
         linear_without_fit=_linear_as_linear,
     ),
     NoOpSpec: ChildInit(
-        axes=(),
         from_any_kind=lambda parent_block, parent_spec, child_spec, importance, hidden: {},
         has_weights=False,
     ),
