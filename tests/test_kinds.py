@@ -94,7 +94,7 @@ def test_every_table_keyed_by_spec_type_is_registered():
 
 
 def test_search_attributes_match_what_the_budget_writes():
-    """`puzzle.search.kinds` agrees with the attributes `deployment_problem` gives each choice today."""
+    """The attributes `deployment_problem` gives each choice are `puzzle.search.kinds`' (its one source)."""
     from puzzle.search.budget import Budget, deployment_problem
     from puzzle.search.kinds import search_attributes
 

@@ -48,9 +48,10 @@ from puzzle.cost import (
 from puzzle.cost.analytic import get_recipe
 from puzzle.cost.hardware import DEFAULT_HARDWARE, DEFAULT_MEMORY_FRACTION, HardwareProfile, hardware_key
 from puzzle.cost.roofline import LatencyFn, RooflineLatency
+from puzzle.search.kinds import search_attributes
 from puzzle.search.limits import BudgetError, Limit, Relative, Value, parse_limit, parse_value
 from puzzle.search.types import Choice, Rules, SearchError, Table
-from puzzle.spec import BlockSpec, MambaSpec, ModelSpec, MoESpec, SpecError
+from puzzle.spec import BlockSpec, ModelSpec, SpecError
 
 # ------------------------------------------------------------------------------------------ the cost model
 
@@ -349,9 +350,6 @@ BUDGET_KEYS: dict[str, tuple[str, bool, str]] = {
     key: (row.side, row.scenarios, row.meaning) for key, row in BUDGET_ROWS.items()
 }
 
-# Per block kind, the spec fields the global rules read (`Rules.shared_state_size`, `same_top_k`).
-SEARCH_ATTRIBUTES: dict[type[BlockSpec], tuple[str, ...]] = {MambaSpec: ("state_size",), MoESpec: ("top_k",)}
-
 
 # ------------------------------------------------------------------------------------------- the grammar
 
@@ -481,9 +479,7 @@ def priced_table(
             seen[name] = seen.get(name, 0) + 1
             if seen[name] > 1:
                 name = f"{name}#{seen[name]}"
-            attrs = {"kind": spec.kind}
-            attrs.update({a: getattr(spec, a) for a in SEARCH_ATTRIBUTES.get(type(spec), ())})
-            choices.append(Choice(name, float(score), costs, attrs))
+            choices.append(Choice(name, float(score), costs, search_attributes(spec)))
         blocks[f"block_{index}"] = choices
     table = Table.from_choices(blocks, fixed, maximize, objective_name)
     return table, limits
