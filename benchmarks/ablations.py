@@ -418,7 +418,7 @@ class Bench:
 
         if self._decode is None:
             cost_model = self.run.cost_model()
-            scenario, hardware = cost_model.scenarios["decode"], get_hardware(cost_model.hardware)
+            scenario, hardware = cost_model.scenarios["decode"], get_hardware(cost_model.profile)
             parent_s = model_performance(self.spec, scenario, hardware).decode_step_s
             self._decode = (scenario, hardware, parent_s)
         scenario, hardware, parent_s = self._decode
