@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from puzzle.artifacts import ArtifactError, fingerprint_model
-from puzzle.bld import Library, read_library
 from puzzle.blocks import build_block
 from puzzle.cost import model_active_params, model_params
+from puzzle.library import Library, read_library
 from puzzle.model import HybridLM
 from puzzle.nemotron_h.config import mtp_block_specs
 from puzzle.score import ModelComparison, Scores, compare_models

@@ -45,7 +45,8 @@ Resume: every `checkpoint_every` steps the wave's variant weights, AdamW states 
 tokens) are written atomically under `<directory>/bld-checkpoints/`; a finished wave writes its variants'
 final weights there. A killed run restarted with the same inputs continues from there and ends with the
 same weights as an uninterrupted run (the schedule is a function of the tokens seen, the data stream is
-replayed and skipped up to the saved position). The library is then written through `puzzle.artifacts`:
+replayed and skipped up to the saved position). The library is then written through `puzzle.artifacts`
+in the format of `puzzle.library` (which also reads it back, `read_library`):
 ``block{i}/{id, ':' as '_'}.safetensors`` per trained variant (its kept weights: the mixer's `state_dict()`,
 i.e. module keys relative to the mixer, as `HybridLM.layers[i].mixer` loads them; routed MoE experts in the
 expert-bank layout) and ``library.json``; the checkpoints are then removed.
@@ -60,7 +61,7 @@ import math
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +81,18 @@ from puzzle.artifacts import (
 from puzzle.blocks import build_block
 from puzzle.blocks.moe import TopKRouter
 from puzzle.files import atomic_write
-from puzzle.layout import library_variant_file
+from puzzle.library import (
+    ARTIFACT_NAME,
+    FORMAT_VERSION,
+    LIBRARY_FILE,
+    STATUSES,
+    Library,
+    VariantResult,
+    library_json,
+    read_library,
+    variant_file,
+    variant_key,
+)
 from puzzle.model import HybridLM
 from puzzle.progress import progress_bar
 from puzzle.prune.importance import ModelImportance
@@ -94,11 +106,7 @@ from puzzle.resume import (
 )
 from puzzle.spec import NoOpSpec, SpecError, Variant
 
-FORMAT_VERSION = 1
-ARTIFACT_NAME = "library"
-LIBRARY_FILE = "library.json"
 CHECKPOINT_DIR = "bld-checkpoints"
-STATUSES = ("trained", "parent", "noop", "failed")
 # Saved activations per token of a variant's training step, in units of (input widths of its matrices x
 # dtype bytes); the backward keeps each matrix's input plus a few elementwise temporaries.
 _ACTIVATION_FACTOR = 2
@@ -173,92 +181,6 @@ class BLDSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "betas": list(self.betas)}
-
-
-@dataclass
-class VariantResult:
-    """What BLD did with one variant: `status` (one of STATUSES), tokens trained on, held-out normalised MSE
-    (None when not finite) at init, after training (`trained_nmse`) and of the weights kept (`final_nmse`),
-    which weights the library kept (`kept`: "trained" or "init", None for a variant not trained), and for a
-    failure the step and reason.
-
-    A trained variant keeps its initial weights when training left it worse on the held-out tokens: the
-    library never holds a variant that BLD made worse than `init_child` did.
-    """
-
-    variant: Variant
-    status: str
-    tokens: int = 0
-    init_nmse: float | None = None
-    final_nmse: float | None = None
-    failed_step: int | None = None
-    reason: str | None = None
-    trained_nmse: float | None = None
-    kept: str | None = None
-    # The file library.json names, when read from one: libraries written before portable names keep theirs.
-    stored_file: str | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def file(self) -> str | None:
-        """The library file of a trained variant (None otherwise)."""
-        if self.status != "trained":
-            return None
-        return self.stored_file or variant_file(self.variant)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            **self.variant.to_dict(),
-            "status": self.status,
-            "file": self.file,
-            "tokens": self.tokens,
-            "init_nmse": self.init_nmse,
-            "trained_nmse": self.trained_nmse,
-            "final_nmse": self.final_nmse,
-            "kept": self.kept,
-            "failed_step": self.failed_step,
-            "reason": self.reason,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> VariantResult:
-        variant = Variant.from_dict({k: data[k] for k in ("block_index", "id", "spec")})
-        # trained_nmse and kept are absent from libraries written before the guard (read as None).
-        fields = ("tokens", "init_nmse", "final_nmse", "failed_step", "reason", "trained_nmse", "kept")
-        return cls(variant, data["status"], **{k: data.get(k) for k in fields}, stored_file=data.get("file"))
-
-
-@dataclass
-class Library:
-    """BLD's output: one result per variant, the wave plan that trained them, and where the files are."""
-
-    directory: Path
-    parent: str
-    results: dict[Variant, VariantResult]
-    plan: list[list[Variant]] = field(default_factory=list)
-    # {wave number: step} of the waves this call resumed from a checkpoint (empty once read back from disk).
-    resumed: dict[int, int] = field(default_factory=dict)
-
-    def load_mixer(self, variant: Variant, hidden_size: int, norm_eps: float = 1e-5) -> nn.Module:
-        """The trained mixer of `variant` (on the CPU), built from its spec and loaded from its file."""
-        result = self.results.get(variant)
-        if result is None or result.status != "trained":
-            status = "absent" if result is None else result.status
-            raise KeyError(
-                f"variant {variant.id} of block {variant.block_index} has no trained weights ({status})"
-            )
-        artifact = Artifact(self.directory, ARTIFACT_NAME, FORMAT_VERSION)
-        mixer = build_block(variant.spec, hidden_size, norm_eps)
-        mixer.load_state_dict(artifact.load_tensors(result.file))
-        return mixer
-
-
-def variant_file(variant: Variant) -> str:
-    """The library file BLD writes for a variant, relative to the library directory (portable names)."""
-    return library_variant_file(variant.block_index, variant.id)
-
-
-def _key(variant: Variant) -> str:
-    return f"{variant.block_index}/{variant.id}"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -525,8 +447,8 @@ def _save_checkpoint(directory: Path, wave: _Wave, inputs: Mapping[str, str]) ->
         if wave.results[variant].status != "trained":
             continue
         for name, value in wave.mixers[variant].state_dict().items():
-            tensors[f"{_key(variant)}/param/{name}"] = shard.full(value)
-        tensors.update(optimizer_tensors(wave.optimizers[variant], f"{_key(variant)}/adam/"))
+            tensors[f"{variant_key(variant)}/param/{name}"] = shard.full(value)
+        tensors.update(optimizer_tensors(wave.optimizers[variant], f"{variant_key(variant)}/adam/"))
     record = {
         "inputs": dict(inputs),
         "wave": wave.number,
@@ -552,11 +474,11 @@ def _load_checkpoint(directory: Path, wave: _Wave, inputs: Mapping[str, str]) ->
         if wave.results[variant].status != "trained":
             wave.optimizers.pop(variant, None)
             continue
-        prefix = f"{_key(variant)}/param/"
+        prefix = f"{variant_key(variant)}/param/"
         current = mixer.state_dict()
         state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
         mixer.load_state_dict({k: shard.like(v, current[k]) if k in current else v for k, v in state.items()})
-        load_optimizer_tensors(wave.optimizers[variant], tensors, f"{_key(variant)}/adam/")
+        load_optimizer_tensors(wave.optimizers[variant], tensors, f"{variant_key(variant)}/adam/")
     return True
 
 
@@ -768,7 +690,7 @@ def build_library(
         for r in ordered.values()
         if r.file is not None
     }
-    outputs[LIBRARY_FILE] = json_writer(_library_json(library, settings))
+    outputs[LIBRARY_FILE] = json_writer(library_json(library, settings.to_dict()))
     summary = {s: sum(r.status == s for r in ordered.values()) for s in STATUSES}
     artifact.write(inputs, outputs, {"variants": len(ordered), **summary})
     if dist.is_main():
@@ -915,30 +837,3 @@ def _keep_the_better(result: VariantResult, trained_nmse: float | None) -> None:
             init,
             why,
         )
-
-
-def _library_json(library: Library, settings: BLDSettings) -> dict[str, Any]:
-    return {
-        "format": FORMAT_VERSION,
-        "parent": library.parent,
-        "settings": settings.to_dict(),
-        "weights": "each file holds the mixer's state_dict (keys relative to layers.{i}.mixer)",
-        "plan": [[_key(v) for v in wave] for wave in library.plan],
-        "variants": [r.to_dict() for r in library.results.values()],
-    }
-
-
-def read_library(directory: str | Path) -> Library:
-    """The library written by `build_library` in `directory`; errors name the file."""
-    directory = Path(directory)
-    artifact = Artifact(directory, ARTIFACT_NAME, FORMAT_VERSION)
-    artifact.read_manifest()
-    data = artifact.load_json(LIBRARY_FILE)
-    try:
-        results = [VariantResult.from_dict(entry) for entry in data["variants"]]
-        by_key = {_key(r.variant): r.variant for r in results}
-        plan = [[by_key[key] for key in wave] for wave in data["plan"]]
-        parent = data["parent"]
-    except (KeyError, TypeError, SpecError) as error:
-        raise ArtifactError(f"{artifact.path(LIBRARY_FILE)}: malformed library ({error!r})") from error
-    return Library(directory, parent, {r.variant: r for r in results}, plan)

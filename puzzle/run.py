@@ -476,8 +476,8 @@ class Run:
         }
 
         def compute() -> dict[str, Any]:
-            from puzzle.bld import read_library
             from puzzle.blocks import build_block
+            from puzzle.library import read_library
             from puzzle.score import score_variants
 
             parent = self.load_parent()
@@ -619,7 +619,7 @@ class Run:
     def _child(self, name: str) -> HybridLM:
         """The assembled child of solution `name` (a fresh parent, the library, the scores)."""
         from puzzle.assemble import assemble
-        from puzzle.bld import read_library
+        from puzzle.library import read_library
         from puzzle.score import load_scores
 
         data = json.loads(self.layout.solution(name).read_text())

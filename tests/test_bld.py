@@ -32,15 +32,13 @@ from torch.distributed.tensor import DTensor
 
 from puzzle.bld import (
     CHECKPOINT_DIR,
-    LIBRARY_FILE,
     build_library,
     default_init,
     plan_waves,
-    read_library,
-    variant_file,
     variant_training_bytes,
 )
 from puzzle.layout import variant_file_stem
+from puzzle.library import LIBRARY_FILE, read_library, variant_file
 from puzzle.spec import Variant
 
 HERE = Path(__file__).parent

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from puzzle.bld import LIBRARY_FILE
 from puzzle.config.run import load_config_data
 from puzzle.demo.parent import demo_parent
 from puzzle.demo.pipeline import QUICK, demo_config
+from puzzle.library import LIBRARY_FILE
 from puzzle.run import Run
 
 

@@ -82,9 +82,9 @@ def _printed(notebook: Any) -> str:
 def test_quickstart_notebook_runs_every_stage_in_a_kernel(inputs, monkeypatch):
     """examples/quickstart.ipynb executed by nbclient, as Jupyter runs it, with tiny parameters."""
     from puzzle.assemble import assemble
-    from puzzle.bld import read_library
     from puzzle.cost.analytic import model_active_params
     from puzzle.gkd import load_distilled
+    from puzzle.library import read_library
     from puzzle.score import load_scores
 
     root, tiny = inputs
