@@ -19,9 +19,9 @@ from safetensors.torch import load_file, save_file
 
 import puzzle
 from puzzle.assemble import AssemblyError, assemble, measured_kl, solution_variants
+from puzzle.compare import compare_models
 from puzzle.cost import model_params
 from puzzle.library import variant_file
-from puzzle.score import compare_models
 from puzzle.search.types import Solution
 from puzzle.spec import LinearSpec, MLPSpec, NoOpSpec, Variant
 
