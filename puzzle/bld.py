@@ -54,7 +54,6 @@ expert-bank layout) and ``library.json``; the checkpoints are then removed.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -104,6 +103,7 @@ from puzzle.resume import (
     read_checkpoint,
     write_checkpoint,
 )
+from puzzle.settings import BLDSettings
 from puzzle.spec import NoOpSpec, SpecError, Variant
 
 CHECKPOINT_DIR = "bld-checkpoints"
@@ -114,73 +114,6 @@ _ACTIVATION_FACTOR = 2
 _log = logging.getLogger(__name__)
 
 Batches = Callable[[], Iterable[torch.Tensor]] | Sequence[torch.Tensor]
-
-
-@dataclass(frozen=True)
-class BLDSettings:
-    """How BLD trains. Token counts are global (all ranks together); bytes are per process.
-
-    `lr`: AdamW peak learning rate; `warmup_tokens`: linear warm-up from 0, then cosine decay to
-    `min_lr_ratio * lr` at `token_budget` tokens (each variant trains on `token_budget` tokens, fewer if
-    the data ends first); `clip`: max gradient norm per variant (0 = none); `checkpoint_every`: steps
-    between checkpoints (0 = never); `memory_limit_bytes`: what one wave's variants may use (None = one
-    wave); `dtype`: the variants' training dtype ("float32" or "bfloat16"); `autocast`: bf16 autocast on
-    CUDA; `seed`: seeds torch before each wave's variants are built; `shard`: "fsdp" shards the parent and
-    the variants over the ranks with FSDP2, "none" replicates them (no effect in a single process);
-    `router_lr_scale`: the MoE routers' learning rate as a fraction of lr (0 = they keep their initial weights:
-    the loss reaches a router only through the weights of the experts it chose, never through the choice).
-    """
-
-    lr: float = 1e-4
-    warmup_tokens: int = 0
-    token_budget: int = 1_000_000
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    clip: float = 1.0
-    checkpoint_every: int = 100
-    memory_limit_bytes: int | None = None
-    dtype: str = "float32"
-    autocast: bool = True
-    seed: int = 0
-    shard: str = "fsdp"
-    # Why 0: top-k has no gradient, so the router's gradient ignores the expert choices a step changes, while
-    # AdamW moves every router weight by about lr a step whatever its gradient. Each step then flips experts
-    # for many tokens: trained routers made the quick demo's top-2 half-width variants 1.6-2.6x worse than
-    # their init (frozen: 0.4-0.5x). With top-1 and normalised weights the gradient is rounding noise.
-    router_lr_scale: float = 0.0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "betas", tuple(self.betas))
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"BLDSettings.lr must be a positive number, found {self.lr!r}")
-        for name in ("warmup_tokens", "checkpoint_every"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ValueError(f"BLDSettings.{name} must be an integer >= 0, found {getattr(self, name)!r}")
-        if not isinstance(self.token_budget, int) or self.token_budget < 1:
-            raise ValueError(f"BLDSettings.token_budget must be an integer >= 1, found {self.token_budget!r}")
-        if not (self.router_lr_scale >= 0 and math.isfinite(self.router_lr_scale)):
-            raise ValueError(
-                f"BLDSettings.router_lr_scale must be a number >= 0, found {self.router_lr_scale!r}"
-            )
-        if self.clip < 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(
-                f"BLDSettings: clip >= 0 and 0 <= min_lr_ratio <= 1, found {self.clip}, {self.min_lr_ratio}"
-            )
-        if self.memory_limit_bytes is not None and self.memory_limit_bytes < 1:
-            raise ValueError(
-                f"BLDSettings.memory_limit_bytes must be positive or None, found {self.memory_limit_bytes}"
-            )
-        shard.check_mode("BLDSettings.shard", self.shard)
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"BLDSettings.dtype must be 'float32' or 'bfloat16', found {self.dtype!r}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "betas": list(self.betas)}
 
 
 # ----------------------------------------------------------------------------------------------------------

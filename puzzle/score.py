@@ -70,6 +70,7 @@ from puzzle.logits import chunk_logits as _logits
 from puzzle.logits import vocab_chunks as _chunks
 from puzzle.model import Block, HybridLM, RMSNorm
 from puzzle.progress import progress
+from puzzle.settings import ScoreSettings
 from puzzle.spec import NoOpSpec, Variant
 
 SCORES_FILE = "scores.json"
@@ -84,37 +85,6 @@ _NUM_SUMS = 9
 _log = logging.getLogger(__name__)
 
 MixerSource = Mapping[Variant, nn.Module | None] | Callable[[Variant], nn.Module | None]
-
-
-@dataclass(frozen=True)
-class ScoreSettings:
-    """How to score. `vocab_chunk`: lm_head rows per chunk (peak memory, see `score_variants`).
-    `variants_per_wave`: variants whose mixers (and, per batch, final hidden states) are held at once (None:
-    all); the parent runs once per batch per wave. `parent_kl_tolerance`: the largest KL (nats/token) the parent's own mixer may score
-    before the run is stopped as not reproducible (0 on the CPU; GPU kernels may add rounding noise).
-    `shard`: "fsdp" shards the parent and the variants with FSDP2 under torch.distributed with more than one
-    rank (`puzzle.shard`, as BLD); "none" keeps them replicated on every rank. `checkpoint_every`: batches
-    (per rank) between saves of the running sums of the wave in flight (None: only finished waves are
-    saved)."""
-
-    vocab_chunk: int = 4096
-    variants_per_wave: int | None = None
-    parent_kl_tolerance: float = 1e-6
-    shard: str = "fsdp"
-    checkpoint_every: int | None = 20
-
-    def __post_init__(self) -> None:
-        if self.checkpoint_every is not None and self.checkpoint_every < 1:
-            raise ValueError(
-                f"ScoreSettings.checkpoint_every must be >= 1 or None, found {self.checkpoint_every}"
-            )
-        shard.check_mode("ScoreSettings.shard", self.shard)
-        if self.vocab_chunk < 1:
-            raise ValueError(f"ScoreSettings.vocab_chunk must be >= 1, found {self.vocab_chunk}")
-        if self.variants_per_wave is not None and self.variants_per_wave < 1:
-            raise ValueError(
-                f"ScoreSettings.variants_per_wave must be >= 1 or None, found {self.variants_per_wave}"
-            )
 
 
 @dataclass(frozen=True)

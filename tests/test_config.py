@@ -9,6 +9,8 @@ import dataclasses
 import inspect
 import json
 import shutil
+import subprocess
+import sys
 import typing
 from pathlib import Path
 from typing import Literal
@@ -613,3 +615,19 @@ def test_data_settings_match_token_data_load():
     config = load_config_data(BASE)
     parameters = set(inspect.signature(TokenData.load).parameters) - {"cls"}
     assert set(config.data.token_data_kwargs(config.tokenizer_dir)) == parameters
+
+
+def test_validating_a_config_imports_no_torch():
+    """`import puzzle.config; load_config(...)` in a fresh interpreter: the stages' settings come from the
+    torch-free `puzzle.settings`, so checking a YAML file never imports torch (nor a stage module)."""
+    stages = ["torch", "puzzle.bld", "puzzle.score", "puzzle.gkd", "puzzle.model"]
+    script = f"""
+import json, sys
+import puzzle.config
+configs = [puzzle.config.load_config(path) for path in {[str(p) for p in sorted(EXAMPLES.glob("*.yaml"))]!r}]
+puzzle.config.reference_markdown()
+print(json.dumps({{"configs": len(configs), "loaded": [name for name in {stages!r} if name in sys.modules]}}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"configs": 2, "loaded": []}

@@ -21,18 +21,16 @@ from typing import Any, Literal
 
 import yaml
 
-from puzzle.bld import BLDSettings
 from puzzle.config.loader import ConfigError, doc, from_data, line_of, read_yaml, to_dict
 from puzzle.cost.analytic import get_recipe
 from puzzle.cost.hardware import hardware_key
 from puzzle.cost.roofline import Scenario
-from puzzle.gkd import GKDSettings
 from puzzle.presets import SPACE_PRESETS, get_space_preset
-from puzzle.score import ScoreSettings
 from puzzle.search import run_dir
 from puzzle.search.frontier import parse_sweep
 from puzzle.search.limits import BudgetError, Limit, Value, parse_limit
 from puzzle.search.types import SolverOptions
+from puzzle.settings import BLDSettings, GKDSettings, ScoreSettings
 from puzzle.space import SearchSpace
 from puzzle.spec import ModelSpec
 
