@@ -10,7 +10,17 @@ from typing import Any
 import torch
 
 from puzzle import dist
-from puzzle.logits import LogitStream, chunk_logits, vocab_chunks
+from puzzle.logits import (
+    KL_SUM,
+    NLL_SUM,
+    NUM_HEAD_SUMS,
+    POSITIONS,
+    TEACHER_NLL_SUM,
+    TOP1_SUM,
+    LogitStream,
+    chunk_logits,
+    vocab_chunks,
+)
 from puzzle.model import HybridLM
 
 
@@ -53,7 +63,7 @@ def compare_models(
         )
     listed = batches() if callable(batches) and not isinstance(batches, Sequence) else batches
     device = parent.lm_head.weight.device
-    sums = torch.zeros(5, dtype=torch.float64, device=device)  # kl, child nll, parent nll, top1, tokens
+    sums = torch.zeros(NUM_HEAD_SUMS, dtype=torch.float64, device=device)  # the child is the student
     modes = parent.training, child.training
     parent.eval()
     child.eval()
@@ -88,21 +98,23 @@ def compare_models(
             kl = child_stream.kl(parent_stream)
             if not bool(torch.isfinite(kl).all()):
                 raise ValueError("the child gives non-finite logits on the held-out batches")
-            sums[0] += kl.sum()
-            sums[1] += (child_stream.log_normaliser - child_stream.target_logit.double()).sum()
-            sums[2] += (parent_stream.log_normaliser - parent_stream.target_logit.double()).sum()
-            sums[3] += (child_stream.top_ids[:, 0] == top1).sum()
-            sums[4] += n
+            sums[KL_SUM] += kl.sum()
+            sums[NLL_SUM] += (child_stream.log_normaliser - child_stream.target_logit.double()).sum()
+            sums[TEACHER_NLL_SUM] += (
+                parent_stream.log_normaliser - parent_stream.target_logit.double()
+            ).sum()
+            sums[TOP1_SUM] += (child_stream.top_ids[:, 0] == top1).sum()
+            sums[POSITIONS] += n
     finally:
         parent.train(modes[0])
         child.train(modes[1])
     dist.all_reduce_sum_([sums])
-    tokens = int(sums[4])
+    tokens = int(sums[POSITIONS])
     if tokens == 0:
         raise ValueError("no held-out positions: every batch needs at least 2 tokens per row")
     return ModelComparison(
-        kl=float(sums[0] / tokens),
-        lm_loss_delta=float((sums[1] - sums[2]) / tokens),
-        top1=float(sums[3] / tokens),
+        kl=float(sums[KL_SUM] / tokens),
+        lm_loss_delta=float((sums[NLL_SUM] - sums[TEACHER_NLL_SUM]) / tokens),
+        top1=float(sums[TOP1_SUM] / tokens),
         tokens=tokens,
     )

@@ -73,6 +73,7 @@ from puzzle.data import DataError, TokenSplit
 from puzzle.logits import (
     KL_SUM,
     NLL_SUM,
+    NUM_HEAD_SUMS,
     POSITIONS,
     TEACHER_NLL_SUM,
     TOP1_SUM,
@@ -96,9 +97,10 @@ WEIGHTS_FILE = "student.safetensors"
 HISTORY_FILE = "history.json"
 CHECKPOINT_DIR = "gkd-checkpoints"
 
-# Rows of a step's fp64 sums: the head's (puzzle.logits) then the cosine term's.
-_COSINE_SUM, _TOKENS = 5, 6
-_NUM_SUMS = 7
+# Rows of a step's fp64 sums: the head's (puzzle.logits: KL_SUM .. POSITIONS), then the cosine term's sum
+# and the tokens it is over.
+_COSINE_SUM, _TOKENS = NUM_HEAD_SUMS, NUM_HEAD_SUMS + 1
+_NUM_SUMS = NUM_HEAD_SUMS + 2
 
 TrainData = TokenSplit | Sequence[torch.Tensor] | Callable[[], Iterable[torch.Tensor]]
 

@@ -47,6 +47,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
@@ -78,9 +79,23 @@ PARTIAL_FILE = "scores.partial.json"
 WAVE_FILE = "scores.wave.json"
 FORMAT = 1
 
-# Per-variant fp64 sums, one row per variant (all-reduced together).
-_KL, _CHILD_NLL, _PARENT_NLL, _TOP1, _TOP5, _SQ_ERR, _SQ_REF, _TOKENS, _NONFINITE = range(9)
-_NUM_SUMS = 9
+
+class _Sum(IntEnum):
+    """The columns of the per-variant fp64 sums, one row per variant (all-reduced together; saved in this
+    order in scores.wave.json)."""
+
+    KL = 0  # KL(parent || child), nats
+    CHILD_NLL = 1  # the child's next-token cross-entropy, nats
+    PARENT_NLL = 2
+    TOP1 = 3  # positions where the child's top-1 is the parent's
+    TOP5 = 4  # positions where the parent's top-1 is in the child's top 5
+    SQ_ERR = 5  # |h_child - h_parent|^2 of the final hidden state
+    SQ_REF = 6  # |h_parent|^2
+    TOKENS = 7  # positions counted
+    NONFINITE = 8  # positions with non-finite logits or hidden states
+
+
+_NUM_SUMS = len(_Sum)
 
 _log = logging.getLogger(__name__)
 
@@ -364,17 +379,17 @@ def _score_batch(
     parent_sq = reference.hidden.float().pow(2).sum(dtype=torch.float64)
     parent_nll = reference.nll.sum()
     parent_bad = ~(torch.isfinite(reference.nll) & torch.isfinite(reference.hidden).all(-1))
-    sums[len(wave), _TOKENS] += n
-    sums[len(wave), _PARENT_NLL] += parent_nll
+    sums[len(wave), _Sum.TOKENS] += n
+    sums[len(wave), _Sum.PARENT_NLL] += parent_nll
     for variant in own:
         row = sums[wave.index(variant)]
-        row[_TOKENS] += n
+        row[_Sum.TOKENS] += n
         if bool(parent_bad.any()):
-            row[_NONFINITE] += parent_bad.sum()
+            row[_Sum.NONFINITE] += parent_bad.sum()
             continue
-        row[[_CHILD_NLL, _PARENT_NLL]] += parent_nll
-        row[[_TOP1, _TOP5]] += n
-        row[_SQ_REF] += parent_sq
+        row[[_Sum.CHILD_NLL, _Sum.PARENT_NLL]] += parent_nll
+        row[[_Sum.TOP1, _Sum.TOP5]] += n
+        row[_Sum.SQ_REF] += parent_sq
     # Every variant to run through its suffix; its final hidden state is kept ([N, H] each) so that each
     # parent chunk is computed once per batch, then every variant's same chunk.
     children: list[tuple[int, _Child]] = []
@@ -397,18 +412,18 @@ def _score_batch(
         kl = child.kl(reference)
         hidden = child.hidden
         bad = ~(torch.isfinite(kl) & torch.isfinite(child.target_logit) & torch.isfinite(hidden).all(-1))
-        sums[row, _TOKENS] += n
+        sums[row, _Sum.TOKENS] += n
         if bool(bad.any()):
-            sums[row, _NONFINITE] += bad.sum()
+            sums[row, _Sum.NONFINITE] += bad.sum()
             continue
         top1, top5 = child.agreement()
-        sums[row, _KL] += kl.sum()
-        sums[row, _CHILD_NLL] += (child.lse.value - child.target_logit.double()).sum()
-        sums[row, _PARENT_NLL] += parent_nll
-        sums[row, _TOP1] += top1.sum()
-        sums[row, _TOP5] += top5.sum()
-        sums[row, _SQ_ERR] += (hidden.float() - reference.hidden.float()).pow(2).sum(dtype=torch.float64)
-        sums[row, _SQ_REF] += parent_sq
+        sums[row, _Sum.KL] += kl.sum()
+        sums[row, _Sum.CHILD_NLL] += (child.lse.value - child.target_logit.double()).sum()
+        sums[row, _Sum.PARENT_NLL] += parent_nll
+        sums[row, _Sum.TOP1] += top1.sum()
+        sums[row, _Sum.TOP5] += top5.sum()
+        sums[row, _Sum.SQ_ERR] += (hidden.float() - reference.hidden.float()).pow(2).sum(dtype=torch.float64)
+        sums[row, _Sum.SQ_REF] += parent_sq
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -483,8 +498,8 @@ def _save_wave(directory: Path, state: Mapping[str, Any], step: int, sums: torch
 
 def _check_parent(variant: Variant, row: torch.Tensor, tolerance: float) -> None:
     """RuntimeError unless the parent's own mixer, run through the suffix, scored the parent (KL <= tolerance)."""
-    tokens = int(row[_TOKENS])
-    if tokens and (row[_NONFINITE] > 0 or float(row[_KL] / tokens) > tolerance):
+    tokens = int(row[_Sum.TOKENS])
+    if tokens and (row[_Sum.NONFINITE] > 0 or float(row[_Sum.KL] / tokens) > tolerance):
         raise RuntimeError(
             f"block {variant.block_index}: the parent's own mixer scores {_record(variant, row, '')}, "
             f"expected KL <= {tolerance} and finite: the suffix recomputation does not reproduce the parent "
@@ -494,20 +509,20 @@ def _check_parent(variant: Variant, row: torch.Tensor, tolerance: float) -> None
 
 def _record(variant: Variant, row: torch.Tensor, fingerprint: str) -> VariantScore:
     """A VariantScore from the all-reduced sums of one variant."""
-    tokens = int(row[_TOKENS])
-    if row[_NONFINITE] > 0:
-        reason = f"non-finite logits or hidden states at {int(row[_NONFINITE])} of {tokens} positions"
+    tokens = int(row[_Sum.TOKENS])
+    if row[_Sum.NONFINITE] > 0:
+        reason = f"non-finite logits or hidden states at {int(row[_Sum.NONFINITE])} of {tokens} positions"
         return VariantScore(variant, tokens, None, None, None, None, None, reason, fingerprint)
     if tokens == 0:
         return VariantScore(variant, 0, None, None, None, None, None, "no held-out positions", fingerprint)
     return VariantScore(
         variant,
         tokens,
-        kl=float(row[_KL] / tokens),
-        lm_loss_delta=float((row[_CHILD_NLL] - row[_PARENT_NLL]) / tokens),
-        top1=float(row[_TOP1] / tokens),
-        top5=float(row[_TOP5] / tokens),
-        hidden_nmse=float(row[_SQ_ERR] / row[_SQ_REF]) if row[_SQ_REF] > 0 else None,
+        kl=float(row[_Sum.KL] / tokens),
+        lm_loss_delta=float((row[_Sum.CHILD_NLL] - row[_Sum.PARENT_NLL]) / tokens),
+        top1=float(row[_Sum.TOP1] / tokens),
+        top5=float(row[_Sum.TOP5] / tokens),
+        hidden_nmse=float(row[_Sum.SQ_ERR] / row[_Sum.SQ_REF]) if row[_Sum.SQ_REF] > 0 else None,
         mixer=fingerprint,
     )
 
@@ -674,10 +689,10 @@ def score_variants(
                 _check_parent(check, sums[-1], settings.parent_kl_tolerance)
             for row, variant in enumerate(wave):
                 done[_key(variant)] = _record(variant, sums[row], fingerprints[variant]).to_dict()
-            tokens = int(sums[len(wave), _TOKENS])
+            tokens = int(sums[len(wave), _Sum.TOKENS])
             totals = {
                 "tokens": tokens,
-                "parent_loss": float(sums[len(wave), _PARENT_NLL] / tokens) if tokens else None,
+                "parent_loss": float(sums[len(wave), _Sum.PARENT_NLL] / tokens) if tokens else None,
             }
             del held
             with dist.main_process_first():

@@ -21,13 +21,12 @@ from puzzle.blocks import build_block
 from puzzle.model import HybridLM
 from puzzle.prune import collect_importance, init_child
 from puzzle.score import (
-    _KL,
-    _TOKENS,
     PARTIAL_FILE,
     SCORES_FILE,
     WAVE_FILE,
     ScoreSettings,
     _check_parent,
+    _Sum,
     load_scores,
     score_variants,
 )
@@ -142,13 +141,13 @@ def test_parent_scores_zero_and_full_agreement(tmp_path):
 
 def test_a_suffix_that_does_not_reproduce_the_parent_stops_the_run():
     row = torch.zeros(9, dtype=torch.float64)
-    row[[_KL, _TOKENS]] = torch.tensor([1e-3, 10.0], dtype=torch.float64)
+    row[[_Sum.KL, _Sum.TOKENS]] = torch.tensor([1e-3, 10.0], dtype=torch.float64)
     variant = Variant(3, MLPSpec(width=12))
     with pytest.raises(
         RuntimeError, match=r"block 3: the parent's own mixer scores .*kl=0\.0001.* expected KL <= 1e-06"
     ):
         _check_parent(variant, row, 1e-6)
-    row[_KL] = 0.0
+    row[_Sum.KL] = 0.0
     _check_parent(variant, row, 1e-6)
 
 
