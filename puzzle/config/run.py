@@ -520,8 +520,8 @@ class RunConfig:
 
     def _check_output_dirs(self, sources: list[Path]) -> None:
         """The run directory and the token cache: outside the parent, directories that can be created and
-        written, and the cache (data.cache_dir, else tokens/ in the run directory) outside the folders of
-        the inputs (the rule `puzzle.data.TokenData.load` enforces, checked here before anything runs)."""
+        written, and the cache (data.cache_dir, else tokens/ in the run directory) outside the inputs
+        themselves (the rule `puzzle.data.TokenData.load` enforces, checked here before anything runs)."""
         from puzzle import data as token_data
 
         parent = self.parent.path
@@ -542,13 +542,13 @@ class RunConfig:
         if self.tokenizer is None and not token_data.tokenizer_files(tokenizer):
             tokenizer = None
         cache = self.data.cache_dir if self.data.cache_dir is not None else self.run_dir / "tokens"
-        place = token_data.input_folder_holding(cache, sources, tokenizer)
+        place = token_data.input_holding(cache, self.data.sources, tokenizer)
         if place is not None:
             key = "data.cache_dir" if self.data.cache_dir is not None else "run_dir"
             what = "the token cache" if self.data.cache_dir is not None else f"its token cache {cache}"
             raise ConfigError(
-                f"{what} would lie inside {place}, which holds the run's inputs (data or tokenizer files); "
-                "choose a directory outside it, so that the run's files never mix with its inputs",
+                f"{what} would be or lie inside {place}, an input of the run (a data source or the "
+                "tokenizer); choose a directory outside it, so that the run's files never mix with its inputs",
                 key,
             )
 
