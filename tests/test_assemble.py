@@ -180,6 +180,7 @@ def test_bad_solutions_are_clear_errors(setup, parent, tmp_path):
         assemble({}, library, other)
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_measure_the_single_process_kl(setup, parent, tmp_path):
     parent_dir, library, _ = setup
     child = assemble({0: _table()[0][0], 3: _table()[3][1]}, library, parent)

@@ -283,6 +283,7 @@ def test_variants_that_training_made_worse_keep_their_initial_weights_and_say_so
         assert "nan" in entry["reason"] or "inf" in entry["reason"]
 
 
+@pytest.mark.slow
 def test_a_sigkilled_run_resumes_to_the_uninterrupted_weights(setup, tmp_path):
     script = HERE / "bld_helpers.py"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)]), "PUZZLE_PROGRESS": "0"}
@@ -368,6 +369,7 @@ def _worker(rank: int, world: int, port: int, setup: str, output: str) -> None:
         )
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_give_the_single_process_library(one_wave, setup, tmp_path):
     library, output = one_wave
     spawn_ranks(_worker, str(setup), str(tmp_path))

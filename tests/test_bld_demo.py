@@ -26,6 +26,7 @@ def library(tmp_path_factory) -> list[dict]:
     return json.loads((run_dir / "library" / LIBRARY_FILE).read_text())["variants"]
 
 
+@pytest.mark.slow
 def test_no_variant_of_the_quick_demo_ends_worse_than_its_init(library):
     trained = [entry for entry in library if entry["status"] == "trained"]
     half_width = [

@@ -239,6 +239,7 @@ score_variants(parent, order, loader, _batches(), sys.argv[1], ScoreSettings(var
 """
 
 
+@pytest.mark.slow
 def test_sigkilled_run_keeps_finished_waves(tmp_path):
     """A process SIGKILLed in its 3rd wave: the first two waves are kept and never recomputed."""
     root = Path(__file__).resolve().parent
@@ -282,6 +283,7 @@ score_variants(parent, library, library, _batches(), sys.argv[1], ScoreSettings(
 """
 
 
+@pytest.mark.slow
 def test_sigkilled_run_resumes_inside_its_wave(tmp_path):
     """One wave, killed in its 3rd (last) batch: the resumed run scores only that batch, and gives exactly the
     uninterrupted scores (the saved fp64 sums continue in the same order)."""
@@ -335,6 +337,7 @@ def _worker(rank: int, world: int, port: int, directory: str) -> None:
             )
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_give_the_single_process_scores(tmp_path):
     """FSDP2 (about half the parent and of each variant per rank) and replicated: both equal 1 process."""
     spawn_ranks(_worker, str(tmp_path))
