@@ -57,11 +57,12 @@ import numpy as np
 import torch
 
 from puzzle.assemble import assemble, measured_kl
-from puzzle.bld import Library, default_init, read_library
+from puzzle.bld import default_init
 from puzzle.config.run import load_config_data
 from puzzle.cost.analytic import model_active_params
 from puzzle.demo.pipeline import FULL, QUICK, DemoSize, demo_config
 from puzzle.files import atomic_write_bytes
+from puzzle.library import Library, read_library
 from puzzle.run import Run
 from puzzle.search import InfeasibleError, search
 from puzzle.search.mip import feasible_choices, resolve_limits

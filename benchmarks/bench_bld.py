@@ -28,6 +28,7 @@ import torch
 from bench_importance import parent_spec
 
 from puzzle import bld
+from puzzle.library import VariantResult
 from puzzle.model import HybridLM
 from puzzle.spec import AttentionSpec, BlockSpec, LinearSpec, MambaSpec, MLPSpec, MoESpec, Variant
 
@@ -81,7 +82,7 @@ def run(parent: HybridLM, per_block: int, batch: torch.Tensor, repeats: int) -> 
         except (ValueError, KeyError):  # no importance here: fresh weights, same shapes and cost
             mixers[variant] = bld.build_block(variant.spec, parent.spec.hidden_size)
     optimizers = {v: torch.optim.AdamW(bld._param_groups(m, settings), lr=1e-5) for v, m in mixers.items()}
-    wave = bld._Wave(0, mixers, optimizers, {v: bld.VariantResult(v, "trained") for v in variants})
+    wave = bld._Wave(0, mixers, optimizers, {v: VariantResult(v, "trained") for v in variants})
     last = len(parent.layers) - 1
     inputs = [(i, h, p) for i, h, p in bld._parent_blocks(parent, batch, last)]
 

@@ -24,12 +24,13 @@ import torch
 from torch import nn
 
 from puzzle.artifacts import ArtifactError, fingerprint_model
-from puzzle.bld import Library, read_library
 from puzzle.blocks import build_block
+from puzzle.compare import ModelComparison, compare_models
 from puzzle.cost import model_active_params, model_params
+from puzzle.library import Library, read_library
 from puzzle.model import HybridLM
 from puzzle.nemotron_h.config import mtp_block_specs
-from puzzle.score import ModelComparison, Scores, compare_models
+from puzzle.score import Scores
 from puzzle.search.types import Solution
 from puzzle.spec import BlockSpec, ModelSpec, SpecError, Variant, block_to_dict
 
@@ -374,7 +375,7 @@ def measured_kl(
     batches: Sequence[torch.Tensor] | Callable[[], Iterable[torch.Tensor]],
     vocab_chunk: int = 4096,
 ) -> dict[str, Any]:
-    """The child's mean KL(parent || child) on held-out batches (`puzzle.score.compare_models`) next to the
+    """The child's mean KL(parent || child) on held-out batches (`puzzle.compare.compare_models`) next to the
     solution's predicted (summed replace-one-block) KL; also stored in `child.assembly.measured`.
 
     Returns {"kl", "lm_loss_delta", "top1", "tokens", "predicted_kl"} (nats/token; predicted_kl None

@@ -45,7 +45,8 @@ Resume: every `checkpoint_every` steps the wave's variant weights, AdamW states 
 tokens) are written atomically under `<directory>/bld-checkpoints/`; a finished wave writes its variants'
 final weights there. A killed run restarted with the same inputs continues from there and ends with the
 same weights as an uninterrupted run (the schedule is a function of the tokens seen, the data stream is
-replayed and skipped up to the saved position). The library is then written through `puzzle.artifacts`:
+replayed and skipped up to the saved position). The library is then written through `puzzle.artifacts`
+in the format of `puzzle.library` (which also reads it back, `read_library`):
 ``block{i}/{id, ':' as '_'}.safetensors`` per trained variant (its kept weights: the mixer's `state_dict()`,
 i.e. module keys relative to the mixer, as `HybridLM.layers[i].mixer` loads them; routed MoE experts in the
 expert-bank layout) and ``library.json``; the checkpoints are then removed.
@@ -53,14 +54,13 @@ expert-bank layout) and ``library.json``; the checkpoints are then removed.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +80,18 @@ from puzzle.artifacts import (
 from puzzle.blocks import build_block
 from puzzle.blocks.moe import TopKRouter
 from puzzle.files import atomic_write
-from puzzle.layout import library_variant_file
+from puzzle.library import (
+    ARTIFACT_NAME,
+    FORMAT_VERSION,
+    LIBRARY_FILE,
+    STATUSES,
+    Library,
+    VariantResult,
+    library_json,
+    read_library,
+    variant_file,
+    variant_key,
+)
 from puzzle.model import HybridLM
 from puzzle.progress import progress_bar
 from puzzle.prune.importance import ModelImportance
@@ -92,13 +103,10 @@ from puzzle.resume import (
     read_checkpoint,
     write_checkpoint,
 )
+from puzzle.settings import BLDSettings
 from puzzle.spec import NoOpSpec, SpecError, Variant
 
-FORMAT_VERSION = 1
-ARTIFACT_NAME = "library"
-LIBRARY_FILE = "library.json"
 CHECKPOINT_DIR = "bld-checkpoints"
-STATUSES = ("trained", "parent", "noop", "failed")
 # Saved activations per token of a variant's training step, in units of (input widths of its matrices x
 # dtype bytes); the backward keeps each matrix's input plus a few elementwise temporaries.
 _ACTIVATION_FACTOR = 2
@@ -106,159 +114,6 @@ _ACTIVATION_FACTOR = 2
 _log = logging.getLogger(__name__)
 
 Batches = Callable[[], Iterable[torch.Tensor]] | Sequence[torch.Tensor]
-
-
-@dataclass(frozen=True)
-class BLDSettings:
-    """How BLD trains. Token counts are global (all ranks together); bytes are per process.
-
-    `lr`: AdamW peak learning rate; `warmup_tokens`: linear warm-up from 0, then cosine decay to
-    `min_lr_ratio * lr` at `token_budget` tokens (each variant trains on `token_budget` tokens, fewer if
-    the data ends first); `clip`: max gradient norm per variant (0 = none); `checkpoint_every`: steps
-    between checkpoints (0 = never); `memory_limit_bytes`: what one wave's variants may use (None = one
-    wave); `dtype`: the variants' training dtype ("float32" or "bfloat16"); `autocast`: bf16 autocast on
-    CUDA; `seed`: seeds torch before each wave's variants are built; `shard`: "fsdp" shards the parent and
-    the variants over the ranks with FSDP2, "none" replicates them (no effect in a single process);
-    `router_lr_scale`: the MoE routers' learning rate as a fraction of lr (0 = they keep their initial weights:
-    the loss reaches a router only through the weights of the experts it chose, never through the choice).
-    """
-
-    lr: float = 1e-4
-    warmup_tokens: int = 0
-    token_budget: int = 1_000_000
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    clip: float = 1.0
-    checkpoint_every: int = 100
-    memory_limit_bytes: int | None = None
-    dtype: str = "float32"
-    autocast: bool = True
-    seed: int = 0
-    shard: str = "fsdp"
-    # Why 0: top-k has no gradient, so the router's gradient ignores the expert choices a step changes, while
-    # AdamW moves every router weight by about lr a step whatever its gradient. Each step then flips experts
-    # for many tokens: trained routers made the quick demo's top-2 half-width variants 1.6-2.6x worse than
-    # their init (frozen: 0.4-0.5x). With top-1 and normalised weights the gradient is rounding noise.
-    router_lr_scale: float = 0.0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "betas", tuple(self.betas))
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"BLDSettings.lr must be a positive number, found {self.lr!r}")
-        for name in ("warmup_tokens", "checkpoint_every"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ValueError(f"BLDSettings.{name} must be an integer >= 0, found {getattr(self, name)!r}")
-        if not isinstance(self.token_budget, int) or self.token_budget < 1:
-            raise ValueError(f"BLDSettings.token_budget must be an integer >= 1, found {self.token_budget!r}")
-        if not (self.router_lr_scale >= 0 and math.isfinite(self.router_lr_scale)):
-            raise ValueError(
-                f"BLDSettings.router_lr_scale must be a number >= 0, found {self.router_lr_scale!r}"
-            )
-        if self.clip < 0 or not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(
-                f"BLDSettings: clip >= 0 and 0 <= min_lr_ratio <= 1, found {self.clip}, {self.min_lr_ratio}"
-            )
-        if self.memory_limit_bytes is not None and self.memory_limit_bytes < 1:
-            raise ValueError(
-                f"BLDSettings.memory_limit_bytes must be positive or None, found {self.memory_limit_bytes}"
-            )
-        shard.check_mode("BLDSettings.shard", self.shard)
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"BLDSettings.dtype must be 'float32' or 'bfloat16', found {self.dtype!r}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "betas": list(self.betas)}
-
-
-@dataclass
-class VariantResult:
-    """What BLD did with one variant: `status` (one of STATUSES), tokens trained on, held-out normalised MSE
-    (None when not finite) at init, after training (`trained_nmse`) and of the weights kept (`final_nmse`),
-    which weights the library kept (`kept`: "trained" or "init", None for a variant not trained), and for a
-    failure the step and reason.
-
-    A trained variant keeps its initial weights when training left it worse on the held-out tokens: the
-    library never holds a variant that BLD made worse than `init_child` did.
-    """
-
-    variant: Variant
-    status: str
-    tokens: int = 0
-    init_nmse: float | None = None
-    final_nmse: float | None = None
-    failed_step: int | None = None
-    reason: str | None = None
-    trained_nmse: float | None = None
-    kept: str | None = None
-    # The file library.json names, when read from one: libraries written before portable names keep theirs.
-    stored_file: str | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def file(self) -> str | None:
-        """The library file of a trained variant (None otherwise)."""
-        if self.status != "trained":
-            return None
-        return self.stored_file or variant_file(self.variant)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            **self.variant.to_dict(),
-            "status": self.status,
-            "file": self.file,
-            "tokens": self.tokens,
-            "init_nmse": self.init_nmse,
-            "trained_nmse": self.trained_nmse,
-            "final_nmse": self.final_nmse,
-            "kept": self.kept,
-            "failed_step": self.failed_step,
-            "reason": self.reason,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> VariantResult:
-        variant = Variant.from_dict({k: data[k] for k in ("block_index", "id", "spec")})
-        # trained_nmse and kept are absent from libraries written before the guard (read as None).
-        fields = ("tokens", "init_nmse", "final_nmse", "failed_step", "reason", "trained_nmse", "kept")
-        return cls(variant, data["status"], **{k: data.get(k) for k in fields}, stored_file=data.get("file"))
-
-
-@dataclass
-class Library:
-    """BLD's output: one result per variant, the wave plan that trained them, and where the files are."""
-
-    directory: Path
-    parent: str
-    results: dict[Variant, VariantResult]
-    plan: list[list[Variant]] = field(default_factory=list)
-    # {wave number: step} of the waves this call resumed from a checkpoint (empty once read back from disk).
-    resumed: dict[int, int] = field(default_factory=dict)
-
-    def load_mixer(self, variant: Variant, hidden_size: int, norm_eps: float = 1e-5) -> nn.Module:
-        """The trained mixer of `variant` (on the CPU), built from its spec and loaded from its file."""
-        result = self.results.get(variant)
-        if result is None or result.status != "trained":
-            status = "absent" if result is None else result.status
-            raise KeyError(
-                f"variant {variant.id} of block {variant.block_index} has no trained weights ({status})"
-            )
-        artifact = Artifact(self.directory, ARTIFACT_NAME, FORMAT_VERSION)
-        mixer = build_block(variant.spec, hidden_size, norm_eps)
-        mixer.load_state_dict(artifact.load_tensors(result.file))
-        return mixer
-
-
-def variant_file(variant: Variant) -> str:
-    """The library file BLD writes for a variant, relative to the library directory (portable names)."""
-    return library_variant_file(variant.block_index, variant.id)
-
-
-def _key(variant: Variant) -> str:
-    return f"{variant.block_index}/{variant.id}"
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -525,8 +380,8 @@ def _save_checkpoint(directory: Path, wave: _Wave, inputs: Mapping[str, str]) ->
         if wave.results[variant].status != "trained":
             continue
         for name, value in wave.mixers[variant].state_dict().items():
-            tensors[f"{_key(variant)}/param/{name}"] = shard.full(value)
-        tensors.update(optimizer_tensors(wave.optimizers[variant], f"{_key(variant)}/adam/"))
+            tensors[f"{variant_key(variant)}/param/{name}"] = shard.full(value)
+        tensors.update(optimizer_tensors(wave.optimizers[variant], f"{variant_key(variant)}/adam/"))
     record = {
         "inputs": dict(inputs),
         "wave": wave.number,
@@ -552,11 +407,11 @@ def _load_checkpoint(directory: Path, wave: _Wave, inputs: Mapping[str, str]) ->
         if wave.results[variant].status != "trained":
             wave.optimizers.pop(variant, None)
             continue
-        prefix = f"{_key(variant)}/param/"
+        prefix = f"{variant_key(variant)}/param/"
         current = mixer.state_dict()
         state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
         mixer.load_state_dict({k: shard.like(v, current[k]) if k in current else v for k, v in state.items()})
-        load_optimizer_tensors(wave.optimizers[variant], tensors, f"{_key(variant)}/adam/")
+        load_optimizer_tensors(wave.optimizers[variant], tensors, f"{variant_key(variant)}/adam/")
     return True
 
 
@@ -768,7 +623,7 @@ def build_library(
         for r in ordered.values()
         if r.file is not None
     }
-    outputs[LIBRARY_FILE] = json_writer(_library_json(library, settings))
+    outputs[LIBRARY_FILE] = json_writer(library_json(library, settings.to_dict()))
     summary = {s: sum(r.status == s for r in ordered.values()) for s in STATUSES}
     artifact.write(inputs, outputs, {"variants": len(ordered), **summary})
     if dist.is_main():
@@ -915,30 +770,3 @@ def _keep_the_better(result: VariantResult, trained_nmse: float | None) -> None:
             init,
             why,
         )
-
-
-def _library_json(library: Library, settings: BLDSettings) -> dict[str, Any]:
-    return {
-        "format": FORMAT_VERSION,
-        "parent": library.parent,
-        "settings": settings.to_dict(),
-        "weights": "each file holds the mixer's state_dict (keys relative to layers.{i}.mixer)",
-        "plan": [[_key(v) for v in wave] for wave in library.plan],
-        "variants": [r.to_dict() for r in library.results.values()],
-    }
-
-
-def read_library(directory: str | Path) -> Library:
-    """The library written by `build_library` in `directory`; errors name the file."""
-    directory = Path(directory)
-    artifact = Artifact(directory, ARTIFACT_NAME, FORMAT_VERSION)
-    artifact.read_manifest()
-    data = artifact.load_json(LIBRARY_FILE)
-    try:
-        results = [VariantResult.from_dict(entry) for entry in data["variants"]]
-        by_key = {_key(r.variant): r.variant for r in results}
-        plan = [[by_key[key] for key in wave] for wave in data["plan"]]
-        parent = data["parent"]
-    except (KeyError, TypeError, SpecError) as error:
-        raise ArtifactError(f"{artifact.path(LIBRARY_FILE)}: malformed library ({error!r})") from error
-    return Library(directory, parent, {r.variant: r for r in results}, plan)

@@ -326,23 +326,24 @@ def _check_offsets(path: Path, offsets: torch.Tensor, tokens: torch.Tensor, tota
 # Cache of tokenised sources.
 
 
-def input_folder_holding(cache_dir: Path, sources: list[Path], tokenizer_dir: Path | None) -> Path | None:
-    """The folder of inputs (a data file's folder, a saved dataset, the tokenizer's folder) that `cache_dir`
-    is or lies inside, or None. A cache there would mix the run's files with its inputs (a data folder
-    rescanned later reads the cached tokens as data); `RunConfig.validate_paths` checks the same before a
-    run starts."""
-    cache = cache_dir.resolve()
-    forbidden = [(p.parent if p.is_file() else p).resolve() for p in sources]
+def input_holding(directory: Path, sources: Sequence[str | Path], tokenizer_dir: Path | None) -> Path | None:
+    """The input that `directory` (a token cache or a run directory) is or lies inside, or None: a source
+    directory (rescanned later, it would read the run's files as data), a source file (writing there would
+    overwrite it) or the tokenizer's folder; `sources` as given (folders not expanded). A folder that merely
+    holds a data file is not an input: `project/data.jsonl` with the run in `project/runs/x` is the ordinary
+    layout. `RunConfig.validate_paths` checks the same before a run starts."""
+    resolved = directory.resolve()
+    inputs = [Path(p).resolve() for p in sources]
     if tokenizer_dir is not None:
-        forbidden.append(tokenizer_dir.resolve())
-    return next((place for place in forbidden if cache == place or place in cache.parents), None)
+        inputs.append(tokenizer_dir.resolve())
+    return next((place for place in inputs if resolved == place or place in resolved.parents), None)
 
 
-def _check_cache_dir(cache_dir: Path, sources: list[Path], tokenizer_dir: Path | None) -> None:
-    place = input_folder_holding(cache_dir, sources, tokenizer_dir)
+def _check_cache_dir(cache_dir: Path, sources: Sequence[str | Path], tokenizer_dir: Path | None) -> None:
+    place = input_holding(cache_dir, sources, tokenizer_dir)
     if place is not None:
         raise DataError(
-            f"cache directory {cache_dir} is inside {place}, which holds inputs (data or the parent's "
+            f"cache directory {cache_dir} is or lies inside {place}, an input (a data source or the parent's "
             "tokenizer); choose a cache directory of its own (e.g. in the run directory)"
         )
 
@@ -620,7 +621,8 @@ class TokenData:
         tokenizer_fingerprint = fingerprint_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
         cache = Path(cache_dir) if cache_dir is not None else None
         if cache is not None:
-            _check_cache_dir(cache, paths, tokenizer_dir)
+            given = [sources] if isinstance(sources, (str, Path)) else list(sources)
+            _check_cache_dir(cache, given, tokenizer_dir)
         source_fingerprints = [fingerprint_source(p) for p in paths]
         with dist.main_process_first():
             parts = [

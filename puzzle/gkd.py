@@ -73,6 +73,7 @@ from puzzle.data import DataError, TokenSplit
 from puzzle.logits import (
     KL_SUM,
     NLL_SUM,
+    NUM_HEAD_SUMS,
     POSITIONS,
     TEACHER_NLL_SUM,
     TOP1_SUM,
@@ -88,6 +89,7 @@ from puzzle.resume import (
     read_checkpoint,
     write_checkpoint,
 )
+from puzzle.settings import GKDSettings
 
 FORMAT_VERSION = 1
 ARTIFACT_NAME = "gkd"
@@ -95,116 +97,12 @@ WEIGHTS_FILE = "student.safetensors"
 HISTORY_FILE = "history.json"
 CHECKPOINT_DIR = "gkd-checkpoints"
 
-# Rows of a step's fp64 sums: the head's (puzzle.logits) then the cosine term's.
-_COSINE_SUM, _TOKENS = 5, 6
-_NUM_SUMS = 7
+# Rows of a step's fp64 sums: the head's (puzzle.logits: KL_SUM .. POSITIONS), then the cosine term's sum
+# and the tokens it is over.
+_COSINE_SUM, _TOKENS = NUM_HEAD_SUMS, NUM_HEAD_SUMS + 1
+_NUM_SUMS = NUM_HEAD_SUMS + 2
 
 TrainData = TokenSplit | Sequence[torch.Tensor] | Callable[[], Iterable[torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class GKDSettings:
-    """How GKD trains. Token counts and `batch_size` are global (all ranks together).
-
-    `lr`: AdamW peak learning rate; `warmup_tokens`: linear warm-up from 0, then cosine decay to
-    `min_lr_ratio * lr` at the end of the run; the run ends after `token_budget` tokens or `steps`
-    optimiser steps, whichever comes first (None: no limit of that kind; at least one is needed), or when
-    finite training data ends. `batch_size`: sequences per optimiser step; `micro_batch_size`: sequences per
-    forward/backward on one rank (None: the rank's whole share, `batch_size / world`), the gradients
-    accumulate over the share; `clip`: max global gradient norm (0 = none); `kl_weight`, `cosine_weight`,
-    `lm_weight`: the loss terms (module docstring); `vocab_chunk`: lm_head rows per chunk (memory);
-    `eval_every`: steps between held-out evaluations (0 = only before and after training);
-    `checkpoint_every`: steps between checkpoints (0 = never); `seed`: seeds torch and the order of a
-    `TokenSplit`'s batches; `dtype`: the student's training dtype ("float32" or "bfloat16"); `autocast`:
-    bf16 autocast on CUDA; `shard`: "fsdp" shards student and teacher over the ranks with FSDP2, "none"
-    replicates them (no effect in a single process).
-    """
-
-    lr: float = 1e-5
-    min_lr_ratio: float = 0.1
-    warmup_tokens: int = 0
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    token_budget: int | None = 100_000_000
-    steps: int | None = None
-    batch_size: int = 8
-    micro_batch_size: int | None = None
-    clip: float = 1.0
-    kl_weight: float = 1.0
-    cosine_weight: float = 1.0
-    lm_weight: float = 0.0
-    vocab_chunk: int = 4096
-    eval_every: int = 100
-    checkpoint_every: int = 100
-    seed: int = 0
-    dtype: str = "float32"
-    autocast: bool = True
-    shard: str = "fsdp"
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "betas", tuple(self.betas))
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"GKDSettings.lr must be a positive number, found {self.lr!r}")
-        for name in ("min_lr_ratio", "kl_weight", "cosine_weight", "lm_weight", "weight_decay", "clip"):
-            value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
-                raise ValueError(f"GKDSettings.{name} must be a finite number >= 0, found {value!r}")
-        if self.min_lr_ratio > 1:
-            raise ValueError(f"GKDSettings.min_lr_ratio must be in [0, 1], found {self.min_lr_ratio}")
-        if self.kl_weight + self.cosine_weight + self.lm_weight == 0:
-            raise ValueError(
-                "GKDSettings: kl_weight, cosine_weight and lm_weight are all 0: nothing to train"
-            )
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ValueError(f"GKDSettings.betas must be two numbers in [0, 1), found {self.betas!r}")
-        for name in ("warmup_tokens", "eval_every", "checkpoint_every", "seed"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 0:
-                raise ValueError(f"GKDSettings.{name} must be an integer >= 0, found {value!r}")
-        for name in ("token_budget", "steps", "micro_batch_size"):
-            value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 1):
-                raise ValueError(f"GKDSettings.{name} must be an integer >= 1 or None, found {value!r}")
-        if self.token_budget is None and self.steps is None:
-            raise ValueError("GKDSettings: token_budget and steps are both None: set at least one")
-        for name in ("batch_size", "vocab_chunk"):
-            value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"GKDSettings.{name} must be an integer >= 1, found {value!r}")
-        if self.micro_batch_size is not None and self.micro_batch_size > self.batch_size:
-            raise ValueError(
-                f"GKDSettings.micro_batch_size must be at most batch_size ({self.batch_size}), "
-                f"found {self.micro_batch_size}"
-            )
-        if self.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"GKDSettings.dtype must be 'float32' or 'bfloat16', found {self.dtype!r}")
-        shard.check_mode("GKDSettings.shard", self.shard)
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return getattr(torch, self.dtype)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "betas": list(self.betas)}
-
-    def micro_batches(self, world: int) -> tuple[int, int]:
-        """(sequences per rank and step, sequences per micro-batch) for `world` ranks; errors name the fields."""
-        if self.batch_size % world:
-            raise ValueError(
-                f"GKDSettings.batch_size ({self.batch_size}) must be a multiple of the number of ranks ({world})"
-            )
-        share = self.batch_size // world
-        micro = self.micro_batch_size or share
-        if share % micro:
-            raise ValueError(
-                f"GKDSettings.micro_batch_size ({micro}) must divide each rank's share of the batch "
-                f"(batch_size {self.batch_size} / {world} ranks = {share})"
-            )
-        return share, micro
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass

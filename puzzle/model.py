@@ -329,10 +329,12 @@ class HybridLM(nn.Module):
         A non-empty `path` that is not an earlier checkpoint is refused unless `overwrite=True`, which
         writes the checkpoint files beside the files already there.
         """
-        from puzzle.nemotron_h.checkpoint import save_pretrained  # late: checkpoint imports this module
+        # A convenience for users: the writer lives in puzzle.nemotron_h, which builds on this module, so
+        # this module never imports it; the package attribute loads it on first use (puzzle._lazy).
+        import puzzle
 
         kwargs = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
-        return save_pretrained(self, path, overwrite=overwrite, **kwargs)
+        return puzzle.nemotron_h.save_pretrained(self, path, overwrite=overwrite, **kwargs)
 
     def extra_repr(self) -> str:
         return f"pattern={self.spec.pattern}"

@@ -633,7 +633,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     RunDirError naming the path when the run has no parent.json or no finished library, or when `out_dir`
     holds files other than an earlier report's (*.md, *.png).
     """
-    from puzzle.bld import read_library  # late: torch
+    from puzzle.library import read_library  # late: torch
 
     layout = RunLayout(Path(run_dir))
     library_dir = layout.require_library()

@@ -62,7 +62,7 @@ from puzzle import dist, nemotron_h
 from puzzle.artifacts import fingerprint_file, fingerprint_json, fingerprint_model
 from puzzle.assemble import assemble as assemble_child
 from puzzle.assemble import measured_kl
-from puzzle.bld import Library, build_library, read_library
+from puzzle.bld import build_library
 from puzzle.blocks import build_block
 from puzzle.config import RunConfig, dump_config, load_config, load_config_data, to_dict
 from puzzle.cost.hardware import profile_to_json
@@ -72,6 +72,7 @@ from puzzle.files import atomic_write_bytes
 from puzzle.gkd import distill as distill_child
 from puzzle.gkd import load_distilled
 from puzzle.layout import STAGES, RunDirError, RunLayout
+from puzzle.library import Library, read_library
 from puzzle.model import HybridLM
 from puzzle.prune.importance import ModelImportance, importance_for, load_importance
 from puzzle.score import Scores, load_scores, score_variants

@@ -47,6 +47,7 @@ import logging
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from enum import IntEnum
 from pathlib import Path
 from typing import Any
 
@@ -66,11 +67,11 @@ from puzzle.files import atomic_write
 
 # Private aliases: the chunked next-token machinery moved to puzzle.logits (shared with puzzle.gkd).
 from puzzle.logits import TOP_K
-from puzzle.logits import LogitStream as _Stream
 from puzzle.logits import chunk_logits as _logits
 from puzzle.logits import vocab_chunks as _chunks
 from puzzle.model import Block, HybridLM, RMSNorm
 from puzzle.progress import progress
+from puzzle.settings import ScoreSettings
 from puzzle.spec import NoOpSpec, Variant
 
 SCORES_FILE = "scores.json"
@@ -78,44 +79,27 @@ PARTIAL_FILE = "scores.partial.json"
 WAVE_FILE = "scores.wave.json"
 FORMAT = 1
 
-# Per-variant fp64 sums, one row per variant (all-reduced together).
-_KL, _CHILD_NLL, _PARENT_NLL, _TOP1, _TOP5, _SQ_ERR, _SQ_REF, _TOKENS, _NONFINITE = range(9)
-_NUM_SUMS = 9
+
+class _Sum(IntEnum):
+    """The columns of the per-variant fp64 sums, one row per variant (all-reduced together; saved in this
+    order in scores.wave.json)."""
+
+    KL = 0  # KL(parent || child), nats
+    CHILD_NLL = 1  # the child's next-token cross-entropy, nats
+    PARENT_NLL = 2
+    TOP1 = 3  # positions where the child's top-1 is the parent's
+    TOP5 = 4  # positions where the parent's top-1 is in the child's top 5
+    SQ_ERR = 5  # |h_child - h_parent|^2 of the final hidden state
+    SQ_REF = 6  # |h_parent|^2
+    TOKENS = 7  # positions counted
+    NONFINITE = 8  # positions with non-finite logits or hidden states
+
+
+_NUM_SUMS = len(_Sum)
 
 _log = logging.getLogger(__name__)
 
 MixerSource = Mapping[Variant, nn.Module | None] | Callable[[Variant], nn.Module | None]
-
-
-@dataclass(frozen=True)
-class ScoreSettings:
-    """How to score. `vocab_chunk`: lm_head rows per chunk (peak memory, see `score_variants`).
-    `variants_per_wave`: variants whose mixers (and, per batch, final hidden states) are held at once (None:
-    all); the parent runs once per batch per wave. `parent_kl_tolerance`: the largest KL (nats/token) the parent's own mixer may score
-    before the run is stopped as not reproducible (0 on the CPU; GPU kernels may add rounding noise).
-    `shard`: "fsdp" shards the parent and the variants with FSDP2 under torch.distributed with more than one
-    rank (`puzzle.shard`, as BLD); "none" keeps them replicated on every rank. `checkpoint_every`: batches
-    (per rank) between saves of the running sums of the wave in flight (None: only finished waves are
-    saved)."""
-
-    vocab_chunk: int = 4096
-    variants_per_wave: int | None = None
-    parent_kl_tolerance: float = 1e-6
-    shard: str = "fsdp"
-    checkpoint_every: int | None = 20
-
-    def __post_init__(self) -> None:
-        if self.checkpoint_every is not None and self.checkpoint_every < 1:
-            raise ValueError(
-                f"ScoreSettings.checkpoint_every must be >= 1 or None, found {self.checkpoint_every}"
-            )
-        shard.check_mode("ScoreSettings.shard", self.shard)
-        if self.vocab_chunk < 1:
-            raise ValueError(f"ScoreSettings.vocab_chunk must be >= 1, found {self.vocab_chunk}")
-        if self.variants_per_wave is not None and self.variants_per_wave < 1:
-            raise ValueError(
-                f"ScoreSettings.variants_per_wave must be >= 1 or None, found {self.variants_per_wave}"
-            )
 
 
 @dataclass(frozen=True)
@@ -395,17 +379,17 @@ def _score_batch(
     parent_sq = reference.hidden.float().pow(2).sum(dtype=torch.float64)
     parent_nll = reference.nll.sum()
     parent_bad = ~(torch.isfinite(reference.nll) & torch.isfinite(reference.hidden).all(-1))
-    sums[len(wave), _TOKENS] += n
-    sums[len(wave), _PARENT_NLL] += parent_nll
+    sums[len(wave), _Sum.TOKENS] += n
+    sums[len(wave), _Sum.PARENT_NLL] += parent_nll
     for variant in own:
         row = sums[wave.index(variant)]
-        row[_TOKENS] += n
+        row[_Sum.TOKENS] += n
         if bool(parent_bad.any()):
-            row[_NONFINITE] += parent_bad.sum()
+            row[_Sum.NONFINITE] += parent_bad.sum()
             continue
-        row[[_CHILD_NLL, _PARENT_NLL]] += parent_nll
-        row[[_TOP1, _TOP5]] += n
-        row[_SQ_REF] += parent_sq
+        row[[_Sum.CHILD_NLL, _Sum.PARENT_NLL]] += parent_nll
+        row[[_Sum.TOP1, _Sum.TOP5]] += n
+        row[_Sum.SQ_REF] += parent_sq
     # Every variant to run through its suffix; its final hidden state is kept ([N, H] each) so that each
     # parent chunk is computed once per batch, then every variant's same chunk.
     children: list[tuple[int, _Child]] = []
@@ -428,18 +412,18 @@ def _score_batch(
         kl = child.kl(reference)
         hidden = child.hidden
         bad = ~(torch.isfinite(kl) & torch.isfinite(child.target_logit) & torch.isfinite(hidden).all(-1))
-        sums[row, _TOKENS] += n
+        sums[row, _Sum.TOKENS] += n
         if bool(bad.any()):
-            sums[row, _NONFINITE] += bad.sum()
+            sums[row, _Sum.NONFINITE] += bad.sum()
             continue
         top1, top5 = child.agreement()
-        sums[row, _KL] += kl.sum()
-        sums[row, _CHILD_NLL] += (child.lse.value - child.target_logit.double()).sum()
-        sums[row, _PARENT_NLL] += parent_nll
-        sums[row, _TOP1] += top1.sum()
-        sums[row, _TOP5] += top5.sum()
-        sums[row, _SQ_ERR] += (hidden.float() - reference.hidden.float()).pow(2).sum(dtype=torch.float64)
-        sums[row, _SQ_REF] += parent_sq
+        sums[row, _Sum.KL] += kl.sum()
+        sums[row, _Sum.CHILD_NLL] += (child.lse.value - child.target_logit.double()).sum()
+        sums[row, _Sum.PARENT_NLL] += parent_nll
+        sums[row, _Sum.TOP1] += top1.sum()
+        sums[row, _Sum.TOP5] += top5.sum()
+        sums[row, _Sum.SQ_ERR] += (hidden.float() - reference.hidden.float()).pow(2).sum(dtype=torch.float64)
+        sums[row, _Sum.SQ_REF] += parent_sq
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -514,8 +498,8 @@ def _save_wave(directory: Path, state: Mapping[str, Any], step: int, sums: torch
 
 def _check_parent(variant: Variant, row: torch.Tensor, tolerance: float) -> None:
     """RuntimeError unless the parent's own mixer, run through the suffix, scored the parent (KL <= tolerance)."""
-    tokens = int(row[_TOKENS])
-    if tokens and (row[_NONFINITE] > 0 or float(row[_KL] / tokens) > tolerance):
+    tokens = int(row[_Sum.TOKENS])
+    if tokens and (row[_Sum.NONFINITE] > 0 or float(row[_Sum.KL] / tokens) > tolerance):
         raise RuntimeError(
             f"block {variant.block_index}: the parent's own mixer scores {_record(variant, row, '')}, "
             f"expected KL <= {tolerance} and finite: the suffix recomputation does not reproduce the parent "
@@ -525,20 +509,20 @@ def _check_parent(variant: Variant, row: torch.Tensor, tolerance: float) -> None
 
 def _record(variant: Variant, row: torch.Tensor, fingerprint: str) -> VariantScore:
     """A VariantScore from the all-reduced sums of one variant."""
-    tokens = int(row[_TOKENS])
-    if row[_NONFINITE] > 0:
-        reason = f"non-finite logits or hidden states at {int(row[_NONFINITE])} of {tokens} positions"
+    tokens = int(row[_Sum.TOKENS])
+    if row[_Sum.NONFINITE] > 0:
+        reason = f"non-finite logits or hidden states at {int(row[_Sum.NONFINITE])} of {tokens} positions"
         return VariantScore(variant, tokens, None, None, None, None, None, reason, fingerprint)
     if tokens == 0:
         return VariantScore(variant, 0, None, None, None, None, None, "no held-out positions", fingerprint)
     return VariantScore(
         variant,
         tokens,
-        kl=float(row[_KL] / tokens),
-        lm_loss_delta=float((row[_CHILD_NLL] - row[_PARENT_NLL]) / tokens),
-        top1=float(row[_TOP1] / tokens),
-        top5=float(row[_TOP5] / tokens),
-        hidden_nmse=float(row[_SQ_ERR] / row[_SQ_REF]) if row[_SQ_REF] > 0 else None,
+        kl=float(row[_Sum.KL] / tokens),
+        lm_loss_delta=float((row[_Sum.CHILD_NLL] - row[_Sum.PARENT_NLL]) / tokens),
+        top1=float(row[_Sum.TOP1] / tokens),
+        top5=float(row[_Sum.TOP5] / tokens),
+        hidden_nmse=float(row[_Sum.SQ_ERR] / row[_Sum.SQ_REF]) if row[_Sum.SQ_REF] > 0 else None,
         mixer=fingerprint,
     )
 
@@ -705,10 +689,10 @@ def score_variants(
                 _check_parent(check, sums[-1], settings.parent_kl_tolerance)
             for row, variant in enumerate(wave):
                 done[_key(variant)] = _record(variant, sums[row], fingerprints[variant]).to_dict()
-            tokens = int(sums[len(wave), _TOKENS])
+            tokens = int(sums[len(wave), _Sum.TOKENS])
             totals = {
                 "tokens": tokens,
-                "parent_loss": float(sums[len(wave), _PARENT_NLL] / tokens) if tokens else None,
+                "parent_loss": float(sums[len(wave), _Sum.PARENT_NLL] / tokens) if tokens else None,
             }
             del held
             with dist.main_process_first():
@@ -738,102 +722,4 @@ def load_scores(out_dir: str | Path) -> Scores:
     records = [VariantScore.from_dict(r) for r in saved["variants"]]
     return Scores(
         {r.variant: r for r in records}, saved["tokens"], saved["parent_loss"], dict(manifest.inputs)
-    )
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Two whole models (an assembled or distilled child against its parent).
-
-
-@dataclass(frozen=True)
-class ModelComparison:
-    """A child against its parent on held-out tokens: mean KL(parent || child) (nats/token), the child's
-    minus the parent's mean next-token cross-entropy, top-1 agreement, positions counted."""
-
-    kl: float
-    lm_loss_delta: float
-    top1: float
-    tokens: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-def _final_hidden(model: HybridLM, ids: torch.Tensor) -> torch.Tensor:
-    """What lm_head reads at the positions with a next token: [b * (t - 1), H]."""
-    x = model.norm_f(model.backbone(ids))
-    return x[:, :-1].reshape(-1, x.shape[-1])
-
-
-@torch.no_grad()
-def compare_models(
-    parent: HybridLM,
-    child: HybridLM,
-    batches: Sequence[torch.Tensor] | Callable[[], Iterable[torch.Tensor]],
-    vocab_chunk: int = 4096,
-) -> ModelComparison:
-    """Mean KL(parent || child) and agreement of two whole models on held-out int64 `[b, t]` batches.
-
-    The same chunked computation as scoring (`_Stream`): each model's logits exist one vocabulary chunk of
-    `vocab_chunk` rows at a time, each through its own lm_head. Batches are data-parallel under
-    torch.distributed (`dist.shard`, sums all-reduced). Non-finite child logits are a ValueError.
-    """
-    if parent.spec.vocab_size != child.spec.vocab_size:
-        raise ValueError(
-            f"the child's vocabulary ({child.spec.vocab_size}) is not the parent's ({parent.spec.vocab_size})"
-        )
-    listed = batches() if callable(batches) and not isinstance(batches, Sequence) else batches
-    device = parent.lm_head.weight.device
-    sums = torch.zeros(5, dtype=torch.float64, device=device)  # kl, child nll, parent nll, top1, tokens
-    modes = parent.training, child.training
-    parent.eval()
-    child.eval()
-    try:
-        for ids in dist.shard(listed):
-            ids = ids.to(device)
-            if ids.ndim != 2 or ids.dtype != torch.long:
-                raise ValueError(
-                    f"a held-out batch must be int64 [batch, tokens], found {ids.dtype} {list(ids.shape)}"
-                )
-            if ids.shape[1] < 2:
-                continue
-            targets = ids[:, 1:].reshape(-1)
-            n = targets.numel()
-
-            parent_hidden, child_hidden = (_final_hidden(model, ids) for model in (parent, child))
-            parent_weight, child_weight = parent.lm_head.weight, child.lm_head.weight
-            chunks = _chunks(parent_weight.shape[0], vocab_chunk)
-            parent_stream = _Stream(n, targets)
-            for start, stop in chunks:
-                parent_stream.update(_logits(parent_hidden, parent_weight, start, stop), start, stop)
-            top1 = parent_stream.top_ids[:, 0]
-            shift = (parent_hidden * parent_weight[top1]).float().sum(-1) - (
-                child_hidden * child_weight[top1]
-            ).float().sum(-1)
-            child_stream = _Stream(n, targets, shift.double())
-            for start, stop in chunks:
-                parent_z = _logits(parent_hidden, parent_weight, start, stop)
-                parent_p = torch.exp(parent_z - parent_stream.log_normaliser.float()[:, None])
-                child_z = _logits(child_hidden, child_weight, start, stop)
-                child_stream.update(child_z, start, stop, (parent_z, parent_p))
-            kl = child_stream.kl(parent_stream)
-            if not bool(torch.isfinite(kl).all()):
-                raise ValueError("the child gives non-finite logits on the held-out batches")
-            sums[0] += kl.sum()
-            sums[1] += (child_stream.log_normaliser - child_stream.target_logit.double()).sum()
-            sums[2] += (parent_stream.log_normaliser - parent_stream.target_logit.double()).sum()
-            sums[3] += (child_stream.top_ids[:, 0] == top1).sum()
-            sums[4] += n
-    finally:
-        parent.train(modes[0])
-        child.train(modes[1])
-    dist.all_reduce_sum_([sums])
-    tokens = int(sums[4])
-    if tokens == 0:
-        raise ValueError("no held-out positions: every batch needs at least 2 tokens per row")
-    return ModelComparison(
-        kl=float(sums[0] / tokens),
-        lm_loss_delta=float((sums[1] - sums[2]) / tokens),
-        top1=float(sums[3] / tokens),
-        tokens=tokens,
     )

@@ -19,14 +19,6 @@ from puzzle import dist
 from puzzle.blocks import build_block
 from puzzle.model import HybridLM
 
-MODES = ("fsdp", "none")
-
-
-def check_mode(owner: str, mode: str) -> None:
-    """ValueError naming `owner` (e.g. "BLDSettings.shard") unless `mode` is one of MODES."""
-    if mode not in MODES:
-        raise ValueError(f"{owner} must be 'fsdp' or 'none', found {mode!r}")
-
 
 def active(mode: str) -> bool:
     """Whether `mode` shards in this process: "fsdp" and more than one rank."""

@@ -10,8 +10,9 @@ import torch
 from bld_helpers import settings, token_batches, variants
 
 import puzzle
-from puzzle.bld import Library, build_library
+from puzzle.bld import build_library
 from puzzle.blocks import build_block
+from puzzle.library import Library
 from puzzle.model import HybridLM
 from puzzle.prune.importance import collect_importance
 from puzzle.score import Scores, score_variants

@@ -10,7 +10,7 @@ from gloo_helpers import gloo_rank
 from safetensors.torch import load_file
 
 import puzzle
-from puzzle.score import compare_models
+from puzzle.compare import compare_models
 
 
 def worker(rank: int, world: int, port: int, parent_dir: str, child_dir: str, batches_file: str) -> None:

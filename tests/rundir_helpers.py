@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 from bld_helpers import SPEC, settings, token_batches, trained_parent
 
-from puzzle.bld import build_library, default_init, read_library
+from puzzle.bld import build_library, default_init
 from puzzle.blocks import build_block
 from puzzle.layout import RunLayout
+from puzzle.library import read_library
 from puzzle.prune import collect_importance
 from puzzle.score import ScoreSettings, score_variants
 from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec, MLPSpec, MoESpec, NoOpSpec, Variant

@@ -283,6 +283,7 @@ def _worker(rank: int, world: int, port: int, directory: str) -> None:
             artifact.load_if_current({**INPUTS, "calibration": str(rank)})
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_rank_zero_writes_and_the_other_reads_it(tmp_path):
     spawn_ranks(_worker, str(tmp_path))
     assert (tmp_path / "writes.log").read_text() == "0\n"  # only rank 0 ran the writers

@@ -19,9 +19,9 @@ from safetensors.torch import load_file, save_file
 
 import puzzle
 from puzzle.assemble import AssemblyError, assemble, measured_kl, solution_variants
-from puzzle.bld import variant_file
+from puzzle.compare import compare_models
 from puzzle.cost import model_params
-from puzzle.score import compare_models
+from puzzle.library import variant_file
 from puzzle.search.types import Solution
 from puzzle.spec import LinearSpec, MLPSpec, NoOpSpec, Variant
 
@@ -180,6 +180,7 @@ def test_bad_solutions_are_clear_errors(setup, parent, tmp_path):
         assemble({}, library, other)
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_measure_the_single_process_kl(setup, parent, tmp_path):
     parent_dir, library, _ = setup
     child = assemble({0: _table()[0][0], 3: _table()[3][1]}, library, parent)

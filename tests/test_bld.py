@@ -32,15 +32,13 @@ from torch.distributed.tensor import DTensor
 
 from puzzle.bld import (
     CHECKPOINT_DIR,
-    LIBRARY_FILE,
     build_library,
     default_init,
     plan_waves,
-    read_library,
-    variant_file,
     variant_training_bytes,
 )
 from puzzle.layout import variant_file_stem
+from puzzle.library import LIBRARY_FILE, read_library, variant_file
 from puzzle.spec import Variant
 
 HERE = Path(__file__).parent
@@ -285,6 +283,7 @@ def test_variants_that_training_made_worse_keep_their_initial_weights_and_say_so
         assert "nan" in entry["reason"] or "inf" in entry["reason"]
 
 
+@pytest.mark.slow
 def test_a_sigkilled_run_resumes_to_the_uninterrupted_weights(setup, tmp_path):
     script = HERE / "bld_helpers.py"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), str(HERE)]), "PUZZLE_PROGRESS": "0"}
@@ -370,6 +369,7 @@ def _worker(rank: int, world: int, port: int, setup: str, output: str) -> None:
         )
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_give_the_single_process_library(one_wave, setup, tmp_path):
     library, output = one_wave
     spawn_ranks(_worker, str(setup), str(tmp_path))

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from puzzle.bld import LIBRARY_FILE
 from puzzle.config.run import load_config_data
 from puzzle.demo.parent import demo_parent
 from puzzle.demo.pipeline import QUICK, demo_config
+from puzzle.library import LIBRARY_FILE
 from puzzle.run import Run
 
 
@@ -26,6 +26,7 @@ def library(tmp_path_factory) -> list[dict]:
     return json.loads((run_dir / "library" / LIBRARY_FILE).read_text())["variants"]
 
 
+@pytest.mark.slow
 def test_no_variant_of_the_quick_demo_ends_worse_than_its_init(library):
     trained = [entry for entry in library if entry["status"] == "trained"]
     half_width = [

@@ -17,7 +17,8 @@ from puzzle.blocks import BLOCK_TYPES, build_block
 from puzzle.blocks import moe as moe_module
 from puzzle.blocks.attention import AttentionMixer, KVCache, apply_rope
 from puzzle.blocks.mlp import LinearMixer, MLPMixer, NoOpMixer
-from puzzle.blocks.moe import ExpertBank, MoEMixer, allocate_banks, bank_state, hub_state
+from puzzle.blocks.moe import ExpertBank, MoEMixer
+from puzzle.nemotron_h.weights import allocate_banks, bank_state, module_hub_state
 from puzzle.spec import (
     BLOCK_SPEC_TYPES,
     AttentionSpec,
@@ -234,7 +235,7 @@ def test_moe_router_matches_transformers_weights_and_indices():
 def reference_moe(mixer: MoEMixer, x: torch.Tensor) -> torch.Tensor:
     """The MoE written out token by token and expert by expert from the mixer's weights (brute force)."""
     spec = mixer.spec
-    state = {key: value.double() for key, value in hub_state(mixer).items()}
+    state = {key: value.double() for key, value in module_hub_state(mixer).items()}
     group_size = spec.num_experts // spec.n_group
     out = torch.zeros(x.shape, dtype=torch.float64)
     for n, token in enumerate(x.double()):
@@ -503,7 +504,7 @@ def test_hub_tensors_are_views_of_the_bank_and_load_back():
     spec = MoESpec(3, 2, (4, 6, 5), latent_size=8)
     torch.manual_seed(24)
     mixer = MoEMixer(spec, 16)
-    hub = hub_state(mixer)
+    hub = module_hub_state(mixer)
     up = [hub[f"experts.{j}.up_proj.weight"] for j in range(3)]
     down = [hub[f"experts.{j}.down_proj.weight"] for j in range(3)]
     assert torch.equal(up[1], mixer.experts.up[4:10]) and torch.equal(down[2], mixer.experts.down[10:15].T)
@@ -671,12 +672,12 @@ def test_parameter_names_and_shapes_follow_the_contract():
     }
     assert shapes(moe) == {"experts.up": (15, 8), "experts.down": (15, 8), **common}
     # The hub's names: one up_proj / down_proj per expert, in place of the bank.
-    assert {key: tuple(value.shape) for key, value in hub_state(moe).items()} == {
+    assert {key: tuple(value.shape) for key, value in module_hub_state(moe).items()} == {
         **{f"experts.{j}.up_proj.weight": (w, 8) for j, w in enumerate((4, 6, 5))},
         **{f"experts.{j}.down_proj.weight": (8, w) for j, w in enumerate((4, 6, 5))},
         **common,
     }
-    assert set(hub_state(build_block(MoESpec(2, 1, 4), H))) == {
+    assert set(module_hub_state(build_block(MoESpec(2, 1, 4), H))) == {
         "gate.weight",
         "gate.e_score_correction_bias",
         "experts.0.up_proj.weight",

@@ -132,7 +132,7 @@ def _write_run_config(root: Path) -> None:
     torch.manual_seed(0)
     nemotron_h.save_pretrained(HybridLM(tiny_hybrid(hidden_size=32, vocab_size=64)), root / "parent")
     (root / "parent" / "tokenizer.json").write_text("{}")  # only its presence is checked
-    (root / "data").mkdir()  # a folder of its own: the run's token cache may not lie in the data's folder
+    (root / "data").mkdir()
     (root / "data" / "corpus.txt").write_text("a document\n\nanother document\n")
     (root / "run-config.yaml").write_text(
         "run_dir: run\nparent: {path: parent}\ndata: {sources: [data/corpus.txt], seq_len: 8}\n"

@@ -9,6 +9,8 @@ import dataclasses
 import inspect
 import json
 import shutil
+import subprocess
+import sys
 import typing
 from pathlib import Path
 from typing import Literal
@@ -443,8 +445,6 @@ def parent_dir(tmp_path_factory) -> Path:
 
 
 def disk_config(tmp_path: Path, parent: Path, **changes) -> dict:
-    # The data in a folder of its own: a run directory beside a data file would put its token cache in the
-    # data's folder, which the run refuses.
     (tmp_path / "data").mkdir(exist_ok=True)
     (tmp_path / "data" / "corpus.txt").write_text("one document\n\nanother\n")
     data = copy.deepcopy(BASE)
@@ -560,10 +560,14 @@ def _bad_input(tmp_path: Path, parent: Path, case: str) -> tuple[dict, str]:
         tokens.write_bytes(tokens.read_bytes()[:-8])
         config["data"]["sources"] = [str(tokens)]
         return config, f"data.sources: safetensors file {tokens} is truncated"
-    assert case == "inside-data"
+    assert case == "inside-data"  # a data folder given as a source: the run's files would be read as data
     data = tmp_path / "data"
     config = disk_config(tmp_path, parent, run_dir=str(data / "run"))
-    return config, f"run_dir: its token cache {data / 'run' / 'tokens'} would lie inside {data}"
+    config["data"]["sources"] = [str(data)]
+    return (
+        config,
+        f"run_dir: its token cache {data / 'run' / 'tokens'} would be or lie inside {data}, an input",
+    )
 
 
 @pytest.mark.parametrize("case", ["truncated", "empty", "unwritable", "inside-data", "truncated-data"])
@@ -579,6 +583,36 @@ def test_config_check_and_run_refuse_the_same_bad_inputs(tmp_path, parent_dir, c
         assert expected in err, err
     run_dir = Path(data["run_dir"])
     assert not run_dir.exists() or not any(run_dir.iterdir())
+
+
+def test_a_run_beside_its_data_file_is_accepted(tmp_path, parent_dir, capsys):
+    """`project/data.jsonl` with `run_dir: project/runs/x`: the folder holding a data file is not an input,
+    so `config check` and `run` accept it; the run caches its tokens in the run directory, beside nothing."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<eos>": 0, "<unk>": 1} | {f"w{i}": i + 2 for i in range(62)}  # the parent's 64 ids
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = tmp_path / "tokenizer"
+    PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", unk_token="<unk>").save_pretrained(
+        tokenizer
+    )
+    project = tmp_path / "project"
+    project.mkdir()
+    lines = [json.dumps({"text": " ".join(f"w{(7 * d + i) % 62}" for i in range(40))}) for d in range(12)]
+    (project / "data.jsonl").write_text("\n".join(lines) + "\n")
+    config = disk_config(tmp_path, parent_dir, run_dir=str(project / "runs" / "x"), tokenizer=str(tokenizer))
+    config["data"] = {"sources": [str(project / "data.jsonl")], "seq_len": 8}
+    config["search"] = {"budgets": ["params<=0.95x"]}
+    config["importance"] = {"tokens": 64, "batch_size": 2}  # the first stage, kept small
+    path = write(tmp_path, yaml.safe_dump(config))
+    code, _, err = run_cli(["config", "check", str(path)], capsys)
+    assert code == 0, err
+    code, _, err = run_cli(["run", "--quiet", "--until", "importance", str(path)], capsys)
+    assert code == 0, err
+    assert sorted(p.name for p in project.iterdir()) == ["data.jsonl", "runs"]
+    assert any((project / "runs" / "x" / "tokens").iterdir())
 
 
 def test_a_corrupt_weights_file_is_exit_2_from_convert_too(tmp_path, parent_dir, capsys):
@@ -635,3 +669,19 @@ def test_data_settings_match_token_data_load():
     config = load_config_data(BASE)
     parameters = set(inspect.signature(TokenData.load).parameters) - {"cls"}
     assert set(config.data.token_data_kwargs(config.tokenizer_dir)) == parameters
+
+
+def test_validating_a_config_imports_no_torch():
+    """`import puzzle.config; load_config(...)` in a fresh interpreter: the stages' settings come from the
+    torch-free `puzzle.settings`, so checking a YAML file never imports torch (nor a stage module)."""
+    stages = ["torch", "puzzle.bld", "puzzle.score", "puzzle.gkd", "puzzle.model"]
+    script = f"""
+import json, sys
+import puzzle.config
+configs = [puzzle.config.load_config(path) for path in {[str(p) for p in sorted(EXAMPLES.glob("*.yaml"))]!r}]
+puzzle.config.reference_markdown()
+print(json.dumps({{"configs": len(configs), "loaded": [name for name in {stages!r} if name in sys.modules]}}))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"configs": 2, "loaded": []}

@@ -7,7 +7,6 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from puzzle.blocks import build_block
-from puzzle.blocks.moe import hub_state
 from puzzle.cost.analytic import (
     ROLES,
     QuantRecipe,
@@ -27,6 +26,7 @@ from puzzle.cost.analytic import (
     tensor_bytes,
 )
 from puzzle.cost.kinds import BLOCK_COSTS, BlockCost, block_cost, routed_expert_params
+from puzzle.nemotron_h.weights import module_hub_state
 from puzzle.presets import nemotron3_super, tiny_hybrid
 from puzzle.spec import (
     BLOCK_SPEC_TYPES,
@@ -64,7 +64,7 @@ def test_block_tensors_are_the_built_modules_hub_tensors(spec):
     from puzzle.model import Block
 
     block = Block(spec, H, 1e-5)
-    expected = {name: tuple(t.shape) for name, t in hub_state(block).items()}
+    expected = {name: tuple(t.shape) for name, t in module_hub_state(block).items()}
     assert {t.name: t.shape for t in block_tensors(spec, H)} == expected
     assert ("norm.weight" in expected) != isinstance(spec, NoOpSpec)  # a no-op block has no pre-norm
     # Parameters exclude buffers (the router's correction bias) but include the block's norm.
@@ -119,7 +119,7 @@ def test_model_counts_equal_a_built_hybrid_lm():
     model = HybridLM(spec)
     assert model_params(spec) == sum(p.numel() for p in model.parameters())
     assert {t.name: t.shape for t in model_tensors(spec)} == {
-        name: tuple(t.shape) for name, t in hub_state(model).items()
+        name: tuple(t.shape) for name, t in module_hub_state(model).items()
     }
     # Stored bytes in bf16: every tensor 2 bytes except the router's weight and bias, which stay fp32.
     model = model.to(torch.bfloat16)
@@ -144,7 +144,7 @@ def test_full_nemotron3_super_on_meta_matches():
     with torch.device("meta"):
         model = HybridLM(spec)
     assert model_params(spec) == sum(p.numel() for p in model.parameters()) == 120_668_687_360
-    state = hub_state(model)
+    state = module_hub_state(model)
     assert {t.name: t.shape for t in model_tensors(spec)} == {
         name: tuple(t.shape) for name, t in state.items()
     }

@@ -262,10 +262,21 @@ def test_tokenisation_is_cached_in_the_cache_dir_only(tmp_path: Path, tokenizer_
     write_jsonl(path, corpus(10, 5, first=1))
     TokenData.load(path, seq_len=4, tokenizer=tokenizer_dir, cache_dir=cache)
     assert len(list(cache.iterdir())) == 2
-    with pytest.raises(DataError, match=r"cache directory .* holds inputs"):
-        TokenData.load(path, seq_len=4, tokenizer=tokenizer_dir, cache_dir=tokenizer_dir / "cache")
-    with pytest.raises(DataError, match=r"cache directory .* holds inputs"):
-        TokenData.load(path, seq_len=4, tokenizer=tokenizer_dir, cache_dir=tmp_path / "in")
+    # Inside an input: the tokenizer's folder, a data folder given as a source, the data file itself.
+    for source, cache_dir in (
+        (path, tokenizer_dir / "cache"),
+        (tmp_path / "in", tmp_path / "in" / "cache"),
+        (path, path),
+    ):
+        with pytest.raises(DataError, match=r"cache directory .* is or lies inside .*, an input"):
+            TokenData.load(source, seq_len=4, tokenizer=tokenizer_dir, cache_dir=cache_dir)
+    # A folder that merely holds a data file is no input: project/data.jsonl, project/runs/x/tokens.
+    beside = TokenData.load(
+        path, seq_len=4, tokenizer=tokenizer_dir, cache_dir=tmp_path / "in" / "runs" / "x"
+    )
+    assert torch.equal(
+        TokenData.load(path, seq_len=4, tokenizer=tokenizer_dir).train.sequences, beside.train.sequences
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------

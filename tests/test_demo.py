@@ -131,6 +131,7 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_puzzle_demo_quick_from_the_command_line(tmp_path):
     """The README's first command, for real: trains the quick parent, runs every stage, prints the table."""
     out, cache = tmp_path / "out", tmp_path / "cache"

@@ -173,6 +173,7 @@ def _worker(rank: int, world: int, port: int, directory: str) -> None:
         _run_importance(rank, Path(directory))
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_give_the_single_process_importance(tmp_path):
     spawn_ranks(_worker, str(tmp_path))
     model, batches = _model(), _batches()

@@ -79,12 +79,13 @@ def _printed(notebook: Any) -> str:
     )
 
 
+@pytest.mark.slow
 def test_quickstart_notebook_runs_every_stage_in_a_kernel(inputs, monkeypatch):
     """examples/quickstart.ipynb executed by nbclient, as Jupyter runs it, with tiny parameters."""
     from puzzle.assemble import assemble
-    from puzzle.bld import read_library
     from puzzle.cost.analytic import model_active_params
     from puzzle.gkd import load_distilled
+    from puzzle.library import read_library
     from puzzle.score import load_scores
 
     root, tiny = inputs
@@ -170,6 +171,7 @@ def test_compress_script_runs_the_pipeline_on_a_tiny_nemotron_h(script_run):
         assert torch.isfinite(model(ids).logits).all()
 
 
+@pytest.mark.slow
 def test_compress_script_under_torchrun_with_two_gloo_processes(inputs, script_run):
     """The launch a user makes on a node (`torchrun --nproc-per-node N`), with 2 CPU processes: the same
     architecture as one process, printed once (by rank 0), and an export that loads."""

@@ -161,6 +161,7 @@ def test_a_finished_output_is_reused_and_loaded_into_the_student(uninterrupted, 
         assert torch.equal(value, saved[name]), name
 
 
+@pytest.mark.slow
 def test_a_sigkilled_run_resumes_to_the_uninterrupted_losses_and_weights(uninterrupted, setup, tmp_path):
     result, output = uninterrupted
     script = HERE / "gkd_helpers.py"
@@ -242,6 +243,7 @@ def _worker(rank: int, world: int, port: int, setup: str, output: str) -> None:
         )
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_give_the_single_process_run(uninterrupted, setup, tmp_path):
     result, output = uninterrupted
     spawn_ranks(_worker, str(setup), str(tmp_path))

@@ -10,8 +10,8 @@ from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNorm
 
 from puzzle import nemotron_h
 from puzzle.blocks import build_block
-from puzzle.blocks.moe import hub_state
 from puzzle.model import Block, HybridLM, RMSNorm, parameter_counts
+from puzzle.nemotron_h.weights import module_hub_state
 from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, NoOpSpec, SpecError
 
 # Published configs (see shared/reference/nemotron-architectures.md) and their derived parameter totals.
@@ -211,7 +211,7 @@ def test_state_dict_keys_follow_the_hub_names(model):
     assert {"layers.0.mixer.A_log", "layers.0.mixer.in_proj.weight", "layers.1.mixer.q_proj.weight"} <= keys
     # The routed experts are one bank in the model and one tensor pair per expert on the hub.
     assert {"layers.2.mixer.experts.up", "layers.2.mixer.gate.e_score_correction_bias"} <= keys
-    hub = set(hub_state(model))
+    hub = set(module_hub_state(model))
     assert "layers.2.mixer.experts.5.up_proj.weight" in hub and "layers.2.mixer.experts.up" not in hub
     assert hub - keys == {
         f"layers.2.mixer.experts.{j}.{proj}_proj.weight"

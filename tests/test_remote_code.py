@@ -238,6 +238,7 @@ def test_remote_code_imports_only_torch_transformers_and_the_standard_library():
         assert third_party <= {"torch", "transformers"}, (file, third_party)
 
 
+@pytest.mark.slow
 def test_remote_code_loads_offline_in_a_fresh_process(tmp_path):
     """No hub access: HF_HUB_OFFLINE and an unreachable endpoint; the modules cache starts empty."""
     out = random_child(EVERY_KIND_SPEC, seed=9).save_pretrained(tmp_path / "child")

@@ -138,6 +138,7 @@ def _counts(directory: Path, pid: int) -> dict[str, int]:
     return json.loads((directory / f"counts-{pid}.json").read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("stage", "call"), [("library", 5), ("library", 13), ("scores", 6)])
 def test_a_killed_stage_resumes_where_it_stopped(finished, tmp_path, stage, call):
     run_dir, _ = finished
@@ -302,6 +303,7 @@ def test_a_run_dir_of_another_parent_is_an_error(finished, tmp_path, capsys):
     assert _files(copied) == before
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_under_torchrun_match_one(finished, tmp_path):
     """`torchrun --nproc-per-node 2 -m puzzle run` (gloo on the CPU), the command a user runs."""
     run_dir, _ = finished

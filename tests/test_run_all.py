@@ -42,6 +42,7 @@ def table_rows(document: str, name: str) -> list[list[str]]:
     return [[cell.strip() for cell in row] for row in rows]
 
 
+@pytest.mark.slow
 def test_row_is_made_from_the_json(run: tuple[subprocess.CompletedProcess, Path]) -> None:
     _, out = run
     data = json.loads((out / "bench_child.json").read_text())
@@ -55,6 +56,7 @@ def test_row_is_made_from_the_json(run: tuple[subprocess.CompletedProcess, Path]
     assert data["rows"]["child"]["blocks"][-1] == "noop"
 
 
+@pytest.mark.slow
 def test_failing_benchmark_is_reported_and_exit_is_nonzero(
     run: tuple[subprocess.CompletedProcess, Path],
 ) -> None:

@@ -21,13 +21,12 @@ from puzzle.blocks import build_block
 from puzzle.model import HybridLM
 from puzzle.prune import collect_importance, init_child
 from puzzle.score import (
-    _KL,
-    _TOKENS,
     PARTIAL_FILE,
     SCORES_FILE,
     WAVE_FILE,
     ScoreSettings,
     _check_parent,
+    _Sum,
     load_scores,
     score_variants,
 )
@@ -142,13 +141,13 @@ def test_parent_scores_zero_and_full_agreement(tmp_path):
 
 def test_a_suffix_that_does_not_reproduce_the_parent_stops_the_run():
     row = torch.zeros(9, dtype=torch.float64)
-    row[[_KL, _TOKENS]] = torch.tensor([1e-3, 10.0], dtype=torch.float64)
+    row[[_Sum.KL, _Sum.TOKENS]] = torch.tensor([1e-3, 10.0], dtype=torch.float64)
     variant = Variant(3, MLPSpec(width=12))
     with pytest.raises(
         RuntimeError, match=r"block 3: the parent's own mixer scores .*kl=0\.0001.* expected KL <= 1e-06"
     ):
         _check_parent(variant, row, 1e-6)
-    row[_KL] = 0.0
+    row[_Sum.KL] = 0.0
     _check_parent(variant, row, 1e-6)
 
 
@@ -240,6 +239,7 @@ score_variants(parent, order, loader, _batches(), sys.argv[1], ScoreSettings(var
 """
 
 
+@pytest.mark.slow
 def test_sigkilled_run_keeps_finished_waves(tmp_path):
     """A process SIGKILLed in its 3rd wave: the first two waves are kept and never recomputed."""
     root = Path(__file__).resolve().parent
@@ -283,6 +283,7 @@ score_variants(parent, library, library, _batches(), sys.argv[1], ScoreSettings(
 """
 
 
+@pytest.mark.slow
 def test_sigkilled_run_resumes_inside_its_wave(tmp_path):
     """One wave, killed in its 3rd (last) batch: the resumed run scores only that batch, and gives exactly the
     uninterrupted scores (the saved fp64 sums continue in the same order)."""
@@ -336,6 +337,7 @@ def _worker(rank: int, world: int, port: int, directory: str) -> None:
             )
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_give_the_single_process_scores(tmp_path):
     """FSDP2 (about half the parent and of each variant per rank) and replicated: both equal 1 process."""
     spawn_ranks(_worker, str(tmp_path))

@@ -20,7 +20,6 @@ from rundir_helpers import BLD_FAILURE, SCORE_FAILURE, make_run
 
 from puzzle import cli
 from puzzle.artifacts import Artifact, json_writer
-from puzzle.bld import read_library
 from puzzle.config import load_config
 from puzzle.cost import (
     max_concurrent_requests,
@@ -31,6 +30,7 @@ from puzzle.cost import (
 )
 from puzzle.cost.analytic import model_weight_bytes
 from puzzle.cost.hardware import HardwareProfile, profile_from_json, profile_to_json
+from puzzle.library import read_library
 from puzzle.presets import tiny_hybrid
 from puzzle.run import Run
 from puzzle.score import SCORES_FILE, load_scores

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from puzzle.artifacts import fingerprint_json
-from puzzle.blocks.moe import hub_state
 from puzzle.model import HybridLM
+from puzzle.nemotron_h.weights import module_hub_state
 from puzzle.presets import get_space_preset, nemotron3_nano, nemotron3_super, puzzle_75b_a9b_like, tiny_hybrid
 from puzzle.prune import collect_importance, init_child
 from puzzle.space import KIND_AXES, SearchSpace, SpaceError
@@ -247,7 +247,7 @@ def test_width_profiles_assign_widths_by_importance_and_init_child_accepts_them(
             assert variant.id.startswith(f"moe:e{n}:k2:w{mean}avg.")
             parent_block = model.layers[index].mixer
             child = init_child(parent_block, spec.blocks[index], variant.spec, importance[index])
-            state = hub_state(child)
+            state = module_hub_state(child)
             for i, width in enumerate(variant.spec.widths):
                 assert state[f"experts.{i}.up_proj.weight"].shape[0] == width
             mixers[index] = child

@@ -7,8 +7,8 @@ chunks of experts, one gather, activation and scatter per chunk, so only the mat
 when every expert has the same width, in two grouped matmuls (`torch.nn.functional.grouped_mm`: in bf16 on a
 Hopper / Blackwell GPU one CUTLASS kernel each and no host sync; on the CPU a C++ loop over the experts,
 slower than the chunked loop, so "auto" runs it only on a GPU). A decode step's few pairs run one by one.
-Checkpoints keep the hub's per-expert tensors: `hub_state` and `allocate_banks` map a module's banks to and
-from them.
+Checkpoints keep the hub's per-expert tensors (`ExpertBank.hub_views`); `puzzle.nemotron_h.weights` maps a
+module's banks to and from them (`module_hub_state`, `allocate_banks`).
 """
 
 from __future__ import annotations
@@ -434,7 +434,7 @@ class MoEMixer(nn.Module):
     """out = fc2(sum_k w_k * expert_k(fc1(x))) + shared(x); fc1/fc2 only when latent, shared only when width > 0.
 
     Parameters: gate.{weight, e_score_correction_bias}, experts.{up, down} (the `ExpertBank`; the hub's
-    experts.{j}.{up_proj, down_proj}.weight through `hub_state`), fc1_latent_proj.weight [L, H],
+    experts.{j}.{up_proj, down_proj}.weight through `puzzle.nemotron_h.weights.module_hub_state`), fc1_latent_proj.weight [L, H],
     fc2_latent_proj.weight [H, L], shared_experts.{up_proj, down_proj}.weight.
     Stateless: `init_cache` returns None and `step` is `forward`. `norm_eps` is unused.
     """
@@ -453,7 +453,7 @@ class MoEMixer(nn.Module):
     @staticmethod
     def hub_tensors(spec: MoESpec, hidden_size: int) -> list[TensorInfo]:
         """The tensors this mixer stores, NemotronH hub names relative to the mixer, routed experts marked:
-        the routed experts one by one (`hub_state` of a built mixer has exactly these names and shapes)."""
+        the routed experts one by one (`module_hub_state` of a built mixer has exactly these names and shapes)."""
         H, E = hidden_size, spec.num_experts
         expert_input = spec.expert_input_size(H)
         tensors = [
@@ -496,60 +496,3 @@ class MoEMixer(nn.Module):
     def step(self, x: torch.Tensor, cache: None = None) -> torch.Tensor:
         """x: [b, 1, H] -> [b, 1, H]."""
         return self.forward(x)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Bank <-> hub tensors. The hub (and every NemotronH checkpoint) stores each routed expert as
-# `experts.{j}.up_proj.weight` [w_j, D] and `experts.{j}.down_proj.weight` [D, w_j].
-
-
-def _banks(module: nn.Module) -> dict[str, ExpertBank]:
-    """Every ExpertBank in `module`, by its state-dict prefix ("" for `module` itself, else "name.")."""
-    return {f"{name}." if name else "": m for name, m in module.named_modules() if isinstance(m, ExpertBank)}
-
-
-def hub_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """`module.state_dict()` with each bank's `up` / `down` replaced, in place, by the hub's per-expert tensors.
-
-    Keys `{prefix}{j}.up_proj.weight` [w_j, D] and `{prefix}{j}.down_proj.weight` [D, w_j] (expert by expert,
-    up then down), detached views of the bank (the down views are transposed: `.contiguous()` to write them).
-    Works on the meta device, for names and shapes.
-    """
-    banks = _banks(module)
-    up_keys = {prefix + "up": bank for prefix, bank in banks.items()}
-    down_keys = {prefix + "down" for prefix in banks}
-    out: dict[str, torch.Tensor] = {}
-    for key, tensor in module.state_dict().items():
-        if key in up_keys:
-            prefix = key.removesuffix("up")
-            with torch.no_grad():
-                out.update({prefix + name: view.detach() for name, view in up_keys[key].hub_views().items()})
-        elif key not in down_keys:
-            out[key] = tensor
-    return out
-
-
-def allocate_banks(
-    module: nn.Module, dtype: torch.dtype, device: torch.device | str
-) -> dict[str, torch.Tensor]:
-    """Give every bank of `module` new, uninitialised `up` / `down` (e.g. in place of meta tensors) and return
-    the hub's per-expert tensors by `hub_state` name: writable views into them, for a loader to `copy_` into."""
-    out: dict[str, torch.Tensor] = {}
-    for prefix, bank in _banks(module).items():
-        for name in ("up", "down"):
-            old = bank._parameters[name]
-            bank._views = None
-            bank._parameters[name] = nn.Parameter(
-                torch.empty(old.shape, dtype=dtype, device=device), requires_grad=old.requires_grad
-            )
-        with torch.no_grad():
-            out.update({prefix + name: view.detach() for name, view in bank.hub_views().items()})
-    return out
-
-
-def bank_state(up: list[torch.Tensor], down: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The bank tensors {"up", "down"} [sum w_j, D] of experts given in the hub layout.
-
-    up[j] [w_j, D] (up_proj.weight), down[j] [D, w_j] (down_proj.weight); the inverse of `hub_views`.
-    """
-    return {"up": torch.cat(up), "down": torch.cat([d.T for d in down])}

@@ -24,7 +24,7 @@ def register(subparsers: Any) -> None:
         help="validate a run config and print it resolved",
         description="Validate CONFIG (types, values, budgets, scenarios) and what it names on disk (the "
         "parent's config.json and safetensors headers, the tokenizer, the data, the space file, a writable "
-        "run_dir outside the parent and the data's folders; no weight is read): the checks `puzzle run` "
+        "run_dir outside the parent and the inputs (a data folder or file, the tokenizer); no weight is read): the checks `puzzle run` "
         "makes before its first stage. Then print the resolved config. Exit code 2 with a one-line error "
         "naming the file, line and key on any config error; nothing is written.",
     )

@@ -12,12 +12,11 @@ import re
 import typing
 from collections.abc import Mapping
 
-from puzzle.bld import BLDSettings
 from puzzle.config.loader import join_key, to_dict, type_hints, type_name
 from puzzle.config.run import RunConfig
 from puzzle.cost.roofline import Scenario
-from puzzle.gkd import GKDSettings
 from puzzle.search.budget import BUDGET_KEYS
+from puzzle.settings import BLDSettings, GKDSettings
 
 # What a reused class's field means in the config, where that differs from its own documentation.
 _NOTES: dict[tuple[type, str], str] = {

@@ -23,16 +23,14 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
-from puzzle.bld import BLDSettings
 from puzzle.config.loader import ConfigError, doc, from_data, line_of, read_yaml, to_dict
-from puzzle.gkd import GKDSettings
 from puzzle.presets import SPACE_PRESETS, get_space_preset
-from puzzle.score import ScoreSettings
 from puzzle.search import budget
 from puzzle.search.budget import CostModel, DeploymentLimit
 from puzzle.search.frontier import parse_sweep
 from puzzle.search.limits import BudgetError, Limit, Value
 from puzzle.search.types import SolverOptions
+from puzzle.settings import BLDSettings, GKDSettings, ScoreSettings
 from puzzle.space import SearchSpace
 from puzzle.spec import ModelSpec
 
@@ -475,8 +473,8 @@ class RunConfig:
 
     def _check_output_dirs(self, sources: list[Path]) -> None:
         """The run directory and the token cache: outside the parent, directories that can be created and
-        written, and the cache (data.cache_dir, else tokens/ in the run directory) outside the folders of
-        the inputs (the rule `puzzle.data.TokenData.load` enforces, checked here before anything runs)."""
+        written, and the cache (data.cache_dir, else tokens/ in the run directory) outside the inputs
+        themselves (the rule `puzzle.data.TokenData.load` enforces, checked here before anything runs)."""
         from puzzle import data as token_data
 
         parent = self.parent.path
@@ -497,13 +495,13 @@ class RunConfig:
         if self.tokenizer is None and not token_data.tokenizer_files(tokenizer):
             tokenizer = None
         cache = self.data.cache_dir if self.data.cache_dir is not None else self.run_dir / "tokens"
-        place = token_data.input_folder_holding(cache, sources, tokenizer)
+        place = token_data.input_holding(cache, self.data.sources, tokenizer)
         if place is not None:
             key = "data.cache_dir" if self.data.cache_dir is not None else "run_dir"
             what = "the token cache" if self.data.cache_dir is not None else f"its token cache {cache}"
             raise ConfigError(
-                f"{what} would lie inside {place}, which holds the run's inputs (data or tokenizer files); "
-                "choose a directory outside it, so that the run's files never mix with its inputs",
+                f"{what} would be or lie inside {place}, an input of the run (a data source or the "
+                "tokenizer); choose a directory outside it, so that the run's files never mix with its inputs",
                 key,
             )
 

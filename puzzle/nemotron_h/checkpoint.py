@@ -20,8 +20,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from puzzle.blocks.moe import allocate_banks
-from puzzle.blocks.moe import hub_state as module_hub_state
 from puzzle.files import (
     OWNER_MARKER,
     default_mode,
@@ -44,9 +42,11 @@ from puzzle.nemotron_h.weights import (
     SAFETENSORS_DTYPES,
     SHARD_FILE,
     SINGLE_FILE,
+    allocate_banks,
     disk_name,
     hub_state,
     map_checkpoint,
+    module_hub_state,
     open_safetensors,
     read_tensor,
     weight_files,

@@ -33,6 +33,7 @@ no-op) raises `SpecError` naming the axis.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -41,7 +42,6 @@ from torch import nn
 
 from puzzle.axes import pruning_axes
 from puzzle.blocks import build_block
-from puzzle.blocks.moe import bank_state, hub_state
 from puzzle.prune.importance import BlockImportance
 from puzzle.spec import (
     AttentionSpec,
@@ -152,7 +152,7 @@ def init_child(
             f"(a block may only shrink, or become linear or no-op)"
         )
     _check_axes(parent_spec, child_spec)
-    state = hub_state(parent_block)  # routed experts one by one (`experts.{j}.up_proj.weight`), as on the hub
+    state = parent_block.state_dict()  # routed MoE experts as the bank: experts.{up, down} [sum w_j, D]
     return _load(child, child_rules.shrink(state, parent_spec, child_spec, importance, kv_mode))
 
 
@@ -362,6 +362,9 @@ def _moe_state(
         "gate.weight": state["gate.weight"][experts.to(device)],
         "gate.e_score_correction_bias": state["gate.e_score_correction_bias"][experts.to(device)],
     }
+    # The bank: rows offsets[j]:offsets[j + 1] of `up` and of `down` are expert j's channels (ExpertBank).
+    bank_up, bank_down = state["experts.up"], state["experts.down"]
+    offsets = list(itertools.accumulate(parent.widths, initial=0))
     ups, downs = [], []
     for i, j in enumerate(experts.tolist()):
         width, parent_width = child.widths[i], parent.widths[j]
@@ -370,17 +373,17 @@ def _moe_state(
                 f"{owner}.expert_width[{i}] = {width} exceeds the width {parent_width} of parent expert {j} "
                 f"(child expert {i} is parent expert {j})"
             )
-        up, down = state[f"experts.{j}.up_proj.weight"], state[f"experts.{j}.down_proj.weight"]
+        up, down = bank_up[offsets[j] : offsets[j + 1]], bank_down[offsets[j] : offsets[j + 1]]  # [w_j, D]
         if width < parent_width:
             keep = top_indices(_need(importance, f"expert_channel.{j}", "expert_width", "moe"), width).to(
                 device
             )
-            up, down = up[keep], down[:, keep]
+            up, down = up[keep], down[keep]
         if project_in is not None:
-            up, down = _mm(up, project_in.T), _mm(project_out, down)
+            up, down = _mm(up, project_in.T), _mm(down, project_out.T)
         ups.append(up)
         downs.append(down)
-    new.update({f"experts.{name}": tensor for name, tensor in bank_state(ups, downs).items()})
+    new["experts.up"], new["experts.down"] = torch.cat(ups), torch.cat(downs)
     if parent.latent_size is not None:
         fc1, fc2 = state["fc1_latent_proj.weight"], state["fc2_latent_proj.weight"]
         if project_in is not None:

@@ -99,7 +99,7 @@ def run_candidates(
     """Read the run's library and scores (and parent.json unless `parent` is given) into candidates."""
     if objective not in METRICS:
         raise SearchError(f"unknown objective {objective!r}; recorded metrics: {', '.join(METRICS)}")
-    from puzzle.bld import read_library  # late: torch, which a library-file search never needs
+    from puzzle.library import read_library  # late: torch, which a library-file search never needs
     from puzzle.score import SCORES_FILE, load_scores
 
     parent = parent if parent is not None else layout.read_parent()

@@ -1,0 +1,231 @@
+"""The stages' settings (BLD, scoring, GKD): plain dataclasses that validate themselves without torch, so
+`puzzle.config` checks a run config without importing it. The stages (`puzzle.bld`, `puzzle.score`,
+`puzzle.gkd`) take them as arguments and re-export them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+# How a stage spreads its models over torch.distributed ranks (`puzzle.shard`): FSDP2, or replicated.
+SHARD_MODES = ("fsdp", "none")
+
+
+def check_shard_mode(owner: str, mode: str) -> None:
+    """ValueError naming `owner` (e.g. "BLDSettings.shard") unless `mode` is one of SHARD_MODES."""
+    if mode not in SHARD_MODES:
+        raise ValueError(f"{owner} must be 'fsdp' or 'none', found {mode!r}")
+
+
+def is_int(value: Any) -> bool:
+    """An int that is not a bool (YAML's `true` is not a count)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class BLDSettings:
+    """How BLD trains. Token counts are global (all ranks together); bytes are per process.
+
+    `lr`: AdamW peak learning rate; `warmup_tokens`: linear warm-up from 0, then cosine decay to
+    `min_lr_ratio * lr` at `token_budget` tokens (each variant trains on `token_budget` tokens, fewer if
+    the data ends first); `clip`: max gradient norm per variant (0 = none); `checkpoint_every`: steps
+    between checkpoints (0 = never); `memory_limit_bytes`: what one wave's variants may use (None = one
+    wave); `dtype`: the variants' training dtype ("float32" or "bfloat16"); `autocast`: bf16 autocast on
+    CUDA; `seed`: seeds torch before each wave's variants are built; `shard`: "fsdp" shards the parent and
+    the variants over the ranks with FSDP2, "none" replicates them (no effect in a single process);
+    `router_lr_scale`: the MoE routers' learning rate as a fraction of lr (0 = they keep their initial weights:
+    the loss reaches a router only through the weights of the experts it chose, never through the choice).
+    """
+
+    lr: float = 1e-4
+    warmup_tokens: int = 0
+    token_budget: int = 1_000_000
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    clip: float = 1.0
+    checkpoint_every: int = 100
+    memory_limit_bytes: int | None = None
+    dtype: str = "float32"
+    autocast: bool = True
+    seed: int = 0
+    shard: str = "fsdp"
+    # Why 0: top-k has no gradient, so the router's gradient ignores the expert choices a step changes, while
+    # AdamW moves every router weight by about lr a step whatever its gradient. Each step then flips experts
+    # for many tokens: trained routers made the quick demo's top-2 half-width variants 1.6-2.6x worse than
+    # their init (frozen: 0.4-0.5x). With top-1 and normalised weights the gradient is rounding noise.
+    router_lr_scale: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(self.betas))
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"BLDSettings.lr must be a positive number, found {self.lr!r}")
+        for name in ("warmup_tokens", "checkpoint_every"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ValueError(f"BLDSettings.{name} must be an integer >= 0, found {getattr(self, name)!r}")
+        if not isinstance(self.token_budget, int) or self.token_budget < 1:
+            raise ValueError(f"BLDSettings.token_budget must be an integer >= 1, found {self.token_budget!r}")
+        if not (self.router_lr_scale >= 0 and math.isfinite(self.router_lr_scale)):
+            raise ValueError(
+                f"BLDSettings.router_lr_scale must be a number >= 0, found {self.router_lr_scale!r}"
+            )
+        if self.clip < 0 or not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(
+                f"BLDSettings: clip >= 0 and 0 <= min_lr_ratio <= 1, found {self.clip}, {self.min_lr_ratio}"
+            )
+        if self.memory_limit_bytes is not None and self.memory_limit_bytes < 1:
+            raise ValueError(
+                f"BLDSettings.memory_limit_bytes must be positive or None, found {self.memory_limit_bytes}"
+            )
+        check_shard_mode("BLDSettings.shard", self.shard)
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"BLDSettings.dtype must be 'float32' or 'bfloat16', found {self.dtype!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch  # late: validating a config never needs torch
+
+        return getattr(torch, self.dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "betas": list(self.betas)}
+
+
+@dataclass(frozen=True)
+class ScoreSettings:
+    """How to score. `vocab_chunk`: lm_head rows per chunk (peak memory, see `puzzle.score.score_variants`).
+    `variants_per_wave`: variants whose mixers (and, per batch, final hidden states) are held at once (None:
+    all); the parent runs once per batch per wave. `parent_kl_tolerance`: the largest KL (nats/token) the parent's own mixer may score
+    before the run is stopped as not reproducible (0 on the CPU; GPU kernels may add rounding noise).
+    `shard`: "fsdp" shards the parent and the variants with FSDP2 under torch.distributed with more than one
+    rank (`puzzle.shard`, as BLD); "none" keeps them replicated on every rank. `checkpoint_every`: batches
+    (per rank) between saves of the running sums of the wave in flight (None: only finished waves are
+    saved)."""
+
+    vocab_chunk: int = 4096
+    variants_per_wave: int | None = None
+    parent_kl_tolerance: float = 1e-6
+    shard: str = "fsdp"
+    checkpoint_every: int | None = 20
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ValueError(
+                f"ScoreSettings.checkpoint_every must be >= 1 or None, found {self.checkpoint_every}"
+            )
+        check_shard_mode("ScoreSettings.shard", self.shard)
+        if self.vocab_chunk < 1:
+            raise ValueError(f"ScoreSettings.vocab_chunk must be >= 1, found {self.vocab_chunk}")
+        if self.variants_per_wave is not None and self.variants_per_wave < 1:
+            raise ValueError(
+                f"ScoreSettings.variants_per_wave must be >= 1 or None, found {self.variants_per_wave}"
+            )
+
+
+@dataclass(frozen=True)
+class GKDSettings:
+    """How GKD trains. Token counts and `batch_size` are global (all ranks together).
+
+    `lr`: AdamW peak learning rate; `warmup_tokens`: linear warm-up from 0, then cosine decay to
+    `min_lr_ratio * lr` at the end of the run; the run ends after `token_budget` tokens or `steps`
+    optimiser steps, whichever comes first (None: no limit of that kind; at least one is needed), or when
+    finite training data ends. `batch_size`: sequences per optimiser step; `micro_batch_size`: sequences per
+    forward/backward on one rank (None: the rank's whole share, `batch_size / world`), the gradients
+    accumulate over the share; `clip`: max global gradient norm (0 = none); `kl_weight`, `cosine_weight`,
+    `lm_weight`: the loss terms (`puzzle.gkd`); `vocab_chunk`: lm_head rows per chunk (memory);
+    `eval_every`: steps between held-out evaluations (0 = only before and after training);
+    `checkpoint_every`: steps between checkpoints (0 = never); `seed`: seeds torch and the order of a
+    `TokenSplit`'s batches; `dtype`: the student's training dtype ("float32" or "bfloat16"); `autocast`:
+    bf16 autocast on CUDA; `shard`: "fsdp" shards student and teacher over the ranks with FSDP2, "none"
+    replicates them (no effect in a single process).
+    """
+
+    lr: float = 1e-5
+    min_lr_ratio: float = 0.1
+    warmup_tokens: int = 0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    token_budget: int | None = 100_000_000
+    steps: int | None = None
+    batch_size: int = 8
+    micro_batch_size: int | None = None
+    clip: float = 1.0
+    kl_weight: float = 1.0
+    cosine_weight: float = 1.0
+    lm_weight: float = 0.0
+    vocab_chunk: int = 4096
+    eval_every: int = 100
+    checkpoint_every: int = 100
+    seed: int = 0
+    dtype: str = "float32"
+    autocast: bool = True
+    shard: str = "fsdp"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(self.betas))
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"GKDSettings.lr must be a positive number, found {self.lr!r}")
+        for name in ("min_lr_ratio", "kl_weight", "cosine_weight", "lm_weight", "weight_decay", "clip"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and value >= 0 and math.isfinite(value)):
+                raise ValueError(f"GKDSettings.{name} must be a finite number >= 0, found {value!r}")
+        if self.min_lr_ratio > 1:
+            raise ValueError(f"GKDSettings.min_lr_ratio must be in [0, 1], found {self.min_lr_ratio}")
+        if self.kl_weight + self.cosine_weight + self.lm_weight == 0:
+            raise ValueError(
+                "GKDSettings: kl_weight, cosine_weight and lm_weight are all 0: nothing to train"
+            )
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"GKDSettings.betas must be two numbers in [0, 1), found {self.betas!r}")
+        for name in ("warmup_tokens", "eval_every", "checkpoint_every", "seed"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 0:
+                raise ValueError(f"GKDSettings.{name} must be an integer >= 0, found {value!r}")
+        for name in ("token_budget", "steps", "micro_batch_size"):
+            value = getattr(self, name)
+            if value is not None and (not is_int(value) or value < 1):
+                raise ValueError(f"GKDSettings.{name} must be an integer >= 1 or None, found {value!r}")
+        if self.token_budget is None and self.steps is None:
+            raise ValueError("GKDSettings: token_budget and steps are both None: set at least one")
+        for name in ("batch_size", "vocab_chunk"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"GKDSettings.{name} must be an integer >= 1, found {value!r}")
+        if self.micro_batch_size is not None and self.micro_batch_size > self.batch_size:
+            raise ValueError(
+                f"GKDSettings.micro_batch_size must be at most batch_size ({self.batch_size}), "
+                f"found {self.micro_batch_size}"
+            )
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"GKDSettings.dtype must be 'float32' or 'bfloat16', found {self.dtype!r}")
+        check_shard_mode("GKDSettings.shard", self.shard)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        import torch  # late: validating a config never needs torch
+
+        return getattr(torch, self.dtype)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "betas": list(self.betas)}
+
+    def micro_batches(self, world: int) -> tuple[int, int]:
+        """(sequences per rank and step, sequences per micro-batch) for `world` ranks; errors name the fields."""
+        if self.batch_size % world:
+            raise ValueError(
+                f"GKDSettings.batch_size ({self.batch_size}) must be a multiple of the number of ranks ({world})"
+            )
+        share = self.batch_size // world
+        micro = self.micro_batch_size or share
+        if share % micro:
+            raise ValueError(
+                f"GKDSettings.micro_batch_size ({micro}) must divide each rank's share of the batch "
+                f"(batch_size {self.batch_size} / {world} ranks = {share})"
+            )
+        return share, micro
