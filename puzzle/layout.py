@@ -13,6 +13,8 @@
       scores/            scoring: scores.manifest.json, scores.json
       solutions/         searches saved by the pipeline, {name}.json per budget (`puzzle search RUN_DIR`
                          writes only to --out)
+      frontier.json      the Pareto frontier the solutions stage swept against each budget key of its
+                         solutions (`puzzle.search.run_dir.frontier_sweep`), drawn by the report
       children/{name}/   GKD of the assembled child of solution {name}: checkpoints, history.json, weights
       exports/{name}/    the exported checkpoint of solution {name} (config.json, safetensors, puzzle.json)
       report/            `puzzle report`: report.md and its PNG plots
@@ -49,6 +51,7 @@ IMPORTANCE_DIR = "importance"
 CHILDREN_DIR = "children"
 EXPORTS_DIR = "exports"
 REPORT_DIR = "report"
+FRONTIER_FILE = "frontier.json"
 LOGS_DIR = "logs"
 PARENT_FILE = "parent.json"
 LIBRARY_DIR = "library"
@@ -178,6 +181,11 @@ class RunLayout:
     @property
     def solutions(self) -> Path:
         return self.root / SOLUTIONS_DIR
+
+    @property
+    def frontier(self) -> Path:
+        """The solutions stage's frontier sweep (`puzzle.search.run_dir.frontier_sweep`), read by the report."""
+        return self.root / FRONTIER_FILE
 
     @property
     def manifest(self) -> Path:

@@ -4,8 +4,8 @@
     path = write_report("run")          # run/report/report.md and its PNGs
 
 Sections, each skipped with a one-line note when its inputs are missing: the Pareto frontier of the
-summed predicted KL against each budget key of the run's solutions (the run's search swept over that
-key with `puzzle.search.frontier.sweep`), a per-block map of each chosen architecture (parent row above
+summed predicted KL against each budget key of the run's solutions (swept by the run's solutions stage
+into frontier.json, `puzzle.search.run_dir.frontier_sweep`; the report solves nothing), a per-block map of each chosen architecture (parent row above
 child row, coloured by kind, shaded by active parameters relative to the parent's block, as Figure 6 of
 the Puzzle paper), the cost breakdown parent vs child, the library's BLD losses, the GKD curves
 (children/{name}/history.json) and measured vs predicted KL (exports/{name}/puzzle.json). Rounds r >= 2
@@ -20,7 +20,6 @@ once, then read back: the report's figures are the search's and do not change be
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 import math
@@ -53,8 +52,6 @@ from puzzle.spec import (
 
 REPORT_FILE = "report.md"
 PLOT_HINT = "plots need matplotlib: pip install 'puzzle-nas[plot]'"
-# The fractions of the parent's value a frontier sweep solves at.
-SWEEP_FRACTIONS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 # The context of the KV + SSM state row of the cost table when the run names no scenario.
 STATE_CONTEXT = 4096
 # The GKD curves plotted (the tables list every recorded value).
@@ -226,48 +223,31 @@ def _child_spec(parent: ModelSpec, library: Any, solution: dict[str, Any]) -> Mo
 # ------------------------------------------------------------------------------------------- sections
 
 
-def _frontier(
-    report: _Report, layout: RunLayout, solutions: dict[str, dict[str, Any]], hardware: Any
-) -> None:
+def _frontier(report: _Report, layout: RunLayout, solutions: dict[str, dict[str, Any]]) -> None:
     report.add("## Pareto frontier", "")
     if not solutions:
         report.add(f"_Skipped: no solutions in {layout.solutions}._", "")
         return
-    if not layout.scores.joinpath("scores.manifest.json").is_file():
-        report.add(f"_Skipped: no scores in {layout.scores} (the search needs them)._", "")
+    if not layout.frontier.is_file():
+        report.add(
+            f"_Skipped: no frontier in {layout.frontier} (the solutions stage of `puzzle run` sweeps it; "
+            "run it again to add one to an older run)._",
+            "",
+        )
         return
-    from puzzle.search.budget import CostModel, parse_budget
-    from puzzle.search.frontier import sweep
-    from puzzle.search.run_dir import run_problem
-
-    # The run's cost model; one bound per scenario cost, so that the table sums each of them.
-    cost_model, budgets = CostModel(), []
-    if hardware is not None:
-        cost_model = dataclasses.replace(hardware, profile=layout.hardware(hardware.profile))
-        budgets = [
-            parse_budget(f"{key}[{name}]<=1x", cost_model)
-            for name in hardware.scenarios
-            for key in ("latency", "ttft", "memory_bytes")
-        ]
-    problem = run_problem(layout, budgets, cost_model=cost_model)
-    table = problem.table
-    keys = [key for key in sorted(set.intersection(*(set(s["totals"]) for s in solutions.values())))]
-    keys = [key for key in keys if key in table.costs]
+    swept = _read_json(layout.frontier)
+    keys = swept.get("keys") if isinstance(swept, dict) else None
+    if not isinstance(keys, dict):
+        raise RunDirError(f"{layout.frontier}: not a frontier (expected the JSON of the solutions stage)")
     if not keys:
         report.add("_Skipped: the solutions record no budget key the run's search sums._", "")
         return
-    starts = table.offsets[:-1]
-    for key in keys:
-        parent_value = float(table.costs[key][starts].sum() + table.fixed.get(key, 0.0))
-        # The fixed grid, and each solution's own point, so that the curve reaches the tightest budget.
-        own = {solution["totals"][key] / parent_value for solution in solutions.values() if parent_value > 0}
-        fractions = sorted(set(SWEEP_FRACTIONS) | {fraction for fraction in own if 0 < fraction < 1})
-        values = [parent_value * fraction for fraction in fractions]
-        points = sweep(table, [], key, "upper", values, problem.problem.rules)  # no bound but the swept one
+    for key, entry in keys.items():
+        parent_value, points = entry["parent"], entry["points"]
         rows = [
-            [str(p.limit), p.solution.totals[key], p.solution.objective, p.on_frontier]
-            if p.solution is not None
-            else [str(p.limit), None, "infeasible", False]
+            [p["budget"], p["total"], p["objective"], p["on_frontier"]]
+            if p["total"] is not None
+            else [p["budget"], None, "infeasible", False]
             for p in points
         ]
         report.add(f"### KL against `{key}`", "")
@@ -278,12 +258,11 @@ def _frontier(
         figure = report.figure(figsize=(6, 4))
         axis = figure.subplots()
         frontier = sorted(
-            (p for p in points if p.solution is not None and p.on_frontier),
-            key=lambda p: p.solution.totals[key],
+            (p for p in points if p["total"] is not None and p["on_frontier"]), key=lambda p: p["total"]
         )
         axis.plot(
-            [p.solution.totals[key] for p in frontier],
-            [p.solution.objective for p in frontier],
+            [p["total"] for p in frontier],
+            [p["objective"] for p in frontier],
             "o-",
             color="tab:blue",
             label="Pareto frontier",
@@ -668,7 +647,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
         rows = [[n, s.get("objective"), s.get("status"), s.get("solver")] for n, s in solutions.items()]
         report.add("## Solutions", "", *_table(["name", "predicted KL", "status", "solver"], rows))
     hardware = _hardware(report, layout)
-    _frontier(report, layout, solutions, hardware)
+    _frontier(report, layout, solutions)
     _block_map(report, parent, children, solutions)
     _costs(report, layout, parent, children, solutions, hardware)
     _bld(report, library)

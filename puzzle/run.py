@@ -77,7 +77,14 @@ from puzzle.model import HybridLM
 from puzzle.prune.importance import ModelImportance, importance_for, load_importance
 from puzzle.score import Scores, load_scores, score_variants
 from puzzle.search import search, search_k
-from puzzle.search.run_dir import CostModel, RunCandidates, RunProblem, run_problem
+from puzzle.search.run_dir import (
+    CostModel,
+    RunCandidates,
+    RunProblem,
+    frontier_budgets,
+    frontier_sweep,
+    run_problem,
+)
 from puzzle.search.types import Solution
 from puzzle.space import SearchSpace
 from puzzle.spec import BlockSpec, ModelSpec, Variant
@@ -437,7 +444,7 @@ class Run:
             path = directories[stage] / f"{stage}.manifest.json"
             return path.is_file() and fingerprint_file(path) == outputs["manifest"]
         for entry_name, entry in outputs.items():
-            if stage == "solutions":
+            if stage in ("solutions", "frontier"):
                 path = self.layout.root / entry["file"]
                 if not path.is_file() or fingerprint_file(path) != entry["fingerprint"]:
                     return False
@@ -697,7 +704,25 @@ class Run:
 
     def _record_solutions(self) -> dict[str, Any]:
         inputs = self._solutions_inputs(self.budgets())
-        return self._stage("solutions", inputs, lambda: _on_main(self._solve))
+        outputs = self._stage("solutions", inputs, lambda: _on_main(self._solve))
+        # The frontier is a record of its own: the solution names stay the solutions stage's only outputs.
+        frontier_inputs = {
+            **inputs,
+            "solutions": {name: entry["fingerprint"] for name, entry in outputs.items()},
+        }
+        self._stage("frontier", frontier_inputs, lambda: _on_main(lambda: self._sweep_frontier(outputs)))
+        return outputs
+
+    def _sweep_frontier(self, solutions: Mapping[str, Any]) -> dict[str, Any]:
+        """The Pareto frontier against the budget keys of the config's solutions -> frontier.json, so that
+        the report draws it without solving (`puzzle.search.run_dir.frontier_sweep`)."""
+        cost_model = self.cost_model()
+        problem = self._problem(frontier_budgets(cost_model), cost_model=cost_model)
+        saved = {name: self._solution_json(name) for name in solutions}
+        payload = frontier_sweep(problem, saved, self.config.search.solver)
+        atomic_write_bytes(self.layout.frontier, (json.dumps(payload, indent=2) + "\n").encode())
+        path = self.layout.frontier
+        return {"frontier": {"file": path.name, "fingerprint": fingerprint_file(path)}}
 
     def _solve(self) -> dict[str, Any]:
         """Every budget list of the config solved and saved: {solution name: its record}."""

@@ -95,7 +95,7 @@ def test_quickstart_notebook_runs_every_stage_in_a_kernel(inputs, monkeypatch):
     printed = _printed(_execute(notebook_file, root, _tiny_parameters(root, tiny), monkeypatch))
     run_dir = root / "notebook-run"
     manifest = json.loads((run_dir / "run.json").read_text())
-    assert list(manifest["stages"]) == list(STAGES)
+    assert [n for n in manifest["stages"] if n != "frontier"] == list(STAGES)
     assert all(stage["status"] == "done" for stage in manifest["stages"].values())
     (name,) = manifest["stages"]["solutions"]["outputs"]
     solution = json.loads((run_dir / "solutions" / f"{name}.json").read_text())

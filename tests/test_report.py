@@ -24,7 +24,7 @@ from puzzle.files import atomic_write_bytes
 from puzzle.gkd import GKDSettings, distill
 from puzzle.layout import RunDirError, RunLayout
 from puzzle.report import PLOT_HINT, _format, write_report
-from puzzle.search.run_dir import CostModel, search_run
+from puzzle.search.run_dir import CostModel, frontier_budgets, frontier_sweep, run_problem, search_run
 
 NAME = "small"
 
@@ -40,6 +40,11 @@ def run_dir(tmp_path_factory) -> Path:
         note=lambda text: None,
     )
     atomic_write_bytes(layout.solution(NAME), json.dumps(solution.to_json(), indent=2).encode())
+    # The frontier the solutions stage of `puzzle run` sweeps (the report reads it and solves nothing).
+    cost_model = CostModel(scenarios={"chat": chat})
+    problem = run_problem(layout, frontier_budgets(cost_model), cost_model=cost_model)
+    swept = frontier_sweep(problem, {NAME: solution.to_json()})
+    atomic_write_bytes(layout.frontier, json.dumps(swept).encode())
     parent = trained_parent(steps=8)  # the parent make_run built the library from
     child = assemble(solution, layout.library, parent)
     measured_kl(child, parent, token_batches(1, seed=600), vocab_chunk=16)
@@ -116,6 +121,22 @@ def test_missing_sections_are_noted(run_dir, tmp_path):
     assert "_Skipped: no children/NAME/history.json._" in text
     assert "_Skipped: no exports/NAME/puzzle.json._" in text
     assert not (bare / "report").exists()
+
+
+def test_the_frontier_is_drawn_from_the_run_s_sweep_without_solving(run_dir, tmp_path):
+    """The report draws frontier.json as the run swept it: with the scores gone (nothing to solve with) the
+    table still shows every swept point; without frontier.json the section says how to get one."""
+    copied = tmp_path / "run"
+    shutil.copytree(run_dir, copied, ignore=shutil.ignore_patterns("report"))
+    shutil.rmtree(copied / "scores")
+    swept = json.loads((copied / "frontier.json").read_text())
+    text = write_report(copied, tmp_path / "out").read_text()
+    for key, entry in swept["keys"].items():
+        assert f"### KL against `{key}`" in text
+        assert all(point["budget"] in text for point in entry["points"])
+    (copied / "frontier.json").unlink()
+    text = write_report(copied, tmp_path / "out2").read_text()
+    assert f"_Skipped: no frontier in {copied / 'frontier.json'}" in text
 
 
 def test_tables_without_matplotlib(run_dir, tmp_path, monkeypatch):

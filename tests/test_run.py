@@ -46,8 +46,14 @@ def _files(root: Path) -> dict[str, int]:
 
 
 def _statuses(run_dir: Path) -> dict[str, str]:
+    """The status of each stage's record (the frontier's record follows the solutions stage's: see
+    `_frontier_status`)."""
     stages = json.loads((run_dir / "run.json").read_text())["stages"]
-    return {name: stages[name]["status"] for name in stages}
+    return {name: stages[name]["status"] for name in stages if name != "frontier"}
+
+
+def _frontier_status(run_dir: Path) -> str:
+    return json.loads((run_dir / "run.json").read_text())["stages"]["frontier"]["status"]
 
 
 def _run(config: Path, *extra: str) -> int:
@@ -69,6 +75,10 @@ def finished(inputs):
 def test_end_to_end_exports_the_distilled_child(finished):
     run_dir, config = finished
     assert _statuses(run_dir) == {stage: "done" for stage in STAGES}
+    assert _frontier_status(run_dir) == "done"
+    # The solutions stage swept the frontier the report draws: the solution's own point is on it.
+    frontier = json.loads((run_dir / "frontier.json").read_text())
+    assert frontier["keys"] and all(entry["points"] for entry in frontier["keys"].values())
     (name,) = [p.stem for p in (run_dir / "solutions").glob("*.json")]
     saved = json.loads((run_dir / "solutions" / f"{name}.json").read_text())
     exported = puzzle.load(run_dir / "exports" / name)
@@ -96,6 +106,7 @@ def test_a_rerun_does_nothing(finished):
     assert _run(config) == 0
     assert _files(run_dir) == before
     assert _statuses(run_dir) == {stage: "reused" for stage in STAGES}
+    assert _frontier_status(run_dir) == "reused"
 
 
 def test_a_finished_run_reruns_without_loading_the_parent(finished):

@@ -92,7 +92,7 @@ def test_the_notebook_sequence_returns_types_reuses_and_equals_puzzle_run(root, 
     assert calls == dict.fromkeys(COUNTED, 1)  # each stage computed once, the search's check aside
     # The config's budget: the records are `puzzle run`'s own, and `puzzle run` reuses every one of them.
     manifest = json.loads((run_dir / "run.json").read_text())
-    assert list(manifest["stages"]) == list(puzzle.layout.STAGES)
+    assert [n for n in manifest["stages"] if n != "frontier"] == list(puzzle.layout.STAGES)
 
     again = _notebook(_pieces(root, run_dir))  # a new Run: nothing remembered in memory
     assert calls == dict.fromkeys(COUNTED, 1), calls

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +47,7 @@ from puzzle.search.budget import (  # the grammar and cost model live there; re-
     priced_table,
 )
 from puzzle.search.exact import search
+from puzzle.search.frontier import sweep
 from puzzle.search.types import Rules, SearchError, Solution, SolverOptions, Table
 from puzzle.spec import BlockSpec, ModelSpec
 
@@ -58,6 +59,9 @@ __all__ = [
     "DeploymentLimit",
     "RunCandidates",
     "RunProblem",
+    "SWEEP_FRACTIONS",
+    "frontier_budgets",
+    "frontier_sweep",
     "parse_budget",
     "parse_scenario",
     "run_candidates",
@@ -249,3 +253,51 @@ def search_run(
     for text in problem.notes:
         (note or _log.warning)(text)
     return search(problem.table, problem.problem.limits, problem.problem.rules, options)
+
+
+# The fractions of the parent's value a run's frontier sweeps at (`frontier_sweep`).
+SWEEP_FRACTIONS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+
+
+def frontier_budgets(cost_model: CostModel) -> list[DeploymentLimit]:
+    """Budgets that bound nothing (1x the parent) but make the table sum each scenario's latency, TTFT and
+    memory, so that a frontier can be swept against them."""
+    return [
+        parse_budget(f"{key}[{name}]<=1x", cost_model)
+        for name in cost_model.scenarios
+        for key in ("latency", "ttft", "memory_bytes")
+    ]
+
+
+def frontier_sweep(
+    problem: RunProblem, solutions: Mapping[str, Mapping[str, Any]], options: SolverOptions | None = None
+) -> dict[str, Any]:
+    """The Pareto frontier of `problem` against every budget key that all `solutions` (name -> saved
+    solution JSON) total and the table sums: per key, the parent's value and one solve per fraction of it
+    (`SWEEP_FRACTIONS`, plus each solution's own fraction, so that the curve reaches the tightest budget),
+    under the problem's rules and no other bound. JSON-ready; `puzzle report` draws it without solving.
+    """
+    table = problem.table
+    totals = [set(solution["totals"]) for solution in solutions.values()]
+    keys = sorted(key for key in set.intersection(*totals) if key in table.costs) if totals else []
+    starts = table.offsets[:-1]
+    swept: dict[str, Any] = {}
+    for key in keys:
+        parent_value = float(table.costs[key][starts].sum() + table.fixed.get(key, 0.0))
+        own = {s["totals"][key] / parent_value for s in solutions.values() if parent_value > 0}
+        fractions = sorted(set(SWEEP_FRACTIONS) | {f for f in own if 0 < f < 1})
+        values = [parent_value * fraction for fraction in fractions]
+        points = sweep(table, [], key, "upper", values, problem.problem.rules, options)
+        swept[key] = {
+            "parent": parent_value,
+            "points": [
+                {
+                    "budget": str(point.limit),
+                    "total": point.solution.totals[key] if point.solution else None,
+                    "objective": point.solution.objective if point.solution else None,
+                    "on_frontier": point.on_frontier,
+                }
+                for point in points
+            ],
+        }
+    return {"objective": problem.table.objective_name, "keys": swept}
