@@ -20,10 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from puzzle.files import atomic_write, atomic_write_bytes
+from puzzle.presets.demo import EOS_ID  # the demo parent's vocabulary, kept beside it
 
-BOS_ID = 256
-EOS_ID = 257
-VOCAB_SIZE = 258  # 256 bytes + BOS + EOS
 BOS_TOKEN = "<|bos|>"
 EOS_TOKEN = "<|eos|>"
 TOKENIZER_VERSION = 1  # of the byte-level scheme above; part of the corpus fingerprint

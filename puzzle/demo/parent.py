@@ -32,11 +32,11 @@ from tqdm.auto import tqdm
 from puzzle import __version__
 from puzzle.artifacts import fingerprint_json
 from puzzle.data import DataError, TokenData
-from puzzle.demo.corpus import BOS_ID, EOS_ID, VOCAB_SIZE, CorpusFiles, build_corpus
+from puzzle.demo.corpus import CorpusFiles, build_corpus
 from puzzle.files import atomic_write_bytes, make_staging_dir, remove_stale_staging, swap_directory_into_place
 from puzzle.model import HybridLM
 from puzzle.nemotron_h.checkpoint import load
-from puzzle.presets.demo import demo_parent_spec, demo_quick_parent_spec
+from puzzle.presets.demo import BOS_ID, EOS_ID, VOCAB_SIZE, demo_parent_spec, demo_quick_parent_spec
 from puzzle.progress import progress_bar
 from puzzle.spec import ModelSpec, MoESpec
 

@@ -13,9 +13,13 @@ there on a CPU at these sizes (of 32, 64, 128 and 256, measured on a shared mach
 
 from __future__ import annotations
 
-from puzzle.demo.corpus import VOCAB_SIZE
 from puzzle.presets.nemotron import DT_MIN, from_pattern
 from puzzle.spec import AttentionSpec, MambaSpec, ModelSpec, MoESpec
+
+# The demo corpus's byte-level vocabulary (`puzzle.demo.corpus` tokenises with it): 256 bytes, BOS, EOS.
+BOS_ID = 256
+EOS_ID = 257
+VOCAB_SIZE = 258
 
 DEMO_PATTERN = "MEM*EMEM*E"  # Nemotron-3's rhythm: Mamba and MoE alternate, attention every few blocks
 DEMO_QUICK_PATTERN = "MEM*EME"
