@@ -287,6 +287,13 @@ def fingerprint_checkpoint(
     return fingerprint
 
 
+def loaded_fingerprint(checkpoint: str, dtype: torch.dtype) -> str:
+    """The fingerprint of a model loaded in `dtype` (that of its embeddings) from a checkpoint of
+    fingerprint `checkpoint` (`fingerprint_checkpoint`): how `puzzle.Run` keys the stages by their parent
+    without reading its weights."""
+    return fingerprint_json({"checkpoint": checkpoint, "dtype": str(dtype)})
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Writers for `Artifact.write`: each takes the temporary path to write to.
 

@@ -394,3 +394,32 @@ def test_several_solutions_per_budget_are_named_apart(finished, tmp_path):
     assert first["choices"] != second["choices"] and first["objective"] <= second["objective"]
     expected = json.loads((run_dir / "solutions" / "active_params-le-0.8x.json").read_text())
     assert first["choices"] == expected["choices"]
+
+
+class CountingRun(Run):
+    """A Run that counts its loads of the parent (`load_parent`, the body `Run.parent` caches)."""
+
+    def load_parent(self):
+        self.loads = getattr(self, "loads", 0) + 1
+        return super().load_parent()
+
+
+def test_every_stage_shares_one_parent_and_leaves_it_unchanged(finished, tmp_path):
+    run_dir, _ = finished
+    config = write_config(tmp_path / "run.yaml", config_dict(run_dir.parent, run_dir=str(tmp_path / "run")))
+    torch.set_num_threads(1)
+    pipeline = CountingRun.from_config(config)
+    pipeline.all()
+    assert _statuses(tmp_path / "run") == {stage: "done" for stage in STAGES}
+    assert pipeline.loads == 1
+    # No stage changed the shared parent's weights, and the outcome is the one of `puzzle run`.
+    fresh = pipeline.load_parent().state_dict()
+    shared = pipeline.parent().state_dict()
+    assert shared.keys() == fresh.keys()
+    for key, value in fresh.items():
+        torch.testing.assert_close(shared[key], value, rtol=0, atol=0, msg=key)
+    _same_outcome(run_dir, tmp_path / "run")
+    # The parent's fingerprint came from its files: their content hashes are cached in the run directory.
+    parent = json.loads((tmp_path / "run" / "run.json").read_text())["parent"]
+    assert parent["scheme"] == "checkpoint-files-1"
+    assert (tmp_path / "run" / "parent_hash.json").is_file()
