@@ -317,13 +317,16 @@ class Run:
 
     def _files_fingerprint(self) -> str:
         """`loaded_fingerprint` of the parent's checkpoint (content hashes from RUN_DIR/parent_hash.json
-        where current) and of the dtype a load gives (its structure built on the meta device: headers
-        only); the cache to write is kept for `_prepare` (a run directory is written only once checked)."""
+        where current) and of the dtype a load gives (for "auto" its structure built on the meta device:
+        headers only); the cache to write is kept for `_prepare` (a run directory is written only once
+        checked)."""
         path = self.config.parent.path
         cached = read_hash_cache(self.layout.parent_hash) if dist.is_main() else None
         checkpoint, self._parent_hashes = checkpoint_hashes(path, cached)
-        dtype = None if self.config.parent.dtype == "auto" else self.config.parent.dtype
-        loaded = nemotron_h.load(path, dtype=dtype, device="meta").embeddings.weight.dtype
+        if self.config.parent.dtype == "auto":  # the checkpoint's: that of its embeddings
+            loaded = nemotron_h.load(path, device="meta").embeddings.weight.dtype
+        else:
+            loaded = getattr(torch, self.config.parent.dtype)
         return loaded_fingerprint(checkpoint, loaded)
 
     def _parent_files(self) -> str:

@@ -338,6 +338,14 @@ def test_two_gloo_processes_under_torchrun_match_one(finished, tmp_path):
             json.loads(path.read_text())["choices"]
             == json.loads((other / "solutions" / path.name).read_text())["choices"]
         )
+    # The measured KL: every rank's shared parent was sharded in place by BLD (FSDP), so assembly gathered
+    # its units and compare_models ran every batch on every rank; the figure is the one of one process.
+    want, got = (
+        json.loads((d / "run.json").read_text())["stages"]["assemble"]["outputs"] for d in (run_dir, other)
+    )
+    assert want.keys() == got.keys()
+    for name in want:
+        assert got[name]["measured"]["kl"] == pytest.approx(want[name]["measured"]["kl"], rel=1e-3)
 
 
 def test_two_rounds_the_second_compresses_the_first_child(finished, tmp_path):
@@ -423,3 +431,25 @@ def test_every_stage_shares_one_parent_and_leaves_it_unchanged(finished, tmp_pat
     parent = json.loads((tmp_path / "run" / "run.json").read_text())["parent"]
     assert parent["scheme"] == "checkpoint-files-1"
     assert (tmp_path / "run" / "parent_hash.json").is_file()
+
+
+def test_a_run_dir_of_the_earlier_fingerprint_scheme_is_still_this_parents(finished, tmp_path):
+    """run.json of an earlier version holds `fingerprint_model` of the loaded parent (no `scheme`): kept while
+    the parent's files are unchanged (not loaded), else checked against a load; not "another parent"."""
+    from puzzle.artifacts import fingerprint_model
+
+    run_dir, _ = finished
+    copied = tmp_path / "run"
+    shutil.copytree(run_dir, copied)
+    config = write_config(tmp_path / "run.yaml", config_dict(run_dir.parent, run_dir=str(copied)))
+    pipeline = Run.from_config(config)
+    legacy = fingerprint_model(pipeline.load_parent())
+    manifest = json.loads((copied / "run.json").read_text())
+    manifest["parent"] = {"path": manifest["parent"]["path"], "fingerprint": legacy}
+    for files in (pipeline._parent_files(), "files of another time"):
+        manifest["parent"]["files"] = files
+        (copied / "run.json").write_text(json.dumps(manifest))
+        assert CountingRun.from_config(config).parent_fingerprint() == legacy
+    pipeline = CountingRun.from_config(config)
+    assert pipeline.run("importance")  # its record was keyed by the new fingerprint: recomputed
+    assert _statuses(copied)["importance"] == "done" and pipeline.loads == 1
