@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -40,7 +41,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
 from puzzle import __version__, dist
-from puzzle.files import atomic_write
+from puzzle.files import atomic_write, atomic_write_bytes
 from puzzle.spec import BlockSpec, ModelSpec, block_to_dict
 
 MANIFEST_VERSION = 1  # the layout of the manifest itself; a stage's files have their own `format`
@@ -121,6 +122,176 @@ def fingerprint_model(model: torch.nn.Module) -> str:
         digest.update(str(tuple(tensor.shape)).encode())
         digest.update(sample.numpy().tobytes())
     return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# A checkpoint's fingerprint from its files: headers, sizes and a content hash computed once and cached.
+
+CHECKPOINT_HASH_FORMAT = 1
+HASH_CHUNK_BYTES = 64 << 20  # the unit of work of the parallel content hash (and of its reads)
+_CONFIG_FILE = "config.json"
+
+
+def _file_key(path: Path) -> dict[str, int]:
+    """What identifies a file's current contents without reading it. The ctime too: a rewrite whose mtime
+    is set back (os.utime) still changes it, and only the system clock can set it back."""
+    stat = path.stat()
+    return {
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "ctime_ns": stat.st_ctime_ns,
+        "inode": stat.st_ino,
+        "device": stat.st_dev,
+    }
+
+
+def safetensors_header(path: Path) -> bytes:
+    """The JSON header of a safetensors file (names, dtypes, shapes, data offsets, metadata), read from its
+    8-byte length and the header alone: no tensor data is read."""
+    from puzzle.nemotron_h.config import CheckpointError
+    from puzzle.nemotron_h.weights import MAX_HEADER_BYTES
+
+    with open(path, "rb") as handle:
+        size = os.fstat(handle.fileno()).st_size
+        length = int.from_bytes(handle.read(8), "little") if size >= 8 else -1
+        if not 0 <= length <= min(size - 8, MAX_HEADER_BYTES):
+            raise CheckpointError(
+                f"safetensors file {path} is truncated or corrupt: header length {length}, file size {size}"
+            )
+        return handle.read(length)
+
+
+def _hash_range(path: Path, offset: int, length: int, on_read: Callable[[int], None] | None) -> bytes:
+    """sha256 of `length` bytes of `path` from `offset`, read 1 MiB at a time (`on_read(bytes)` per read)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        handle.seek(offset)
+        left = length
+        while left > 0:
+            chunk = handle.read(min(_CHUNK_BYTES, left))
+            if not chunk:
+                raise OSError(f"{path} ended at byte {offset + length - left}, expected {offset + length}")
+            if on_read is not None:
+                on_read(len(chunk))
+            digest.update(chunk)
+            left -= len(chunk)
+    return digest.digest()
+
+
+def _content_hashes(
+    files: list[tuple[Path, int]], chunk_bytes: int, on_read: Callable[[int], None] | None
+) -> list[str]:
+    """sha256 of each (file, size)'s bytes as the hash of its `chunk_bytes` chunks' digests, in order.
+
+    Under torch.distributed the chunks of all the files are numbered and dealt round-robin: each rank
+    reads and hashes only its own (contiguous byte ranges), and the digests are all-gathered. The result
+    does not depend on the world size: the same chunks, combined in chunk order.
+    """
+    chunks = [
+        (number, offset, min(chunk_bytes, size - offset))
+        for number, (_, size) in enumerate(files)
+        for offset in range(0, size, chunk_bytes)
+    ]
+    mine = {
+        index: _hash_range(files[number][0], offset, length, on_read)
+        for index, (number, offset, length) in dist.shard(enumerate(chunks))
+    }
+    digests: dict[int, bytes] = {}
+    for gathered in dist.all_gather_object(mine):
+        digests.update(gathered)
+    combined = [hashlib.sha256(f"{size}|{chunk_bytes}|".encode()) for _, size in files]
+    for index, (number, _, _) in enumerate(chunks):
+        combined[number].update(digests[index])
+    return [digest.hexdigest() for digest in combined]
+
+
+def checkpoint_hashes(
+    folder: str | Path,
+    cached: Mapping[str, Any] | None = None,
+    *,
+    chunk_bytes: int = HASH_CHUNK_BYTES,
+    on_read: Callable[[int], None] | None = None,
+) -> tuple[str, dict[str, Any]]:
+    """(fingerprint, cache) of checkpoint `folder`: see `fingerprint_checkpoint`, which reads and writes the
+    cache; here `cached` is a cache as returned before (or None) and the new one is returned unwritten.
+
+    Collective under torch.distributed: rank 0 decides which files need hashing (its stat and cache),
+    every rank hashes its share of them.
+    """
+    from puzzle.nemotron_h.weights import weight_files
+
+    folder = Path(folder)
+    files = [folder / _CONFIG_FILE, *weight_files(folder)]
+    if not files[0].is_file():
+        raise FileNotFoundError(f"cannot fingerprint checkpoint {folder}: it has no {_CONFIG_FILE}")
+    cached = dict(cached or {})
+    usable = cached.get("format") == CHECKPOINT_HASH_FORMAT and cached.get("chunk_bytes") == chunk_bytes
+    entries: dict[str, Any] = dict(cached.get("files", {})) if usable else {}
+    keys = {str(path.resolve()): _file_key(path) for path in files}
+    stale = [name for name, key in keys.items() if entries.get(name, {}).get("key") != key]
+    stale, keys, entries = dist.broadcast_object((stale, keys, entries))  # rank 0's view decides
+    hashed = _content_hashes([(Path(name), keys[name]["size"]) for name in stale], chunk_bytes, on_read)
+    entries = {name: entries[name] for name in keys if name not in stale}
+    entries.update({name: {"key": keys[name], "content": digest} for name, digest in zip(stale, hashed)})
+    digest = hashlib.sha256(b"puzzle checkpoint fingerprint 1\n")
+    digest.update(files[0].read_bytes())
+    for path in files[1:]:
+        name = str(path.resolve())
+        header = safetensors_header(path)
+        digest.update(f"{path.name}|{keys[name]['size']}|{len(header)}|".encode())
+        digest.update(header)
+        digest.update(entries[name]["content"].encode())
+    cache = {"format": CHECKPOINT_HASH_FORMAT, "chunk_bytes": chunk_bytes, "files": entries}
+    return digest.hexdigest(), cache
+
+
+def read_hash_cache(path: str | Path) -> dict[str, Any] | None:
+    """A cache `checkpoint_hashes` returned, as written to `path`; None when absent or unreadable (then
+    every file is hashed again: a cache is never trusted beyond its per-file keys)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and isinstance(data.get("files"), dict) else None
+
+
+def write_hash_cache(path: str | Path, cache: Mapping[str, Any]) -> None:
+    """Write `cache` to `path` atomically on rank 0, unless it is there already (a rerun writes nothing)."""
+    if dist.is_main() and read_hash_cache(path) != cache:
+        atomic_write_bytes(path, (json.dumps(cache, indent=2, sort_keys=True) + "\n").encode())
+
+
+def fingerprint_checkpoint(
+    folder: str | Path,
+    cache: str | Path | None = None,
+    *,
+    chunk_bytes: int = HASH_CHUNK_BYTES,
+    on_read: Callable[[int], None] | None = None,
+) -> str:
+    """sha256 of a checkpoint directory: its config.json, and per safetensors file (`weight_files`) its
+    name, size, header (tensor names, dtypes, shapes, offsets) and a content hash of all its bytes.
+
+    The content hash reads every byte once: in parallel under torch.distributed (each rank its share of
+    `chunk_bytes` chunks, `_content_hashes`; the same result at any world size) and cached in the JSON file
+    `cache` (e.g. RUN_DIR/parent_hash.json, written atomically by rank 0), per file under its resolved
+    path with its size, mtime, ctime, inode and device. A file whose key is unchanged is not read again
+    (its header is: it is small); any write to a file changes its ctime, so a file rewritten in place,
+    even with its size and mtime put back, is hashed again. `on_read(bytes)` is called per read of file
+    data (a test hook). Collective under torch.distributed (every rank calls it with the same arguments).
+    """
+    cached = read_hash_cache(cache) if cache is not None and dist.is_main() else None
+    fingerprint, new = checkpoint_hashes(folder, cached, chunk_bytes=chunk_bytes, on_read=on_read)
+    if cache is not None:
+        write_hash_cache(cache, new)
+        dist.barrier()
+    return fingerprint
+
+
+def loaded_fingerprint(checkpoint: str, dtype: torch.dtype) -> str:
+    """The fingerprint of a model loaded in `dtype` (that of its embeddings) from a checkpoint of
+    fingerprint `checkpoint` (`fingerprint_checkpoint`): how `puzzle.Run` keys the stages by their parent
+    without reading its weights."""
+    return fingerprint_json({"checkpoint": checkpoint, "dtype": str(dtype)})
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from puzzle.artifacts import ArtifactError, fingerprint_model
+from puzzle import shard
+from puzzle.artifacts import ArtifactError, fingerprint_checkpoint, fingerprint_model, loaded_fingerprint
 from puzzle.blocks import build_block
 from puzzle.compare import ModelComparison, compare_models
 from puzzle.cost import model_active_params, model_params
@@ -204,7 +205,7 @@ def _library_mixer(library: Library, variant: Variant, parent: HybridLM) -> tupl
     if result.status == "noop":
         return build_block(variant.spec, parent.spec.hidden_size, parent.spec.norm_eps), "noop"
     if result.status == "parent":  # listed in the library, equal to the parent's block
-        return copy.deepcopy(parent.layers[variant.block_index].mixer), "parent"
+        return _parent_mixer(parent, variant.block_index), "parent"
     try:
         mixer = library.load_mixer(variant, parent.spec.hidden_size, parent.spec.norm_eps)
     except (ArtifactError, OSError, RuntimeError, ValueError) as error:
@@ -215,7 +216,27 @@ def _library_mixer(library: Library, variant: Variant, parent: HybridLM) -> tupl
 
 
 def _copy_parameter(tensor: torch.Tensor) -> nn.Parameter:
-    return nn.Parameter(tensor.detach().clone())
+    """A plain copy of a parent tensor (all-gathered first when the parent is sharded: a collective)."""
+    return nn.Parameter(shard.replicated(tensor.detach()).clone())
+
+
+def _parent_mixer(parent: HybridLM, index: int) -> nn.Module:
+    """A plain copy of the parent's mixer of block `index`, sharing nothing with it (gathered first when the
+    parent is sharded, a collective: a deep copy of an FSDP unit would carry its shards and FSDP state)."""
+    with shard.gathered_mixer(parent, index):
+        return copy.deepcopy(parent.layers[index].mixer)
+
+
+def _parent_fingerprint(library: Library, parent: HybridLM) -> str:
+    """`parent`'s fingerprint as the library records it when it is this parent's: `fingerprint_model`, or,
+    for a library `puzzle.Run` built (keyed by the parent's files), `loaded_fingerprint` of the checkpoint
+    the parent was loaded from in its dtype (those files are read to hash them). Else `fingerprint_model`."""
+    found = fingerprint_model(parent)
+    if library.parent != found and parent.source_path is not None and Path(parent.source_path).is_dir():
+        files = loaded_fingerprint(fingerprint_checkpoint(parent.source_path), parent.embeddings.weight.dtype)
+        if library.parent == files:
+            return files
+    return found
 
 
 def _mtp_record(parent: HybridLM) -> dict[str, Any]:
@@ -248,6 +269,7 @@ def assemble(
     *,
     scores: Mapping[Variant, Any] | Scores | None = None,
     check_parent: bool = True,
+    parent_fp: str | None = None,
 ) -> HybridLM:
     """The child of `solution`: library weights where it changes a block, the parent's elsewhere.
 
@@ -255,7 +277,10 @@ def assemble(
     replace-one-block scores (`puzzle.score.Scores`, or {Variant: KL}) recorded per block, the parent's
     own blocks at 0; their sum is the predicted KL when the solution is not a search `Solution`. `parent`: the model
     the library was built from (a fresh load: BLD shards the parent it trains on); with `check_parent`
-    its fingerprint must be the library's. Returns a new HybridLM in eval mode on the parent's device,
+    its fingerprint must be the library's: `parent_fp` when given (`puzzle.Run` passes the one it built the
+    library with), else `fingerprint_model(parent)` or, for a library a Run built, the fingerprint of the
+    checkpoint the parent was loaded from (`_parent_fingerprint`). A sharded (FSDP2) parent is gathered a unit at
+    a time for what the child copies (a collective: every rank assembles). Returns a new HybridLM in eval mode on the parent's device,
     sharing no tensor with the parent, with `child.assembly` (an `Assembly`), the parent's extra (MTP)
     tensors, source config and path (so a save never writes into the parent's directory and copies its
     tokenizer files).
@@ -268,7 +293,12 @@ def assemble(
         library = read_library(library)
     if any(t.is_meta for t in parent.state_dict().values()):
         raise AssemblyError("the parent is on the meta device: assembly needs its weights")
-    parent_fingerprint = fingerprint_model(parent)
+    if parent_fp is not None:
+        parent_fingerprint = parent_fp
+    else:
+        parent_fingerprint = (
+            _parent_fingerprint(library, parent) if check_parent else fingerprint_model(parent)
+        )
     if check_parent and library.parent != parent_fingerprint:
         raise AssemblyError(
             f"the library at {library.directory} was built from another parent (fingerprint "
@@ -280,7 +310,7 @@ def assemble(
     blocks: list[AssembledBlock] = []
     for variant in variants:
         if variant.spec == parent.spec.blocks[variant.block_index]:
-            mixer, source = copy.deepcopy(parent.layers[variant.block_index].mixer), "parent"
+            mixer, source = _parent_mixer(parent, variant.block_index), "parent"
         else:
             mixer, source = _library_mixer(library, variant, parent)
         mixers.append(mixer)

@@ -525,6 +525,7 @@ def build_library(
     data_fingerprint: str | None = None,
     init: Callable[[Variant], nn.Module] | None = None,
     max_steps: int | None = None,
+    parent_fp: str | None = None,
 ) -> Library:
     """Train every variant by BLD and write the library to `directory`; returns it.
 
@@ -534,6 +535,8 @@ def build_library(
     `init_child`; `data_fingerprint`: identifies the training data for the reuse / resume checks (default:
     a fingerprint of the first batch); `init`: Variant -> initial mixer (default `default_init`);
     `max_steps`: stop every wave after this many steps (a test hook; the token budget is the normal stop).
+    `parent_fp`: the parent's fingerprint, recorded in the library and keying its reuse (`puzzle.Run`
+    passes one from the parent's files); default `fingerprint_model(parent)`.
 
     A library already in `directory` made from the same inputs is returned without work; checkpoints of
     the same inputs are resumed. Collective under torch.distributed (every rank passes the same arguments).
@@ -552,7 +555,7 @@ def build_library(
     first = _first(train_batches)
     if data_fingerprint is None:
         data_fingerprint = fingerprint_tensors([first])
-    parent_fp = fingerprint_model(parent)
+    parent_fp = parent_fp or fingerprint_model(parent)
     inputs = {
         "parent": parent_fp,
         "variants": fingerprint_json([v.to_dict() for v in sorted(all_variants, key=_order)]),

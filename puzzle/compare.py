@@ -8,8 +8,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
-from puzzle import dist
+from puzzle import dist, shard
 from puzzle.logits import (
     KL_SUM,
     NLL_SUM,
@@ -55,20 +56,26 @@ def compare_models(
 
     The same chunked computation as scoring (`puzzle.logits.LogitStream`): each model's logits exist one vocabulary chunk of
     `vocab_chunk` rows at a time, each through its own lm_head. Batches are data-parallel under
-    torch.distributed (`dist.shard`, sums all-reduced). Non-finite child logits are a ValueError.
+    torch.distributed (`dist.shard`, sums all-reduced). A parent sharded with FSDP2 (`puzzle.Run` shares
+    one parent that BLD, scoring and GKD shard in place) all-gathers its units in every forward, a
+    collective: then every rank runs every batch, with the whole lm_head gathered once, and no sums are
+    reduced. Non-finite child logits are a ValueError.
     """
     if parent.spec.vocab_size != child.spec.vocab_size:
         raise ValueError(
             f"the child's vocabulary ({child.spec.vocab_size}) is not the parent's ({parent.spec.vocab_size})"
         )
     listed = batches() if callable(batches) and not isinstance(batches, Sequence) else batches
-    device = parent.lm_head.weight.device
+    sharded = any(isinstance(module, FSDPModule) for module in parent.modules())
+    # The whole lm_head, gathered once when sharded (every rank, in the same order).
+    parent_weight = shard.replicated(parent.lm_head.weight) if sharded else parent.lm_head.weight
+    device = parent_weight.device
     sums = torch.zeros(NUM_HEAD_SUMS, dtype=torch.float64, device=device)  # the child is the student
     modes = parent.training, child.training
     parent.eval()
     child.eval()
     try:
-        for ids in dist.shard(listed):
+        for ids in listed if sharded else dist.shard(listed):
             ids = ids.to(device)
             if ids.ndim != 2 or ids.dtype != torch.long:
                 raise ValueError(
@@ -80,7 +87,7 @@ def compare_models(
             n = targets.numel()
 
             parent_hidden, child_hidden = (_final_hidden(model, ids) for model in (parent, child))
-            parent_weight, child_weight = parent.lm_head.weight, child.lm_head.weight
+            child_weight = child.lm_head.weight
             chunks = vocab_chunks(parent_weight.shape[0], vocab_chunk)
             parent_stream = LogitStream(n, targets)
             for start, stop in chunks:
@@ -108,7 +115,8 @@ def compare_models(
     finally:
         parent.train(modes[0])
         child.train(modes[1])
-    dist.all_reduce_sum_([sums])
+    if not sharded:  # else every rank measured every batch
+        dist.all_reduce_sum_([sums])
     tokens = int(sums[POSITIONS])
     if tokens == 0:
         raise ValueError("no held-out positions: every batch needs at least 2 tokens per row")

@@ -529,6 +529,7 @@ def distill(
     *,
     data_fingerprint: str | None = None,
     callback: Callable[[int, dict[str, Any]], None] | None = None,
+    teacher_fp: str | None = None,
 ) -> GKDResult:
     """Distil `teacher` into `student` (trained in place) and write the output to `directory`; returns it.
 
@@ -540,6 +541,8 @@ def distill(
     (cut into batches of `batch_size`). `data_fingerprint` names the training data for the reuse and resume
     checks (default: the split's fingerprint, or a fingerprint of the first batch). `callback(step, record)`
     is called on every rank after each optimiser step (and its evaluation and checkpoint, if any).
+    `teacher_fp` names the teacher for those checks (`puzzle.Run` passes its parent's fingerprint, from
+    its files); default `fingerprint_model(teacher)`, which gathers a sharded teacher's every tensor.
 
     At the end the student holds the distilled weights (DTensor shards under FSDP: use `load_distilled` for
     a plain copy). A finished output of the same inputs is loaded into the student and returned without
@@ -564,7 +567,7 @@ def distill(
     held = _held_out_batches(held_out, settings.batch_size)
     inputs = {
         "student": fingerprint_model(student),
-        "teacher": fingerprint_model(teacher),
+        "teacher": teacher_fp or fingerprint_model(teacher),
         "train_data": data_fingerprint or stream.fingerprint(),
         "held_out": fingerprint_tensors(held),
         "settings": fingerprint_json(settings.to_dict()),

@@ -54,6 +54,9 @@ REPORT_DIR = "report"
 FRONTIER_FILE = "frontier.json"
 LOGS_DIR = "logs"
 PARENT_FILE = "parent.json"
+PARENT_HASH_FILE = (
+    "parent_hash.json"  # the parent's content hashes per file (`fingerprint_checkpoint`'s cache)
+)
 LIBRARY_DIR = "library"
 SCORES_DIR = "scores"
 SOLUTIONS_DIR = "solutions"
@@ -65,6 +68,7 @@ _OWN_ENTRIES = frozenset(
         CALIBRATION_FILE,
         RUN_MANIFEST_FILE,
         PARENT_FILE,
+        PARENT_HASH_FILE,
         IMPORTANCE_DIR,
         LIBRARY_DIR,
         SCORES_DIR,
@@ -167,6 +171,11 @@ class RunLayout:
     @property
     def parent(self) -> Path:
         return self.root / PARENT_FILE
+
+    @property
+    def parent_hash(self) -> Path:
+        """The cache of the parent's content hashes (`puzzle.artifacts.fingerprint_checkpoint`)."""
+        return self.root / PARENT_HASH_FILE
 
     @property
     def library(self) -> Path:

@@ -59,7 +59,15 @@ import torch
 
 # Every stage this module drives, imported here and only here (a name that moves moves in one place).
 from puzzle import dist, nemotron_h
-from puzzle.artifacts import fingerprint_file, fingerprint_json, fingerprint_model
+from puzzle.artifacts import (
+    checkpoint_hashes,
+    fingerprint_file,
+    fingerprint_json,
+    fingerprint_model,
+    loaded_fingerprint,
+    read_hash_cache,
+    write_hash_cache,
+)
 from puzzle.assemble import assemble as assemble_child
 from puzzle.assemble import measured_kl
 from puzzle.bld import build_library
@@ -93,6 +101,9 @@ if TYPE_CHECKING:
     from puzzle.search.budget import DeploymentLimit
 
 MANIFEST_FORMAT = 1
+# run.json's parent record: how its fingerprint was made (`Run.parent_fingerprint`). Records without it
+# (earlier versions) hold `fingerprint_model` of the loaded parent.
+PARENT_SCHEME = "checkpoint-files-1"
 DONE = ("done", "reused")
 
 _log = logging.getLogger(__name__)
@@ -209,6 +220,9 @@ class Run:
         self.config = config
         self.round_number = round_number
         self._parent_fp: str | None = None
+        self._parent_scheme: str | None = None
+        self._parent_hashes: dict[str, Any] | None = None  # the content-hash cache to write (rank 0)
+        self._parent: HybridLM | None = None  # the one loaded parent of this process (`parent()`)
         self._data: Any = None
         self._results: dict[str, Any] = {}
         # Stage -> what it resumed from checkpoints (BLD waves, GKD children), for its `done` line.
@@ -285,16 +299,42 @@ class Run:
     # -- setup ------------------------------------------------------------------------------------------
 
     def parent_fingerprint(self) -> str:
-        """The parent's fingerprint (`puzzle.artifacts.fingerprint_model` of its weights). The manifest's,
-        when the parent's files are those it was computed from (`_parent_files`): a finished run reruns
-        without loading the parent (minutes for a 120B one)."""
+        """The parent's fingerprint, from its files, never loading it: `puzzle.artifacts.fingerprint_checkpoint`
+        (config.json, each safetensors file's header, size and content hash) with the dtype it is loaded
+        in. The content hashes are computed once, by every rank in parallel, and cached in
+        RUN_DIR/parent_hash.json per file (path, size, mtime, ctime, inode): a rerun reads headers only.
+
+        A run directory of an earlier version recorded `fingerprint_model` of the loaded parent (no
+        `scheme` in run.json's parent record): that fingerprint is kept while the parent's files are those
+        it was computed from (`_parent_files`), or while a load of the parent still gives it, so that the
+        stages' outputs keyed by it are reused."""
         if self._parent_fp is None:
             recorded = self.manifest().get("parent", {})
-            if recorded.get("fingerprint") and recorded.get("files") == self._parent_files():
+            legacy = recorded.get("fingerprint") and recorded.get("scheme") is None
+            # An earlier version's record: the same files, or else the same loaded weights (loads it).
+            if legacy and (
+                recorded.get("files") == self._parent_files()
+                or fingerprint_model(self.parent()) == recorded["fingerprint"]
+            ):
                 self._parent_fp = str(recorded["fingerprint"])
             else:
-                self._parent_fp = fingerprint_model(self.load_parent())
+                self._parent_fp = self._files_fingerprint()
+                self._parent_scheme = PARENT_SCHEME
         return self._parent_fp
+
+    def _files_fingerprint(self) -> str:
+        """`loaded_fingerprint` of the parent's checkpoint (content hashes from RUN_DIR/parent_hash.json
+        where current) and of the dtype a load gives (for "auto" its structure built on the meta device:
+        headers only); the cache to write is kept for `_prepare` (a run directory is written only once
+        checked)."""
+        path = self.config.parent.path
+        cached = read_hash_cache(self.layout.parent_hash) if dist.is_main() else None
+        checkpoint, self._parent_hashes = checkpoint_hashes(path, cached)
+        if self.config.parent.dtype == "auto":  # the checkpoint's: that of its embeddings
+            loaded = nemotron_h.load(path, device="meta").embeddings.weight.dtype
+        else:
+            loaded = getattr(torch, self.config.parent.dtype)
+        return loaded_fingerprint(checkpoint, loaded)
 
     def _parent_files(self) -> str:
         """A key of the parent's files as they are now: name, size and modification time of its config and
@@ -336,19 +376,38 @@ class Run:
             spec = self.config.validate_paths()  # the parent's spec, from its config.json
             if not (self.layout.parent.is_file() and self.layout.read_parent() == spec):
                 self.layout.write_parent(spec)
+            if self._parent_hashes is not None:
+                write_hash_cache(self.layout.parent_hash, self._parent_hashes)
             data["parent"] = {
                 "path": str(parent_dir),
                 "fingerprint": fingerprint,
                 "files": self._parent_files(),
             }
+            if self._parent_scheme is not None:
+                data["parent"]["scheme"] = self._parent_scheme
             data["round"] = self.round_number
             self._write_manifest(data)
         dist.barrier()
         self._prepared = True
 
+    def parent(self) -> HybridLM:
+        """The parent, loaded once per process (`load_parent`) and shared by every stage of this Run.
+
+        No stage changes its weights: importance only hooks it, BLD and scoring train and score their own
+        modules (each variant initialised from a copy of its parent block), assembly copies the blocks it
+        keeps and GKD trains the child beside it as a frozen teacher. With `shard: fsdp` over several ranks,
+        BLD, scoring and GKD shard it in place (FSDP2, idempotent); assembly and the measured KL then
+        gather what they copy or read, a unit at a time. `release_parent` drops it."""
+        if self._parent is None:
+            self._parent = self.load_parent()
+        return self._parent
+
+    def release_parent(self) -> None:
+        """Forget the loaded parent (its memory is freed once no child or caller holds it)."""
+        self._parent = None
+
     def load_parent(self) -> HybridLM:
-        """A fresh copy of the parent, as the stages load it (BLD and GKD may shard the model they are given;
-        the library's parent fingerprint matches it)."""
+        """A fresh copy of the parent, as the stages load it (`parent()` keeps the one every stage uses)."""
         dtype = None if self.config.parent.dtype == "auto" else self.config.parent.dtype
         model = nemotron_h.load(self.config.parent.path, dtype=dtype, device=dist.device())
         return model.eval().requires_grad_(False)
@@ -507,11 +566,12 @@ class Run:
 
         def compute() -> dict[str, Any]:
             importance_for(
-                self.load_parent(),
+                self.parent(),
                 self._calibration,
                 self.layout.importance,
                 linear_fit=settings.linear_fit,
                 linear_fit_every=settings.linear_fit_every,
+                parent_fp=self.parent_fingerprint(),
             )
             return {"manifest": self._manifest_fp(self.layout.importance, "importance")}
 
@@ -548,7 +608,7 @@ class Run:
         }
 
         def compute() -> dict[str, Any]:
-            parent = self.load_parent()
+            parent = self.parent()
             split, batch = self.data.train, self.config.data.batch_size
             library = build_library(
                 parent,
@@ -559,6 +619,7 @@ class Run:
                 self.config.bld,
                 self.layout.library,
                 data_fingerprint=fingerprint_json([split.fingerprint(), batch, self.config.seed]),
+                parent_fp=self.parent_fingerprint(),
             )
             self._resumed["library"] = [
                 f"wave {number + 1} from step {step}" for number, step in library.resumed.items()
@@ -577,7 +638,7 @@ class Run:
         }
 
         def compute() -> dict[str, Any]:
-            parent = self.load_parent()
+            parent = self.parent()
             library = read_library(self.layout.library)
             usable = [v for v, r in library.results.items() if r.status != "failed"]
             hidden, eps = parent.spec.hidden_size, parent.spec.norm_eps
@@ -605,6 +666,7 @@ class Run:
                 self.config.scoring,
                 data_fingerprint=self._held_out_key(),
                 mixer_fingerprints=fingerprints,
+                parent_fp=self.parent_fingerprint(),
             )
             return {"manifest": self._manifest_fp(self.layout.scores, "scores")}
 
@@ -789,14 +851,16 @@ class Run:
     # -- assemble, distill, export ----------------------------------------------------------------------
 
     def _child(self, name: str) -> HybridLM:
-        """The assembled child of solution `name` (a fresh parent, the library, the scores)."""
+        """The assembled child of solution `name` (the parent, the library, the scores; a collective when
+        the parent is sharded)."""
         data = self._solution_json(name)
         choice = {int(block.rsplit("_", 1)[1]): variant for block, variant in data["choices"].items()}
         return assemble_child(
             choice,
             read_library(self.layout.library),
-            self.load_parent(),
+            self.parent(),
             scores=load_scores(self.layout.scores),
+            parent_fp=self.parent_fingerprint(),
         )
 
     def _solution_fp(self, name: str) -> str:
@@ -839,9 +903,9 @@ class Run:
             "vocab_chunk": self.config.scoring.vocab_chunk,
         }
 
-    def _measure(self, name: str, parent: HybridLM | None = None) -> dict[str, Any]:
+    def _measure(self, name: str) -> dict[str, Any]:
         child = self._child(name)
-        parent = parent if parent is not None else self.load_parent()
+        parent = self.parent()
         measured = measured_kl(child, parent, self.held_out_batches(), self.config.scoring.vocab_chunk)
         _log.info(
             "assemble %s: measured KL %.6g, predicted %s", name, measured["kl"], measured["predicted_kl"]
@@ -853,11 +917,7 @@ class Run:
         inputs = {"solutions": {name: entry["fingerprint"] for name, entry in upstream.items()}}
         inputs.update(self._assemble_inputs())
 
-        def compute() -> dict[str, Any]:
-            parent = self.load_parent()
-            return {name: self._measure(name, parent) for name in upstream}
-
-        return self._stage("assemble", inputs, compute)
+        return self._stage("assemble", inputs, lambda: {name: self._measure(name) for name in upstream})
 
     def distill(self, child: HybridLM) -> HybridLM:
         """GKD of `child` (from `run.assemble`) against the parent (children/{name}/; resumes from its
@@ -894,11 +954,12 @@ class Run:
     def _distill_one(self, name: str) -> dict[str, Any]:
         result = distill_child(
             self._child(name),
-            self.load_parent(),
+            self.parent(),
             self.data.train,
             self.held_out_batches(),
             self.config.gkd,
             self.layout.child(name),
+            teacher_fp=self.parent_fingerprint(),
         )
         if result.resumed_from is not None:
             self._resumed.setdefault("distill", []).append(f"{name} from step {result.resumed_from}")
@@ -938,17 +999,18 @@ class Run:
             else:
                 made_from = {"assemble": fingerprint_json(self._assembled(name))}
             inputs = {**made_from, "solution": self._solution_fp(name), "path": str(out)}
-            entry = self._stage(
-                f"export/{name}",
-                inputs,
-                lambda: _on_main(lambda: {name: self._export_one(name, source, out)}),
-            )[name]
+            entry = self._stage(f"export/{name}", inputs, lambda: self._export_one(name, source, out))[name]
         return self.layout.root / entry["path"]
 
     def _export_one(self, name: str, source: str, out: Path) -> dict[str, Any]:
+        """{name: its export record}: the child built on every rank (assembling from a sharded parent is a
+        collective), written by rank 0 while the others wait."""
         child = self._child(name)
         if source == "distill":
             child = load_distilled(self.layout.child(name), child)
+        return _on_main(lambda: {name: self._write_export(name, child, out)})
+
+    def _write_export(self, name: str, child: HybridLM, out: Path) -> dict[str, Any]:
         solution = Solution.from_json(self._solution_json(name), self._problem(self._budgets_of(name)).table)
         written = export_checkpoint(
             child,
@@ -973,9 +1035,12 @@ class Run:
         inputs = {"distill": {name: entry["manifest"] for name, entry in upstream.items()}}
 
         def compute() -> dict[str, Any]:
-            return {name: self._export_one(name, "distill", self.layout.export(name)) for name in upstream}
+            outputs: dict[str, Any] = {}
+            for name in upstream:  # one child at a time
+                outputs.update(self._export_one(name, "distill", self.layout.export(name)))
+            return outputs
 
-        return self._stage("export", inputs, lambda: _on_main(compute))
+        return self._stage("export", inputs, compute)
 
     # -- every stage ----------------------------------------------------------------------------------------
 
@@ -1018,6 +1083,7 @@ class Run:
                 parent=dataclasses.replace(self.config.parent, path=parent),
                 run_dir=self.layout.round(number).root,
             )
+            current.release_parent()  # the next round has a parent of its own
             current = Run(self.layout.round(number).root, config, round_number=number)
             current.run()
             rounds.append(current)

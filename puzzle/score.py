@@ -582,6 +582,7 @@ def score_variants(
     *,
     data_fingerprint: str | None = None,
     mixer_fingerprints: Mapping[Variant, str] | None = None,
+    parent_fp: str | None = None,
 ) -> Scores:
     """Score every variant as the parent with only its block replaced, on held-out `batches`; write scores.json.
 
@@ -597,7 +598,9 @@ def score_variants(
     `fingerprint_tensors` of the batches. `mixer_fingerprints`: per variant, a fingerprint of its weights;
     a saved score with another fingerprint is recomputed. Without one, a mixer given in a mapping is
     fingerprinted from its weights; one from a callable is trusted by its id. A failed variant (non-finite
-    logits) is a result too: it is not retried unless its fingerprint changes.
+    logits) is a result too: it is not retried unless its fingerprint changes. `parent_fp`: the parent's
+    fingerprint keying the saved scores (`puzzle.Run` passes one from the parent's files); default
+    `fingerprint_model(parent)`.
 
     Peak memory beyond the forward passes, per batch of N = b * (t - 1) positions: the kept block inputs
     (N * H per block with variants in the wave, parent dtype, each freed once its variants have run), the
@@ -624,7 +627,7 @@ def score_variants(
     if data_fingerprint is None:
         data_fingerprint = fingerprint_tensors(list(read_batches()))
     inputs = {
-        "parent": fingerprint_model(parent),
+        "parent": parent_fp or fingerprint_model(parent),
         "data": data_fingerprint,
         "settings": fingerprint_json({"format": FORMAT, "top_k": TOP_K}),
     }

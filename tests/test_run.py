@@ -349,6 +349,14 @@ def test_two_gloo_processes_under_torchrun_match_one(finished, tmp_path):
             json.loads(path.read_text())["choices"]
             == json.loads((other / "solutions" / path.name).read_text())["choices"]
         )
+    # The measured KL: every rank's shared parent was sharded in place by BLD (FSDP), so assembly gathered
+    # its units and compare_models ran every batch on every rank; the figure is the one of one process.
+    want, got = (
+        json.loads((d / "run.json").read_text())["stages"]["assemble"]["outputs"] for d in (run_dir, other)
+    )
+    assert want.keys() == got.keys()
+    for name in want:
+        assert got[name]["measured"]["kl"] == pytest.approx(want[name]["measured"]["kl"], rel=1e-3)
 
 
 def test_two_rounds_the_second_compresses_the_first_child(finished, tmp_path):
@@ -405,3 +413,54 @@ def test_several_solutions_per_budget_are_named_apart(finished, tmp_path):
     assert first["choices"] != second["choices"] and first["objective"] <= second["objective"]
     expected = json.loads((run_dir / "solutions" / "active_params-le-0.8x.json").read_text())
     assert first["choices"] == expected["choices"]
+
+
+class CountingRun(Run):
+    """A Run that counts its loads of the parent (`load_parent`, the body `Run.parent` caches)."""
+
+    def load_parent(self):
+        self.loads = getattr(self, "loads", 0) + 1
+        return super().load_parent()
+
+
+def test_every_stage_shares_one_parent_and_leaves_it_unchanged(finished, tmp_path):
+    run_dir, _ = finished
+    config = write_config(tmp_path / "run.yaml", config_dict(run_dir.parent, run_dir=str(tmp_path / "run")))
+    torch.set_num_threads(1)
+    pipeline = CountingRun.from_config(config)
+    pipeline.all()
+    assert _statuses(tmp_path / "run") == {stage: "done" for stage in STAGES}
+    assert pipeline.loads == 1
+    # No stage changed the shared parent's weights, and the outcome is the one of `puzzle run`.
+    fresh = pipeline.load_parent().state_dict()
+    shared = pipeline.parent().state_dict()
+    assert shared.keys() == fresh.keys()
+    for key, value in fresh.items():
+        torch.testing.assert_close(shared[key], value, rtol=0, atol=0, msg=key)
+    _same_outcome(run_dir, tmp_path / "run")
+    # The parent's fingerprint came from its files: their content hashes are cached in the run directory.
+    parent = json.loads((tmp_path / "run" / "run.json").read_text())["parent"]
+    assert parent["scheme"] == "checkpoint-files-1"
+    assert (tmp_path / "run" / "parent_hash.json").is_file()
+
+
+def test_a_run_dir_of_the_earlier_fingerprint_scheme_is_still_this_parents(finished, tmp_path):
+    """run.json of an earlier version holds `fingerprint_model` of the loaded parent (no `scheme`): kept while
+    the parent's files are unchanged (not loaded), else checked against a load; not "another parent"."""
+    from puzzle.artifacts import fingerprint_model
+
+    run_dir, _ = finished
+    copied = tmp_path / "run"
+    shutil.copytree(run_dir, copied)
+    config = write_config(tmp_path / "run.yaml", config_dict(run_dir.parent, run_dir=str(copied)))
+    pipeline = Run.from_config(config)
+    legacy = fingerprint_model(pipeline.load_parent())
+    manifest = json.loads((copied / "run.json").read_text())
+    manifest["parent"] = {"path": manifest["parent"]["path"], "fingerprint": legacy}
+    for files in (pipeline._parent_files(), "files of another time"):
+        manifest["parent"]["files"] = files
+        (copied / "run.json").write_text(json.dumps(manifest))
+        assert CountingRun.from_config(config).parent_fingerprint() == legacy
+    pipeline = CountingRun.from_config(config)
+    assert pipeline.run("importance")  # its record was keyed by the new fingerprint: recomputed
+    assert _statuses(copied)["importance"] == "done" and pipeline.loads == 1

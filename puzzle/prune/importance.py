@@ -487,6 +487,7 @@ def collect_importance(
     linear_fit: bool = True,
     linear_fit_every: int = 8,
     layers: Iterable[int] | None = None,
+    parent_fp: str | None = None,
 ) -> ModelImportance:
     """Run the parent (`HybridLM`) over `batches` of token ids [b, t] and score every block in `layers`.
 
@@ -494,6 +495,7 @@ def collect_importance(
     `backbone` up to the last block in `layers` (no head: no logits are made).
     `linear_fit`: also accumulate the least-squares sums of every block (for linear replacements), over
     every `linear_fit_every`-th token (1 = all; the sums cost 4 H^2 flops per token and block).
+    `parent_fp`: the fingerprint recorded as the parent's (default `parent_fingerprint(model)`).
 
     Under torch.distributed every rank passes the same `batches` and runs only its round-robin share
     (`puzzle.dist.shard`); the sums are then added over ranks, so every rank returns the scores of all
@@ -524,7 +526,7 @@ def collect_importance(
         raise ValueError("collect_importance: `batches` yielded no tokens")
     blocks = {i: collector.finalize() for i, collector in collectors.items()}
     extra = {"linear_fit_every": linear_fit_every} if linear_fit else {}
-    return ModelImportance(blocks, tokens, parent_fingerprint(model), linear_fit, extra)
+    return ModelImportance(blocks, tokens, parent_fp or parent_fingerprint(model), linear_fit, extra)
 
 
 def parent_fingerprint(model: nn.Module) -> str:
@@ -593,6 +595,7 @@ def importance_for(
     linear_fit: bool = True,
     linear_fit_every: int = 8,
     calibration: str | None = None,
+    parent_fp: str | None = None,
 ) -> tuple[ModelImportance, bool]:
     """The importance saved in `directory` if it was measured from exactly these inputs, else measure and save it.
 
@@ -602,7 +605,8 @@ def importance_for(
     `calibration` when given (e.g. `fingerprint_file` of the token file: then a zero-argument callable
     `batches` is not even called when the scores are reused), else `fingerprint_tensors` of the batches,
     which are then read once and kept as a list (token ids are small: 1M tokens are 8 MB).
-    Returns (importance, reused).
+    `parent_fp`: the parent's fingerprint (`puzzle.Run` passes one from the parent's files; default
+    `parent_fingerprint(model)`). Returns (importance, reused).
 
     Under torch.distributed every rank calls this with the same arguments (checked): rank 0 decides whether
     to reuse, the ranks measure their shares of `batches` together (`collect_importance`), rank 0 writes
@@ -615,7 +619,7 @@ def importance_for(
         calibration = fingerprint_tensors(stream)
     settings = {"linear_fit": linear_fit, "linear_fit_every": _fit_every(linear_fit, linear_fit_every)}
     inputs = {
-        "parent": parent_fingerprint(model),
+        "parent": parent_fp or parent_fingerprint(model),
         "calibration": calibration,
         "settings": fingerprint_json(settings),
     }
@@ -623,7 +627,9 @@ def importance_for(
         return load_importance(directory), True
     if stream is None:
         stream = batches() if callable(batches) else batches
-    importance = collect_importance(model, stream, linear_fit=linear_fit, linear_fit_every=linear_fit_every)
+    importance = collect_importance(
+        model, stream, linear_fit=linear_fit, linear_fit_every=linear_fit_every, parent_fp=inputs["parent"]
+    )
     save_importance(importance, directory, inputs)
     if not dist.is_main():
         importance = load_importance(directory)  # rank 0's file: bit-identical on every rank
