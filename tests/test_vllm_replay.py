@@ -24,11 +24,12 @@ from transformers import AutoConfig
 
 import puzzle
 from puzzle.model import HybridLM
-from puzzle.nemotron_h import vllm_replay
-from puzzle.nemotron_h.engines import engine_problems
+from puzzle.nemotron_h import config_from_spec, spec_from_config, vllm_replay
+from puzzle.nemotron_h.engines import engine_problems, vllm_checkpoint
 from puzzle.nemotron_h.remote.configuration_nemotron_h_puzzle import NemotronHPuzzleConfig
 from puzzle.presets.nemotron import PUZZLE_75B_MOE, SUPER_PATTERN
 from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, NoOpSpec
+from tests.test_real_configs import puzzle_75b_config
 
 HIDDEN, VOCAB = 16, 40
 MAMBA = MambaSpec(num_heads=4, head_dim=4, state_size=6, n_groups=2, chunk_size=8)
@@ -63,7 +64,9 @@ SERVED = {
     "moe": _spec(
         MoESpec(num_experts=6, top_k=2, expert_width=8, shared_width=8),
         MoESpec(6, 4, 5, 0, None, routed_scaling_factor=2.5, norm_topk_prob=False),
-        MoESpec(num_experts=8, top_k=3, expert_width=4, shared_width=6, latent_size=12, n_group=4, topk_group=2),
+        MoESpec(
+            num_experts=8, top_k=3, expert_width=4, shared_width=6, latent_size=12, n_group=4, topk_group=2
+        ),
         MoESpec(num_experts=4, top_k=1, expert_width=6, shared_width=4, latent_size=6),
     ),
     "mlp": _spec(MLPSpec(width=12), MLPSpec(width=7, bias=True), MLPSpec(width=5)),
@@ -181,3 +184,20 @@ def test_mtp_layers_are_read_from_mtp_block_configs(tmp_path):
     assert layers[-1].top_k == 3 and layers[-1].tensors["mtp.layers.1.mixer.gate.weight"] == (5, HIDDEN)
     with pytest.raises(IndexError, match="block 6 does not exist"):
         loaded.get_nemotron_h_config_for_layer(6)
+
+
+@pytest.mark.parametrize("with_nulls", [False, True], ids=["plain", "null-fields"])
+def test_full_size_puzzle_75b_schema_and_our_export_of_it_replay_exactly(with_nulls):
+    """NVIDIA's published schema (512 experts, latent 1024, MTP) and our re-export of it, at full size: the
+    tensors an export writes (meta device) are what vLLM allocates, and every block routes its own top-k."""
+    published = puzzle_75b_config(with_nulls)
+    spec = spec_from_config(published)
+    written, shapes = vllm_checkpoint(spec)
+    for config in (published, config_from_spec(spec, base=published)):
+        assert vllm_replay.mismatches(config, shapes, spec) == []
+        layers = vllm_replay.replay(config)
+        assert [layer.top_k for layer in layers[: spec.num_blocks] if layer.char == "E"] == [
+            top_k for _, top_k in PUZZLE_75B_MOE
+        ]
+        assert layers[-1].prefix == "mtp.layers.1" and layers[-1].top_k == 22
+    assert written["n_routed_experts"] == 512 and "num_experts_per_tok" not in written

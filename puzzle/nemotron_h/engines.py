@@ -124,7 +124,9 @@ def _vllm_attention(block: AttentionSpec, model: _Model) -> list[str]:
 
 def _vllm_mlp(block: MLPSpec, model: _Model) -> list[str]:
     if block.activation != "relu2":
-        return [f"MLP activation {block.activation!r} (vLLM's NemotronH MLP is relu^2 whatever the config says)"]
+        return [
+            f"MLP activation {block.activation!r} (vLLM's NemotronH MLP is relu^2 whatever the config says)"
+        ]
     return []
 
 

@@ -67,7 +67,9 @@ def _config_object(config: Mapping[str, Any]) -> Any:
     mtp = fields.get("mtp_hybrid_override_pattern") or "".join(
         _CHARS.get(kind, "?") for kind in fields.get("mtp_layers_block_type") or ["attention", "moe"]
     )
-    return SimpleNamespace(**{**fields, "hybrid_override_pattern": pattern, "mtp_hybrid_override_pattern": mtp})
+    return SimpleNamespace(
+        **{**fields, "hybrid_override_pattern": pattern, "mtp_hybrid_override_pattern": mtp}
+    )
 
 
 def _linear(shapes: Shapes, name: str, out: int, inp: int, bias: bool) -> None:
@@ -112,7 +114,11 @@ def _attention(config: Any) -> Shapes:
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     shapes: Shapes = {}
-    for name, out in (("q_proj", heads * head_dim), ("k_proj", kv_heads * head_dim), ("v_proj", kv_heads * head_dim)):
+    for name, out in (
+        ("q_proj", heads * head_dim),
+        ("k_proj", kv_heads * head_dim),
+        ("v_proj", kv_heads * head_dim),
+    ):
         _linear(shapes, name, out, config.hidden_size, False)
     _linear(shapes, "o_proj", config.hidden_size, heads * head_dim, False)
     return shapes
@@ -127,7 +133,9 @@ def _moe(config: Any) -> tuple[Shapes, str | None]:
     width = config.moe_intermediate_size
     problem = None
     if isinstance(width, (list, tuple)):
-        problem = f"moe_intermediate_size {list(width)} is a list: vLLM's FusedMoE takes one intermediate_size"
+        problem = (
+            f"moe_intermediate_size {list(width)} is a list: vLLM's FusedMoE takes one intermediate_size"
+        )
     else:
         for expert in range(experts):  # the checkpoint's per-expert tensors vLLM stacks into w13 / w2
             shapes[f"experts.{expert}.up_proj.weight"] = (width, moe_hidden)
@@ -145,7 +153,9 @@ def _layer(config: Any, index: int, char: str, prefix: str, pattern: str) -> Lay
     """One decoder layer as vLLM's get_layer builds it (the MTP layers add their fusion tensors, not compared)."""
     layer = LayerReplay(index, prefix, char)
     if char not in VLLM_LAYER_TYPES:
-        layer.unsupported = f"vLLM raises on layer type {char!r} (its NemotronH layers are {VLLM_LAYER_TYPES})"
+        layer.unsupported = (
+            f"vLLM raises on layer type {char!r} (its NemotronH layers are {VLLM_LAYER_TYPES})"
+        )
         return layer
     get_layer_config = getattr(config, "get_nemotron_h_config_for_layer", None)
     layer_config = config if char == "M" or get_layer_config is None else get_layer_config(index)
@@ -163,7 +173,9 @@ def _layer(config: Any, index: int, char: str, prefix: str, pattern: str) -> Lay
         layer.unsupported = f"vLLM reads a config field the config lacks: {error}"
         return layer
     built_from = config if char == "M" else layer_config
-    layer.fields = {key: getattr(built_from, key) for key in (*DEFAULTS, "hidden_size") if hasattr(built_from, key)}
+    layer.fields = {
+        key: getattr(built_from, key) for key in (*DEFAULTS, "hidden_size") if hasattr(built_from, key)
+    }
     layer.tensors = {f"{prefix}.mixer.{name}": shape for name, shape in mixer.items()}
     layer.tensors[f"{prefix}.norm.weight"] = (config.hidden_size,)
     return layer
@@ -177,7 +189,9 @@ def replay(config: Mapping[str, Any]) -> list[LayerReplay]:
     if getattr(obj, "num_nextn_predict_layers", 0):
         mtp_pattern = getattr(obj, "mtp_hybrid_override_pattern", None) or ""
         start = len(pattern)
-        layers += [_layer(obj, start + j, char, f"mtp.layers.{j}", mtp_pattern) for j, char in enumerate(mtp_pattern)]
+        layers += [
+            _layer(obj, start + j, char, f"mtp.layers.{j}", mtp_pattern) for j, char in enumerate(mtp_pattern)
+        ]
     return layers
 
 
@@ -230,7 +244,11 @@ def mismatches(
             for name, shape in layer.tensors.items()
             if name in have and have[name] != shape
         ]
-        for label, names in (("missing", missing), ("without a vLLM parameter", unexpected), ("shape", wrong)):
+        for label, names in (
+            ("missing", missing),
+            ("without a vLLM parameter", unexpected),
+            ("shape", wrong),
+        ):
             if names:
                 names = sorted(names)
                 shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

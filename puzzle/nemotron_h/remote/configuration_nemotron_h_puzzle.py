@@ -151,8 +151,14 @@ class NemotronHPuzzleConfig(PretrainedConfig):
                         f"{entry['block_type']!r}"
                     )
         self.num_hidden_layers = len(kinds) if kinds else (num_hidden_layers or 0)
+        if kwargs.get("hybrid_override_pattern") is None and kinds:
+            # vLLM picks each layer's class from this pattern; configs that give only layers_block_type or
+            # block_configs (NVIDIA's Puzzle schema) get it from the kinds.
+            kwargs["hybrid_override_pattern"] = "".join(_PATTERN_CHARS[kind] for kind in kinds)
         mtp_entries = kwargs.get("mtp_block_configs") or []
-        if kwargs.get("mtp_hybrid_override_pattern") is None and (mtp_entries or kwargs.get("mtp_layers_block_type")):
+        if kwargs.get("mtp_hybrid_override_pattern") is None and (
+            mtp_entries or kwargs.get("mtp_layers_block_type")
+        ):
             # vLLM's NemotronH MTP module builds its layers from this pattern.
             names = kwargs.get("mtp_layers_block_type") or [entry.get("block_type") for entry in mtp_entries]
             kwargs["mtp_hybrid_override_pattern"] = "".join(
@@ -180,7 +186,9 @@ class NemotronHPuzzleConfig(PretrainedConfig):
         fields["layer_norm_epsilon"] = self.layer_norm_epsilon
         entries = self._entries()
         if not 0 <= index < len(entries):
-            raise IndexError(f"config.json: block {index} does not exist; the model has {len(entries)} blocks")
+            raise IndexError(
+                f"config.json: block {index} does not exist; the model has {len(entries)} blocks"
+            )
         entry = dict(entries[index])
         for old, new in ALIASES.items():
             if old in entry:
