@@ -145,7 +145,7 @@ def test_without_the_per_layer_config_vllm_misreads_the_75b_child(tmp_path, monk
     moe_blocks = {i for i, block in enumerate(spec.blocks) if isinstance(block, MoESpec)}
     assert {index for index, _ in found} <= moe_blocks and len({index for index, _ in found}) > 20
     assert any("shape" in reason for _, reason in found)
-    assert any("top_k 7 (the child: 1)" in reason for _, reason in found)
+    assert any("the global fields, which give top_k 7 (the child: 1)" in reason for _, reason in found)
 
 
 @pytest.mark.parametrize("name", list(REFUSED))

@@ -230,7 +230,7 @@ def _by_rules(engine: str, rules: dict[type, EngineRule], spec: ModelSpec) -> li
 
 
 def _vllm(spec: ModelSpec) -> list[EngineProblem]:
-    """The replay's mismatches on the checkpoint an export writes, then VLLM_RULES, in block order."""
+    """The replay's mismatches on the checkpoint an export writes (MTP module aside), then VLLM_RULES, by block."""
     config, shapes = vllm_checkpoint(spec)
     replayed = [
         EngineProblem("vllm", index, spec.blocks[index].kind, reason)

@@ -54,6 +54,7 @@ class LayerReplay:
     top_k: int | None = None
     unsupported: str | None = None  # why vLLM cannot build the layer at all
     fields: dict[str, Any] = field(default_factory=dict)  # the config fields the layer was built from
+    per_layer: bool = False  # built from get_nemotron_h_config_for_layer(index), not the global config
 
 
 def _config_object(config: Mapping[str, Any]) -> Any:
@@ -173,6 +174,7 @@ def _layer(config: Any, index: int, char: str, prefix: str, pattern: str) -> Lay
         layer.unsupported = f"vLLM reads a config field the config lacks: {error}"
         return layer
     built_from = config if char == "M" else layer_config
+    layer.per_layer = built_from is not config
     layer.fields = {
         key: getattr(built_from, key) for key in (*DEFAULTS, "hidden_size") if hasattr(built_from, key)
     }
@@ -217,7 +219,7 @@ def _read_differences(layer: LayerReplay, block: BlockSpec) -> str | None:
     ]
     if not differs:
         return None
-    source = "the global fields" if layer.char == "M" else "its per-layer config"
+    source = "its per-layer config" if layer.per_layer else "the global fields"
     return f"vLLM builds it from {source}, which give " + ", ".join(differs)
 
 
