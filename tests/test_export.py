@@ -130,10 +130,11 @@ def test_engine_export_refuses_what_an_engine_cannot_load(every_kind, tmp_path):
         export(child, tmp_path / "child", format="engine")
     message = str(error.value)
     for expected in (
-        "vllm: block 2 (moe): a width per expert inside one block",
-        "vllm: block 4 (linear): a linear block (ours alone)",
-        "vllm: block 5 (noop): a no-op (removed) block (ours alone)",
-        "llama.cpp: block 3 (mlp): a dense MLP block in a model with MoE blocks",
+        "vllm: block 2 (moe): moe_intermediate_size [8, 6, 8, 8, 4] is a list: vLLM's FusedMoE takes one",
+        "vllm: block 4 (linear): vLLM raises on layer type 'L'",
+        "vllm: block 5 (noop): vLLM raises on layer type 'N'",
+        "llama.cpp: block 3 (mlp): a dense MLP block in a model with MoE blocks (llama.cpp's converter marks "
+        "only MoE blocks as feed-forward layers, and its loader takes this block for a Mamba layer)",
         "llama.cpp: block 4 (linear)",
     ):
         assert expected in message
@@ -194,7 +195,7 @@ def test_mtp_is_carried_and_described_when_the_child_changes_the_moe_blocks(homo
     # Uniform, but the MTP module keeps the parent's MoE (width 16, top-3): nemotron_h would give it the
     # child's globals, so the child is written as nemotron_h_puzzle with the MTP blocks described.
     assert config["model_type"] == "nemotron_h_puzzle" and config["num_nextn_predict_layers"] == 1
-    assert config["moe_intermediate_size"] == 8 and config["ssm_state_size"] == 4
+    assert "moe_intermediate_size" not in config and config["ssm_state_size"] == 4
     assert config["mtp_layers_block_type"] == ["attention", "moe"]
     mtp_moe = config["mtp_block_configs"][1]
     assert (

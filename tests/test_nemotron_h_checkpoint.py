@@ -314,7 +314,17 @@ def test_heterogeneous_roundtrip_writes_puzzle_config(tmp_path):
     assert config["block_configs"][4] == {"block_type": "mamba", "mamba_num_heads": 2, "ssm_state_size": 4}
     assert config["block_configs"][0] == {"block_type": "mamba", "mamba_num_heads": 4, "ssm_state_size": 8}
     assert config["block_configs"][3]["moe_intermediate_size"] == [8, 16, 12, 8, 4, 16]
-    assert config["block_configs"][7] == {"block_type": "mlp", "mlp_hidden_act": "silu"}
+    # MLP entries always state their width; no global MoE width or top-k (NVIDIA's Puzzle schema), and the
+    # global expert count is the largest block's (what vLLM maps experts by).
+    assert config["block_configs"][7] == {
+        "block_type": "mlp",
+        "intermediate_size": 20,
+        "mlp_hidden_act": "silu",
+    }
+    assert "moe_intermediate_size" not in config and "num_experts_per_tok" not in config
+    assert config["n_routed_experts"] == max(
+        block.num_experts for block in spec.blocks if block.kind == "moe"
+    )
     loaded = puzzle.load(out)
     assert loaded.spec == spec
     ids = token_batch(seed=7)

@@ -281,6 +281,7 @@ KIND_TABLES: dict[type, KindTable] = {
                 _plain("mlp_bias", "bias", bool),
             ),
             globals_order=0,
+            entry_keys=("intermediate_size",),
         ),
         KindTable(LinearSpec, (_plain("linear_bias", "bias", bool),)),
         KindTable(NoOpSpec, ()),
@@ -677,4 +678,20 @@ def config_from_spec(
     config["block_configs"] = entries[: spec.num_blocks]
     if mtp:
         config["mtp_block_configs"] = entries[spec.num_blocks :]
+    _puzzle_moe_globals(config, [*spec.blocks, *mtp])
     return dict(sorted(config.items()))
+
+
+# Global MoE fields a nemotron_h_puzzle config leaves out, as NVIDIA's Puzzle schema does: every MoE entry
+# states them, and a reader that ignored block_configs would build every block at one width and top-k;
+# without the globals it fails loudly instead.
+PUZZLE_UNSET_GLOBALS = ("moe_intermediate_size", "num_experts_per_tok")
+
+
+def _puzzle_moe_globals(config: dict[str, Any], blocks: list[BlockSpec]) -> None:
+    """Drop PUZZLE_UNSET_GLOBALS; the global n_routed_experts is the largest block's (vLLM maps that many)."""
+    for key in PUZZLE_UNSET_GLOBALS:
+        config.pop(key, None)
+    counts = [block.num_experts for block in blocks if isinstance(block, MoESpec)]
+    if counts:
+        config["n_routed_experts"] = max(counts)

@@ -1,18 +1,22 @@
 """Which of our children serving engines can load, block by block, from what their NemotronH code reads.
 
-What each engine reads (their code, read in 2026; `config_from_spec` writes the fields they read):
+What each engine reads:
 
-- vLLM (`model_executor/models/nemotron_h.py`, `NemotronHPuzzleConfig`): block kinds mamba, attention,
-  moe, mlp only; every Mamba layer and the Mamba state cache are built from the global fields, so all
-  Mamba blocks have one shape; MoE and MLP layers take their block's fields (per-block widths, top-k,
-  expert counts, shared and latent sizes); attention layers do too, but we ask for one attention shape
-  (its hybrid KV cache is laid out per attention shape and we could not check several); attention has
-  no bias; MLP and experts are relu^2; one fused-MoE width per block; no upper dt clamp.
-- llama.cpp (`convert_hf_to_gguf.py` NemotronHPuzzleModel, `src/models/nemotron-h.cpp`): the block
-  pattern from block_configs, width and top-k from each MoE entry; everything else from the globals:
-  one Mamba shape, one attention shape, one expert count, shared expert (always present), latent size,
-  routing settings for all MoE blocks; a dense MLP block in a model with MoE blocks would be taken for an
-  attention layer by the converter; MTP tensors are dropped.
+- vLLM: replayed by `puzzle.nemotron_h.vllm_replay` (its nemotron_h.py and nemotron_h_mtp.py, commit named
+  there) on the config.json and tensors the export writes: vLLM takes our trust_remote_code configuration
+  class, builds Mamba layers and the Mamba state cache from the global fields, and MLP, attention and MoE
+  layers from `get_nemotron_h_config_for_layer(i)`; it raises on linear and no-op layers, and its fused
+  MoE has one width per block. Every mismatch the replay finds is a refusal. What the replay cannot see in
+  tensors or config fields is `VLLM_RULES`: vLLM's MLP is relu^2 whatever the config says, it has no upper
+  dt clamp, and (conservatively) one attention shape, since its hybrid KV cache pages one shape and we
+  could not check several.
+- llama.cpp (its NemotronHPuzzleModel converter, PR ggml-org/llama.cpp#25444, and `src/models/nemotron-h.cpp`,
+  as read for issue 23 in the llama.cpp vendored by llama-cpp-python 0.3.36): the block pattern from
+  block_configs, width and top-k from each MoE entry; everything else from the globals: one Mamba shape,
+  one attention shape, one expert count, shared expert (always present), latent size (it writes
+  `add_moe_latent_size` unconditionally: a MoE without latent projection crashes it), routing settings
+  for all MoE blocks; its loader takes a dense MLP block in a model with MoE blocks for a Mamba layer;
+  MTP tensors are dropped.
 - transformers without remote code (`NemotronHForCausalLM`): plain nemotron_h only, one shape per kind
   (`transformers_incompatibilities`). Our trust_remote_code file and `puzzle.load` read every child.
 
@@ -26,7 +30,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from puzzle.nemotron_h.config import transformers_incompatibilities
+from puzzle.nemotron_h import vllm_replay
+from puzzle.nemotron_h.config import config_from_spec, transformers_incompatibilities
 from puzzle.spec import (
     AttentionSpec,
     BlockSpec,
@@ -104,49 +109,54 @@ def _ours_alone(block: BlockSpec, model: _Model) -> list[str]:
 
 
 def _vllm_mamba(block: MambaSpec, model: _Model) -> list[str]:
-    reasons, mamba = [], model.reference[MambaSpec]
-    if block != mamba:
-        reasons.append(
-            f"a Mamba shape {block.short_name()} unlike the other Mamba blocks' {mamba.short_name()} "
-            "(vLLM builds every Mamba layer and its state cache from the global fields)"
-        )
-    if block.dt_clamp_max is not None:
-        reasons.append("an upper dt clamp (mamba_dt_clamp_max is ours alone)")
-    return reasons
+    return ["an upper dt clamp (mamba_dt_clamp_max is ours alone)"] if block.dt_clamp_max is not None else []
 
 
 def _vllm_attention(block: AttentionSpec, model: _Model) -> list[str]:
-    reasons, attention = [], model.reference[AttentionSpec]
-    if block.bias:
-        reasons.append("attention biases (vLLM's NemotronH attention has none)")
+    attention = model.reference[AttentionSpec]
     if block != attention:  # conservative: the hybrid KV-cache manager pages one attention shape
-        reasons.append(
+        return [
             f"an attention shape {block.short_name()} unlike the other attention blocks' "
             f"{attention.short_name()} (vLLM's hybrid KV cache is laid out for one attention shape)"
-        )
-    return reasons
-
-
-def _vllm_moe(block: MoESpec, model: _Model) -> list[str]:
-    return (
-        [] if block.is_uniform else ["a width per expert inside one block (a fused MoE layer has one width)"]
-    )
+        ]
+    return []
 
 
 def _vllm_mlp(block: MLPSpec, model: _Model) -> list[str]:
     if block.activation != "relu2":
-        return [f"MLP activation {block.activation!r} (vLLM's NemotronH MLP is relu^2)"]
+        return [
+            f"MLP activation {block.activation!r} (vLLM's NemotronH MLP is relu^2 whatever the config says)"
+        ]
     return []
 
 
+def _replayed(block: BlockSpec, model: _Model) -> list[str]:
+    """Nothing beyond the replay: vLLM_replay sees everything vLLM reads for this kind."""
+    return []
+
+
+# What vLLM does that the replay of its reads (vllm_replay) cannot see; the replay finds the rest.
 VLLM_RULES: dict[type, EngineRule] = {
     MambaSpec: _vllm_mamba,
     AttentionSpec: _vllm_attention,
-    MoESpec: _vllm_moe,
+    MoESpec: _replayed,
     MLPSpec: _vllm_mlp,
-    LinearSpec: _ours_alone,
-    NoOpSpec: _ours_alone,
+    LinearSpec: _replayed,  # vLLM raises on the layer type: the replay reports it
+    NoOpSpec: _replayed,
 }
+
+
+def vllm_checkpoint(spec: ModelSpec) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
+    """The config.json and tensor shapes (hub names) an export of `spec` has, without weights (meta device)."""
+    import torch
+
+    from puzzle.model import HybridLM
+    from puzzle.nemotron_h.weights import hub_state
+
+    with torch.device("meta"):
+        model = HybridLM(spec)
+    shapes = {name: tuple(tensor.shape) for name, tensor in hub_state(model).items()}
+    return config_from_spec(spec), shapes
 
 
 def _llama_cpp_global_shape(block: MambaSpec | AttentionSpec, model: _Model, extra: str | None) -> list[str]:
@@ -175,6 +185,11 @@ def _llama_cpp_moe(block: MoESpec, model: _Model) -> list[str]:
         reasons.append("a width per expert inside one block (one expert width per MoE layer)")
     if block.shared_width == 0:
         reasons.append("no shared expert (llama.cpp's NemotronH MoE layer always has one)")
+    if block.latent_size is None:
+        reasons.append(
+            "a MoE without latent projection (moe_latent_size null: llama.cpp's NemotronHPuzzle converter "
+            "crashes in add_moe_latent_size(None))"
+        )
     differs = _differs(block, model.reference[MoESpec], _LLAMA_CPP_SHARED_MOE)
     if differs:
         reasons.append(
@@ -187,8 +202,8 @@ def _llama_cpp_moe(block: MoESpec, model: _Model) -> list[str]:
 def _llama_cpp_mlp(block: MLPSpec, model: _Model) -> list[str]:
     if MoESpec in model.reference:
         return [
-            "a dense MLP block in a model with MoE blocks (llama.cpp's converter marks only MoE "
-            "blocks as feed-forward layers and would take it for attention)"
+            "a dense MLP block in a model with MoE blocks (llama.cpp's converter marks only MoE blocks as "
+            "feed-forward layers, and its loader takes this block for a Mamba layer)"
         ]
     if block.activation != "relu2" or block.bias:
         return ["an MLP that is not a bias-free relu^2 MLP"]
@@ -215,7 +230,14 @@ def _by_rules(engine: str, rules: dict[type, EngineRule], spec: ModelSpec) -> li
 
 
 def _vllm(spec: ModelSpec) -> list[EngineProblem]:
-    return _by_rules("vllm", VLLM_RULES, spec)
+    """The replay's mismatches on the checkpoint an export writes (MTP module aside), then VLLM_RULES, by block."""
+    config, shapes = vllm_checkpoint(spec)
+    replayed = [
+        EngineProblem("vllm", index, spec.blocks[index].kind, reason)
+        for index, reason in vllm_replay.mismatches(config, shapes, spec)
+    ]
+    problems = replayed + _by_rules("vllm", VLLM_RULES, spec)
+    return sorted(problems, key=lambda problem: -1 if problem.block is None else problem.block)
 
 
 def _llama_cpp(spec: ModelSpec) -> list[EngineProblem]:

@@ -7,10 +7,17 @@ one dict per block whose fields override the global ones (a missing or null fiel
 
 Block kinds: mamba, attention, moe, mlp, and two kinds of puzzle's own: `linear` (one hidden x hidden matrix)
 and `noop` (a removed block). `moe_intermediate_size` may be a list with one width per routed expert.
+`mtp_block_configs` describes the blocks of the MTP module the same way (they follow the main blocks).
+
+Serving engines read this class too: vLLM loads nemotron_h_puzzle configs with trust_remote_code and builds
+each layer from `get_nemotron_h_config_for_layer(i)` (vllm/model_executor/models/nemotron_h.py), the MTP
+module from `mtp_hybrid_override_pattern`, layers num_hidden_layers + j and `mtp_n_routed_experts`
+(vllm/model_executor/models/nemotron_h_mtp.py).
 """
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from transformers import PretrainedConfig
@@ -83,6 +90,10 @@ BLOCK_DEFAULTS: dict[str, Any] = {
 }
 
 
+# Kind -> the hybrid_override_pattern character (vLLM reads the MTP module's kinds as such a pattern).
+_PATTERN_CHARS = {"mamba": "M", "attention": "*", "moe": "E", "mlp": "-", "linear": "L", "noop": "N"}
+
+
 def _kind(name: Any, where: str) -> str:
     if name not in KIND_NAMES:
         raise ValueError(f"config.json {where}: unknown block type {name!r}; known: {sorted(KIND_NAMES)}")
@@ -140,6 +151,19 @@ class NemotronHPuzzleConfig(PretrainedConfig):
                         f"{entry['block_type']!r}"
                     )
         self.num_hidden_layers = len(kinds) if kinds else (num_hidden_layers or 0)
+        if kwargs.get("hybrid_override_pattern") is None and kinds:
+            # vLLM picks each layer's class from this pattern; configs that give only layers_block_type or
+            # block_configs (NVIDIA's Puzzle schema) get it from the kinds.
+            kwargs["hybrid_override_pattern"] = "".join(_PATTERN_CHARS[kind] for kind in kinds)
+        mtp_entries = kwargs.get("mtp_block_configs") or []
+        if kwargs.get("mtp_hybrid_override_pattern") is None and (
+            mtp_entries or kwargs.get("mtp_layers_block_type")
+        ):
+            # vLLM's NemotronH MTP module builds its layers from this pattern.
+            names = kwargs.get("mtp_layers_block_type") or [entry.get("block_type") for entry in mtp_entries]
+            kwargs["mtp_hybrid_override_pattern"] = "".join(
+                _PATTERN_CHARS[_kind(name, f"mtp_layers_block_type[{i}]")] for i, name in enumerate(names)
+            )
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     def block_kinds(self) -> list[str]:
@@ -147,12 +171,25 @@ class NemotronHPuzzleConfig(PretrainedConfig):
         pattern = getattr(self, "hybrid_override_pattern", None)
         return _layer_kinds(self.layers_block_type, pattern, self.block_configs)
 
+    def _entries(self) -> list[dict[str, Any]]:
+        """The block_configs entries of the main blocks, then those of the MTP blocks (mtp_block_configs)."""
+        main = self.block_configs or [{}] * self.num_hidden_layers
+        return [*main, *(getattr(self, "mtp_block_configs", None) or [])]
+
     def block_fields(self, index: int) -> dict[str, Any]:
-        """The fields of block `index`: defaults < the global fields < its block_configs entry (non-null values)."""
+        """The fields of block `index`: defaults < the global fields < its block_configs entry (non-null values).
+
+        Indices from num_hidden_layers on are the MTP module's blocks (mtp_block_configs), as vLLM numbers them.
+        """
         fields = {key: getattr(self, key, default) for key, default in BLOCK_DEFAULTS.items()}
         fields["hidden_size"] = self.hidden_size
         fields["layer_norm_epsilon"] = self.layer_norm_epsilon
-        entry = dict((self.block_configs or [{}] * self.num_hidden_layers)[index])
+        entries = self._entries()
+        if not 0 <= index < len(entries):
+            raise IndexError(
+                f"config.json: block {index} does not exist; the model has {len(entries)} blocks"
+            )
+        entry = dict(entries[index])
         for old, new in ALIASES.items():
             if old in entry:
                 entry[new] = entry.pop(old)
@@ -160,3 +197,25 @@ class NemotronHPuzzleConfig(PretrainedConfig):
             {key: value for key, value in entry.items() if key != "block_type" and value is not None}
         )
         return fields
+
+    def get_nemotron_h_config_for_layer(self, index: int) -> NemotronHPuzzleConfig:
+        """A copy of this config whose fields are block `index`'s (block_configs, then mtp_block_configs).
+
+        The name and meaning are vLLM's: its NemotronH decoder layers call this, when the config class has
+        it, and build the layer from the returned config's global fields.
+        """
+        layer = copy.deepcopy(self)
+        for key, value in self.block_fields(index).items():
+            setattr(layer, key, value)
+        return layer
+
+    @property
+    def mtp_n_routed_experts(self) -> int | None:
+        """The routed-expert count of the MTP module's MoE blocks (the largest; None without one): vLLM's
+        NemotronH MTP loader maps this many experts for nemotron_h_puzzle."""
+        counts = [
+            self.block_fields(self.num_hidden_layers + j)["n_routed_experts"]
+            for j, entry in enumerate(getattr(self, "mtp_block_configs", None) or [])
+            if _kind(entry.get("block_type"), f"mtp_block_configs[{j}]") == "moe"
+        ]
+        return max(counts, default=None)
