@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 # Every stage this module drives, imported here and only here (a name that moves moves in one place).
-from puzzle import dist, nemotron_h
+from puzzle import dist, nemotron_h, shard
 from puzzle.artifacts import fingerprint_file, fingerprint_json, fingerprint_model
 from puzzle.assemble import assemble as assemble_child
 from puzzle.assemble import measured_kl
@@ -339,11 +339,26 @@ class Run:
         dist.barrier()
         self._prepared = True
 
-    def load_parent(self) -> HybridLM:
+    def load_parent(self, mode: str = "none") -> HybridLM:
         """A fresh copy of the parent, as the stages load it (BLD and GKD may shard the model they are given;
-        the library's parent fingerprint matches it)."""
+        the library's parent fingerprint matches it).
+
+        `mode`: the FSDP mode of the stage that asks ("fsdp" or "none", its settings' `shard`). Where it
+        shards (`puzzle.shard.active`: "fsdp" and more than one rank) the parent is loaded sharded from the
+        files, as `puzzle.shard.shard_parent` shards it, and no rank ever holds all of it; the stage's own
+        `shard_parent` then leaves it as it is. Otherwise (one rank, "none", and the stages that need the
+        whole parent: the fingerprint, importance, assembly) every rank loads all of it.
+        """
         dtype = None if self.config.parent.dtype == "auto" else self.config.parent.dtype
-        model = nemotron_h.load(self.config.parent.path, dtype=dtype, device=dist.device())
+        sharded = shard.active(mode)
+        model = nemotron_h.load(self.config.parent.path, dtype=dtype, device=dist.device(), shard=sharded)
+        if sharded:
+            _log.info(
+                "parent loaded sharded over %d ranks: this rank holds %d of its %d parameter elements",
+                dist.world_size(),
+                shard.local_numel(model),
+                sum(p.numel() for p in model.parameters()),  # a DTensor's numel is the whole tensor's
+            )
         return model.eval().requires_grad_(False)
 
     @property
@@ -541,7 +556,7 @@ class Run:
         }
 
         def compute() -> dict[str, Any]:
-            parent = self.load_parent()
+            parent = self.load_parent(self.config.bld.shard)
             split, batch = self.data.train, self.config.data.batch_size
             library = build_library(
                 parent,
@@ -570,7 +585,7 @@ class Run:
         }
 
         def compute() -> dict[str, Any]:
-            parent = self.load_parent()
+            parent = self.load_parent(self.config.scoring.shard)
             library = read_library(self.layout.library)
             usable = [v for v, r in library.results.items() if r.status != "failed"]
             hidden, eps = parent.spec.hidden_size, parent.spec.norm_eps
@@ -869,7 +884,7 @@ class Run:
     def _distill_one(self, name: str) -> dict[str, Any]:
         result = distill_child(
             self._child(name),
-            self.load_parent(),
+            self.load_parent(self.config.gkd.shard),
             self.data.train,
             self.held_out_batches(),
             self.config.gkd,

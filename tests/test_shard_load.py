@@ -11,6 +11,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,8 +21,9 @@ import torch
 import torch.distributed as torch_dist
 from gloo_helpers import gloo_rank, spawn_ranks
 from nemotron_helpers import EVERY_KIND_SPEC, random_hf_model, save_hf, tiny_config, token_batch
+from run_helpers import make_inputs, write_config
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 import puzzle
 from puzzle.model import HybridLM
@@ -196,3 +200,40 @@ def test_shard_without_a_process_group_is_refused(parents):
     assert not torch_dist.is_initialized()
     with pytest.raises(RuntimeError, match="process group"):
         puzzle.load(parents["dense_mlp"], shard=True)
+
+
+@pytest.mark.slow
+def test_a_run_with_fsdp_stages_loads_the_parent_sharded_under_torchrun(tmp_path):
+    """`torchrun --nproc-per-node 2 -m puzzle run` with BLD, scoring and GKD on "fsdp": those stages load the
+    parent sharded (each rank logs its share, at most 0.6), and the library matches one process's."""
+    data = make_inputs(tmp_path)
+    for stage in ("bld", "scoring", "gkd"):
+        data[stage]["shard"] = "fsdp"
+    env = {
+        **os.environ,
+        "PUZZLE_PROGRESS": "0",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(sys.path),
+    }
+    one = write_config(tmp_path / "one.yaml", {**data, "run_dir": str(tmp_path / "one")})
+    two = write_config(tmp_path / "two.yaml", {**data, "run_dir": str(tmp_path / "two")})
+    subprocess.run([sys.executable, "-m", "puzzle", "run", str(one), "--quiet"], env=env, check=True)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    subprocess.run([*torchrun, "-m", "puzzle", "run", str(two), "--quiet"], env=env, check=True, timeout=300)
+    for rank in range(2):
+        log = (tmp_path / "two" / "logs" / f"rank{rank}.log").read_text()
+        shares = [
+            int(held) / int(total)
+            for held, total in re.findall(r"this rank holds (\d+) of its (\d+) parameter elements", log)
+        ]
+        assert len(shares) == 3, log  # BLD, scoring, GKD's teacher
+        assert all(share <= MAX_SHARE for share in shares), shares
+    files = sorted((tmp_path / "one" / "library").glob("block*/*.safetensors"))
+    assert files
+    for path in files:  # as test_run's torchrun test: equal up to float summation order
+        want, got = (
+            load_file(str(path)),
+            load_file(str(tmp_path / "two" / path.relative_to(tmp_path / "one"))),
+        )
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=data["bld"]["lr"] / 100, msg=key)

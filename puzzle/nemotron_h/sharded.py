@@ -116,7 +116,7 @@ def _bank_rows(
 
 def _fill(model: HybridLM, handles: Mapping[Path, Any], sources: Mapping[str, TensorSource]) -> None:
     """Copy into every parameter and buffer of `model` (uninitialised, local parts) its rows from the files."""
-    banks = {prefix: bank for prefix, bank in _banks(model).items()}
+    banks = _banks(model)
     seen: set[int] = set()
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if id(tensor) in seen:  # a tied lm_head is the embeddings' parameter
