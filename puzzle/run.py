@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 # Every stage this module drives, imported here and only here (a name that moves moves in one place).
-from puzzle import dist, nemotron_h
+from puzzle import dist, nemotron_h, shard
 from puzzle.artifacts import (
     checkpoint_hashes,
     fingerprint_file,
@@ -223,6 +223,7 @@ class Run:
         self._parent_scheme: str | None = None
         self._parent_hashes: dict[str, Any] | None = None  # the content-hash cache to write (rank 0)
         self._parent: HybridLM | None = None  # the one loaded parent of this process (`parent()`)
+        self._parent_sharded = False  # whether it is sharded from the files (FSDP2 over several ranks)
         self._data: Any = None
         self._results: dict[str, Any] = {}
         # Stage -> what it resumed from checkpoints (BLD waves, GKD children), for its `done` line.
@@ -390,26 +391,49 @@ class Run:
         dist.barrier()
         self._prepared = True
 
-    def parent(self) -> HybridLM:
+    def parent(self, mode: str | None = None) -> HybridLM:
         """The parent, loaded once per process (`load_parent`) and shared by every stage of this Run.
 
         No stage changes its weights: importance only hooks it, BLD and scoring train and score their own
         modules (each variant initialised from a copy of its parent block), assembly copies the blocks it
-        keeps and GKD trains the child beside it as a frozen teacher. With `shard: fsdp` over several ranks,
-        BLD, scoring and GKD shard it in place (FSDP2, idempotent); assembly and the measured KL then
-        gather what they copy or read, a unit at a time. `release_parent` drops it."""
+        keeps and GKD trains the child beside it as a frozen teacher. `mode`: the asking stage's FSDP mode
+        ("fsdp" or "none", its settings' `shard`); None takes the parent as it is loaded (assembly and the
+        measured KL gather what they copy or read from a sharded parent, a unit at a time). A stage whose
+        mode asks for the other layout gets the parent loaded anew in it, and the old copy is dropped:
+        importance needs the whole parent on every rank, BLD, scoring and GKD under "fsdp" over several
+        ranks a parent sharded from the files. `release_parent` drops it."""
+        wanted = None if mode is None else shard.active(mode)
+        if self._parent is not None and wanted is not None and wanted != self._parent_sharded:
+            self.release_parent()
         if self._parent is None:
-            self._parent = self.load_parent()
+            self._parent_sharded = bool(wanted)
+            self._parent = self.load_parent("fsdp" if wanted else "none")
         return self._parent
 
     def release_parent(self) -> None:
         """Forget the loaded parent (its memory is freed once no child or caller holds it)."""
         self._parent = None
 
-    def load_parent(self) -> HybridLM:
-        """A fresh copy of the parent, as the stages load it (`parent()` keeps the one every stage uses)."""
+    def load_parent(self, mode: str = "none") -> HybridLM:
+        """A fresh copy of the parent, as the stages load it (BLD and GKD may shard the model they are given;
+        the library's parent fingerprint matches it).
+
+        `mode`: the FSDP mode of the stage that asks ("fsdp" or "none", its settings' `shard`). Where it
+        shards (`puzzle.shard.active`: "fsdp" and more than one rank) the parent is loaded sharded from the
+        files, as `puzzle.shard.shard_parent` shards it, and no rank ever holds all of it; the stage's own
+        `shard_parent` then leaves it as it is. Otherwise (one rank, "none", and the stages that need the
+        whole parent: the fingerprint, importance, assembly) every rank loads all of it.
+        """
         dtype = None if self.config.parent.dtype == "auto" else self.config.parent.dtype
-        model = nemotron_h.load(self.config.parent.path, dtype=dtype, device=dist.device())
+        sharded = shard.active(mode)
+        model = nemotron_h.load(self.config.parent.path, dtype=dtype, device=dist.device(), shard=sharded)
+        if sharded:
+            _log.info(
+                "parent loaded sharded over %d ranks: this rank holds %d of its %d parameter elements",
+                dist.world_size(),
+                shard.local_numel(model),
+                sum(p.numel() for p in model.parameters()),  # a DTensor's numel is the whole tensor's
+            )
         return model.eval().requires_grad_(False)
 
     @property
@@ -566,7 +590,7 @@ class Run:
 
         def compute() -> dict[str, Any]:
             importance_for(
-                self.parent(),
+                self.parent("none"),  # data-parallel: every rank runs its own batches on the whole parent
                 self._calibration,
                 self.layout.importance,
                 linear_fit=settings.linear_fit,
@@ -608,7 +632,7 @@ class Run:
         }
 
         def compute() -> dict[str, Any]:
-            parent = self.parent()
+            parent = self.parent(self.config.bld.shard)
             split, batch = self.data.train, self.config.data.batch_size
             library = build_library(
                 parent,
@@ -638,7 +662,7 @@ class Run:
         }
 
         def compute() -> dict[str, Any]:
-            parent = self.parent()
+            parent = self.parent(self.config.scoring.shard)
             library = read_library(self.layout.library)
             usable = [v for v, r in library.results.items() if r.status != "failed"]
             hidden, eps = parent.spec.hidden_size, parent.spec.norm_eps
@@ -954,7 +978,7 @@ class Run:
     def _distill_one(self, name: str) -> dict[str, Any]:
         result = distill_child(
             self._child(name),
-            self.parent(),
+            self.parent(self.config.gkd.shard),
             self.data.train,
             self.held_out_batches(),
             self.config.gkd,

@@ -3,6 +3,7 @@
 - `config`: config.json <-> ModelSpec, one field table per block kind read in both directions (no torch);
 - `weights`: safetensors in and out: hub tensor names, fused experts, shards, lazy tensors;
 - `checkpoint`: `load` (directory -> HybridLM) and `save_pretrained` (HybridLM -> directory, atomic).
+- `sharded`: `load(..., shard=True)`: the model sharded with FSDP2, each rank reading only its rows.
 
 The config names import eagerly (they need no torch, e.g. for `puzzle costs`); `load`,
 `save_pretrained` and the weights names load torch and the model on first use.

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from puzzle import dist
 from puzzle.files import (
     OWNER_MARKER,
     default_mode,
@@ -101,7 +102,11 @@ def _refuse_quantized(config: Mapping[str, Any], path: Path) -> None:
 
 
 def load(
-    path: str | Path, dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu"
+    path: str | Path,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device | None = None,
+    *,
+    shard: bool = False,
 ) -> HybridLM:
     """Load a NemotronH checkpoint directory (config.json + safetensors) as a HybridLM in eval mode.
 
@@ -116,11 +121,24 @@ def load(
     the dtype a real load would give (for inspecting or costing a model, or `to_empty` + init). Such a
     model cannot be saved.
 
+    shard=True (under an initialised torch.distributed process group, e.g. torchrun) returns the model
+    sharded with FSDP2 over the ranks as `puzzle.shard.shard_parent` shards it, each rank reading from the
+    files only the rows it owns (`puzzle.nemotron_h.sharded`): no rank ever holds the whole model. With
+    one rank it is this plain load. RuntimeError without a process group. `device` None is the CPU for a
+    plain load and this rank's device (`puzzle.dist.device()`: cuda:LOCAL_RANK, or the CPU) for a sharded one.
+
     Raises CheckpointError naming the file and tensor for a missing, unexpected, misshapen or
     non-float (e.g. int8 or fp8) weight.
     """
+    if shard:
+        from puzzle.nemotron_h import sharded  # on use: FSDP and DTensor imports
+
+        sharded.require_process_group()
+        device = dist.device() if device is None else device
+        if dist.world_size() > 1:
+            return sharded.load_sharded(path, dtype, device)
     compute_dtype = _compute_dtype(dtype)
-    device = torch.device(device)
+    device = torch.device("cpu" if device is None else device)
     path = Path(path)
     config = read_config(path)
     spec = spec_from_config(config, where=str(path / CONFIG_NAME))
