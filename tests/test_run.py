@@ -418,9 +418,9 @@ def test_several_solutions_per_budget_are_named_apart(finished, tmp_path):
 class CountingRun(Run):
     """A Run that counts its loads of the parent (`load_parent`, the body `Run.parent` caches)."""
 
-    def load_parent(self):
+    def load_parent(self, mode: str = "none"):
         self.loads = getattr(self, "loads", 0) + 1
-        return super().load_parent()
+        return super().load_parent(mode)
 
 
 def test_every_stage_shares_one_parent_and_leaves_it_unchanged(finished, tmp_path):
