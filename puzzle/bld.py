@@ -55,10 +55,10 @@ expert-bank layout) and ``library.json``; the checkpoints are then removed.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
-import functools
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence

@@ -32,6 +32,7 @@ from typing import Any
 from puzzle.cost.analytic import model_active_params, model_params, prefill_flops_per_token
 from puzzle.cost.hardware import HardwareProfile
 from puzzle.cost.kinds import block_cost
+from puzzle.search.limits import Relative
 from puzzle.spec import BlockSpec, ModelSpec, NoOpSpec, Variant
 
 GIB = 1024**3
@@ -305,6 +306,22 @@ class _Context:
     variants: dict[int, list[Variant]] | None
 
     @property
+    def child_fraction(self) -> float:
+        """An upper bound on the child's parameters as a share of the parent's: the loosest solve's tightest
+        `params` budget (1 when a solve has none: the child may then be as large as the parent)."""
+        total = model_params(self.spec)
+        loosest = 0.0
+        for round_index in range(self.config.rounds.count):
+            for solve in self.config.round_limits(round_index):
+                bounds = [
+                    limit.value.resolve(total) if isinstance(limit.value, Relative) else float(limit.value)
+                    for limit in solve
+                    if limit.key == "params"
+                ]
+                loosest = max(loosest, min(bounds, default=total) / total)
+        return min(1.0, loosest or 1.0)
+
+    @property
     def seq_len(self) -> int:
         return self.config.data.seq_len
 
@@ -379,7 +396,7 @@ def _library(ctx: _Context, problems: list[str]) -> StagePlan:
         "gathered unit": max(parent.largest_unit, largest_whole if world > 1 else 0),
         "wave (params, grads, AdamW, activations)": wave_bytes,
         "block input/target": 2 * local * H * ctx.dtype_bytes,
-        "block activations": ctx.largest_block_activations(local),
+        "parent block activations": ctx.largest_block_activations(local),
     }
     budget = settings.token_budget
     parent_flops = len(waves) * budget * forward_flops_per_token(ctx.spec, ctx.seq_len, logits=False)
@@ -439,12 +456,15 @@ def _scores(ctx: _Context) -> StagePlan:
     tokens = ctx.held_out_tokens()
     flops, notes = 0.0, []
     if tokens is None:
-        notes.append("data.held_out_tokens is null: the whole held-out split, whose size the plan cannot know")
+        notes.append(
+            "data.held_out_tokens is null: the whole held-out split, whose size the plan cannot know"
+        )
     else:
         head = 2.0 * H * spec.vocab_size
         per_wave = forward_flops_per_token(spec, ctx.seq_len) + head
         suffix = [
-            sum(block_forward_flops(b, H, ctx.seq_len) for b in spec.blocks[i + 1 :]) for i in range(len(spec.blocks))
+            sum(block_forward_flops(b, H, ctx.seq_len) for b in spec.blocks[i + 1 :])
+            for i in range(len(spec.blocks))
         ]
         per_variant = sum(
             block_forward_flops(v.spec, H, ctx.seq_len) + suffix[v.block_index] + head
@@ -460,7 +480,7 @@ def _scores(ctx: _Context) -> StagePlan:
         flops,
         memory,
         disk=1024.0 * len(variants),
-        notes=notes + ["a variant costs its block, the parent's blocks after it and one lm_head pass"],
+        notes=[*notes, "a variant costs its block, the parent's blocks after it and one lm_head pass"],
     )
 
 
@@ -489,10 +509,10 @@ def _assemble(ctx: _Context) -> StagePlan:
     spec, H = ctx.spec, ctx.spec.hidden_size
     solutions = _solves(ctx)
     local = rows_per_rank(ctx.config.data.eval_batch_size, ctx.world) * ctx.seq_len
-    parent = ctx.parent()
+    parent, child = ctx.parent(), ctx.child_fraction
     memory = {
         "parent shard": parent.sharded,
-        "child shard (<= parent)": parent.sharded,
+        "child shard": child * parent.sharded,
         "gathered unit": parent.largest_unit,
         "logits chunks": SCORE_LOGIT_BUFFERS * FP32 * local * ctx.config.scoring.vocab_chunk,
         "hidden states": 2 * local * H * ctx.dtype_bytes,
@@ -506,7 +526,7 @@ def _assemble(ctx: _Context) -> StagePlan:
         None if tokens is None else solutions * tokens,
         flops,
         memory,
-        notes=["the child is planned as the parent (an upper bound: it is known after the search)"],
+        notes=[_child_note(child)],
     )
 
 
@@ -521,9 +541,14 @@ def _distill(ctx: _Context, problems: list[str]) -> StagePlan:
         problems.append(f"stage distill: {error}")
         share = micro = rows_per_rank(settings.batch_size, ctx.world)
     local = micro * ctx.seq_len
+    child = ctx.child_fraction
     student = parent_bytes(spec, train_bytes, world)
+    student = ParentBytes(int(child * student.sharded), int(child * student.whole), student.largest_unit)
     teacher = ctx.parent(settings.shard)
     saved = sum(block_activation_bytes(b, H, local, train_bytes) for b in spec.blocks)
+    checkpointed = len(spec.blocks) * local * H * train_bytes + ctx.largest_block_activations(
+        local, train_bytes
+    )
     memory = {
         "teacher shard": teacher.sharded,
         "student shard": student.sharded,
@@ -532,14 +557,15 @@ def _distill(ctx: _Context, problems: list[str]) -> StagePlan:
         "gathered unit": max(teacher.largest_unit, student.largest_unit),
         "whole lm_head": spec.vocab_size * H * train_bytes if world > 1 else 0,
         "saved activations": saved,
-        "logits chunks": GKD_LOGIT_BUFFERS * FP32 * local * settings.vocab_chunk + 2 * local * H * train_bytes,
+        "logits chunks": GKD_LOGIT_BUFFERS * FP32 * local * settings.vocab_chunk
+        + 2 * local * H * train_bytes,
     }
     step_tokens = settings.batch_size * ctx.seq_len
     tokens = settings.token_budget
     if settings.steps is not None:
         tokens = settings.steps * step_tokens if tokens is None else min(tokens, settings.steps * step_tokens)
-    flops = solutions * tokens * (4 * forward_flops_per_token(spec, ctx.seq_len))
-    checkpoint = 3 * model_params(spec) * train_bytes
+    flops = solutions * tokens * (3 * child + 1) * forward_flops_per_token(spec, ctx.seq_len)
+    checkpoint = 3 * child * model_params(spec) * train_bytes
     return StagePlan(
         "distill",
         f"{solutions} child(ren) x {_count(tokens)} tokens, {math.ceil(tokens / step_tokens)} steps of "
@@ -549,25 +575,41 @@ def _distill(ctx: _Context, problems: list[str]) -> StagePlan:
         memory,
         disk=solutions * checkpoint,
         notes=[
-            "student planned as the parent (upper bound); AdamW keeps m and v in the training dtype "
-            f"({settings.dtype}); no activation checkpointing",
-            "FLOPs: student forward + backward (3x) and teacher forward (1x) per token; evaluations excluded",
+            _child_note(child),
+            f"AdamW keeps m and v in the training dtype ({settings.dtype}); activations are the parent's "
+            "(an upper bound), all saved for the backward: GKD has no activation checkpointing (with "
+            f"per-block checkpointing they would be about {_gib(checkpointed)}: each block's input, and one "
+            "block's activations recomputed at a time)",
+            "FLOPs: student forward + backward (3x, scaled by the child's share) and teacher forward (1x) "
+            "per token; evaluations excluded",
         ],
     )
 
 
 def _export(ctx: _Context) -> StagePlan:
-    solutions = _solves(ctx)
+    solutions, child = _solves(ctx), ctx.child_fraction
     parent = ctx.parent()
     return StagePlan(
         "export",
         f"{solutions} checkpoint(s) written unit by unit",
         None,
         0.0,
-        {"child shard (<= parent)": parent.sharded, "gathered unit": parent.largest_unit},
-        disk=solutions * parent.whole,
-        notes=["today export gathers the whole child on rank 0 (issue 22 section 4 streams it)"],
+        {"child shard": child * parent.sharded, "gathered unit": parent.largest_unit},
+        disk=solutions * child * parent.whole,
+        notes=[
+            _child_note(child),
+            "today export gathers the whole child on rank 0 (issue 22 section 4 streams it)",
+        ],
     )
+
+
+def _child_note(fraction: float) -> str:
+    if fraction < 1:
+        return (
+            f"the child is planned at {fraction:.0%} of the parent's bytes, the `params` budget (its "
+            "architecture is known after the search)"
+        )
+    return "the child is planned as the parent (an upper bound: its architecture is known after the search)"
 
 
 def plan_run(
@@ -591,11 +633,14 @@ def plan_run(
         raise ValueError(f"efficiency must be in (0, 1], found {efficiency}")
     fraction = config.hardware.memory_fraction if memory_fraction is None else memory_fraction
     problems: list[str] = []
+    unknown = None
     try:
         variants = config.search_space().all_variants(spec)
     except ValueError as error:  # widths from importance profiles: known only after importance
-        variants = None
-        problems.append(f"stage library: the variants cannot be listed before importance runs: {error}")
+        variants, unknown = (
+            None,
+            f"the variants cannot be listed before importance runs ({error}): not planned",
+        )
     ctx = _Context(config, spec, gpus, parent_dtype_bytes(config.parent.dtype, checkpoint), variants)
     stages = [
         _importance(ctx),
@@ -606,12 +651,17 @@ def plan_run(
         _distill(ctx, problems),
         _export(ctx),
     ]
+    if unknown is not None:
+        stages[1].notes.append(unknown)
+        stages[2].notes.append(unknown)
     rate = gpus * hardware.flops_per_s("bf16") * efficiency
     for stage in stages:
         if stage.seconds is None and stage.flops:
             stage.seconds = stage.flops / rate
     if config.rounds.count > 1:
-        stages[0].notes.append(f"rounds.count {config.rounds.count}: every stage but the search runs once per round")
+        stages[0].notes.append(
+            f"rounds.count {config.rounds.count}: every stage but the search runs once per round"
+        )
     return Plan(spec, hardware, gpus, efficiency, fraction, stages, problems)
 
 
@@ -627,3 +677,20 @@ def plan_config(
     spec = nemotron_h.spec_from_config(checkpoint, str(path / nemotron_h.CONFIG_NAME))
     profile = get_hardware(hardware if hardware is not None else config.hardware.profile)
     return plan_run(config, spec, gpus, profile, checkpoint=checkpoint, **options)
+
+
+def world_from_env() -> int:
+    """The world size torchrun gives this process (WORLD_SIZE), before the process group exists; 1 alone."""
+    import os
+
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def run_misfits(config: Any, world: int | None = None) -> list[str]:
+    """What `puzzle run` refuses before any work: each stage of the plan of `config` on `world` ranks (default:
+    WORLD_SIZE) of the config's hardware that does not fit, one line each (empty: everything fits)."""
+    plan = plan_config(config, world_from_env() if world is None else world)
+    return plan.misfits()

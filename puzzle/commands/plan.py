@@ -6,8 +6,10 @@ Reads the run config and the parent's config.json only (no weight, no data): see
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from puzzle.commands import fraction, positive_int
@@ -45,6 +47,13 @@ def register(subparsers: Any) -> None:
         default=None,
         help="assumed share of the dense bf16 peak a step reaches (default 0.35)",
     )
+    parser.add_argument(
+        "--parent",
+        metavar="DIR",
+        default=None,
+        help="read the parent's config.json from DIR instead of the config's parent.path (a folder holding "
+        "only config.json will do: no weight is read)",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run)
 
@@ -60,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as error:
         print(f"puzzle plan: error: {error}", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
+    if args.parent is not None:
+        config = dataclasses.replace(
+            config, parent=dataclasses.replace(config.parent, path=Path(args.parent).absolute())
+        )
     try:
         plan = plan_config(
             config,
