@@ -222,7 +222,7 @@ class Plan:
                 f"  tokens {tokens}, {stage.flops:.3g} FLOPs, time {time}, "
                 f"peak per rank {_gib(stage.peak)} ({fits}), disk {_gib(stage.disk)}"
             )
-            parts = ", ".join(f"{k} {_gib(v)}" for k, v in stage.memory.items() if v)
+            parts = ", ".join(f"{k} {_gib(v)}" for k, v in stage.memory.items() if v) or "none on the GPU"
             lines.append(f"  memory per rank: {parts}")
             lines += [f"  note: {n}" for n in stage.notes]
         lines.append("")
@@ -434,7 +434,8 @@ def _scores(ctx: _Context) -> StagePlan:
     size = settings.variants_per_wave or max(1, len(variants))
     waves = [variants[i : i + size] for i in range(0, len(variants), size)]
     batch = ctx.config.data.eval_batch_size
-    local = rows_per_rank(batch, ctx.world) * ctx.seq_len
+    # Sharded units run every batch on every rank (its rows); replicated ones take whole batches per rank.
+    local = (rows_per_rank(batch, ctx.world) if world > 1 else batch) * ctx.seq_len
     parent = ctx.parent(settings.shard)
     p = ctx.dtype_bytes
 
@@ -490,9 +491,10 @@ def _solves(ctx: _Context) -> int:
 
 
 def _solutions(ctx: _Context) -> StagePlan:
-    solver = ctx.config.search.solver
+    config = ctx.config
+    searches = sum(len(config.round_limits(r)) for r in range(config.rounds.count))
     solves = _solves(ctx)
-    limit = getattr(solver, "time_limit_s", None)
+    limit = config.search.solver.time_limit_s
     return StagePlan(
         "solutions",
         f"{solves} architecture(s) from the MIP search (on the CPU of rank 0)",
@@ -501,7 +503,7 @@ def _solutions(ctx: _Context) -> StagePlan:
         {},
         disk=0.0,
         notes=["no GPU memory; time bounded by search.solver.time_limit_s per solve"],
-        seconds=None if limit is None else float(limit) * len(ctx.config.round_limits(0)),
+        seconds=None if limit is None else float(limit) * searches,
     )
 
 
