@@ -23,7 +23,8 @@ normalised MSE (the initial weights are saved under the checkpoints when its wav
 has them too); library.json says which (`kept`) and records both errors. A variant whose training diverged
 keeps its initial weights; it is "failed" only when those are not finite either.
 
-Memory: the variants train in waves whose estimated training bytes (`variant_training_bytes`) fit
+Memory: the variants train in waves whose estimated training bytes per rank (`variant_training_bytes`:
+sharded weights and AdamW state under FSDP, this rank's rows of activations) fit
 `BLDSettings.memory_limit_bytes`; each wave is one pass of the parent over the training data. The plan is
 printed before training starts and returned.
 
@@ -54,6 +55,7 @@ expert-bank layout) and ``library.json``; the checkpoints are then removed.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -93,6 +95,7 @@ from puzzle.library import (
     variant_key,
 )
 from puzzle.model import HybridLM
+from puzzle.plan import shard_numel
 from puzzle.progress import progress_bar
 from puzzle.prune.importance import ModelImportance
 from puzzle.prune.init import init_child
@@ -104,7 +107,7 @@ from puzzle.resume import (
     write_checkpoint,
 )
 from puzzle.settings import BLDSettings
-from puzzle.spec import NoOpSpec, SpecError, Variant
+from puzzle.spec import BlockSpec, NoOpSpec, SpecError, Variant
 
 CHECKPOINT_DIR = "bld-checkpoints"
 # Saved activations per token of a variant's training step, in units of (input widths of its matrices x
@@ -131,19 +134,29 @@ def learning_rate(settings: BLDSettings, tokens_seen: int) -> float:
 
 
 def variant_training_bytes(
-    variant: Variant, hidden_size: int, tokens_per_step: int, dtype: torch.dtype
+    variant: Variant, hidden_size: int, tokens_per_step: int, dtype: torch.dtype, world: int = 1
 ) -> int:
-    """Estimated bytes to train `variant` on one process: params + grads + 2 AdamW moments (4 x params in
-    `dtype`) plus saved activations, `_ACTIVATION_FACTOR` x the input width of every matrix per token.
+    """Estimated bytes one rank holds to train `variant`: params + grads + 2 AdamW moments (4 x params in
+    `dtype`, the largest FSDP shard of each parameter when sharded over `world` ranks, see
+    `puzzle.plan.shard_numel`) plus saved activations, `_ACTIVATION_FACTOR` x the input width of every matrix
+    per token.
 
-    `tokens_per_step`: tokens one process runs per step (its rows of the batch x sequence length).
+    `tokens_per_step`: tokens one process runs per step (its rows of the batch x sequence length). `world`:
+    the ranks the variant is sharded over (1 = unsharded, every rank holds it whole).
     """
-    with torch.device("meta"):
-        mixer = build_block(variant.spec, hidden_size)
+    shapes, widths = _variant_shapes(variant.spec, hidden_size)
     size = torch.empty((), dtype=dtype).element_size()
-    params = sum(p.numel() for p in mixer.parameters())
-    widths = sum(p.shape[-1] for p in mixer.parameters() if p.ndim >= 2) + hidden_size
+    params = sum(shard_numel(shape, world) for shape in shapes)
     return 4 * params * size + _ACTIVATION_FACTOR * tokens_per_step * widths * size
+
+
+@functools.lru_cache(maxsize=256)
+def _variant_shapes(spec: BlockSpec, hidden_size: int) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """(parameter shapes, summed input widths + hidden_size) of the mixer of `spec`, built once on meta."""
+    with torch.device("meta"):
+        mixer = build_block(spec, hidden_size)
+    widths = sum(p.shape[-1] for p in mixer.parameters() if p.ndim >= 2) + hidden_size
+    return tuple(tuple(p.shape) for p in mixer.parameters()), widths
 
 
 def plan_waves(sizes: Mapping[Variant, int], limit: int | None) -> list[list[Variant]]:
@@ -576,9 +589,11 @@ def build_library(
         init = _init_unsharded(parent, init)
     device = parent.embeddings.weight.device
     tokens_per_step = math.ceil(first.shape[0] / dist.world_size()) * first.shape[1]
+    # What one rank holds: a sharded variant keeps 1/world of its weights and AdamW state.
+    world = dist.world_size() if shard.active(settings.shard) else 1
     to_train = [v for v in all_variants if statuses[v] == "trained"]
     sizes = {
-        v: variant_training_bytes(v, parent.spec.hidden_size, tokens_per_step, settings.torch_dtype)
+        v: variant_training_bytes(v, parent.spec.hidden_size, tokens_per_step, settings.torch_dtype, world)
         for v in to_train
     }
     plan = plan_waves(sizes, settings.memory_limit_bytes)

@@ -21,6 +21,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "puzzle.commands.costs",
     "puzzle.commands.config",
     "puzzle.commands.run",
+    "puzzle.commands.plan",
     "puzzle.commands.report",
     "puzzle.commands.convert",
     "puzzle.commands.demo",

@@ -35,7 +35,7 @@ class BLDSettings:
     `lr`: AdamW peak learning rate; `warmup_tokens`: linear warm-up from 0, then cosine decay to
     `min_lr_ratio * lr` at `token_budget` tokens (each variant trains on `token_budget` tokens, fewer if
     the data ends first); `clip`: max gradient norm per variant (0 = none); `checkpoint_every`: steps
-    between checkpoints (0 = never); `memory_limit_bytes`: what one wave's variants may use (None = one
+    between checkpoints (0 = never); `memory_limit_bytes`: what one wave's variants may use per rank (None = one
     wave); `dtype`: the variants' training dtype ("float32" or "bfloat16"); `autocast`: bf16 autocast on
     CUDA; `seed`: seeds torch before each wave's variants are built; `shard`: "fsdp" shards the parent and
     the variants over the ranks with FSDP2, "none" replicates them (no effect in a single process);

@@ -26,12 +26,18 @@ def register(subparsers: Any) -> None:
         "assemble, distill (GKD), export, and further rounds (rounds.count). A finished stage of the same "
         "inputs is reused; a killed one resumes. Under `torchrun --nproc-per-node N -m puzzle run CONFIG` "
         "the distributed stages shard their work. Logs go to RUN_DIR/logs/rank{r}.log. Exit code 2 for a "
-        "config error (nothing is written) or a budget no architecture meets, 1 for a failure.",
+        "config error (nothing is written), a budget no architecture meets or a stage that does not fit the "
+        "hardware's memory per rank (as `puzzle plan` reports it), 1 for a failure.",
     )
     parser.add_argument("config", metavar="CONFIG", help="the run config, a YAML file")
     parser.add_argument("--quiet", action="store_true", help="no progress bars, only warnings on stderr")
     parser.add_argument(
         "--until", choices=STAGES, default=None, help="stop after this stage (of the first round)"
+    )
+    parser.add_argument(
+        "--no-plan-check",
+        action="store_true",
+        help="run even when `puzzle plan` estimates that a stage does not fit the GPU memory per rank",
     )
     parser.set_defaults(func=run)
 
@@ -87,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
 
     # Late: torch and the stages.
     from puzzle import dist
+    from puzzle.plan import run_misfits
     from puzzle.run import Run, RunError
     from puzzle.search.types import InfeasibleError
 
@@ -94,11 +101,17 @@ def run(args: argparse.Namespace) -> int:
     try:
         pipeline.check_run_dir()  # before the logs: a folder of the user's files is refused untouched
         pipeline.check_budgets(config.validate_paths())
+        # `puzzle plan`'s check: every stage fits the memory per rank (puzzle/plan.py).
+        misfits = [] if args.no_plan_check else run_misfits(config)
     except RunError as error:
         print(f"puzzle run: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except InfeasibleError as error:
         print(f"puzzle run: infeasible: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if misfits:
+        for line in misfits:
+            print(f"puzzle run: does not fit: {line} (see `puzzle plan`)", file=sys.stderr)
         return EXIT_BAD_INPUT
     started = dist.init_from_env()
     try:

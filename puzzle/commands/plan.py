@@ -1,0 +1,94 @@
+"""`puzzle plan CONFIG [--gpus N] [--hardware NAME]`: what each stage of a run will cost, before it runs.
+
+Reads the run config and the parent's config.json only (no weight, no data): see puzzle/plan.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from puzzle.commands import fraction, positive_int
+
+EXIT_DOES_NOT_FIT = 2
+
+
+def register(subparsers: Any) -> None:
+    """Add `puzzle plan` to the `puzzle` parser."""
+    parser = subparsers.add_parser(
+        "plan",
+        help="estimate every stage's work, time, peak memory per rank and disk",
+        description="For each stage of CONFIG's run (importance, library, scores, solutions, assemble, "
+        "distill, export): the units of work and tokens, the estimated time on N GPUs of the named hardware "
+        "(cost-model FLOPs at an assumed efficiency), the peak memory per rank under FSDP2 over N ranks, "
+        "and the disk it writes. Reads the parent's config.json only. Exit code 2 naming the stage and the "
+        "figure when a stage does not fit the hardware's memory x memory_fraction.",
+    )
+    parser.add_argument("config", metavar="CONFIG", help="the run config, a YAML file")
+    parser.add_argument("--gpus", type=positive_int, default=1, help="ranks (GPUs) the run uses (default 1)")
+    parser.add_argument(
+        "--hardware",
+        default=None,
+        help="GPU profile (h100-80gb, h200-141gb, b200, a100-80gb; default: the config's hardware.profile)",
+    )
+    parser.add_argument(
+        "--memory-fraction",
+        type=fraction,
+        default=None,
+        help="usable share of each GPU's memory (default: the config's hardware.memory_fraction)",
+    )
+    parser.add_argument(
+        "--efficiency",
+        type=fraction,
+        default=None,
+        help="assumed share of the dense bf16 peak a step reaches (default 0.35)",
+    )
+    parser.add_argument(
+        "--parent",
+        metavar="DIR",
+        default=None,
+        help="read the parent's config.json from DIR instead of the config's parent.path (a folder holding "
+        "only config.json will do: no weight is read)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """`puzzle plan`: the plan on stdout; exit 2 for a config error or a stage that does not fit."""
+    from puzzle.config import ConfigError, load_config
+    from puzzle.plan import DEFAULT_EFFICIENCY, plan_config
+    from puzzle.spec import SpecError
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as error:
+        print(f"puzzle plan: error: {error}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+    if args.parent is not None:
+        config = dataclasses.replace(
+            config, parent=dataclasses.replace(config.parent, path=Path(args.parent).absolute())
+        )
+    try:
+        plan = plan_config(
+            config,
+            args.gpus,
+            args.hardware,
+            memory_fraction=args.memory_fraction,
+            efficiency=args.efficiency or DEFAULT_EFFICIENCY,
+        )
+    except (SpecError, KeyError) as error:  # an unknown --hardware
+        print(f"puzzle plan: error: {error}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+    except (ValueError, OSError) as error:  # the parent's config.json: missing or not a NemotronH config
+        print(f"puzzle plan: error: parent.path: {error}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
+    print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.render())
+    misfits = plan.misfits()
+    for line in misfits:
+        print(f"puzzle plan: does not fit: {line}", file=sys.stderr)
+    return EXIT_DOES_NOT_FIT if misfits else 0

@@ -1,0 +1,698 @@
+"""What a run will cost before it runs: units of work, tokens, time, peak memory per rank and disk, per stage.
+
+`plan_run(config, spec, gpus, hardware)` reads nothing but the run config and the parent's ModelSpec (from its
+config.json: no weight is read; mixers are built on the meta device only to learn their parameter shapes).
+Every memory figure is what ONE rank holds under FSDP2 over `gpus` ranks (`puzzle.shard`): each sharded unit
+(the embeddings, each block's mixer, the lm_head) keeps ceil(rows / N) of the first dimension of every
+parameter on a rank, exactly as `fully_shard` splits it; the pre-norms, norm_f and buffers stay replicated.
+A stage whose `shard` setting is "none", or a world of one, holds everything whole.
+
+The estimates, and why (docs/SCALE.md shows them on Nemotron-3 Nano and Super):
+- FLOPs: forward = the cost model's prefill FLOPs per token (`puzzle.cost.analytic`: 2 x the matmul weights a
+  token runs through, plus attention scores and the Mamba scan at the configured sequence length), plus
+  2 x H x V for the logits where a stage computes them; backward = 2 x forward. Time = FLOPs / (N x the
+  hardware's dense bf16 peak x `efficiency`): an assumed model-FLOPs utilisation, printed with the plan.
+- Memory per rank = sharded parent parameters (parent dtype) + the largest unit all-gathered for its forward
+  + what the stage trains (parameters, gradients and both AdamW moments, all in the training dtype as
+  torch's AdamW keeps them, sharded) + activations at the configured batch share and sequence length
+  (`puzzle.cost.kinds` activation elements per token, saved for the backward where a stage trains) + the
+  logits chunk (`puzzle.logits`: fp32 `[tokens, vocab_chunk]` tensors, never `[tokens, V]`).
+- A child is not known before the search: assembly, GKD and export are planned with the parent as the
+  child, an upper bound (a child never has more parameters than its parent in these spaces).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+from puzzle.cost.analytic import model_active_params, model_params, prefill_flops_per_token
+from puzzle.cost.hardware import HardwareProfile
+from puzzle.cost.kinds import block_cost
+from puzzle.search.limits import Relative
+from puzzle.spec import BlockSpec, ModelSpec, NoOpSpec, Variant
+
+GIB = 1024**3
+# Assumed share of the dense bf16 peak a training or scoring step reaches (model FLOPs utilisation). 0.35 is
+# typical of FSDP training of mid-sized models on H100-class GPUs; MoE routing, small per-expert matmuls and
+# the all-gathers usually keep it below that, so treat the times as optimistic by up to 2x.
+DEFAULT_EFFICIENCY = 0.35
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float64": 8}
+FP32 = 4
+# fp32 [tokens, vocab_chunk] tensors alive at once in the chunked head passes: scoring's docstring counts 4
+# (parent logits and probabilities, the variant's chunk logits, a scratch buffer); the differentiable
+# distillation head (puzzle.logits.distillation_head_loss) keeps the same plus the chunk's gradient.
+SCORE_LOGIT_BUFFERS = 4
+GKD_LOGIT_BUFFERS = 5
+STAGES = ("importance", "library", "scores", "solutions", "assemble", "distill", "export")
+
+
+# ---------------------------------------------------------------------------------------------- shapes
+
+
+@lru_cache(maxsize=256)
+def _mixer_shapes(spec: BlockSpec, hidden_size: int) -> tuple[tuple[tuple[int, ...], ...], int]:
+    """(parameter shapes, buffer bytes) of the mixer of `spec`, as `puzzle.blocks` builds it (on meta)."""
+    import torch
+
+    from puzzle.blocks import build_block
+
+    if not block_cost(spec).runs:
+        return (), 0
+    with torch.device("meta"):
+        mixer = build_block(spec, hidden_size)
+    shapes = tuple(tuple(p.shape) for p in mixer.parameters())
+    buffers = sum(b.numel() * FP32 for b in mixer.buffers())  # the router's fp32 correction bias
+    return shapes, buffers
+
+
+def shard_numel(shape: Iterable[int], world: int) -> int:
+    """Elements rank 0 (the largest shard) holds of a parameter `fully_shard` splits over `world` ranks:
+    ceil(rows / world) rows of its first dimension."""
+    dims = tuple(shape)
+    if not dims:
+        return 1
+    rows = min(dims[0], math.ceil(dims[0] / world))
+    return rows * math.prod(dims[1:])
+
+
+def mixer_params(spec: BlockSpec, hidden_size: int) -> int:
+    """Parameters of the mixer of `spec` (the block's pre-norm excluded)."""
+    return sum(math.prod(s) for s in _mixer_shapes(spec, hidden_size)[0])
+
+
+def mixer_shard_params(spec: BlockSpec, hidden_size: int, world: int) -> int:
+    """Parameters of the mixer of `spec` that the largest rank holds when it is one FSDP unit over `world`."""
+    return sum(shard_numel(s, world) for s in _mixer_shapes(spec, hidden_size)[0])
+
+
+@dataclass(frozen=True)
+class ParentBytes:
+    """Bytes of the parent on one rank: `sharded` (every unit's shard plus replicated norms and buffers),
+    `whole` (the parent unsharded) and `largest_unit` (the biggest unit gathered whole for its forward)."""
+
+    sharded: int
+    whole: int
+    largest_unit: int
+
+
+def parent_bytes(spec: ModelSpec, dtype_bytes: int, world: int) -> ParentBytes:
+    """The parent's parameter bytes per rank under `shard_parent` over `world` ranks (world 1: unsharded).
+
+    Matches the local parameters of a `HybridLM` sharded by `puzzle.shard.shard_parent` exactly (tests),
+    the MoE routers counted at the parent dtype (the loader keeps them fp32: a few MB on Super).
+    """
+    H, V = spec.hidden_size, spec.vocab_size
+    table = [(V, H)] + ([] if spec.tie_embeddings else [(V, H)])
+    units: list[tuple[int, int]] = [(V * H, shard_numel((V, H), world)) for _ in table]
+    replicated = H  # norm_f
+    buffers = 0
+    for block in spec.blocks:
+        shapes, buffer_bytes = _mixer_shapes(block, H)
+        if shapes:
+            units.append((sum(math.prod(s) for s in shapes), sum(shard_numel(s, world) for s in shapes)))
+        if block_cost(block).runs:
+            replicated += H  # the block's pre-norm
+        buffers += buffer_bytes
+    whole = (sum(u[0] for u in units) + replicated) * dtype_bytes + buffers
+    if world == 1:
+        return ParentBytes(whole, whole, 0)
+    sharded = (sum(u[1] for u in units) + replicated) * dtype_bytes + buffers
+    return ParentBytes(sharded, whole, max(u[0] for u in units) * dtype_bytes)
+
+
+# ------------------------------------------------------------------------------------------------ plans
+
+
+@dataclass
+class StagePlan:
+    """One stage: `units` (what it does, in words), `tokens` processed, `flops`, `memory` (name -> bytes per
+    rank; the peak is their sum), `disk` (bytes it writes), `notes` (what the estimate assumes)."""
+
+    name: str
+    units: str
+    tokens: int | None
+    flops: float
+    memory: dict[str, float]
+    disk: float = 0.0
+    notes: list[str] = field(default_factory=list)
+    seconds: float | None = None  # set by plan_run from flops (or given, for the search)
+
+    @property
+    def peak(self) -> float:
+        return float(sum(self.memory.values()))
+
+
+@dataclass
+class Plan:
+    """Every stage's plan on `gpus` ranks of `hardware`; `limit` is the usable memory per rank."""
+
+    spec: ModelSpec
+    hardware: HardwareProfile
+    gpus: int
+    efficiency: float
+    memory_fraction: float
+    stages: list[StagePlan]
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def limit(self) -> float:
+        return self.hardware.memory_bytes * self.memory_fraction
+
+    def misfits(self) -> list[str]:
+        """One line per stage whose peak per rank exceeds the limit, naming the stage and the figures, then
+        any problem found while planning (a BLD variant larger than memory_limit_bytes)."""
+        lines = []
+        for stage in self.stages:
+            if stage.peak > self.limit:
+                biggest = max(stage.memory, key=lambda k: stage.memory[k])
+                lines.append(
+                    f"stage {stage.name}: peak memory per rank {_gib(stage.peak)} > {_gib(self.limit)} "
+                    f"({self.memory_fraction:g} x {_gib(self.hardware.memory_bytes)} of {self.hardware.name}); "
+                    f"the largest part is {biggest} ({_gib(stage.memory[biggest])})"
+                )
+        return lines + self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "hardware": self.hardware.name,
+            "gpus": self.gpus,
+            "efficiency": self.efficiency,
+            "memory_limit_bytes": self.limit,
+            "stages": [
+                {
+                    "stage": s.name,
+                    "units": s.units,
+                    "tokens": s.tokens,
+                    "flops": s.flops,
+                    "seconds": s.seconds,
+                    "memory": dict(s.memory),
+                    "peak_bytes": s.peak,
+                    "disk_bytes": s.disk,
+                    "notes": list(s.notes),
+                }
+                for s in self.stages
+            ],
+            "problems": list(self.problems),
+        }
+
+    def render(self) -> str:
+        """The plan as text, one paragraph per stage."""
+        spec = self.spec
+        lines = [
+            f"parent: {spec.num_blocks} blocks, {model_params(spec) / 1e9:.2f}B parameters, "
+            f"{model_active_params(spec) / 1e9:.2f}B active",
+            f"hardware: {self.gpus} x {self.hardware.name} ({_gib(self.hardware.memory_bytes)} each, "
+            f"usable {_gib(self.limit)} = memory_fraction {self.memory_fraction:g}); "
+            f"time at {self.efficiency:.0%} of the dense bf16 peak "
+            f"({self.hardware.flops_per_s('bf16') / 1e12:.0f} TFLOP/s per GPU)",
+            "",
+        ]
+        total = 0.0
+        for stage in self.stages:
+            fits = "fits" if stage.peak <= self.limit else "DOES NOT FIT"
+            tokens = "-" if stage.tokens is None else _count(stage.tokens)
+            time = "-" if stage.seconds is None else _duration(stage.seconds)
+            total += stage.seconds or 0.0
+            lines.append(f"{stage.name}: {stage.units}")
+            lines.append(
+                f"  tokens {tokens}, {stage.flops:.3g} FLOPs, time {time}, "
+                f"peak per rank {_gib(stage.peak)} ({fits}), disk {_gib(stage.disk)}"
+            )
+            parts = ", ".join(f"{k} {_gib(v)}" for k, v in stage.memory.items() if v) or "none on the GPU"
+            lines.append(f"  memory per rank: {parts}")
+            lines += [f"  note: {n}" for n in stage.notes]
+        lines.append("")
+        lines.append(f"total time {_duration(total)}; disk {_gib(sum(s.disk for s in self.stages))}")
+        lines += [f"does not fit: {m}" for m in self.misfits()]
+        return "\n".join(lines)
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:.1f} GiB"
+
+
+def _count(value: float) -> str:
+    for size, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if value >= size:
+            return f"{value / size:.3g}{suffix}"
+    return f"{value:g}"
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 86400:
+        return f"{seconds / 86400:.1f} d"
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 60:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds:.1f} s"
+
+
+# ------------------------------------------------------------------------------------------ the model
+
+
+def forward_flops_per_token(spec: ModelSpec, seq_len: int, logits: bool = True) -> float:
+    """Forward FLOPs per token of `spec` over sequences of `seq_len` (the cost model's prefill figure, whose
+    attention and scan terms depend on the length), plus 2 x H x V when the logits are computed."""
+    H = spec.hidden_size
+    flops = sum(prefill_flops_per_token(b, H, seq_len) for b in spec.blocks)
+    return flops + (2.0 * H * spec.vocab_size if logits else 0.0)
+
+
+def block_forward_flops(block: BlockSpec, hidden_size: int, seq_len: int) -> float:
+    return prefill_flops_per_token(block, hidden_size, seq_len) if block_cost(block).runs else 0.0
+
+
+def block_activation_bytes(block: BlockSpec, hidden_size: int, tokens: int, dtype_bytes: int) -> float:
+    """Activations one block writes for `tokens` tokens (`puzzle.cost.kinds`' unfused count): what its
+    forward holds transiently, and what its backward keeps when it trains."""
+    return block_cost(block).activation_elements_per_token(block, hidden_size) * tokens * dtype_bytes
+
+
+def _dtype_bytes(name: str) -> int:
+    return DTYPE_BYTES.get(name.removeprefix("torch."), 2)
+
+
+def parent_dtype_bytes(config_dtype: str, checkpoint: dict[str, Any] | None) -> int:
+    """Bytes per parameter of the parent as the run loads it: parent.dtype, or for "auto" the checkpoint's
+    torch_dtype / dtype (bf16 when it names none)."""
+    if config_dtype != "auto":
+        return _dtype_bytes(config_dtype)
+    checkpoint = checkpoint or {}
+    named = checkpoint.get("torch_dtype") or checkpoint.get("dtype") or "bfloat16"
+    return _dtype_bytes(str(named))
+
+
+def rows_per_rank(batch: int, world: int) -> int:
+    """Sequences of a global batch of `batch` one rank runs (its round-robin rows)."""
+    return math.ceil(batch / world)
+
+
+# -------------------------------------------------------------------------------------------- the stages
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What every stage planner reads: the config, the parent, the world and the parent's bytes per rank."""
+
+    config: Any  # puzzle.config.RunConfig
+    spec: ModelSpec
+    world: int
+    dtype_bytes: int
+    variants: dict[int, list[Variant]] | None
+
+    @property
+    def child_fraction(self) -> float:
+        """An upper bound on the child's parameters as a share of the parent's: the loosest solve's tightest
+        `params` budget (1 when a solve has none: the child may then be as large as the parent)."""
+        total = model_params(self.spec)
+        loosest = 0.0
+        for round_index in range(self.config.rounds.count):
+            for solve in self.config.round_limits(round_index):
+                bounds = [
+                    limit.value.resolve(total) if isinstance(limit.value, Relative) else float(limit.value)
+                    for limit in solve
+                    if limit.key == "params"
+                ]
+                loosest = max(loosest, min(bounds, default=total) / total)
+        return min(1.0, loosest or 1.0)
+
+    @property
+    def seq_len(self) -> int:
+        return self.config.data.seq_len
+
+    def world_of(self, mode: str) -> int:
+        """The ranks a stage with shard mode `mode` shards over (1: every rank holds everything whole)."""
+        return self.world if mode == "fsdp" else 1
+
+    def parent(self, mode: str = "fsdp") -> ParentBytes:
+        return parent_bytes(self.spec, self.dtype_bytes, self.world_of(mode))
+
+    def largest_block_activations(self, tokens: int, dtype_bytes: int | None = None) -> float:
+        H, size = self.spec.hidden_size, dtype_bytes or self.dtype_bytes
+        return max(block_activation_bytes(b, H, tokens, size) for b in self.spec.blocks)
+
+    def held_out_tokens(self) -> int | None:
+        return self.config.data.held_out_tokens
+
+
+def _importance(ctx: _Context) -> StagePlan:
+    settings, H = ctx.config.importance, ctx.spec.hidden_size
+    batches = max(1, math.ceil(settings.tokens / (settings.batch_size * ctx.seq_len)))
+    tokens = batches * settings.batch_size * ctx.seq_len
+    local = rows_per_rank(settings.batch_size, ctx.world) * ctx.seq_len
+    parent = ctx.parent()
+    memory = {
+        "parent shard": parent.sharded,
+        "gathered unit": parent.largest_unit,
+        "residual stream": 2 * local * H * ctx.dtype_bytes,
+        "block activations": ctx.largest_block_activations(local),
+    }
+    return StagePlan(
+        "importance",
+        f"{batches} calibration batches of {settings.batch_size} x {ctx.seq_len} (forward only)",
+        tokens,
+        tokens * forward_flops_per_token(ctx.spec, ctx.seq_len, logits=False),
+        memory,
+        notes=["each rank runs its rows of a batch under FSDP2 (issue 22 section 1)"],
+    )
+
+
+def _trained(ctx: _Context) -> list[Variant]:
+    return [
+        v
+        for listed in (ctx.variants or {}).values()
+        for v in listed
+        if v.spec != ctx.spec.blocks[v.block_index] and not isinstance(v.spec, NoOpSpec)
+    ]
+
+
+def _library(ctx: _Context, problems: list[str]) -> StagePlan:
+    import torch
+
+    from puzzle.bld import plan_waves, variant_training_bytes
+
+    settings, H = ctx.config.bld, ctx.spec.hidden_size
+    world = ctx.world_of(settings.shard)
+    train_bytes = _dtype_bytes(settings.dtype)
+    local = rows_per_rank(ctx.config.data.batch_size, ctx.world) * ctx.seq_len
+    trained = _trained(ctx)
+    dtype = getattr(torch, settings.dtype)
+    sizes = {v: variant_training_bytes(v, H, local, dtype, world) for v in trained}
+    try:
+        waves = plan_waves(sizes, settings.memory_limit_bytes)
+    except ValueError as error:
+        problems.append(f"stage library: {error}")
+        waves = [[v] for v in trained]
+    wave_bytes = max((sum(sizes[v] for v in wave) for wave in waves), default=0)
+    largest_whole = max((mixer_params(v.spec, H) * train_bytes for v in trained), default=0)
+    parent = ctx.parent(settings.shard)
+    memory = {
+        "parent shard": parent.sharded,
+        "gathered unit": max(parent.largest_unit, largest_whole if world > 1 else 0),
+        "wave (params, grads, AdamW, activations)": wave_bytes,
+        "block input/target": 2 * local * H * ctx.dtype_bytes,
+        "parent block activations": ctx.largest_block_activations(local),
+    }
+    budget = settings.token_budget
+    parent_flops = len(waves) * budget * forward_flops_per_token(ctx.spec, ctx.seq_len, logits=False)
+    variant_flops = sum(3 * budget * block_forward_flops(v.spec, H, ctx.seq_len) for v in trained)
+    library_disk = sum(mixer_params(v.spec, H) * train_bytes for v in trained)
+    wave_disk = max((sum(3 * mixer_params(v.spec, H) * train_bytes for v in w) for w in waves), default=0)
+    kinds: dict[str, int] = {}
+    for v in trained:
+        kinds[v.spec.kind] = kinds.get(v.spec.kind, 0) + 1
+    by_kind = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+    limit = settings.memory_limit_bytes
+    return StagePlan(
+        "library",
+        f"{len(trained)} variants to train ({by_kind or 'none'}) in {len(waves)} waves "
+        f"(bld.memory_limit_bytes {'none' if limit is None else _gib(limit)} per rank), "
+        f"{_count(budget)} tokens each",
+        len(waves) * budget,
+        parent_flops + variant_flops,
+        memory,
+        disk=library_disk + wave_disk,
+        notes=[
+            "tokens: one parent pass over bld.token_budget per wave; every variant of a wave trains on it",
+            f"disk: library {_gib(library_disk)} + the largest wave's checkpoint {_gib(wave_disk)} "
+            "(weights and AdamW moments, removed when the library is done)",
+        ],
+    )
+
+
+def _scores(ctx: _Context) -> StagePlan:
+    settings, spec, H = ctx.config.scoring, ctx.spec, ctx.spec.hidden_size
+    world = ctx.world_of(settings.shard)
+    variants = sorted(
+        (v for listed in (ctx.variants or {}).values() for v in listed), key=lambda v: (v.block_index, v.id)
+    )
+    size = settings.variants_per_wave or max(1, len(variants))
+    waves = [variants[i : i + size] for i in range(0, len(variants), size)]
+    batch = ctx.config.data.eval_batch_size
+    # Sharded units run every batch on every rank (its rows); replicated ones take whole batches per rank.
+    local = (rows_per_rank(batch, ctx.world) if world > 1 else batch) * ctx.seq_len
+    parent = ctx.parent(settings.shard)
+    p = ctx.dtype_bytes
+
+    def wave_bytes(wave: list[Variant]) -> float:
+        running = [v for v in wave if v.spec != spec.blocks[v.block_index]]
+        held = sum(mixer_shard_params(v.spec, H, world) * p for v in running)
+        blocks = len({v.block_index for v in wave})
+        return held + (blocks + len(running)) * local * H * p
+
+    largest_variant = max((mixer_params(v.spec, H) * p for v in variants), default=0)
+    memory = {
+        "parent shard": parent.sharded,
+        "gathered unit": max(parent.largest_unit, largest_variant) if world > 1 else 0,
+        "whole lm_head": spec.vocab_size * H * p if world > 1 else 0,
+        "wave (variants, kept inputs, final hidden states)": max(map(wave_bytes, waves), default=0),
+        "logits chunks": SCORE_LOGIT_BUFFERS * FP32 * local * settings.vocab_chunk + local * H * p,
+        "block activations": ctx.largest_block_activations(local),
+    }
+    tokens = ctx.held_out_tokens()
+    flops, notes = 0.0, []
+    if tokens is None:
+        notes.append(
+            "data.held_out_tokens is null: the whole held-out split, whose size the plan cannot know"
+        )
+    else:
+        head = 2.0 * H * spec.vocab_size
+        per_wave = forward_flops_per_token(spec, ctx.seq_len) + head
+        suffix = [
+            sum(block_forward_flops(b, H, ctx.seq_len) for b in spec.blocks[i + 1 :])
+            for i in range(len(spec.blocks))
+        ]
+        per_variant = sum(
+            block_forward_flops(v.spec, H, ctx.seq_len) + suffix[v.block_index] + head
+            for v in variants
+            if v.spec != spec.blocks[v.block_index]
+        )
+        flops = tokens * (len(waves) * per_wave + per_variant)
+    return StagePlan(
+        "scores",
+        f"{len(variants)} variants in {len(waves)} waves of up to {size} (scoring.variants_per_wave), "
+        f"held-out batches of {batch} x {ctx.seq_len}",
+        tokens,
+        flops,
+        memory,
+        disk=1024.0 * len(variants),
+        notes=[*notes, "a variant costs its block, the parent's blocks after it and one lm_head pass"],
+    )
+
+
+def _solves(ctx: _Context) -> int:
+    config = ctx.config
+    return sum(len(config.round_limits(r)) for r in range(config.rounds.count)) * config.search.solutions
+
+
+def _solutions(ctx: _Context) -> StagePlan:
+    config = ctx.config
+    searches = sum(len(config.round_limits(r)) for r in range(config.rounds.count))
+    solves = _solves(ctx)
+    limit = config.search.solver.time_limit_s
+    return StagePlan(
+        "solutions",
+        f"{solves} architecture(s) from the MIP search (on the CPU of rank 0)",
+        None,
+        0.0,
+        {},
+        disk=0.0,
+        notes=["no GPU memory; time bounded by search.solver.time_limit_s per solve"],
+        seconds=None if limit is None else float(limit) * searches,
+    )
+
+
+def _assemble(ctx: _Context) -> StagePlan:
+    spec, H = ctx.spec, ctx.spec.hidden_size
+    solutions = _solves(ctx)
+    local = rows_per_rank(ctx.config.data.eval_batch_size, ctx.world) * ctx.seq_len
+    parent, child = ctx.parent(), ctx.child_fraction
+    memory = {
+        "parent shard": parent.sharded,
+        "child shard": child * parent.sharded,
+        "gathered unit": parent.largest_unit,
+        "logits chunks": SCORE_LOGIT_BUFFERS * FP32 * local * ctx.config.scoring.vocab_chunk,
+        "hidden states": 2 * local * H * ctx.dtype_bytes,
+        "block activations": ctx.largest_block_activations(local),
+    }
+    tokens = ctx.held_out_tokens()
+    flops = 0.0 if tokens is None else solutions * tokens * 2 * forward_flops_per_token(spec, ctx.seq_len)
+    return StagePlan(
+        "assemble",
+        f"{solutions} child(ren) built from the library, measured KL on the held-out tokens",
+        None if tokens is None else solutions * tokens,
+        flops,
+        memory,
+        notes=[_child_note(child)],
+    )
+
+
+def _distill(ctx: _Context, problems: list[str]) -> StagePlan:
+    settings, spec, H = ctx.config.gkd, ctx.spec, ctx.spec.hidden_size
+    world = ctx.world_of(settings.shard)
+    solutions = _solves(ctx)
+    train_bytes = _dtype_bytes(settings.dtype)
+    try:
+        share, micro = settings.micro_batches(ctx.world)
+    except ValueError as error:
+        problems.append(f"stage distill: {error}")
+        share = micro = rows_per_rank(settings.batch_size, ctx.world)
+    local = micro * ctx.seq_len
+    child = ctx.child_fraction
+    student = parent_bytes(spec, train_bytes, world)
+    student = ParentBytes(int(child * student.sharded), int(child * student.whole), student.largest_unit)
+    teacher = ctx.parent(settings.shard)
+    saved = sum(block_activation_bytes(b, H, local, train_bytes) for b in spec.blocks)
+    checkpointed = len(spec.blocks) * local * H * train_bytes + ctx.largest_block_activations(
+        local, train_bytes
+    )
+    memory = {
+        "teacher shard": teacher.sharded,
+        "student shard": student.sharded,
+        "student grads": student.sharded,
+        "AdamW m and v": 2 * student.sharded,
+        "gathered unit": max(teacher.largest_unit, student.largest_unit),
+        "whole lm_head": spec.vocab_size * H * train_bytes if world > 1 else 0,
+        "saved activations": saved,
+        "logits chunks": GKD_LOGIT_BUFFERS * FP32 * local * settings.vocab_chunk
+        + 2 * local * H * train_bytes,
+    }
+    step_tokens = settings.batch_size * ctx.seq_len
+    tokens = settings.token_budget
+    if settings.steps is not None:
+        tokens = settings.steps * step_tokens if tokens is None else min(tokens, settings.steps * step_tokens)
+    flops = solutions * tokens * (3 * child + 1) * forward_flops_per_token(spec, ctx.seq_len)
+    checkpoint = 3 * child * model_params(spec) * train_bytes
+    return StagePlan(
+        "distill",
+        f"{solutions} child(ren) x {_count(tokens)} tokens, {math.ceil(tokens / step_tokens)} steps of "
+        f"{settings.batch_size} x {ctx.seq_len} ({share} sequences per rank in micro-batches of {micro})",
+        solutions * tokens,
+        flops,
+        memory,
+        disk=solutions * checkpoint,
+        notes=[
+            _child_note(child),
+            f"AdamW keeps m and v in the training dtype ({settings.dtype}); activations are the parent's "
+            "(an upper bound), all saved for the backward: GKD has no activation checkpointing (with "
+            f"per-block checkpointing they would be about {_gib(checkpointed)}: each block's input, and one "
+            "block's activations recomputed at a time)",
+            "FLOPs: student forward + backward (3x, scaled by the child's share) and teacher forward (1x) "
+            "per token; evaluations excluded",
+        ],
+    )
+
+
+def _export(ctx: _Context) -> StagePlan:
+    solutions, child = _solves(ctx), ctx.child_fraction
+    parent = ctx.parent()
+    return StagePlan(
+        "export",
+        f"{solutions} checkpoint(s) written unit by unit",
+        None,
+        0.0,
+        {"child shard": child * parent.sharded, "gathered unit": parent.largest_unit},
+        disk=solutions * child * parent.whole,
+        notes=[
+            _child_note(child),
+            "today export gathers the whole child on rank 0 (issue 22 section 4 streams it)",
+        ],
+    )
+
+
+def _child_note(fraction: float) -> str:
+    if fraction < 1:
+        return (
+            f"the child is planned at {fraction:.0%} of the parent's bytes, the `params` budget (its "
+            "architecture is known after the search)"
+        )
+    return "the child is planned as the parent (an upper bound: its architecture is known after the search)"
+
+
+def plan_run(
+    config: Any,
+    spec: ModelSpec,
+    gpus: int,
+    hardware: HardwareProfile,
+    *,
+    memory_fraction: float | None = None,
+    efficiency: float = DEFAULT_EFFICIENCY,
+    checkpoint: dict[str, Any] | None = None,
+) -> Plan:
+    """The plan of `config` (a RunConfig) for the parent `spec` on `gpus` ranks of `hardware`.
+
+    `memory_fraction`: the usable share of each GPU (default: the config's hardware.memory_fraction).
+    `checkpoint`: the parent's config.json, for the dtype of `parent.dtype: auto`.
+    """
+    if gpus < 1:
+        raise ValueError(f"gpus must be >= 1, found {gpus}")
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency must be in (0, 1], found {efficiency}")
+    fraction = config.hardware.memory_fraction if memory_fraction is None else memory_fraction
+    problems: list[str] = []
+    unknown = None
+    try:
+        variants = config.search_space().all_variants(spec)
+    except ValueError as error:  # widths from importance profiles: known only after importance
+        variants, unknown = (
+            None,
+            f"the variants cannot be listed before importance runs ({error}): not planned",
+        )
+    ctx = _Context(config, spec, gpus, parent_dtype_bytes(config.parent.dtype, checkpoint), variants)
+    stages = [
+        _importance(ctx),
+        _library(ctx, problems),
+        _scores(ctx),
+        _solutions(ctx),
+        _assemble(ctx),
+        _distill(ctx, problems),
+        _export(ctx),
+    ]
+    if unknown is not None:
+        stages[1].notes.append(unknown)
+        stages[2].notes.append(unknown)
+    rate = gpus * hardware.flops_per_s("bf16") * efficiency
+    for stage in stages:
+        if stage.seconds is None and stage.flops:
+            stage.seconds = stage.flops / rate
+    if config.rounds.count > 1:
+        stages[0].notes.append(
+            f"rounds.count {config.rounds.count}: every stage but the search runs once per round"
+        )
+    return Plan(spec, hardware, gpus, efficiency, fraction, stages, problems)
+
+
+def plan_config(
+    config: Any, gpus: int, hardware: str | HardwareProfile | None = None, **options: Any
+) -> Plan:
+    """`plan_run` for a loaded RunConfig, reading only the parent's config.json (no weight)."""
+    from puzzle import nemotron_h
+    from puzzle.cost.hardware import get_hardware
+
+    path = config.parent.path
+    checkpoint = nemotron_h.read_config(path)
+    spec = nemotron_h.spec_from_config(checkpoint, str(path / nemotron_h.CONFIG_NAME))
+    profile = get_hardware(hardware if hardware is not None else config.hardware.profile)
+    return plan_run(config, spec, gpus, profile, checkpoint=checkpoint, **options)
+
+
+def world_from_env() -> int:
+    """The world size torchrun gives this process (WORLD_SIZE), before the process group exists; 1 alone."""
+    import os
+
+    try:
+        return max(1, int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def run_misfits(config: Any, world: int | None = None) -> list[str]:
+    """What `puzzle run` refuses before any work: each stage of the plan of `config` on `world` ranks (default:
+    WORLD_SIZE) of the config's hardware that does not fit, one line each (empty: everything fits)."""
+    plan = plan_config(config, world_from_env() if world is None else world)
+    return plan.misfits()

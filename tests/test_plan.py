@@ -1,0 +1,206 @@
+"""`puzzle plan` and puzzle/plan.py: per-rank memory against the real FSDP2-sharded model, scaling with the
+number of ranks, the refusal (exit 2 naming the stage) of `puzzle plan` and `puzzle run`, and a plan made
+from a parent folder that holds only config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as torch_dist
+from run_helpers import SPEC as RUN_SPEC
+from run_helpers import config_dict, make_inputs, write_config
+from torch.distributed.tensor import DTensor
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from puzzle import nemotron_h, shard
+from puzzle.bld import variant_training_bytes
+from puzzle.blocks import build_block
+from puzzle.cli import main
+from puzzle.config import load_config
+from puzzle.cost.analytic import model_params
+from puzzle.cost.hardware import HardwareProfile
+from puzzle.model import HybridLM
+from puzzle.plan import parent_bytes, plan_config, plan_run
+from puzzle.presets import nemotron3_super
+from puzzle.spec import AttentionSpec, MambaSpec, ModelSpec, MoESpec, Variant
+
+ROOT = Path(__file__).resolve().parent.parent
+SUPER_PARENT = ROOT / "examples" / "parents" / "nemotron3_super"
+# Every kind, odd sizes: first dimensions that do not divide by 3 ranks (FSDP pads the last shard).
+SPEC = ModelSpec(
+    vocab_size=41,
+    hidden_size=16,
+    blocks=(
+        MambaSpec(num_heads=4, head_dim=4, state_size=6, n_groups=2, chunk_size=8),
+        AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=4),
+        MoESpec(num_experts=5, top_k=2, expert_width=(8, 6, 8, 8, 4), shared_width=8, latent_size=12),
+    ),
+)
+
+
+@contextmanager
+def fake_world(rank: int, world: int) -> Iterator[None]:
+    """This process as `rank` of a `world`-rank group whose collectives do nothing (torch's fake backend):
+    fully_shard then gives each parameter exactly the local shard it would have on that rank."""
+    torch_dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        torch_dist.destroy_process_group()
+
+
+def local_bytes(module: torch.nn.Module) -> int:
+    """Bytes of parameters this rank holds (a DTensor's local shard) plus every buffer."""
+    params = sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel() * p.element_size()
+        for p in module.parameters()
+    )
+    return params + sum(b.numel() * b.element_size() for b in module.buffers())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_parent_bytes_per_rank_are_the_sharded_models_local_bytes(world):
+    with torch.device("meta"):
+        whole = local_bytes(HybridLM(SPEC))
+    planned = parent_bytes(SPEC, 4, world)
+    assert planned.whole == whole
+    held = []
+    for rank in range(world):
+        with fake_world(rank, world):
+            with torch.device("meta"):
+                model = HybridLM(SPEC)
+            shard.shard_parent(model)
+            assert any(isinstance(p, DTensor) for p in model.parameters())
+            held.append(local_bytes(model))
+    assert planned.sharded == max(held) == held[0]  # rank 0 holds the largest shard: the plan's figure
+    assert held[-1] < held[0]  # the odd first dimensions left the last rank less (so the test can fail)
+    units = [model.embeddings, model.lm_head, *(layer.mixer for layer in model.layers)]
+    assert planned.largest_unit == max(4 * sum(p.numel() for p in unit.parameters()) for unit in units)
+
+
+def test_parent_bytes_unsharded_in_one_process():
+    planned = parent_bytes(SPEC, 4, 1)
+    assert planned.sharded == planned.whole and planned.largest_unit == 0
+
+
+def test_bld_variant_bytes_count_one_ranks_shard():
+    variant = Variant(2, MoESpec(num_experts=5, top_k=1, expert_width=4, shared_width=8, latent_size=12))
+    with fake_world(0, 3):
+        with torch.device("meta"):
+            mixer = build_block(variant.spec, SPEC.hidden_size)
+        shard.shard_variant(mixer)
+        local = sum(p.to_local().numel() for p in mixer.parameters())
+    whole, sharded = (variant_training_bytes(variant, SPEC.hidden_size, 0, torch.float32, w) for w in (1, 3))
+    assert sharded == 4 * local * 4  # params, grads and two AdamW moments of this rank's shard, fp32
+    assert sharded < whole
+
+
+def test_sharded_memory_scales_as_one_over_the_ranks():
+    spec = nemotron3_super()
+    whole = parent_bytes(spec, 2, 1).whole
+    assert whole == pytest.approx(2 * model_params(spec), rel=1e-4)  # + the routers' fp32 biases
+    for world in (2, 4, 8, 16):
+        sharded = parent_bytes(spec, 2, world).sharded
+        assert whole / world <= sharded <= whole / world * 1.001  # replicated norms and padding only
+
+
+def tiny_profile(memory_bytes: int) -> HardwareProfile:
+    return HardwareProfile("tiny", (("bf16", 1e12),), 1e11, memory_bytes)
+
+
+def test_plan_names_the_stage_that_does_not_fit(tmp_path):
+    config = load_config(write_config(tmp_path / "run.yaml", config_dict(tmp_path)))
+    roomy = plan_run(config, RUN_SPEC, 1, tiny_profile(10**12))
+    assert roomy.misfits() == []
+    assert all(s.seconds is None or s.seconds > 0 for s in roomy.stages)
+    peaks = {s.name: s.peak for s in roomy.stages}
+    between = sorted(peaks.values())[-1] / 0.9 - 1  # only the largest stage no longer fits
+    largest = max(peaks, key=peaks.__getitem__)
+    tight = plan_run(config, RUN_SPEC, 1, tiny_profile(int(between)))
+    assert [line.split(":")[0] for line in tight.misfits()] == [f"stage {largest}"]
+
+
+def test_more_ranks_lower_every_stages_peak(tmp_path):
+    data = config_dict(tmp_path)
+    data["bld"]["shard"] = data["gkd"]["shard"] = "fsdp"
+    data["data"]["batch_size"] = data["gkd"]["batch_size"] = 8
+    config = load_config(write_config(tmp_path / "run.yaml", data))
+    spec = nemotron3_super()
+    one, eight = (plan_run(config, spec, n, tiny_profile(10**15)) for n in (1, 8))
+    for a, b in zip(one.stages, eight.stages):
+        if a.peak:
+            assert b.peak < a.peak, a.name
+    distill = {s.name: s for s in eight.stages}["distill"]
+    assert distill.memory["teacher shard"] == pytest.approx(parent_bytes(spec, 4, 8).sharded)
+
+
+def write_parent_config(directory: Path, spec: ModelSpec) -> Path:
+    """A parent folder holding nothing but config.json."""
+    directory.mkdir(parents=True)
+    (directory / nemotron_h.CONFIG_NAME).write_text(json.dumps(nemotron_h.config_from_spec(spec)))
+    return directory
+
+
+def test_puzzle_plan_reads_only_config_json(tmp_path, capsys):
+    data = config_dict(tmp_path)
+    data["parent"]["path"] = str(write_parent_config(tmp_path / "parent", RUN_SPEC))
+    path = write_config(tmp_path / "run.yaml", data)
+    assert main(["plan", str(path), "--gpus", "2", "--hardware", "h100"]) == 0
+    out = capsys.readouterr().out
+    for stage in ("importance", "library", "scores", "solutions", "assemble", "distill", "export"):
+        assert f"\n{stage}: " in f"\n{out}"
+    assert "2 x h100-80gb" in out and "does not fit" not in out
+    assert sorted(p.name for p in (tmp_path / "parent").iterdir()) == ["config.json"]
+    assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_puzzle_plan_exits_2_naming_the_stage_for_a_huge_parent(tmp_path, capsys):
+    data = config_dict(tmp_path)
+    data["parent"] = {"path": str(SUPER_PARENT), "dtype": "bfloat16"}
+    path = write_config(tmp_path / "run.yaml", data)
+    assert main(["plan", str(path), "--gpus", "1", "--hardware", "h100"]) == 2
+    err = capsys.readouterr().err
+    assert "puzzle plan: does not fit: stage importance: peak memory per rank" in err
+    assert "the largest part is parent shard" in err
+    plan = plan_config(load_config(path), 64, "b200")
+    assert "importance" not in " ".join(plan.misfits())  # 1/64 of the parent fits
+
+
+def test_puzzle_run_refuses_before_any_work(tmp_path, capsys):
+    data = make_inputs(tmp_path)
+    data["hardware"]["memory_fraction"] = 1e-9  # about 80 bytes of an H100
+    path = write_config(tmp_path / "run.yaml", data)
+    assert main(["run", str(path), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "puzzle run: does not fit: stage importance" in err
+    assert not (tmp_path / "run").exists()
+
+
+def test_super_example_plans_from_its_config_json_only(capsys):
+    config = load_config(ROOT / "examples" / "configs" / "nemotron3_super.yaml")
+    assert config.parent.path.resolve() == SUPER_PARENT
+    assert [p.name for p in SUPER_PARENT.iterdir()] == ["config.json"]
+    plan = plan_config(config, 8, "b200")
+    stages = {s.name: s for s in plan.stages}
+    # 241 GB of bf16 weights over 8 ranks, every block's mixer and the embeddings one unit each; the largest
+    # unit gathered whole is an MoE mixer (2.87B parameters with its norm, the seed's "about 2.8B").
+    assert stages["importance"].memory["parent shard"] == pytest.approx(2 * 120.67e9 / 8, rel=1e-3)
+    assert stages["importance"].memory["gathered unit"] == pytest.approx(2 * (2_873_102_848 - 4096), rel=1e-6)
+    assert math.isfinite(sum(s.seconds or 0 for s in plan.stages))
+
+
+def test_the_plan_of_a_moved_parent_folder(tmp_path):
+    # --parent: the plan of a config whose parent.path is elsewhere (another machine's path).
+    copy = tmp_path / "super"
+    shutil.copytree(SUPER_PARENT, copy)
+    config = load_config(ROOT / "examples" / "configs" / "nemotron3_super.yaml")
+    moved = dataclasses.replace(config, parent=dataclasses.replace(config.parent, path=copy))
+    assert plan_config(moved, 8, "b200").to_dict() == plan_config(config, 8, "b200").to_dict()
