@@ -691,8 +691,29 @@ def world_from_env() -> int:
         return 1
 
 
+def run_hardware(config: Any) -> HardwareProfile:
+    """The device `puzzle run` checks its plan against. With CUDA present: this process's GPU, its own memory
+    (the configured profile's speeds; the serving profile in `hardware` need not be the GPUs the run trains
+    on). Without CUDA: the configured profile stands in for the GPUs (a CPU run is planned as if there);
+    "this-machine" is then the default profile, so that nothing is calibrated before the run starts."""
+    import dataclasses
+
+    import torch
+
+    from puzzle.cost.hardware import DEFAULT_HARDWARE, get_hardware, hardware_key
+
+    name = config.hardware.profile
+    if not isinstance(name, HardwareProfile) and hardware_key(name) == "this-machine":
+        name = DEFAULT_HARDWARE
+    profile = get_hardware(name)
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_properties(torch.cuda.current_device())
+        profile = dataclasses.replace(profile, name=device.name, memory_bytes=int(device.total_memory))
+    return profile
+
+
 def run_misfits(config: Any, world: int | None = None) -> list[str]:
     """What `puzzle run` refuses before any work: each stage of the plan of `config` on `world` ranks (default:
-    WORLD_SIZE) of the config's hardware that does not fit, one line each (empty: everything fits)."""
-    plan = plan_config(config, world_from_env() if world is None else world)
+    WORLD_SIZE) of `run_hardware` that does not fit, one line each (empty: everything fits)."""
+    plan = plan_config(config, world_from_env() if world is None else world, run_hardware(config))
     return plan.misfits()
