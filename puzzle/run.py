@@ -64,6 +64,7 @@ from puzzle.assemble import assemble as assemble_child
 from puzzle.assemble import measured_kl
 from puzzle.bld import build_library
 from puzzle.blocks import build_block
+from puzzle.card import run_card_info
 from puzzle.config import RunConfig, dump_config, load_config, load_config_data, to_dict
 from puzzle.cost.hardware import profile_to_json
 from puzzle.data import TokenData, tokenizer_files
@@ -932,6 +933,7 @@ class Run:
             solution=solution,
             measured=self._assembled(name)["measured"],
             overwrite=True,
+            run_info=run_card_info(self, name, source),
         )
         root = self.layout.root
         return {"path": str(written.relative_to(root)) if written.is_relative_to(root) else str(written)}
