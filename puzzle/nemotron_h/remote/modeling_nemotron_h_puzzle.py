@@ -161,13 +161,17 @@ class NemotronHPuzzleMamba2Mixer(nn.Module):
 
 
 def ssm_step(x, dt, A, B, C, state) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token of the SSM in its recurrent form (what `ssd_scan` computes for t = 1), shapes as there (fp32)."""
-    h = x.shape[2]
-    B = B[:, 0].repeat_interleave(h // B.shape[2], dim=1)  # [b, h, n]
-    C = C[:, 0].repeat_interleave(h // C.shape[2], dim=1)
-    decay = torch.exp(dt[:, 0] * A)[..., None, None]  # [b, h, 1, 1]
-    state = state.to(x.dtype) * decay + (x[:, 0] * dt[:, 0, :, None])[..., None] * B[:, :, None, :]
-    return torch.einsum("bhpn,bhn->bhp", state, C)[:, None], state
+    """One token of the SSM in its recurrent form (what `ssd_scan` computes for t = 1), shapes as there (fp32).
+
+    Heads are viewed as [groups, heads per group] so that a group's B and C broadcast (no copies).
+    """
+    b, _, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    decay = torch.exp(dt[:, 0] * A).view(b, g, h // g, 1, 1)
+    dx = (x[:, 0] * dt[:, 0, :, None]).view(b, g, h // g, p, 1)
+    state = state.to(x.dtype).view(b, g, h // g, p, n) * decay + dx * B.view(b, g, 1, 1, n)
+    y = (state * C.view(b, g, 1, 1, n)).sum(-1)  # [b, g, h / g, p]
+    return y.view(b, 1, h, p), state.view(b, h, p, n)
 
 
 class NemotronHPuzzleAttention(nn.Module):
@@ -270,9 +274,13 @@ class NemotronHPuzzleMoE(nn.Module):
         weights, indices = self.gate(flat)
         h = self.fc1_latent_proj(flat) if self.latent else flat
         routed = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-        for j in indices.unique().tolist():
-            token, slot = (indices == j).nonzero(as_tuple=True)
-            routed.index_add_(0, token, self.experts[j](h[token]).float() * weights[token, slot, None])
+        if flat.shape[0] == 1:  # one token (a generation step): its experts in turn, no gather / scatter
+            for slot, j in enumerate(indices[0].tolist()):
+                routed += self.experts[j](h).float() * weights[:, slot, None]
+        else:
+            for j in indices.unique().tolist():
+                token, slot = (indices == j).nonzero(as_tuple=True)
+                routed.index_add_(0, token, self.experts[j](h[token]).float() * weights[token, slot, None])
         out = routed.to(h.dtype)
         out = (self.fc2_latent_proj(out) if self.latent else out).view(x.shape)
         return out + self.shared_experts(x) if self.shared_experts is not None else out
