@@ -229,6 +229,25 @@ def test_remote_code_incremental_logits_equal_the_full_forward(name, tmp_path, m
             assert_close(torch.cat(steps, dim=1), full, atol=1e-4, rtol=1e-4)
 
 
+def test_remote_code_cache_serves_beam_search_sampling_and_prompt_embeddings(tmp_path, modules_cache):
+    remote = load_remote(
+        random_child(EVERY_KIND_SPEC, seed=3).save_pretrained(tmp_path / "child"), modules_cache
+    )
+    prompt = torch.randint(0, EVERY_KIND_SPEC.vocab_size, (2, 6), generator=torch.Generator().manual_seed(6))
+    for settings in ({"num_beams": 3}, {"do_sample": True, "top_k": 5}):
+        generated = []
+        for use_cache in (False, True):
+            torch.manual_seed(0)
+            generated.append(
+                remote.generate(prompt, max_new_tokens=12, min_new_tokens=12, use_cache=use_cache, **settings)
+            )
+        assert torch.equal(*generated), settings
+    greedy = remote.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    embeds = remote.get_input_embeddings()(prompt).detach()
+    from_embeds = remote.generate(inputs_embeds=embeds, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert torch.equal(from_embeds, greedy[:, 6:])  # the prompt as embeddings: the same new tokens
+
+
 def test_remote_code_refuses_a_cache_of_another_model(tmp_path, modules_cache):
     remote = load_remote(random_child(EVERY_KIND_SPEC).save_pretrained(tmp_path / "child"), modules_cache)
     other = type(remote.new_cache())(["attention"] * EVERY_KIND_SPEC.num_blocks)

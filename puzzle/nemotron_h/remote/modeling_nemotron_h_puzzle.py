@@ -511,7 +511,8 @@ class NemotronHPuzzleForCausalLM(NemotronHPuzzlePreTrainedModel, GenerationMixin
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
 
-    def prepare_inputs_for_generation(self, input_ids, **kwargs):
-        """transformers' default (with a cache, only the tokens it has not seen), keeping one position's logits."""
+    def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, **kwargs):
+        """transformers' default (with a cache, only the tokens it has not seen; `inputs_embeds` for the
+        prompt), keeping one position's logits."""
         kwargs["logits_to_keep"] = 1
-        return super().prepare_inputs_for_generation(input_ids, **kwargs)
+        return super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
