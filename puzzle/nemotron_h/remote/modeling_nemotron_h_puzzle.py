@@ -7,13 +7,14 @@ experts (sigmoid router with correction bias, group-limited routing, optional la
 shared expert, a width per expert), dense MLPs, and puzzle's `linear` and `noop` (removed) blocks.
 Tensor names are the hub's: `backbone.layers.{i}.mixer...`, routed experts one by one.
 
-Supported: forward (logits, loss with `labels`, hidden states) and `generate` (greedy or sampling), with
-a cache by default (`use_cache=True`): `NemotronHPuzzleCache`, transformers' cache conventions for NemotronH
-(a `LinearAttentionLayer` with the conv and SSM states per Mamba block, a `DynamicLayer` with keys and
-values per attention block, a `DummyLayer` for the others), so each new token costs one step, not a re-run
-of the sequence. `use_cache=False` re-runs the whole sequence per token (exact, O(n^2)). Not supported:
-padding (an `attention_mask` must be all ones), fused kernels. Mamba-2 runs as a chunked scan in fp32 (a
-one-token step is the same scan on a chunk of one), the router in fp32.
+Supported: forward (logits, loss with `labels`, hidden states) and `generate` (greedy, sampling, beam
+search; from `input_ids` or `inputs_embeds`), with a cache unless `use_cache=False`: `NemotronHPuzzleCache`,
+transformers' cache conventions for NemotronH (a `LinearAttentionLayer` with the conv and SSM states per
+Mamba block, a `DynamicLayer` with keys and values per attention block, a `DummyLayer` for the others), so
+each new token costs one step, not a re-run of the sequence; `use_cache=False` re-runs the whole sequence
+per token (same tokens, O(n^2)). A forward call keeps a cache when given one or `use_cache=True`. Not
+supported: padding (an `attention_mask` must be all ones), fused kernels. Mamba-2 runs as a chunked scan
+in fp32 (a one-token step in its recurrent form), the router in fp32.
 Tested with transformers 5.24 and torch 2.13 (`puzzle`'s tests/test_remote_code.py).
 """
 
