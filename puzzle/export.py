@@ -1,5 +1,6 @@
 """Export a child as a checkpoint serving engines read: weights, config.json, the parent's tokenizer and
-generation files, and `puzzle.json` (the parent, the solution, predicted and measured figures, MTP).
+generation files, `puzzle.json` (the parent, the solution, predicted and measured figures, MTP) and a
+model card, README.md (`puzzle.card`; never over a README.md the user placed there).
 
 Formats: "auto" (plain `nemotron_h` when transformers' NemotronHForCausalLM can hold the child, else
 `nemotron_h_puzzle`), "nemotron_h" and "nemotron_h_puzzle" (forced; an impossible nemotron_h is an error),
@@ -9,11 +10,13 @@ and "engine": as "auto", after checking that vLLM and llama.cpp can load the chi
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from puzzle.card import CARD_FILE, card_owner, model_card
 from puzzle.model import HybridLM
 from puzzle.nemotron_h.checkpoint import EXPORT_RECORD, save_pretrained
 from puzzle.nemotron_h.config import CheckpointError, config_from_spec
@@ -96,6 +99,7 @@ def export(
     engines: Iterable[str] = SERVING_ENGINES,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
+    run_info: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write `child` (e.g. from `puzzle.assemble.assemble`) as a checkpoint directory at `path`; returns it.
 
@@ -106,6 +110,10 @@ def export(
     `assembly.measured`), MTP handling, which engines can serve it). `format`: see the module docstring;
     `engines`: those `format="engine"` checks. Never writes into `parent_dir` or the parent's
     directory (CheckpointError); `overwrite` as in `save_pretrained`.
+
+    README.md: the model card (`puzzle.card.model_card`); `run_info` is what the Run API knows of the
+    run (`puzzle.card.run_card_info`: budgets, GKD, config fingerprint; None: a standalone export). A
+    README.md already at `path` without puzzle's marker is the user's: kept, and no card is written.
     """
     parent = None if parent_dir is None else Path(parent_dir).resolve()
     if parent is not None and not parent.is_dir():
@@ -115,6 +123,14 @@ def export(
     if measured is None and getattr(child, "assembly", None) is not None and child.assembly.measured:
         measured = child.assembly.measured
     record = export_record(child, config, parent or child.source_path, solution, measured)
+    if run_info is not None:
+        record["run"] = dict(run_info)
+    files = {}
+    if card_owner(path) == "user":
+        record["model_card"] = f"not written: {CARD_FILE} at the export path is the user's"
+    else:
+        files[CARD_FILE] = _card(child, record, parent or child.source_path, run_info)
+    files[EXPORT_RECORD] = json.dumps(record, indent=2, default=str) + "\n"
     return save_pretrained(
         child,
         path,
@@ -122,5 +138,22 @@ def export(
         overwrite=overwrite,
         model_type=config["model_type"],
         aux_source=parent,
-        extra_files={EXPORT_RECORD: json.dumps(record, indent=2, default=str) + "\n"},
+        extra_files=files,
+    )
+
+
+def _card(
+    child: HybridLM, record: Mapping[str, Any], parent_dir: Path | None, run_info: Mapping[str, Any] | None
+) -> str:
+    """The model card of `child`, the parent read from `parent_dir`'s config.json (else the child's source)."""
+    parent_config = child.source_config
+    if parent_dir is not None and (parent_dir / "config.json").is_file():
+        with contextlib.suppress(OSError, ValueError):  # unreadable: the card shows the child's blocks alone
+            parent_config = json.loads((parent_dir / "config.json").read_text())
+    return model_card(
+        child.spec,
+        json.loads(json.dumps(record, default=str)),
+        parent_dir=parent_dir,
+        parent_config=parent_config,
+        run=run_info,
     )

@@ -72,6 +72,7 @@ from puzzle.assemble import assemble as assemble_child
 from puzzle.assemble import measured_kl
 from puzzle.bld import build_library
 from puzzle.blocks import build_block
+from puzzle.card import run_card_info
 from puzzle.config import RunConfig, dump_config, load_config, load_config_data, to_dict
 from puzzle.cost.hardware import profile_to_json
 from puzzle.data import TokenData, tokenizer_files
@@ -1032,9 +1033,9 @@ class Run:
         child = self._child(name)
         if source == "distill":
             child = load_distilled(self.layout.child(name), child)
-        return _on_main(lambda: {name: self._write_export(name, child, out)})
+        return _on_main(lambda: {name: self._write_export(name, source, child, out)})
 
-    def _write_export(self, name: str, child: HybridLM, out: Path) -> dict[str, Any]:
+    def _write_export(self, name: str, source: str, child: HybridLM, out: Path) -> dict[str, Any]:
         solution = Solution.from_json(self._solution_json(name), self._problem(self._budgets_of(name)).table)
         written = export_checkpoint(
             child,
@@ -1043,6 +1044,7 @@ class Run:
             solution=solution,
             measured=self._assembled(name)["measured"],
             overwrite=True,
+            run_info=run_card_info(self, name, source),
         )
         root = self.layout.root
         return {"path": str(written.relative_to(root)) if written.is_relative_to(root) else str(written)}

@@ -113,6 +113,27 @@ def test_puzzle_child_exports_with_its_record_and_reloads_with_identical_logits(
     assert _snapshot(parent_dir) == before
 
 
+def test_the_card_of_an_assembled_child_shows_its_blocks_and_measured_kl(every_kind, tmp_path):
+    parent_dir, library = every_kind
+    parent = puzzle.load(parent_dir)
+    table = variants()
+    child = assemble({0: table[0][1], 2: table[2][0]}, library, parent)
+    measured = measured_kl(child, parent, held_out())
+    text = (export(child, tmp_path / "child", parent_dir=parent_dir) / "README.md").read_text()
+    assert f"base_model: {parent_dir.name}\n" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert rows[:3] == [
+        f"| 0 | `{parent.spec.blocks[0].short_name()}` | `{child.spec.blocks[0].short_name()}` | library |",
+        f"| 1 | `{parent.spec.blocks[1].short_name()}` | `{child.spec.blocks[1].short_name()}` | parent |",
+        f"| 2 | `{parent.spec.blocks[2].short_name()}` | `{child.spec.blocks[2].short_name()}` | library |",
+    ]
+    assert child.spec.blocks[0] != parent.spec.blocks[0]
+    assert measured["predicted_kl"] is None  # assembled from variants, not from a search's solution
+    assert f"| held-out KL of the assembled child | - | {measured['kl']:.6g} |" in text
+    assert f"before GKD: {measured['kl']:.6g} nats/token; not distilled" in text
+    assert "the budgets are not known" in text  # no run: the search's budgets are not in the child
+
+
 def test_never_writes_into_the_parent_directory(every_kind):
     parent_dir, library = every_kind
     before = _snapshot(parent_dir)

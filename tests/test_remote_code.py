@@ -7,6 +7,7 @@ for every block kind, with no missing or unexpected tensors.
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import os
 import subprocess
@@ -170,7 +171,7 @@ def test_remote_code_generates_what_puzzle_generates(tmp_path, modules_cache):
     prompt = torch.randint(0, EVERY_KIND_SPEC.vocab_size, (1, 6), generator=torch.Generator().manual_seed(8))
     expected = ours.generate(prompt, max_new_tokens=10)
     no_cache = remote.generate(prompt, max_new_tokens=10, do_sample=False, use_cache=False)
-    default = remote.generate(prompt, max_new_tokens=10, do_sample=False)  # use_cache ignored: same tokens
+    default = remote.generate(prompt, max_new_tokens=10, do_sample=False)  # with the cache: same tokens
     assert torch.equal(no_cache, expected) and torch.equal(default, expected)
     # The loss transformers users train with: next-token cross-entropy of the logits puzzle computes.
     ids = torch.cat([prompt, expected], dim=1)
@@ -178,6 +179,80 @@ def test_remote_code_generates_what_puzzle_generates(tmp_path, modules_cache):
         loss = remote(ids, labels=ids).loss
         logits = ours(ids).logits
     assert_close(loss, torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]), atol=1e-5, rtol=1e-5)
+
+
+def _tokens_per_forward(model) -> tuple[list[int], object]:
+    """The number of tokens each forward of `model` embeds (a hook on the embeddings), and the hook handle."""
+    seen: list[int] = []
+    handle = model.get_input_embeddings().register_forward_hook(
+        lambda mod, args, out: seen.append(out.shape[1])
+    )
+    return seen, handle
+
+
+@pytest.mark.parametrize("name", list(CHILDREN))
+def test_remote_code_generates_the_same_tokens_with_and_without_the_cache(name, tmp_path, modules_cache):
+    """Greedy, 20 new tokens, batch of 2: the cache changes the cost (one token per step), not the tokens."""
+    spec = CHILDREN[name]
+    remote = load_remote(random_child(spec, seed=7).save_pretrained(tmp_path / name), modules_cache)
+    prompt = torch.randint(0, spec.vocab_size, (2, 7), generator=torch.Generator().manual_seed(2))
+    seen, handle = _tokens_per_forward(remote)
+    without = remote.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, use_cache=False)
+    assert seen == list(range(7, 27))  # without: the whole sequence every step
+    seen.clear()
+    cached = remote.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, use_cache=True)
+    handle.remove()
+    assert seen == [7] + [1] * 19  # with: the prompt, then one token per step
+    assert torch.equal(cached, without)
+
+
+@pytest.mark.parametrize("name", list(CHILDREN))
+def test_remote_code_incremental_logits_equal_the_full_forward(name, tmp_path, modules_cache):
+    """Prompt, then one token, then 6 at once (more than a Mamba chunk, after cached ones), then one: fp32
+    logits within 1e-4 of one forward over the whole sequence; an empty DynamicCache() works the same."""
+    from transformers import DynamicCache
+
+    spec = CHILDREN[name]
+    remote = load_remote(random_child(spec, seed=11).save_pretrained(tmp_path / name), modules_cache)
+    ids = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(4))
+    pieces = (0, 9, 10, 16)
+    with torch.no_grad():
+        full = remote(ids, use_cache=False).logits
+        for cache in (None, DynamicCache()):
+            steps = []
+            for start, end in itertools.pairwise(pieces):
+                out = remote(ids[:, start:end], cache=cache, use_cache=True)
+                cache = out.cache
+                steps.append(out.logits)
+            if not isinstance(cache, DynamicCache):  # transformers' counts keys: none in a Mamba-only model
+                assert cache.get_seq_length() == 16
+            assert_close(torch.cat(steps, dim=1), full, atol=1e-4, rtol=1e-4)
+
+
+def test_remote_code_cache_serves_beam_search_sampling_and_prompt_embeddings(tmp_path, modules_cache):
+    remote = load_remote(
+        random_child(EVERY_KIND_SPEC, seed=3).save_pretrained(tmp_path / "child"), modules_cache
+    )
+    prompt = torch.randint(0, EVERY_KIND_SPEC.vocab_size, (2, 6), generator=torch.Generator().manual_seed(6))
+    for settings in ({"num_beams": 3}, {"do_sample": True, "top_k": 5}):
+        generated = []
+        for use_cache in (False, True):
+            torch.manual_seed(0)
+            generated.append(
+                remote.generate(prompt, max_new_tokens=12, min_new_tokens=12, use_cache=use_cache, **settings)
+            )
+        assert torch.equal(*generated), settings
+    greedy = remote.generate(prompt, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    embeds = remote.get_input_embeddings()(prompt).detach()
+    from_embeds = remote.generate(inputs_embeds=embeds, max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    assert torch.equal(from_embeds, greedy[:, 6:])  # the prompt as embeddings: the same new tokens
+
+
+def test_remote_code_refuses_a_cache_of_another_model(tmp_path, modules_cache):
+    remote = load_remote(random_child(EVERY_KIND_SPEC).save_pretrained(tmp_path / "child"), modules_cache)
+    other = type(remote.new_cache())(["attention"] * EVERY_KIND_SPEC.num_blocks)
+    with pytest.raises(ValueError, match="expected one per block"):
+        remote(torch.zeros(1, 3, dtype=torch.long), cache=other, use_cache=True)
 
 
 def test_remote_code_keeps_the_router_fp32_and_refuses_padding(tmp_path, modules_cache):

@@ -61,6 +61,39 @@ def calls(monkeypatch):
     return counts
 
 
+def _check_card(card: Path, run: Run, name: str, distilled: bool) -> None:
+    """The export's model card states the run's budgets, the search's predicted and the measured KL, GKD's
+    KL before and after when distilled, and the run config's fingerprint."""
+    from puzzle.artifacts import fingerprint_json
+
+    text = card.read_text()
+    manifest = run.manifest()["stages"]
+    solutions = next(
+        r["outputs"] for n, r in manifest.items() if n.split("/")[0] == "solutions" and name in r["outputs"]
+    )
+    for budget in solutions[name]["budgets"]:
+        assert f"- `{budget}`" in text
+    solution = json.loads((run.layout.root / solutions[name]["file"]).read_text())
+    assert f"| KL (objective, summed replace-one-block scores) | {solution['objective']:.6g} | - |" in text
+    measured = next(
+        r["outputs"][name]
+        for n, r in manifest.items()
+        if n.split("/")[0] == "assemble" and name in r["outputs"]
+    )["measured"]
+    assert f"| {measured['predicted_kl']:.6g} | {measured['kl']:.6g} |" in text
+    assert f"run config fingerprint: `{fingerprint_json(run.config.to_dict())}`" in text
+    if distilled:
+        gkd = next(
+            r["outputs"][name]
+            for n, r in manifest.items()
+            if n.split("/")[0] == "distill" and name in r["outputs"]
+        )
+        assert f"| before GKD (assembled) | {measured['kl']:.6g} |" in text
+        assert f"| {gkd['last_eval']['kl']:.6g} |" in text and "are the distilled (GKD) ones" in text
+    else:
+        assert "not distilled" in text
+
+
 def _notebook(run: Run, export_to: Path | None = None) -> dict:
     importance = run.importance()
     library = run.library()
@@ -90,6 +123,7 @@ def test_the_notebook_sequence_returns_types_reuses_and_equals_puzzle_run(root, 
     assert isinstance(first["child"], HybridLM) and isinstance(first["distilled"], HybridLM)
     assert first["path"] == run_dir / "exports" / "active_params-le-0.8x"
     assert calls == dict.fromkeys(COUNTED, 1)  # each stage computed once, the search's check aside
+    _check_card(first["path"] / "README.md", first["run"], "active_params-le-0.8x", distilled=True)
     # The config's budget: the records are `puzzle run`'s own, and `puzzle run` reuses every one of them.
     manifest = json.loads((run_dir / "run.json").read_text())
     assert [n for n in manifest["stages"] if n != "frontier"] == list(puzzle.layout.STAGES)
@@ -131,6 +165,7 @@ def test_budgets_given_to_search_get_records_of_their_own(root, tmp_path, calls)
     assert run.measured(child)["kl"] > 0
     out = run.export(child, tmp_path / "undistilled")  # an assembled child, to a path of the caller's
     assert out == tmp_path / "undistilled" and (out / "config.json").is_file()
+    _check_card(out / "README.md", run, "active_params-le-0.9x", distilled=False)
     stages = json.loads((tmp_path / "run" / "run.json").read_text())["stages"]
     assert {"solutions/active_params-le-0.9x", "assemble/active_params-le-0.9x"} <= set(stages)
     assert "export/active_params-le-0.9x" in stages and "distill" not in stages

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from puzzle import dist
+from puzzle.card import CARD_FILE, card_owner
 from puzzle.files import (
     OWNER_MARKER,
     default_mode,
@@ -246,8 +247,11 @@ def foreign_entries(directory: Path) -> list[str]:
     makes `save_pretrained` refuse it without `overwrite`); none for a missing directory."""
     if not directory.is_dir():
         return []
+    ours = {CARD_FILE} if card_owner(directory) == "puzzle" else set()  # the model card of an earlier export
     return sorted(
-        entry.name for entry in directory.iterdir() if entry.is_dir() or not is_checkpoint_file(entry.name)
+        entry.name
+        for entry in directory.iterdir()
+        if entry.is_dir() or not (is_checkpoint_file(entry.name) or entry.name in ours)
     )
 
 
@@ -287,7 +291,7 @@ def save_pretrained(
       merges.txt / special_tokens_map.json / generation_config.json / chat templates; no
       subdirectory), i.e. an earlier checkpoint: the checkpoint is built in a hidden staging
       directory beside it and renamed into place, replacing the old one atomically;
-    - holding anything else (code, data, a README, a `.git` folder): refused with CheckpointError,
+    - holding anything else (code, data, a README not written by puzzle.export, a `.git` folder): refused with CheckpointError,
       nothing written, unless `overwrite=True`, which writes the checkpoint files into it beside the
       other files (each file replaced atomically, not the set): files with checkpoint names are
       replaced, and stale weights of an earlier save (model.safetensors, shards, index) are removed

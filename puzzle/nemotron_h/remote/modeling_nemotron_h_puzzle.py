@@ -7,10 +7,14 @@ experts (sigmoid router with correction bias, group-limited routing, optional la
 shared expert, a width per expert), dense MLPs, and puzzle's `linear` and `noop` (removed) blocks.
 Tensor names are the hub's: `backbone.layers.{i}.mixer...`, routed experts one by one.
 
-Supported: forward (logits, loss with `labels`, hidden states) and `generate` (greedy or sampling), both
-without a cache: each generation step runs the whole sequence again, which is exact but costs O(n^2)
-(use vLLM or puzzle itself for fast decoding). Not supported: padding (an `attention_mask` must be all
-ones), KV / SSM caches, fused kernels. Mamba-2 runs as a chunked scan in fp32, the router in fp32.
+Supported: forward (logits, loss with `labels`, hidden states) and `generate` (greedy, sampling, beam
+search; from `input_ids` or `inputs_embeds`), with a cache unless `use_cache=False`: `NemotronHPuzzleCache`,
+transformers' cache conventions for NemotronH (a `LinearAttentionLayer` with the conv and SSM states per
+Mamba block, a `DynamicLayer` with keys and values per attention block, a `DummyLayer` for the others), so
+each new token costs one step, not a re-run of the sequence; `use_cache=False` re-runs the whole sequence
+per token (same tokens, O(n^2)). A forward call keeps a cache when given one or `use_cache=True`. Not
+supported: padding (an `attention_mask` must be all ones), fused kernels. Mamba-2 runs as a chunked scan
+in fp32 (a one-token step in its recurrent form), the router in fp32.
 Tested with transformers 5.24 and torch 2.13 (`puzzle`'s tests/test_remote_code.py).
 """
 
@@ -23,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
+from transformers.cache_utils import Cache, DummyLayer, DynamicLayer, LinearAttentionLayer
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_nemotron_h_puzzle import NemotronHPuzzleConfig
@@ -64,16 +69,17 @@ class NemotronHPuzzleGatedRMSNorm(nn.Module):
         return h.flatten(-2) * self.weight
 
 
-def ssd_scan(x, dt, A, B, C, chunk_size: int) -> torch.Tensor:
+def ssd_scan(x, dt, A, B, C, chunk_size: int, state=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The Mamba-2 SSM, S_t = exp(dt_t A) S_{t-1} + dt_t x_t B_t^T and y_t = S_t C_t, chunk by chunk (fp32).
 
-    x [b, t, h, p]; dt [b, t, h] (after softplus and clamp); A [h] (< 0); B, C [b, t, g, n] -> y [b, t, h, p].
+    x [b, t, h, p]; dt [b, t, h] (after softplus and clamp); A [h] (< 0); B, C [b, t, g, n]; `state`
+    [b, h, p, n] the state before the first token (None: zeros) -> (y [b, t, h, p], state after the last).
     Inside a chunk the sum over earlier positions is one masked matmul; the state carries across chunks.
     """
     b, t, h, p = x.shape
     B = B.repeat_interleave(h // B.shape[2], dim=2)  # [b, t, h, n]: heads of a group share its B and C
     C = C.repeat_interleave(h // C.shape[2], dim=2)
-    state = x.new_zeros(b, h, p, B.shape[-1])
+    state = x.new_zeros(b, h, p, B.shape[-1]) if state is None else state.to(x.dtype)
     outputs = []
     for start in range(0, t, chunk_size):
         xc, dtc, Bc, Cc = (v[:, start : start + chunk_size] for v in (x, dt, B, C))
@@ -90,14 +96,15 @@ def ssd_scan(x, dt, A, B, C, chunk_size: int) -> torch.Tensor:
             "bsh,bshp,bshn->bhpn", to_end, xc, Bc
         )
         outputs.append(y)
-    return torch.cat(outputs, dim=1)
+    return torch.cat(outputs, dim=1), state
 
 
 class NemotronHPuzzleMamba2Mixer(nn.Module):
     """Mamba-2: in_proj (rows z | x | B | C | dt) -> causal conv + SiLU over x | B | C -> SSM (+ D x) -> gated norm -> out_proj."""
 
-    def __init__(self, f: dict) -> None:
+    def __init__(self, f: dict, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.num_heads, self.head_dim = f["mamba_num_heads"], f["mamba_head_dim"]
         self.n_groups, self.state_size = f["n_groups"], f["ssm_state_size"]
         self.chunk_size = f["chunk_size"]
@@ -106,7 +113,7 @@ class NemotronHPuzzleMamba2Mixer(nn.Module):
             raise ValueError(f"Mamba blocks use silu, config.json says {f['mamba_hidden_act']!r}")
         d = self.num_heads * self.head_dim
         conv_dim = d + 2 * self.n_groups * self.state_size
-        k = f["conv_kernel"]
+        k = self.conv_kernel = f["conv_kernel"]
         self.in_proj = nn.Linear(f["hidden_size"], d + conv_dim + self.num_heads, bias=f["use_bias"])
         self.conv1d = nn.Conv1d(
             conv_dim, conv_dim, k, groups=conv_dim, padding=k - 1, bias=f["use_conv_bias"]
@@ -117,33 +124,63 @@ class NemotronHPuzzleMamba2Mixer(nn.Module):
         self.norm = NemotronHPuzzleGatedRMSNorm(d, self.n_groups, f["layer_norm_epsilon"])
         self.out_proj = nn.Linear(d, f["hidden_size"], bias=f["use_bias"])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
+        """x [b, t, H]; with a `cache`, continues from its conv and SSM states and leaves the new ones there."""
         b, t, _ = x.shape
         d, gn = self.num_heads * self.head_dim, self.n_groups * self.state_size
         z, xbc, dt = self.in_proj(x).split([d, d + 2 * gn, self.num_heads], dim=-1)
-        xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :t].transpose(1, 2))
+        step = cache is not None and t == 1 and cache.has_previous_state(self.layer_idx)
+        xbc = F.silu(self._conv(xbc.transpose(1, 2), cache, step).transpose(1, 2))
         xs, B, C = xbc.split([d, gn, gn], dim=-1)
         xs = xs.reshape(b, t, self.num_heads, self.head_dim)
         dt = F.softplus(dt.float() + self.dt_bias.float())
         dt = dt.clamp(min=self.dt_min, max=math.inf if self.dt_max is None else self.dt_max)
         A = -torch.exp(self.A_log.float())
-        y = ssd_scan(
-            xs.float(),
-            dt,
-            A,
-            B.reshape(b, t, self.n_groups, -1).float(),
-            C.reshape(b, t, self.n_groups, -1).float(),
-            self.chunk_size,
-        )
+        B, C = B.reshape(b, t, self.n_groups, -1).float(), C.reshape(b, t, self.n_groups, -1).float()
+        state = None if cache is None else cache.get_recurrent_state(self.layer_idx)
+        if step:
+            y, state = ssm_step(xs.float(), dt, A, B, C, state)
+        else:
+            y, state = ssd_scan(xs.float(), dt, A, B, C, self.chunk_size, state)
+        if cache is not None:
+            cache.update_recurrent_state(state, self.layer_idx)
         y = y + xs.float() * self.D.float()[:, None]
         return self.out_proj(self.norm(y.flatten(2), z).to(x.dtype))
+
+    def _conv(self, xbc: torch.Tensor, cache: Cache | None, step: bool) -> torch.Tensor:
+        """The causal depthwise conv of xbc [b, conv_dim, t] (before SiLU); a cache holds the inputs before these.
+
+        `step` (one token after cached ones): the kernel times the last conv_kernel inputs, no padded conv.
+        """
+        t = xbc.shape[-1]
+        if cache is not None:  # the last conv_kernel inputs before these (zeros at the start), then these
+            xbc = cache.update_conv_state(xbc, self.layer_idx, conv_kernel_size=self.conv_kernel)
+        if step:
+            out = (xbc[..., -self.conv_kernel :] * self.conv1d.weight[:, 0]).sum(-1, keepdim=True)
+            return out if self.conv1d.bias is None else out + self.conv1d.bias[:, None]
+        return self.conv1d(xbc)[..., : xbc.shape[-1]][..., -t:]
+
+
+def ssm_step(x, dt, A, B, C, state) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the SSM in its recurrent form (what `ssd_scan` computes for t = 1), shapes as there (fp32).
+
+    Heads are viewed as [groups, heads per group] so that a group's B and C broadcast (no copies).
+    """
+    b, _, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    decay = torch.exp(dt[:, 0] * A).view(b, g, h // g, 1, 1)
+    dx = (x[:, 0] * dt[:, 0, :, None]).view(b, g, h // g, p, 1)
+    state = state.to(x.dtype).view(b, g, h // g, p, n) * decay + dx * B.view(b, g, 1, 1, n)
+    y = (state * C.view(b, g, 1, 1, n)).sum(-1)  # [b, g, h / g, p]
+    return y.view(b, 1, h, p), state.view(b, h, p, n)
 
 
 class NemotronHPuzzleAttention(nn.Module):
     """Causal grouped-query attention without positional encoding (NoPE), as in Nemotron-H."""
 
-    def __init__(self, f: dict) -> None:
+    def __init__(self, f: dict, layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.num_heads = f["num_attention_heads"]
         self.num_kv_heads = f["num_key_value_heads"] or self.num_heads
         self.head_dim = f["head_dim"] or f["attention_head_dim"] or f["hidden_size"] // self.num_heads
@@ -153,14 +190,24 @@ class NemotronHPuzzleAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
+        """x [b, t, H]; with a `cache`, attends to its keys and values too and appends this step's."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
         repeat = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        past = k.shape[2] - t
+        if past == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif t == 1:  # one new token sees everything
+            y = F.scaled_dot_product_attention(q, k, v)
+        else:  # several new tokens after cached ones: query i sees keys up to past + i (is_causal aligns top-left)
+            seen = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=seen)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -207,7 +254,7 @@ class NemotronHPuzzleRouter(nn.Module):
 class NemotronHPuzzleMoE(nn.Module):
     """out = fc2(sum_k w_k expert_k(fc1(x))) + shared(x); fc1 / fc2 only when latent, shared only when its width > 0."""
 
-    def __init__(self, f: dict) -> None:
+    def __init__(self, f: dict, layer_idx: int) -> None:
         super().__init__()
         hidden, latent = f["hidden_size"], f["moe_latent_size"]
         widths = f["moe_intermediate_size"]
@@ -223,14 +270,18 @@ class NemotronHPuzzleMoE(nn.Module):
         shared = f["moe_shared_expert_intermediate_size"] * f["n_shared_experts"]
         self.shared_experts = NemotronHPuzzleExpert(hidden, shared) if shared > 0 else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         weights, indices = self.gate(flat)
         h = self.fc1_latent_proj(flat) if self.latent else flat
         routed = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
-        for j in indices.unique().tolist():
-            token, slot = (indices == j).nonzero(as_tuple=True)
-            routed.index_add_(0, token, self.experts[j](h[token]).float() * weights[token, slot, None])
+        if flat.shape[0] == 1:  # one token (a generation step): its experts in turn, no gather / scatter
+            for slot, j in enumerate(indices[0].tolist()):
+                routed += self.experts[j](h).float() * weights[:, slot, None]
+        else:
+            for j in indices.unique().tolist():
+                token, slot = (indices == j).nonzero(as_tuple=True)
+                routed.index_add_(0, token, self.experts[j](h[token]).float() * weights[token, slot, None])
         out = routed.to(h.dtype)
         out = (self.fc2_latent_proj(out) if self.latent else out).view(x.shape)
         return out + self.shared_experts(x) if self.shared_experts is not None else out
@@ -239,24 +290,24 @@ class NemotronHPuzzleMoE(nn.Module):
 class NemotronHPuzzleMLP(nn.Module):
     """A dense non-gated MLP: down(act(up(x)))."""
 
-    def __init__(self, f: dict) -> None:
+    def __init__(self, f: dict, layer_idx: int) -> None:
         super().__init__()
         self.up_proj = nn.Linear(f["hidden_size"], f["intermediate_size"], bias=f["mlp_bias"])
         self.down_proj = nn.Linear(f["intermediate_size"], f["hidden_size"], bias=f["mlp_bias"])
         self.act = ACTIVATIONS[f["mlp_hidden_act"]]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
         return self.down_proj(self.act(self.up_proj(x)))
 
 
 class NemotronHPuzzleLinear(nn.Module):
     """puzzle's `linear` block: one hidden x hidden matrix in place of the mixer."""
 
-    def __init__(self, f: dict) -> None:
+    def __init__(self, f: dict, layer_idx: int) -> None:
         super().__init__()
         self.linear = nn.Linear(f["hidden_size"], f["hidden_size"], bias=f["linear_bias"])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
         return self.linear(x)
 
 
@@ -280,12 +331,43 @@ class NemotronHPuzzleBlock(nn.Module):
             self.norm = self.mixer = None
             return
         self.norm = NemotronHPuzzleRMSNorm(config.hidden_size, config.layer_norm_epsilon)
-        self.mixer = MIXERS[kind](config.block_fields(index))
+        self.mixer = MIXERS[kind](config.block_fields(index), index)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
         if self.mixer is None:
             return x
-        return x + self.mixer(self.norm(x.to(self.norm.weight.dtype)))
+        return x + self.mixer(self.norm(x.to(self.norm.weight.dtype)), cache)
+
+
+# What each block kind keeps between generation steps, as transformers' NemotronH: a Mamba block its conv
+# and SSM states (linear attention), an attention block its keys and values; the others nothing.
+CACHE_LAYERS = {"mamba": LinearAttentionLayer, "attention": DynamicLayer}
+
+
+class NemotronHPuzzleCache(Cache):
+    """The generation cache of a NemotronH-Puzzle model: one transformers cache layer per block.
+
+    Mamba blocks: `LinearAttentionLayer` (conv state [b, conv_dim, conv_kernel], SSM state [b, heads,
+    head_dim, state_size], each block its own shapes); attention blocks: `DynamicLayer` (keys and values
+    [b, kv_heads, seen, head_dim]); moe, mlp, linear and noop blocks: `DummyLayer`.
+    """
+
+    def __init__(self, block_kinds: list[str]) -> None:
+        super().__init__(layers=cache_layers(block_kinds))
+        self.seen_tokens = 0  # the sequence length when no attention block keeps keys to count them
+
+    # Grown by concatenation and holding Python-side counters: not for torch.compile / cuda graphs.
+    is_compileable = False
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if any(isinstance(layer, DynamicLayer) for layer in self.layers):
+            return super().get_seq_length(layer_idx)
+        return self.seen_tokens
+
+
+def cache_layers(block_kinds: list[str]) -> list:
+    """One fresh transformers cache layer per block (`CACHE_LAYERS`, else a `DummyLayer`)."""
+    return [CACHE_LAYERS.get(kind, DummyLayer)() for kind in block_kinds]
 
 
 class NemotronHPuzzlePreTrainedModel(PreTrainedModel):
@@ -330,19 +412,30 @@ class NemotronHPuzzleModel(NemotronHPuzzlePreTrainedModel):
     def set_input_embeddings(self, embeddings: nn.Embedding) -> None:
         self.embeddings = embeddings
 
-    def forward(self, input_ids=None, inputs_embeds=None, output_hidden_states: bool = False):
-        """-> (final-normed hidden states [b, t, H], (embeddings, block 0 output, ...) or None)."""
+    def forward(
+        self,
+        input_ids=None,
+        inputs_embeds=None,
+        output_hidden_states: bool = False,
+        cache: Cache | None = None,
+    ):
+        """-> (final-normed hidden states [b, t, H], (embeddings, block 0 output, ...) or None).
+
+        With a `cache` (`NemotronHPuzzleCache`), the tokens continue the sequence it holds, and it is updated.
+        """
         x = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
         hidden = [x] if output_hidden_states else None
         for block in self.layers:
-            x = block(x)
+            x = block(x, cache)
             if hidden is not None:
                 hidden.append(x)
+        if cache is not None and hasattr(cache, "seen_tokens"):
+            cache.seen_tokens += x.shape[1]
         return self.norm_f(x), tuple(hidden) if hidden is not None else None
 
 
 class NemotronHPuzzleForCausalLM(NemotronHPuzzlePreTrainedModel, GenerationMixin):
-    """The model plus lm_head; logits in fp32. No cache: see the module docstring."""
+    """The model plus lm_head; logits in fp32. Generation cache: `NemotronHPuzzleCache` (module docstring)."""
 
     def __init__(self, config: NemotronHPuzzleConfig) -> None:
         super().__init__(config)
@@ -368,24 +461,59 @@ class NemotronHPuzzleForCausalLM(NemotronHPuzzlePreTrainedModel, GenerationMixin
         output_hidden_states=None,
         logits_to_keep: int = 0,
         return_dict=None,
+        cache: Cache | None = None,
+        use_cache: bool | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        """Logits (fp32) of the tokens; with `use_cache`, `cache` (or a new one) holds the sequence so far.
+
+        `use_cache` None means config.use_cache outside training; `past_key_values` is read as `cache`.
+        """
         mask = attention_mask if isinstance(attention_mask, torch.Tensor) else None
         if mask is not None and mask.dim() == 2 and not bool(mask.all()):
             raise NotImplementedError(
                 "NemotronHPuzzle remote code does not support padding (zeros in attention_mask)"
             )
-        hidden, all_hidden = self.backbone(input_ids, inputs_embeds, bool(output_hidden_states))
+        cache = kwargs.pop("past_key_values", None) if cache is None else cache
+        if use_cache is None:
+            use_cache = bool(getattr(self.config, "use_cache", False)) and not self.training
+        if use_cache or cache is not None:
+            cache = self._cache_for(cache)
+        hidden, all_hidden = self.backbone(input_ids, inputs_embeds, bool(output_hidden_states), cache)
         logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden).float()
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=all_hidden)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=all_hidden, cache=cache)
 
-    # Generation without a cache: every step gets the whole sequence.
+    def new_cache(self) -> NemotronHPuzzleCache:
+        """An empty cache for this model's blocks (what `generate` and `use_cache=True` start from)."""
+        return NemotronHPuzzleCache(self.config.block_kinds())
+
+    def _cache_for(self, cache: Cache | None) -> Cache:
+        """`cache`, or a new one when None; an empty transformers `DynamicCache()` gets this model's layers."""
+        kinds = self.config.block_kinds()
+        if cache is None:
+            return self.new_cache()
+        if not cache.layers and cache.layer_class_to_replicate is not None:
+            cache.layers, cache.layer_class_to_replicate = cache_layers(kinds), None
+        expected = [CACHE_LAYERS.get(kind, DummyLayer) for kind in kinds]
+        found = [type(layer) for layer in cache.layers]
+        if len(found) != len(expected) or not all(map(issubclass, found, expected)):
+            raise ValueError(
+                f"the cache passed to NemotronHPuzzle has layers {[t.__name__ for t in found]}, expected one per "
+                f"block {[t.__name__ for t in expected]}: use model.new_cache() or an empty DynamicCache()"
+            )
+        return cache
+
+    # generate() gets the cache from the first forward's output (use_cache=True), not DynamicCache(config):
+    # transformers' config-driven layer types do not know puzzle's per-block kinds.
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:
         return False
 
-    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, inputs_embeds=None, **kwargs):
-        return {"input_ids": input_ids, "attention_mask": attention_mask, "logits_to_keep": 1}
+    def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, **kwargs):
+        """transformers' default (with a cache, only the tokens it has not seen; `inputs_embeds` for the
+        prompt), keeping one position's logits."""
+        kwargs["logits_to_keep"] = 1
+        return super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
