@@ -72,7 +72,6 @@ from puzzle.assemble import assemble as assemble_child
 from puzzle.assemble import measured_kl
 from puzzle.bld import build_library
 from puzzle.blocks import build_block
-from puzzle.card import run_card_info
 from puzzle.config import RunConfig, dump_config, load_config, load_config_data, to_dict
 from puzzle.cost.hardware import profile_to_json
 from puzzle.data import TokenData, tokenizer_files
@@ -1035,6 +1034,28 @@ class Run:
             child = load_distilled(self.layout.child(name), child)
         return _on_main(lambda: {name: self._write_export(name, source, child, out)})
 
+    def _card_info(self, name: str, source: str) -> dict[str, Any]:
+        """What the model card (`puzzle.card`) says of this run's solution `name` exported from its `source` ("assemble" or "distill"):
+        budgets, solution file, GKD evaluations when distilled, the run config's fingerprint. Read from the
+        manifest only: never runs a stage."""
+        info: dict[str, Any] = {
+            "solution": name,
+            "source": source,
+            "solution_file": str(self.layout.solution(name).relative_to(self.layout.root)),
+            "config_fingerprint": fingerprint_json(self.config.to_dict()),
+            "budgets": None,
+            "distill": None,
+        }
+        for record_name, record in self.manifest()["stages"].items():
+            stage = record_name.split("/", 1)[0]
+            if record.get("status") not in ("done", "reused") or name not in record.get("outputs", {}):
+                continue
+            if stage == "solutions":
+                info["budgets"] = list(record["outputs"][name].get("budgets", []))
+            elif stage == "distill" and source == "distill":
+                info["distill"] = dict(record["outputs"][name])
+        return info
+
     def _write_export(self, name: str, source: str, child: HybridLM, out: Path) -> dict[str, Any]:
         solution = Solution.from_json(self._solution_json(name), self._problem(self._budgets_of(name)).table)
         written = export_checkpoint(
@@ -1044,7 +1065,7 @@ class Run:
             solution=solution,
             measured=self._assembled(name)["measured"],
             overwrite=True,
-            run_info=run_card_info(self, name, source),
+            run_info=self._card_info(name, source),
         )
         root = self.layout.root
         return {"path": str(written.relative_to(root)) if written.is_relative_to(root) else str(written)}

@@ -21,9 +21,10 @@ import torch
 from torch import nn
 
 from puzzle import dist
-from puzzle.card import CARD_FILE, card_owner
 from puzzle.files import (
+    CARD_FILE,
     OWNER_MARKER,
+    card_owner,
     default_mode,
     make_staging_dir,
     remove_stale_staging,
@@ -137,7 +138,8 @@ def load(
         sharded.require_process_group()
         device = dist.device() if device is None else device
         if dist.world_size() > 1:
-            return sharded.load_sharded(path, dtype, device)
+            meta = load(path, dtype=dtype, device="meta")  # names, shapes and dtypes checked as for a load
+            return sharded.load_sharded(meta, path, device)
     compute_dtype = _compute_dtype(dtype)
     device = torch.device("cpu" if device is None else device)
     path = Path(path)
