@@ -297,6 +297,11 @@ def save_pretrained(
       so the directory reads as the new checkpoint; no other file is touched;
     - the directory the model was loaded from, a folder holding it, or one inside it: refused.
 
+    The weights are streamed (`puzzle.nemotron_h.stream.stream_weights`): one tensor in memory at a time, the
+    bytes those of safetensors' `save_file`. A model sharded with FSDP2 over several ranks: call it on every
+    rank; the ranks gather one tensor at a time and rank 0 writes (a refusal or failure on rank 0 is a
+    RuntimeError naming it on the others).
+
     A save killed midway leaves a `.NAME.tmp-*` (or `.NAME.old-*`) directory beside `path`; the next
     save to `path` removes it once its owner marker proves the process that wrote it is gone (and
     puts a previous checkpoint moved aside back first). A save that fails leaves nothing behind.
