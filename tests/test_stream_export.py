@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 import puzzle
 from puzzle import dist
 from puzzle.cli import main
+from puzzle.export import export
 from puzzle.model import HybridLM
 from puzzle.nemotron_h import checkpoint, stream
 from puzzle.nemotron_h.weights import INDEX_FILE, SAFETENSORS_DTYPES, hub_state, write_weights
@@ -126,6 +127,7 @@ def _sharded_worker(rank: int, world: int, port: int, path: str, out: str) -> No
             (t.full_tensor() if hasattr(t, "full_tensor") else t).numel() for t in model.state_dict().values()
         )
         model.save_pretrained(Path(out, "saved"), max_shard_bytes=4096)
+        export(model, Path(out, "exported"), max_shard_bytes=4096)  # puzzle.export on every rank
         dist.barrier()
         try:
             model.save_pretrained(Path(out, "busy"))
@@ -150,11 +152,16 @@ def test_a_sharded_export_is_byte_identical_and_holds_one_tensor_at_a_time(tmp_p
     assert list(got) == list(want)
     for name in want:
         assert got[name] == want[name], name
-    # save_pretrained on every rank writes what one process's save_pretrained writes.
+    # save_pretrained and export on every rank write what one process's save_pretrained and export write.
     saved, want_saved = _files(out / "saved"), _files(plain.save_pretrained(tmp_path / "one_saved", 4096))
     assert sorted(saved) == sorted(want_saved)
     for name in want_saved:
         assert saved[name] == want_saved[name], name
+    exported = _files(out / "exported")
+    want_exported = _files(export(plain, tmp_path / "one_exported", max_shard_bytes=4096))
+    assert sorted(exported) == sorted(want_exported)
+    for name in want_exported:
+        assert exported[name] == want_exported[name], name
     model_numel = sum(p.numel() for p in plain.parameters())
     expert = max(max(bank.widths) * bank.up.shape[1] for bank in stream._banks(plain).values())
     figures = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
