@@ -503,3 +503,34 @@ def test_rerank_keeps_the_candidate_of_least_measured_kl(finished, tmp_path):
     assert {**one, "seconds": 0} == {**today, "seconds": 0}  # all but the solver's time
     outputs = json.loads((tmp_path / "one" / "run.json").read_text())["stages"]["solutions"]["outputs"]
     assert "rerank" not in outputs[name]
+
+
+def test_rerank_under_two_gloo_processes_matches_one(finished, tmp_path):
+    """search.rerank under `torchrun --nproc-per-node 2`: rank 0 solves, both ranks measure the candidates
+    (a collective: a rank left out would hang), and the choice and figures are those of one process."""
+    run_dir, _ = finished
+    records = {}
+    for ranks in (1, 2):
+        data = config_dict(run_dir.parent, run_dir=str(tmp_path / f"run{ranks}"))
+        data["search"].update(rerank=3)
+        config = write_config(tmp_path / f"run{ranks}.yaml", data)
+        if ranks == 1:
+            assert _run(config, "--until", "solutions") == 0
+        else:
+            env = {**os.environ, "PUZZLE_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
+            env["PYTHONPATH"] = os.pathsep.join(sys.path)
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+            subprocess.run(
+                [*command, "-m", "puzzle", "run", str(config), "--quiet", "--until", "solutions"],
+                env=env,
+                check=True,
+                timeout=300,
+            )
+        stages = json.loads((tmp_path / f"run{ranks}" / "run.json").read_text())["stages"]
+        records[ranks] = stages["solutions"]["outputs"]["active_params-le-0.8x"]["rerank"]
+    one, two = records[1], records[2]
+    assert two["chosen"] == one["chosen"] and len(two["candidates"]) == len(one["candidates"]) == 3
+    for want, got in zip(one["candidates"], two["candidates"]):
+        assert got["choices"] == want["choices"]
+        # The library was trained data-parallel on two ranks: equal up to summation order.
+        assert got["measured_kl"] == pytest.approx(want["measured_kl"], rel=1e-3)
