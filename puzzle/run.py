@@ -763,9 +763,7 @@ class Run:
         else:
             name = _slug(texts)
             inputs = self._solutions_inputs({name: texts})
-            entries = self._stage(
-                f"solutions/{name}", inputs, lambda: _on_main(lambda: self._solve_one(name, texts))
-            )
+            entries = self._stage(f"solutions/{name}", inputs, lambda: self._solve_one(name, texts))
         problem = self._problem(texts)  # the table the saved names index
         return [Solution.from_json(self._solution_json(n), problem.table) for n in entries]
 
@@ -779,6 +777,7 @@ class Run:
             "search": to_dict(dataclasses.replace(search_settings, budgets=(), sweep=None)),
             "hardware": to_dict(self.config.hardware),
         }
+        self._rerank_inputs(inputs)
         self._prepare()  # the calibration is stored in the checked run directory
         if dist.is_main():
             self.cost_model()  # rank 0 measures and stores this machine's calibration once, if absent
@@ -790,7 +789,7 @@ class Run:
 
     def _record_solutions(self) -> dict[str, Any]:
         inputs = self._solutions_inputs(self.budgets())
-        outputs = self._stage("solutions", inputs, lambda: _on_main(self._solve))
+        outputs = self._stage("solutions", inputs, self._solve)
         # The frontier is a record of its own: the solution names stay the solutions stage's only outputs.
         frontier_inputs = {
             **inputs,
@@ -819,24 +818,38 @@ class Run:
 
     def _solve_one(self, name: str, budgets: Sequence[str | DeploymentLimit]) -> dict[str, Any]:
         """The search under `budgets` (texts or the config's parsed budgets) -> solutions/{name}.json (and
-        {name}-2, ... for `search.solutions`)."""
+        {name}-2, ... for `search.solutions`). Every rank calls it: rank 0 solves and writes, and with
+        `search.rerank` every rank takes part in measuring the candidates (`_rerank`, a collective)."""
         settings = self.config.search
         texts = [budget if isinstance(budget, str) else budget.text for budget in budgets]
-        problem = self._problem(budgets)
-        for note in problem.notes:
-            _log.warning("search %s: %s", name, note)
-        found = search_k(
-            problem.table,
-            problem.problem.limits,
-            problem.problem.rules,
-            settings.solver,
-            settings.solutions,
-            settings.min_diff,
-        )
+
+        def solve() -> dict[str, Any]:
+            problem = self._problem(budgets)
+            for note in problem.notes:
+                _log.warning("search %s: %s", name, note)
+            found = search_k(
+                problem.table,
+                problem.problem.limits,
+                problem.problem.rules,
+                settings.solver,
+                max(settings.solutions, settings.rerank),
+                settings.min_diff,
+            )
+            return {"found": [solution.to_json() for solution in found]}
+
+        found = _on_main(solve)["found"]
+        found, reranked = self._rerank(name, found)
+        return _on_main(lambda: self._save_solutions(name, texts, found, reranked))
+
+    def _save_solutions(
+        self, name: str, texts: list[str], found: list[dict[str, Any]], reranked: dict[str, Any] | None
+    ) -> dict[str, Any]:
+        """The first `search.solutions` of `found` (solution JSONs, best first) written to
+        solutions/{name}.json, {name}-2.json, ...: {label: its record} (with the re-ranking's record)."""
+        settings = self.config.search
         saved: dict[str, Any] = {}
-        for index, solution in enumerate(found):
+        for index, payload in enumerate(found[: settings.solutions]):
             label = name if index == 0 else f"{name}-{index + 1}"
-            payload = solution.to_json()
             path = self.layout.solution(label)
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(path, _solution_bytes(payload))
@@ -844,14 +857,69 @@ class Run:
                 "budgets": texts,
                 "file": str(path.relative_to(self.layout.root)),
                 "fingerprint": fingerprint_file(path),
-                "objective": solution.objective,
+                "objective": payload["objective"],
             }
-            _log.info("search %s: objective %.6g, %s", label, solution.objective, payload["totals"])
-        if len(found) < settings.solutions:
+            _log.info("search %s: objective %.6g, %s", label, payload["objective"], payload["totals"])
+        if reranked is not None:
+            saved[name]["rerank"] = reranked
+        wanted = max(settings.solutions, settings.rerank)
+        if len(found) < wanted:
             _log.warning(
                 "search %s: only %d architectures differ in >= %d blocks", name, len(found), settings.min_diff
             )
         return saved
+
+    # -- measured re-ranking (search.rerank) --------------------------------------------------------------
+
+    def _rerank_inputs(self, inputs: dict[str, Any]) -> None:
+        """The search record's inputs with re-ranking: it reads the held-out tokens too. Off, the record's
+        inputs are those of a run before the option existed (no `rerank` key), so old runs are reused."""
+        rerank = inputs["search"].pop("rerank", 0)
+        if rerank > 1:
+            inputs["rerank"] = {
+                "k": rerank,
+                "held_out": self._held_out_key(),
+                "vocab_chunk": self.config.scoring.vocab_chunk,
+            }
+
+    def _rerank(
+        self, name: str, found: list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+        """`found` (the MIP's candidates, best predicted first) ordered by KL to the parent measured on the
+        held-out tokens (ties keep the MIP's order), and the record of the choice: {"chosen": the winner's
+        MIP rank (1 = the MIP's best), "candidates": [{"candidate", "objective", "predicted_kl",
+        "measured_kl", "lm_loss_delta", "top1", "choices"}, ...] in MIP order}. With `search.rerank` <= 1
+        `found` as it is and None. Every rank calls it (the measurement is a collective)."""
+        if self.config.search.rerank <= 1:
+            return found, None
+        candidates = []
+        for index, payload in enumerate(found):
+            child = self._child_of(payload)
+            measured = measured_kl(
+                child, self.parent(), self.held_out_batches(), self.config.scoring.vocab_chunk
+            )
+            del child  # one candidate child in memory at a time
+            candidates.append(
+                {
+                    "candidate": index + 1,
+                    "objective": payload["objective"],
+                    "predicted_kl": measured["predicted_kl"],
+                    "measured_kl": measured["kl"],
+                    "lm_loss_delta": measured["lm_loss_delta"],
+                    "top1": measured["top1"],
+                    "choices": payload["choices"],
+                }
+            )
+            _log.info(
+                "search %s: candidate %d, predicted KL %s, measured KL %.6g",
+                name,
+                index + 1,
+                measured["predicted_kl"],
+                measured["kl"],
+            )
+        order = sorted(range(len(found)), key=lambda i: (candidates[i]["measured_kl"], i))
+        _log.info("search %s: re-ranking chose candidate %d of %d", name, order[0] + 1, len(found))
+        return [found[i] for i in order], {"chosen": order[0] + 1, "candidates": candidates}
 
     def _solution_json(self, name: str) -> dict[str, Any]:
         return json.loads(self.layout.solution(name).read_text())
@@ -877,7 +945,10 @@ class Run:
     def _child(self, name: str) -> HybridLM:
         """The assembled child of solution `name` (the parent, the library, the scores; a collective when
         the parent is sharded)."""
-        data = self._solution_json(name)
+        return self._child_of(self._solution_json(name))
+
+    def _child_of(self, data: Mapping[str, Any]) -> HybridLM:
+        """The assembled child of a solution's JSON `data` (as `_child`)."""
         choice = {int(block.rsplit("_", 1)[1]): variant for block, variant in data["choices"].items()}
         return assemble_child(
             choice,

@@ -465,3 +465,72 @@ def test_a_run_dir_of_the_earlier_fingerprint_scheme_is_still_this_parents(finis
     pipeline = CountingRun.from_config(config)
     assert pipeline.run("importance")  # its record was keyed by the new fingerprint: recomputed
     assert _statuses(copied)["importance"] == "done" and pipeline.loads == 1
+
+
+def test_rerank_keeps_the_candidate_of_least_measured_kl(finished, tmp_path):
+    """search.rerank: 3 measures the MIP's 3 best and keeps the least measured KL, recording every one;
+    rerank: 1 is today's search, file for file."""
+    run_dir, _ = finished
+    data = config_dict(run_dir.parent, run_dir=str(tmp_path / "run"))
+    data["search"].update(rerank=3)
+    config = write_config(tmp_path / "run.yaml", data)
+    assert _run(config, "--until", "assemble") == 0
+    name = "active_params-le-0.8x"
+    record = json.loads((tmp_path / "run" / "run.json").read_text())["stages"]
+    reranked = record["solutions"]["outputs"][name]["rerank"]
+    candidates = reranked["candidates"]
+    assert [c["candidate"] for c in candidates] == [1, 2, 3]
+    # The candidates are the MIP's 3 best in order: the first is the plain search's solution.
+    expected = json.loads((run_dir / "solutions" / f"{name}.json").read_text())
+    assert candidates[0]["choices"] == expected["choices"]
+    objectives = [c["objective"] for c in candidates]
+    assert objectives == sorted(objectives) and len({str(c["choices"]) for c in candidates}) == 3
+    least = min(candidates, key=lambda c: c["measured_kl"])
+    assert reranked["chosen"] == least["candidate"]
+    saved = json.loads((tmp_path / "run" / "solutions" / f"{name}.json").read_text())
+    assert saved["choices"] == least["choices"] and saved["objective"] == least["objective"]
+    assert sorted(p.stem for p in (tmp_path / "run" / "solutions").glob("*.json")) == [name]
+    # The assemble stage measures the chosen child again, independently: the same KL as the candidate's.
+    measured = record["assemble"]["outputs"][name]["measured"]
+    assert measured["kl"] == pytest.approx(least["measured_kl"], rel=1e-6)
+    assert measured["predicted_kl"] == pytest.approx(least["predicted_kl"], rel=1e-9)
+
+    data = config_dict(run_dir.parent, run_dir=str(tmp_path / "one"))
+    data["search"].update(rerank=1)
+    assert _run(write_config(tmp_path / "one.yaml", data), "--until", "solutions") == 0
+    path = Path("solutions") / f"{name}.json"
+    one, today = (json.loads((root / path).read_text()) for root in (tmp_path / "one", run_dir))
+    assert {**one, "seconds": 0} == {**today, "seconds": 0}  # all but the solver's time
+    outputs = json.loads((tmp_path / "one" / "run.json").read_text())["stages"]["solutions"]["outputs"]
+    assert "rerank" not in outputs[name]
+
+
+def test_rerank_under_two_gloo_processes_matches_one(finished, tmp_path):
+    """search.rerank under `torchrun --nproc-per-node 2`: rank 0 solves, both ranks measure the candidates
+    (a collective: a rank left out would hang), and the choice and figures are those of one process."""
+    run_dir, _ = finished
+    records = {}
+    for ranks in (1, 2):
+        data = config_dict(run_dir.parent, run_dir=str(tmp_path / f"run{ranks}"))
+        data["search"].update(rerank=3)
+        config = write_config(tmp_path / f"run{ranks}.yaml", data)
+        if ranks == 1:
+            assert _run(config, "--until", "solutions") == 0
+        else:
+            env = {**os.environ, "PUZZLE_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
+            env["PYTHONPATH"] = os.pathsep.join(sys.path)
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+            subprocess.run(
+                [*command, "-m", "puzzle", "run", str(config), "--quiet", "--until", "solutions"],
+                env=env,
+                check=True,
+                timeout=300,
+            )
+        stages = json.loads((tmp_path / f"run{ranks}" / "run.json").read_text())["stages"]
+        records[ranks] = stages["solutions"]["outputs"]["active_params-le-0.8x"]["rerank"]
+    one, two = records[1], records[2]
+    assert two["chosen"] == one["chosen"] and len(two["candidates"]) == len(one["candidates"]) == 3
+    for want, got in zip(one["candidates"], two["candidates"]):
+        assert got["choices"] == want["choices"]
+        # The library was trained data-parallel on two ranks: equal up to summation order.
+        assert got["measured_kl"] == pytest.approx(want["measured_kl"], rel=1e-3)
