@@ -26,6 +26,7 @@ from puzzle.gkd import load_distilled
 from puzzle.layout import STAGES
 from puzzle.nemotron_h.checkpoint import load
 from puzzle.run import Run, RunError
+from puzzle.search.types import Solution
 
 HELPER = Path(__file__).parent / "run_helpers.py"
 
@@ -465,3 +466,61 @@ def test_a_run_dir_of_the_earlier_fingerprint_scheme_is_still_this_parents(finis
     pipeline = CountingRun.from_config(config)
     assert pipeline.run("importance")  # its record was keyed by the new fingerprint: recomputed
     assert _statuses(copied)["importance"] == "done" and pipeline.loads == 1
+
+
+def test_scores_in_context_rescore_the_child_and_keep_the_best_measured(finished, tmp_path):
+    """search.context_rounds: the first round is the plain search's (R=0) solution; each later round scores
+    every candidate in the previous child, where the child's own choices score exactly 0, a child one block
+    away is predicted exactly (D(child) + its score = its measured KL), and the kept round measured lowest."""
+    from puzzle.assemble import assemble, measured_kl
+    from puzzle.context import child_variants, context_candidates
+    from puzzle.library import read_library
+    from puzzle.score import load_scores
+
+    run_dir, _ = finished
+    copied = tmp_path / "run"
+    shutil.copytree(run_dir, copied)
+    data = config_dict(run_dir.parent, run_dir=str(copied))
+    data["search"]["context_rounds"] = 2
+    config = write_config(tmp_path / "run.yaml", data)
+    assert _run(config, "--until", "assemble") == 0
+    name = "active_params-le-0.8x"
+    stages = json.loads((copied / "run.json").read_text())["stages"]
+    plain = json.loads((run_dir / "run.json").read_text())["stages"]["solutions"]
+    assert "context" not in plain["outputs"][name] and "context_rounds" not in plain["inputs"]["search"]
+    record = stages["solutions"]["outputs"][name]["context"]
+    rounds = record["rounds"]
+    expected = json.loads((run_dir / "solutions" / f"{name}.json").read_text())
+    assert rounds[0]["choices"] == expected["choices"]  # R=0's solution, exactly
+    assert 2 <= len(rounds) <= 3 and all("measured" in entry for entry in rounds)
+    assert record["kept"] == min(range(len(rounds)), key=lambda r: (rounds[r]["measured"], r))
+    saved = json.loads((copied / "solutions" / f"{name}.json").read_text())
+    assert saved["choices"] == rounds[record["kept"]]["choices"]
+    # The assembled child's measured KL (another code path: compare_models) is the kept round's.
+    measured = stages["assemble"]["outputs"][name]["measured"]
+    assert measured["kl"] == pytest.approx(rounds[record["kept"]]["measured"], rel=1e-5, abs=1e-7)
+    assert measured["predicted_kl"] == pytest.approx(rounds[record["kept"]]["predicted"])
+
+    pipeline = Run.from_config(config)
+    problem = pipeline._problem(["active_params<=0.8x"])
+    first = Solution.from_json({**expected}, problem.table)
+    own = child_variants(first, problem.candidates)
+    scores = load_scores(copied / "solutions" / "context" / name / "round-1")
+    rescored, base = context_candidates(problem.candidates, scores.variants, own, "kl")
+    assert base == pytest.approx(rounds[0]["measured"]) and base > 0
+    for block, variant in enumerate(own):  # the child's own choices score exactly 0
+        assert rescored.scores[block][rescored.variants[block].index(variant.spec)] == 0.0
+    assert any(v != 0.0 for values in rescored.scores for v in values)
+    # Predicted = measured exactly (to float noise) for a child one block away from the first one.
+    block, index = next(
+        (b, i) for b, values in enumerate(rescored.scores) for i, v in enumerate(values) if v != 0.0
+    )
+    neighbour = {v.block_index: v for v in own}
+    neighbour[block] = type(own[0])(block, rescored.variants[block][index])
+    parent = pipeline.parent()
+    child = assemble(
+        neighbour, read_library(copied / "library"), parent, parent_fp=pipeline.parent_fingerprint()
+    )
+    got = measured_kl(child, parent, pipeline.held_out_batches(), 16)["kl"]
+    assert base + rescored.scores[block][index] == pytest.approx(got, rel=1e-5, abs=1e-7)
+    print("\ncontext rounds:", json.dumps(rounds, indent=1))
