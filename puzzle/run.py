@@ -36,7 +36,8 @@ scoring's saved variants and GKD's checkpoints live in their directories, and th
 them through their own manifests (`puzzle.artifacts`), as they do when called without a Run.
 
 Distributed (torchrun): importance, BLD, scoring, measured KL and GKD run on every rank and shard their
-work; the search and the export run on rank 0 while the others wait at a barrier. Round r >= 2 of an
+work; the search and the export run on rank 0 while the others wait at a barrier (the scoring passes of
+`search.context_rounds` run on every rank, between rank 0's solves). Round r >= 2 of an
 iterative run (`rounds.count`) is a `Run` of its own in `round-{r}/`, whose parent is the previous round's
 exported distilled child (`Run.all` chains them).
 """

@@ -524,3 +524,44 @@ def test_scores_in_context_rescore_the_child_and_keep_the_best_measured(finished
     got = measured_kl(child, parent, pipeline.held_out_batches(), 16)["kl"]
     assert base + rescored.scores[block][index] == pytest.approx(got, rel=1e-5, abs=1e-7)
     print("\ncontext rounds:", json.dumps(rounds, indent=1))
+
+
+@pytest.mark.slow
+def test_scores_in_context_under_two_gloo_processes_match_one(finished, tmp_path):
+    """search.context_rounds under `torchrun --nproc-per-node 2` (scoring sharded with FSDP, the child too):
+    every rank scores, rank 0 solves; the rounds are those of one process."""
+    run_dir, _ = finished
+    records = {}
+    for ranks in (1, 2):
+        copied = tmp_path / f"run{ranks}"
+        shutil.copytree(run_dir, copied)
+        data = config_dict(run_dir.parent, run_dir=str(copied))
+        data["search"]["context_rounds"] = 2
+        config = write_config(tmp_path / f"run{ranks}.yaml", data)
+        env = {
+            **os.environ,
+            "PUZZLE_PROGRESS": "0",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(sys.path),
+        }
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(ranks),
+        ]
+        subprocess.run(
+            [*command, "-m", "puzzle", "run", str(config), "--quiet", "--until", "solutions"],
+            env=env,
+            check=True,
+            timeout=300,
+        )
+        stages = json.loads((copied / "run.json").read_text())["stages"]
+        records[ranks] = stages["solutions"]["outputs"]["active_params-le-0.8x"]["context"]
+    one, two = records[1], records[2]
+    assert [r["choices"] for r in two["rounds"]] == [r["choices"] for r in one["rounds"]]
+    assert two["kept"] == one["kept"]
+    for want, got in zip(one["rounds"], two["rounds"]):
+        assert got["measured"] == pytest.approx(want["measured"], rel=1e-5)
