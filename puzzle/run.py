@@ -895,7 +895,8 @@ class Run:
         the best one (`puzzle.context`); (found, None) when off. Collective: every rank scores, rank 0 solves.
 
         Round r scores every candidate in the child of round r - 1 (solutions/context/{name}/round-{r}/),
-        solves on those scores and predicts D(child) + the sum; the rounds stop when the choice repeats.
+        solves on those scores and predicts D(child) + the sum; the rounds stop when the choice repeats (the
+        previous round's, or an earlier one's: a cycle).
         The kept architecture is the round whose child measured lowest (`puzzle.context.best_round`), with
         its predicted damage as its objective; the other solutions (`search.solutions`) stay as the first
         search found them (one equal to the kept one is dropped)."""
@@ -931,8 +932,9 @@ class Run:
                 base,
                 solution.objective,
             )
-            if solution.names == solutions[-2].names:
-                rounds[-1]["measured"] = base  # the same child: measured above
+            earlier = [entry for entry in rounds[:-1] if entry["choices"] == rounds[-1]["choices"]]
+            if earlier:  # the choice repeats (the last child's, or a cycle): its child was measured before
+                rounds[-1]["measured"] = earlier[-1]["measured"]
                 break
         if "measured" not in rounds[-1]:  # the last round's child, measured: its own variants alone
             own = child_variants(solutions[-1], candidates)
