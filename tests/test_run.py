@@ -494,6 +494,10 @@ def test_scores_in_context_rescore_the_child_and_keep_the_best_measured(finished
     assert rounds[0]["choices"] == expected["choices"]  # R=0's solution, exactly
     assert 2 <= len(rounds) <= 3 and all("measured" in entry for entry in rounds)
     assert record["kept"] == min(range(len(rounds)), key=lambda r: (rounds[r]["measured"], r))
+    # The prediction in context is closer to the measured KL than the parent-context one (here exact: the
+    # tiny run's second round re-chooses the first child, whose KL its constant is).
+    error = [abs(entry["predicted"] - entry["measured"]) for entry in rounds]
+    assert error[1] < error[0]
     saved = json.loads((copied / "solutions" / f"{name}.json").read_text())
     assert saved["choices"] == rounds[record["kept"]]["choices"]
     # The assembled child's measured KL (another code path: compare_models) is the kept round's.
