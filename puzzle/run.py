@@ -36,7 +36,8 @@ scoring's saved variants and GKD's checkpoints live in their directories, and th
 them through their own manifests (`puzzle.artifacts`), as they do when called without a Run.
 
 Distributed (torchrun): importance, BLD, scoring, measured KL and GKD run on every rank and shard their
-work; the search and the export run on rank 0 while the others wait at a barrier. Round r >= 2 of an
+work; the search and the export run on rank 0 while the others wait at a barrier (the scoring passes of
+`search.context_rounds` run on every rank, between rank 0's solves). Round r >= 2 of an
 iterative run (`rounds.count`) is a `Run` of its own in `round-{r}/`, whose parent is the previous round's
 exported distilled child (`Run.all` chains them).
 """
@@ -151,6 +152,12 @@ def _on_main(work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     if failure is not None:
         raise RuntimeError(f"rank 0 failed: {failure}")
     return dist.broadcast_object(outputs)
+
+
+def _search_on_main(problem: RunProblem, options: Any) -> Solution:
+    """`search` of `problem` on rank 0 (`_on_main`), its Solution on every rank."""
+    table, limits, rules = problem.table, problem.problem.limits, problem.problem.rules
+    return _on_main(lambda: {"solution": search(table, limits, rules, options)})["solution"]
 
 
 def _config_from_pieces(
@@ -665,17 +672,7 @@ class Run:
             parent = self.parent(self.config.scoring.shard)
             library = read_library(self.layout.library)
             usable = [v for v, r in library.results.items() if r.status != "failed"]
-            hidden, eps = parent.spec.hidden_size, parent.spec.norm_eps
-
-            def mixer(variant: Variant) -> torch.nn.Module | None:
-                status = library.results[variant].status
-                if status == "parent":
-                    return None
-                if status == "noop":
-                    return build_block(variant.spec, hidden).to(dist.device())
-                module = library.load_mixer(variant, hidden, eps)
-                return module.to(device=dist.device(), dtype=parent.embeddings.weight.dtype)
-
+            mixer = self._mixer_source(parent, library)
             fingerprints = {
                 v: fingerprint_json([r.status, r.file, self._file_fp(library, r)])
                 for v, r in library.results.items()
@@ -695,6 +692,22 @@ class Run:
             return {"manifest": self._manifest_fp(self.layout.scores, "scores")}
 
         return self._stage("scores", inputs, compute)
+
+    @staticmethod
+    def _mixer_source(parent: HybridLM, library: Library) -> Callable[[Variant], torch.nn.Module | None]:
+        """The scorer's mixers of the library's variants, loaded on demand (None: the parent's own block)."""
+        hidden, eps = parent.spec.hidden_size, parent.spec.norm_eps
+
+        def mixer(variant: Variant) -> torch.nn.Module | None:
+            result = library.results.get(variant)
+            if result is None or result.status == "parent":
+                return None
+            if result.status == "noop":
+                return build_block(variant.spec, hidden).to(dist.device())
+            module = library.load_mixer(variant, hidden, eps)
+            return module.to(device=dist.device(), dtype=parent.embeddings.weight.dtype)
+
+        return mixer
 
     @staticmethod
     def _file_fp(library: Library, result: Any) -> str | None:
@@ -778,6 +791,10 @@ class Run:
             "hardware": to_dict(self.config.hardware),
         }
         self._rerank_inputs(inputs)
+        if search_settings.context_rounds:  # scores in context read the held-out tokens and score
+            inputs.update(held_out=self._held_out_key(), scoring=to_dict(self.config.scoring))
+        else:  # off: the inputs of the runs made before the key existed
+            inputs["search"].pop("context_rounds")
         self._prepare()  # the calibration is stored in the checked run directory
         if dist.is_main():
             self.cost_model()  # rank 0 measures and stores this machine's calibration once, if absent
@@ -810,7 +827,7 @@ class Run:
         return {"frontier": {"file": path.name, "fingerprint": fingerprint_file(path)}}
 
     def _solve(self) -> dict[str, Any]:
-        """Every budget list of the config solved and saved: {solution name: its record}."""
+        """Every budget list of the config solved and saved: {solution name: its record} (collective)."""
         saved: dict[str, Any] = {}
         for name, limits in self.budget_limits().items():
             saved.update(self._solve_one(name, limits))
@@ -818,34 +835,39 @@ class Run:
 
     def _solve_one(self, name: str, budgets: Sequence[str | DeploymentLimit]) -> dict[str, Any]:
         """The search under `budgets` (texts or the config's parsed budgets) -> solutions/{name}.json (and
-        {name}-2, ... for `search.solutions`). Every rank calls it: rank 0 solves and writes, and with
-        `search.rerank` every rank takes part in measuring the candidates (`_rerank`, a collective)."""
+        {name}-2, ... for `search.solutions`). Collective: rank 0 solves and saves; every rank takes part in
+        the scoring of `search.context_rounds` (`_in_context`) and in measuring the candidates of
+        `search.rerank` (`_rerank`)."""
         settings = self.config.search
         texts = [budget if isinstance(budget, str) else budget.text for budget in budgets]
+        problem = self._problem(budgets)
 
-        def solve() -> dict[str, Any]:
-            problem = self._problem(budgets)
+        def first() -> dict[str, Any]:
             for note in problem.notes:
                 _log.warning("search %s: %s", name, note)
-            found = search_k(
-                problem.table,
-                problem.problem.limits,
-                problem.problem.rules,
-                settings.solver,
-                max(settings.solutions, settings.rerank),
-                settings.min_diff,
-            )
-            return {"found": [solution.to_json() for solution in found]}
+            limits, rules = problem.problem.limits, problem.problem.rules
+            wanted = max(settings.solutions, settings.rerank)
+            return {
+                "found": search_k(problem.table, limits, rules, settings.solver, wanted, settings.min_diff)
+            }
 
-        found = _on_main(solve)["found"]
-        found, reranked = self._rerank(name, found)
-        return _on_main(lambda: self._save_solutions(name, texts, found, reranked))
+        found = _on_main(first)["found"]
+        found, context = self._in_context(name, budgets, problem, found)
+        payloads, reranked = self._rerank(name, [solution.to_json() for solution in found])
+        return _on_main(lambda: self._save_solutions(name, texts, payloads, reranked, context))
 
     def _save_solutions(
-        self, name: str, texts: list[str], found: list[dict[str, Any]], reranked: dict[str, Any] | None
+        self,
+        name: str,
+        texts: list[str],
+        found: list[dict[str, Any]],
+        reranked: dict[str, Any] | None,
+        context: dict[str, Any] | None,
     ) -> dict[str, Any]:
         """The first `search.solutions` of `found` (solution JSONs, best first) written to
-        solutions/{name}.json, {name}-2.json, ...: {label: its record} (with the re-ranking's record)."""
+        solutions/{name}.json, {name}-2.json, ...: {label: its record}, with the records of the re-ranking
+        (`_rerank`) and of the scores in context (`_in_context`: the rounds of the candidate that went
+        through them, the first before any re-ranking)."""
         settings = self.config.search
         saved: dict[str, Any] = {}
         for index, payload in enumerate(found[: settings.solutions]):
@@ -862,6 +884,8 @@ class Run:
             _log.info("search %s: objective %.6g, %s", label, payload["objective"], payload["totals"])
         if reranked is not None:
             saved[name]["rerank"] = reranked
+        if context is not None and saved:
+            saved[name]["context"] = context
         wanted = max(settings.solutions, settings.rerank)
         if len(found) < wanted:
             _log.warning(
@@ -920,6 +944,106 @@ class Run:
         order = sorted(range(len(found)), key=lambda i: (candidates[i]["measured_kl"], i))
         _log.info("search %s: re-ranking chose candidate %d of %d", name, order[0] + 1, len(found))
         return [found[i] for i in order], {"chosen": order[0] + 1, "candidates": candidates}
+
+    # -- scores in context (search.context_rounds; puzzle.context) ---------------------------------------
+
+    def _in_context(
+        self,
+        name: str,
+        budgets: Sequence[str | DeploymentLimit],
+        problem: RunProblem,
+        found: list[Solution],
+    ) -> tuple[list[Solution], dict[str, Any] | None]:
+        """(the solutions, the rounds' record) after `search.context_rounds` rounds of scores in context on
+        the best one (`puzzle.context`); (found, None) when off. Collective: every rank scores, rank 0 solves.
+
+        Round r scores every candidate in the child of round r - 1 (solutions/context/{name}/round-{r}/),
+        solves on those scores and predicts D(child) + the sum; the rounds stop when the choice repeats (the
+        previous round's, or an earlier one's: a cycle).
+        The kept architecture is the round whose child measured lowest (`puzzle.context.best_round`), with
+        its predicted damage as its objective; the other solutions (`search.solutions`) stay as the first
+        search found them (one equal to the kept one is dropped)."""
+        from puzzle.context import best_round, child_variants, context_candidates, context_damage
+
+        settings = self.config.search
+        if not settings.context_rounds or not found:
+            return found, None
+        parent = self.parent(self.config.scoring.shard)
+        library = read_library(self.layout.library)
+        candidates = problem.candidates
+        solutions = [found[0]]
+        rounds: list[dict[str, Any]] = [{"choices": dict(found[0].names), "predicted": found[0].objective}]
+        for number in range(1, settings.context_rounds + 1):
+            own = child_variants(solutions[-1], candidates)
+            wanted = [
+                Variant(block, spec) for block, specs in enumerate(candidates.variants) for spec in specs
+            ]
+            scores = self._context_scores(name, number, parent, library, own, wanted)
+            rescored, base = context_candidates(candidates, scores.variants, own, settings.objective)
+            rounds[-1]["measured"] = base
+            round_problem = self._problem(budgets, candidates=rescored)
+            solved = _search_on_main(round_problem, settings.solver)
+            solution = dataclasses.replace(solved, objective=base + solved.objective)
+            rounds.append(
+                {"choices": dict(solution.names), "predicted": solution.objective, "sum": solved.objective}
+            )
+            solutions.append(solution)
+            _log.info(
+                "search %s, context round %d: child measured %.6g; re-solved, predicted %.6g",
+                name,
+                number,
+                base,
+                solution.objective,
+            )
+            earlier = [entry for entry in rounds[:-1] if entry["choices"] == rounds[-1]["choices"]]
+            if earlier:  # the choice repeats (the last child's, or a cycle): its child was measured before
+                rounds[-1]["measured"] = earlier[-1]["measured"]
+                break
+        if "measured" not in rounds[-1]:  # the last round's child, measured: its own variants alone
+            own = child_variants(solutions[-1], candidates)
+            scores = self._context_scores(name, len(rounds) - 1, parent, library, own, own[:1], "measured")
+            rounds[-1]["measured"] = context_damage(scores, own, settings.objective)
+        kept = best_round(rounds)
+        best = solutions[kept]
+        others = [solution for solution in found[1:] if solution.names != best.names]
+        return [best, *others], {"rounds": rounds, "kept": kept, "objective": settings.objective}
+
+    def _context_scores(
+        self,
+        name: str,
+        number: int,
+        parent: HybridLM,
+        library: Library,
+        own: list[Variant],
+        wanted: list[Variant],
+        what: str = "round",
+    ) -> Scores:
+        """`wanted` scored in the child whose blocks are `own` (assembled from the library; a collective),
+        into solutions/context/{name}/{what}-{number}/."""
+        choice = {variant.block_index: variant for variant in own}
+        child = assemble_child(choice, library, parent, parent_fp=self.parent_fingerprint())
+        context_fp = fingerprint_json(
+            {"library": self.record("library")["manifest"], "choice": [v.to_dict() for v in own]}
+        )
+        out = self.layout.solutions / "context" / name / f"{what}-{number}"
+        fingerprints = {
+            v: fingerprint_json([r.status, r.file, self._file_fp(library, r)])
+            for v, r in library.results.items()
+            if r.status != "failed"
+        }
+        return score_variants(
+            parent,
+            wanted,
+            self._mixer_source(parent, library),
+            self.held_out_batches(),
+            out,
+            self.config.scoring,
+            data_fingerprint=self._held_out_key(),
+            mixer_fingerprints=fingerprints,
+            parent_fp=self.parent_fingerprint(),
+            context=child,
+            context_fp=context_fp,
+        )
 
     def _solution_json(self, name: str) -> dict[str, Any]:
         return json.loads(self.layout.solution(name).read_text())

@@ -214,6 +214,14 @@ class SearchConfig:
             "budget). 0 or 1: off, the MIP's best is the solution."
         ),
     )
+    context_rounds: int = field(
+        default=0,
+        metadata=doc(
+            "Scores in context: after the first solve, rescore every block's variants in the solved child "
+            "(KL to the parent, relative to the child's own) and solve again, up to this many rounds or until "
+            "the choice repeats; the best measured round's architecture is kept. 0: off."
+        ),
+    )
     shared_state_size: bool = field(
         default=True, metadata=doc("One SSM state size for every Mamba block (serving engines need it).")
     )
@@ -232,6 +240,7 @@ class SearchConfig:
         _at_least(self, "solutions", 1)
         _at_least(self, "min_diff", 1)
         _at_least(self, "rerank", 0)
+        _at_least(self, "context_rounds", 0)
         if self.min_diff > 1 and self.solutions == 1 and self.rerank <= 1:
             raise ConfigError("needs solutions > 1 or rerank > 1 (it spaces the solutions apart)", "min_diff")
         if self.sweep is not None and self.solutions > 1:
