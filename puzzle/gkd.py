@@ -19,7 +19,18 @@ Training: AdamW, linear warm-up then cosine decay to `min_lr_ratio * lr` over th
 schedule, `puzzle.bld.learning_rate`), gradient accumulation over micro-batches, global-norm clipping, bf16
 autocast on CUDA (fp32 master weights by default). A held-out evaluation (KL to the parent, the student's
 and the parent's LM loss, top-1 agreement, cosine term) runs before the first step, every `eval_every`
-steps and at the end. The history of train steps and evaluations is returned and saved.
+steps and at the end. The history of train steps and evaluations is returned and saved. The output is
+the evaluated weights with the lowest held-out KL (`keep_best`; the assembled child's own evaluation, before
+any step, included), so GKD never hands back a child worse on the held-out set than it was given; a host
+copy of each rank's student shard holds the best weights between evaluations. `early_stop_patience`
+evaluations without a lower KL end the run early. The kept step is in history.json (`kept_step`) and the
+manifest's info.
+
+Activation checkpointing (`activation_checkpointing`, on by default): each student block's forward in
+training saves only its input; the backward runs the block again (non-reentrant `torch.utils.checkpoint`;
+under FSDP2 the block's unit all-gathers its weights again for that forward). It costs one more student
+forward per step and gives the same losses and weights; what it saves is every tensor a block keeps for
+its backward (at scale the plan's largest GKD term: `puzzle plan`).
 
 Distributed: each optimiser step takes one global batch of `batch_size` sequences; each rank runs its
 share in micro-batches and the loss is normalised by the global counts, so gradients summed over ranks
@@ -33,7 +44,8 @@ are sharded in place: load fresh copies for later stages (the distilled weights 
 With "none" the models are replicated and the gradients all-reduced.
 
 Resume: every `checkpoint_every` steps the student's weights, AdamW state, step, tokens, data position,
-RNG state and history are written atomically under `<directory>/gkd-checkpoints/` (full tensors, rank 0);
+RNG state, history and best evaluation (with its weights, where they are not the current ones) are written
+atomically under `<directory>/gkd-checkpoints/` (full tensors, rank 0);
 a killed run restarted with the same inputs continues from the last one and produces the same losses and
 final weights as an uninterrupted run. The output goes through `puzzle.artifacts` (stage "gkd"):
 ``student.safetensors`` (the student's `state_dict()`, full tensors; a tied lm_head is stored once, as
@@ -407,7 +419,9 @@ class _State:
     best_weights: dict[str, torch.Tensor] | None = None
 
     def evaluations_since_best(self) -> int:
-        return sum(1 for e in self.history["eval"] if self.best_step is not None and e["step"] > self.best_step)
+        return sum(
+            1 for e in self.history["eval"] if self.best_step is not None and e["step"] > self.best_step
+        )
 
 
 def _record(sums: torch.Tensor, settings: GKDSettings, blocks: int) -> dict[str, float]:
