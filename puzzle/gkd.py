@@ -237,11 +237,20 @@ def _teacher_head(teacher: HybridLM) -> Iterator[torch.Tensor]:
         unit.reshard()
 
 
+def _block_and_cosine(
+    block: nn.Module, s: torch.Tensor, t: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The student block's output for input `s`, and the sum over positions of (1 - cos) between it and the
+    teacher's residual stream `t` after the same block."""
+    s = block(s)
+    return s, (1 - nn.functional.cosine_similarity(s.float(), t.float(), dim=-1)).sum()
+
+
 class _Distiller(nn.Module):
     """The student with the whole distillation loss in its forward (the FSDP root unit under sharding).
 
-    With `checkpointing`, a training forward keeps only each student block's input for the backward, which
-    runs the block again (non-reentrant `torch.utils.checkpoint`: under FSDP2 the block's own unit gathers
+    With `checkpointing`, a training forward keeps only each student block's input and the teacher's
+    residual stream after the block (for the cosine term) for the backward, which runs the block again (non-reentrant `torch.utils.checkpoint`: under FSDP2 the block's own unit gathers
     its weights again for that forward); evaluations run without gradients and never checkpoint."""
 
     def __init__(self, student: HybridLM, checkpointing: bool = False) -> None:
@@ -271,10 +280,13 @@ class _Distiller(nn.Module):
             with torch.no_grad():
                 t = teacher_block(t)
             if train and self.checkpointing and torch.is_grad_enabled():
-                s = torch.utils.checkpoint.checkpoint(student_block, s, use_reentrant=False)
+                # The cosine inside the checkpoint too: its fp32 copies of s and t are not kept either.
+                s, block_cosine = torch.utils.checkpoint.checkpoint(
+                    _block_and_cosine, student_block, s, t, use_reentrant=False
+                )
             else:
-                s = student_block(s)
-            cosine = cosine + (1 - nn.functional.cosine_similarity(s.float(), t.float(), dim=-1)).sum()
+                s, block_cosine = _block_and_cosine(student_block, s, t)
+            cosine = cosine + block_cosine
         n = ids.shape[0] * (ids.shape[1] - 1)
         hidden = student.norm_f(s)[:, :-1].reshape(n, s.shape[-1])
         with torch.no_grad():

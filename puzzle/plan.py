@@ -548,10 +548,10 @@ def _distill(ctx: _Context, problems: list[str]) -> StagePlan:
     student = ParentBytes(int(child * student.sharded), int(child * student.whole), student.largest_unit)
     teacher = ctx.parent(settings.shard)
     saved = sum(block_activation_bytes(b, H, local, train_bytes) for b in spec.blocks)
-    # Per-block checkpointing keeps each block's input (training dtype) and what the cosine term saves: the
-    # teacher's fp32 hidden state and, when training in bf16, the student's fp32 copy; one block's
-    # activations are recomputed at a time in the backward.
-    kept_inputs = len(spec.blocks) * local * H * (train_bytes + FP32 + (FP32 if train_bytes != FP32 else 0))
+    # Per-block checkpointing keeps each student block's input (training dtype) and the teacher's residual
+    # stream after the block (parent dtype, for the cosine term, which is recomputed with the block); one
+    # block's activations are recomputed at a time in the backward.
+    kept_inputs = len(spec.blocks) * local * H * (train_bytes + ctx.dtype_bytes)
     recomputed = ctx.largest_block_activations(local, train_bytes)
     if settings.activation_checkpointing:
         activations = {"saved block inputs": kept_inputs, "recomputed block activations": recomputed}
@@ -588,7 +588,7 @@ def _distill(ctx: _Context, problems: list[str]) -> StagePlan:
             f"AdamW keeps m and v in the training dtype ({settings.dtype}); activations are the parent's "
             "(an upper bound); "
             + (
-                "gkd.activation_checkpointing keeps each block's input (and the cosine term's fp32 states) "
+                "gkd.activation_checkpointing keeps each block's input (and the teacher's stream after it) "
                 f"and recomputes one block's activations at a time: without it they would be {_gib(saved)}, "
                 "all saved for the backward"
                 if settings.activation_checkpointing
