@@ -124,7 +124,8 @@ TrainData = TokenSplit | Sequence[torch.Tensor] | Callable[[], Iterable[torch.Te
 @dataclass
 class GKDResult:
     """What GKD did: where the output is, the steps and tokens trained, and the history
-    ({"train": one record per step, "eval": one record per evaluation}, as in history.json)."""
+    ({"train": one record per step, "eval": one record per evaluation, "kept_step": the step whose weights
+    are the output, and "stopped_early_at" where early stopping ended the run}, as in history.json)."""
 
     directory: Path
     steps: int
@@ -676,8 +677,9 @@ def distill(
     `teacher_fp` names the teacher for those checks (`puzzle.Run` passes its parent's fingerprint, from
     its files); default `fingerprint_model(teacher)`, which gathers a sharded teacher's every tensor.
 
-    At the end the student holds the distilled weights (DTensor shards under FSDP: use `load_distilled` for
-    a plain copy). A finished output of the same inputs is loaded into the student and returned without
+    At the end the student holds the distilled weights, the evaluated ones with the lowest held-out KL with
+    `settings.keep_best` (`GKDResult.kept_step`; DTensor shards under FSDP: use `load_distilled` for a
+    plain copy). A finished output of the same inputs is loaded into the student and returned without
     work; a checkpoint of the same inputs is resumed. Collective under torch.distributed (every rank passes
     the same arguments).
     """
