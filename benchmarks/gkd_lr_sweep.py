@@ -4,7 +4,7 @@ the best one and the step `keep_best` keeps.
 
 Run: `puzzle demo --quick --out DIR` first, then
 `PYTHONPATH=. python benchmarks/gkd_lr_sweep.py DIR [--lr 1e-4 5e-4 2e-3] [--seed 0]`.
-Writes DIR/gkd-sweep/sweep.json (one GKD output per child and learning rate under DIR/gkd-sweep/) and prints
+Writes DIR/gkd-sweep/sweep-seed{SEED}.json (one GKD output per child and learning rate under DIR/gkd-sweep/) and prints
 a markdown table.
 """
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
-    out = args.run_dir / "gkd-sweep" / "sweep.json"
+    out = args.run_dir / "gkd-sweep" / f"sweep-seed{args.seed}.json"
     out.write_text(json.dumps({"lrs": args.lr, "seed": args.seed, "rows": rows}, indent=2) + "\n")
     print("| child | lr | KL before | KL at each evaluation | kept step | kept KL |")
     print("|---|---:|---:|---|---:|---:|")
