@@ -133,13 +133,20 @@ def _quality(record: Mapping[str, Any], run: Mapping[str, Any] | None) -> list[s
     before = (record.get("measured") or {}).get("kl")
     lines = ["## Quality", ""]
     if distill:
-        first, last = distill.get("first_eval") or {}, distill.get("last_eval") or {}
+        first = distill.get("first_eval") or {}
+        last = distill.get("kept_eval") or distill.get("last_eval") or {}  # the weights kept
+        kept = distill.get("kept_step")
+        kept_note = (
+            ""
+            if kept is None or kept == distill.get("steps")
+            else f"; step {kept} kept, the best held-out KL"
+        )
         before = first.get("kl") if before is None else before  # the assembled child's measured KL first
         lines += [
             "| held-out KL(parent ‖ child), nats/token | value |",
             "|---|---:|",
             f"| before GKD (assembled) | {_figure(before)} |",
-            f"| after GKD ({distill.get('steps', '-')} steps, {distill.get('tokens', '-')} tokens) "
+            f"| after GKD ({distill.get('steps', '-')} steps, {distill.get('tokens', '-')} tokens{kept_note}) "
             f"| {_figure(last.get('kl'))} |",
         ]
         weights = "distilled (GKD)" if (run or {}).get("source") == "distill" else "assembled, not distilled"

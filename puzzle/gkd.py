@@ -19,7 +19,18 @@ Training: AdamW, linear warm-up then cosine decay to `min_lr_ratio * lr` over th
 schedule, `puzzle.bld.learning_rate`), gradient accumulation over micro-batches, global-norm clipping, bf16
 autocast on CUDA (fp32 master weights by default). A held-out evaluation (KL to the parent, the student's
 and the parent's LM loss, top-1 agreement, cosine term) runs before the first step, every `eval_every`
-steps and at the end. The history of train steps and evaluations is returned and saved.
+steps and at the end. The history of train steps and evaluations is returned and saved. The output is
+the evaluated weights with the lowest held-out KL (`keep_best`; the assembled child's own evaluation, before
+any step, included), so GKD never hands back a child worse on the held-out set than it was given; a host
+copy of each rank's student shard holds the best weights between evaluations. `early_stop_patience`
+evaluations without a lower KL end the run early. The kept step is in history.json (`kept_step`) and the
+manifest's info.
+
+Activation checkpointing (`activation_checkpointing`, on by default): each student block's forward in
+training saves only its input; the backward runs the block again (non-reentrant `torch.utils.checkpoint`;
+under FSDP2 the block's unit all-gathers its weights again for that forward). It costs one more student
+forward per step and gives the same losses and weights; what it saves is every tensor a block keeps for
+its backward (at scale the plan's largest GKD term: `puzzle plan`).
 
 Distributed: each optimiser step takes one global batch of `batch_size` sequences; each rank runs its
 share in micro-batches and the loss is normalised by the global counts, so gradients summed over ranks
@@ -33,7 +44,8 @@ are sharded in place: load fresh copies for later stages (the distilled weights 
 With "none" the models are replicated and the gradients all-reduced.
 
 Resume: every `checkpoint_every` steps the student's weights, AdamW state, step, tokens, data position,
-RNG state and history are written atomically under `<directory>/gkd-checkpoints/` (full tensors, rank 0);
+RNG state, history and best evaluation (with its weights, where they are not the current ones) are written
+atomically under `<directory>/gkd-checkpoints/` (full tensors, rank 0);
 a killed run restarted with the same inputs continues from the last one and produces the same losses and
 final weights as an uninterrupted run. The output goes through `puzzle.artifacts` (stage "gkd"):
 ``student.safetensors`` (the student's `state_dict()`, full tensors; a tied lm_head is stored once, as
@@ -44,6 +56,7 @@ same inputs is reused without work.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import shutil
 import time
@@ -54,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -97,6 +111,8 @@ WEIGHTS_FILE = "student.safetensors"
 HISTORY_FILE = "history.json"
 CHECKPOINT_DIR = "gkd-checkpoints"
 
+_log = logging.getLogger(__name__)
+
 # Rows of a step's fp64 sums: the head's (puzzle.logits: KL_SUM .. POSITIONS), then the cosine term's sum
 # and the tokens it is over.
 _COSINE_SUM, _TOKENS = NUM_HEAD_SUMS, NUM_HEAD_SUMS + 1
@@ -108,13 +124,24 @@ TrainData = TokenSplit | Sequence[torch.Tensor] | Callable[[], Iterable[torch.Te
 @dataclass
 class GKDResult:
     """What GKD did: where the output is, the steps and tokens trained, and the history
-    ({"train": one record per step, "eval": one record per evaluation}, as in history.json)."""
+    ({"train": one record per step, "eval": one record per evaluation, "kept_step": the step whose weights
+    are the output, and "stopped_early_at" where early stopping ended the run}, as in history.json)."""
 
     directory: Path
     steps: int
     tokens: int
-    history: dict[str, list[dict[str, Any]]]
+    history: dict[str, Any]
     resumed_from: int | None = None  # the checkpoint's step when this call resumed an interrupted run
+
+    @property
+    def kept_step(self) -> int:
+        """The step whose weights are the output: the best held-out KL's (`keep_best`), else the last."""
+        return int(self.history.get("kept_step", self.steps))
+
+    @property
+    def kept_eval(self) -> dict[str, Any]:
+        """The evaluation of the output's weights."""
+        return next(e for e in self.history["eval"] if e["step"] == self.kept_step)
 
     @property
     def weights_path(self) -> Path:
@@ -211,12 +238,26 @@ def _teacher_head(teacher: HybridLM) -> Iterator[torch.Tensor]:
         unit.reshard()
 
 
-class _Distiller(nn.Module):
-    """The student with the whole distillation loss in its forward (the FSDP root unit under sharding)."""
+def _block_and_cosine(
+    block: nn.Module, s: torch.Tensor, t: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The student block's output for input `s`, and the sum over positions of (1 - cos) between it and the
+    teacher's residual stream `t` after the same block."""
+    s = block(s)
+    return s, (1 - nn.functional.cosine_similarity(s.float(), t.float(), dim=-1)).sum()
 
-    def __init__(self, student: HybridLM) -> None:
+
+class _Distiller(nn.Module):
+    """The student with the whole distillation loss in its forward (the FSDP root unit under sharding).
+
+    With `checkpointing`, a training forward keeps only each student block's input and the teacher's
+    residual stream after the block (for the cosine term) for the backward, which runs the block again (non-reentrant `torch.utils.checkpoint`: under FSDP2 the block's own unit gathers
+    its weights again for that forward); evaluations run without gradients and never checkpoint."""
+
+    def __init__(self, student: HybridLM, checkpointing: bool = False) -> None:
         super().__init__()
         self.student = student
+        self.checkpointing = checkpointing
 
     def forward(
         self,
@@ -239,8 +280,14 @@ class _Distiller(nn.Module):
         for teacher_block, student_block in zip(teacher.layers, student.layers):
             with torch.no_grad():
                 t = teacher_block(t)
-            s = student_block(s)
-            cosine = cosine + (1 - nn.functional.cosine_similarity(s.float(), t.float(), dim=-1)).sum()
+            if train and self.checkpointing and torch.is_grad_enabled():
+                # The cosine inside the checkpoint too: its fp32 copies of s and t are not kept either.
+                s, block_cosine = torch.utils.checkpoint.checkpoint(
+                    _block_and_cosine, student_block, s, t, use_reentrant=False
+                )
+            else:
+                s, block_cosine = _block_and_cosine(student_block, s, t)
+            cosine = cosine + block_cosine
         n = ids.shape[0] * (ids.shape[1] - 1)
         hidden = student.norm_f(s)[:, :-1].reshape(n, s.shape[-1])
         with torch.no_grad():
@@ -378,6 +425,16 @@ class _State:
     history: dict[str, list[dict[str, Any]]] = dataclasses.field(
         default_factory=lambda: {"train": [], "eval": []}
     )
+    # The evaluation with the lowest held-out KL so far (`keep_best`) and this rank's part of its weights,
+    # copied to the host.
+    best_step: int | None = None
+    best_kl: float = math.inf
+    best_weights: dict[str, torch.Tensor] | None = None
+
+    def evaluations_since_best(self) -> int:
+        return sum(
+            1 for e in self.history["eval"] if self.best_step is not None and e["step"] > self.best_step
+        )
 
 
 def _record(sums: torch.Tensor, settings: GKDSettings, blocks: int) -> dict[str, float]:
@@ -469,6 +526,55 @@ def _evaluate(
     return _record(sums.cpu(), settings, blocks)
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _snapshot(student: HybridLM) -> dict[str, torch.Tensor]:
+    """This rank's part of each student tensor (its shard under FSDP), copied to the host; a tied lm_head once.
+    Local: no collective, and the host holds 1/world of the student per rank."""
+    state = student.state_dict()
+    if _tied(student):
+        state.pop("lm_head.weight", None)
+    return {k: _local(v).detach().to("cpu", copy=True) for k, v in state.items()}
+
+
+@torch.no_grad()
+def _restore(student: HybridLM, snapshot: Mapping[str, torch.Tensor]) -> None:
+    """Copy a `_snapshot` back into the student's tensors (this rank's shards), in place."""
+    state = student.state_dict()
+    for name, value in snapshot.items():
+        _local(state[name]).copy_(value)
+
+
+def _gather_snapshot(student: HybridLM, snapshot: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A `_snapshot`'s full tensors on the CPU, laid out as the student's (a collective under FSDP)."""
+    state, full = student.state_dict(), {}
+    for name, value in snapshot.items():
+        reference = state[name]
+        if isinstance(reference, DTensor):
+            value = DTensor.from_local(
+                value.to(device=reference.device, dtype=reference.dtype),
+                reference.device_mesh,
+                reference.placements,
+                run_check=False,
+                shape=reference.shape,
+                stride=reference.stride(),
+            )
+        full[name] = shard.full(value)
+    return full
+
+
+def _note_evaluation(state: _State, student: HybridLM, settings: GKDSettings) -> None:
+    """After the evaluation just appended to the history: is it the best so far (lowest held-out KL)? Then
+    its step, KL and (with `keep_best`) a host copy of the weights become the best."""
+    evaluation = state.history["eval"][-1]
+    kl = float(evaluation["kl"])
+    if state.best_step is None or kl < state.best_kl:
+        state.best_step, state.best_kl = int(evaluation["step"]), kl
+        state.best_weights = _snapshot(student) if settings.keep_best else None
+
+
 def _checkpoint_dir(directory: Path) -> Path:
     return directory / CHECKPOINT_DIR
 
@@ -487,21 +593,29 @@ def _save_checkpoint(
     tensors["rng/cpu"] = torch.get_rng_state()
     if torch.cuda.is_available():
         tensors["rng/cuda"] = torch.cuda.get_rng_state()
+    if state.best_weights is not None and state.best_step != state.step:  # else the params are the best
+        tensors.update({f"best/{k}": v for k, v in _gather_snapshot(student, state.best_weights).items()})
     record = {
         "inputs": dict(inputs),
         "step": state.step,
         "tokens": state.tokens,
         "position": state.position,
         "history": state.history,
+        "best": {"step": state.best_step, "kl": state.best_kl},
     }
     name = f"step{state.step}.safetensors"
     write_checkpoint(_checkpoint_dir(directory), "checkpoint.json", name, tensors, record)
 
 
 def _load_checkpoint(
-    directory: Path, student: HybridLM, optimizer: torch.optim.Optimizer, inputs: Mapping[str, str]
+    directory: Path,
+    student: HybridLM,
+    optimizer: torch.optim.Optimizer,
+    inputs: Mapping[str, str],
+    settings: GKDSettings,
 ) -> _State | None:
-    """The state of the last checkpoint of a run with these inputs (weights and AdamW restored), else None."""
+    """The state of the last checkpoint of a run with these inputs (weights, AdamW and the best evaluation's
+    weights restored), else None."""
     found = read_checkpoint(_checkpoint_dir(directory), "checkpoint.json", inputs)
     if found is None:
         return None
@@ -512,7 +626,26 @@ def _load_checkpoint(
     torch.set_rng_state(tensors["rng/cpu"])
     if "rng/cuda" in tensors and torch.cuda.is_available():
         torch.cuda.set_rng_state(tensors["rng/cuda"])
-    return _State(int(record["step"]), int(record["tokens"]), record["position"], record["history"])
+    state = _State(int(record["step"]), int(record["tokens"]), record["position"], record["history"])
+    state.best_step, state.best_kl = int(record["best"]["step"]), float(record["best"]["kl"])
+    if settings.keep_best:
+        best = {k[len("best/") :]: v for k, v in tensors.items() if k.startswith("best/")}
+        if best:  # the best evaluation's weights, laid out (sharded) as the student's
+            current = student.state_dict()
+            _check_names(best, params, str(path))
+            best = {k: shard.like(v, current[k]) for k, v in best.items()}
+            state.best_weights = {k: _local(v).detach().to("cpu", copy=True) for k, v in best.items()}
+        else:  # the checkpoint was written at the best evaluation's step
+            state.best_weights = _snapshot(student)
+    return state
+
+
+def _check_names(best: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor], source: str) -> None:
+    if set(best) != set(params):
+        raise ArtifactError(
+            f"{source}: the best checkpoint's tensors are not the student's "
+            f"(missing {sorted(set(params) - set(best))}, unexpected {sorted(set(best) - set(params))})"
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -544,8 +677,9 @@ def distill(
     `teacher_fp` names the teacher for those checks (`puzzle.Run` passes its parent's fingerprint, from
     its files); default `fingerprint_model(teacher)`, which gathers a sharded teacher's every tensor.
 
-    At the end the student holds the distilled weights (DTensor shards under FSDP: use `load_distilled` for
-    a plain copy). A finished output of the same inputs is loaded into the student and returned without
+    At the end the student holds the distilled weights, the evaluated ones with the lowest held-out KL with
+    `settings.keep_best` (`GKDResult.kept_step`; DTensor shards under FSDP: use `load_distilled` for a
+    plain copy). A finished output of the same inputs is loaded into the student and returned without
     work; a checkpoint of the same inputs is resumed. Collective under torch.distributed (every rank passes
     the same arguments).
     """
@@ -584,7 +718,7 @@ def distill(
     teacher.eval().requires_grad_(False)
     device = teacher.embeddings.weight.device
     student.to(device=device, dtype=settings.torch_dtype).train().requires_grad_(True)
-    distiller = _Distiller(student)
+    distiller = _Distiller(student, settings.activation_checkpointing)
     if shard.active(settings.shard):
         shard.shard_parent(teacher)
         _shard_student(distiller)
@@ -605,7 +739,7 @@ def distill(
         min_lr_ratio=settings.min_lr_ratio,
     )
 
-    state = _load_checkpoint(directory, student, optimizer, inputs)
+    state = _load_checkpoint(directory, student, optimizer, inputs, settings)
     resumed_from = None
     if state is not None:
         resumed_from = announce_resume(f"GKD in {directory}", state.step, state.tokens)
@@ -617,13 +751,15 @@ def distill(
         state.history["eval"].append(
             {"step": 0, "tokens": 0, **_evaluate(distiller, teacher, held, settings, micro)}
         )
+        _note_evaluation(state, student, settings)
 
     resumed_note = f" (resumed at step {resumed_from})" if resumed_from is not None else ""
     bar = progress_bar(f"GKD{resumed_note}", total=int(total), unit="tok")
     bar.update(state.tokens)
     started, start_tokens = time.perf_counter(), state.tokens
+    stopped_early = _patience_spent(state, settings)
     for rows, position in stream.iterate(state.position):
-        if state.tokens + tokens_per_step > total:
+        if stopped_early or state.tokens + tokens_per_step > total:
             break
         lr = learning_rate(schedule, state.tokens)
         record = _train_step(distiller, teacher, optimizer, rows, lr, settings, micro)
@@ -637,6 +773,8 @@ def distill(
         if settings.eval_every and state.step % settings.eval_every == 0:
             evaluation = _evaluate(distiller, teacher, held, settings, micro)
             state.history["eval"].append({"step": state.step, "tokens": state.tokens, **evaluation})
+            _note_evaluation(state, student, settings)
+            stopped_early = _patience_spent(state, settings)
         if settings.checkpoint_every and state.step % settings.checkpoint_every == 0:
             _save_checkpoint(directory, state, student, optimizer, inputs)
         if callback is not None:
@@ -645,12 +783,42 @@ def distill(
     if state.history["eval"][-1]["step"] != state.step:
         evaluation = _evaluate(distiller, teacher, held, settings, micro)
         state.history["eval"].append({"step": state.step, "tokens": state.tokens, **evaluation})
+        _note_evaluation(state, student, settings)
 
+    kept = state.step
+    if settings.keep_best and state.best_weights is not None:
+        kept = int(state.best_step)
+        if kept != state.step:
+            _restore(student, state.best_weights)
+    history = {**state.history, "kept_step": kept}
+    if stopped_early:
+        history["stopped_early_at"] = state.step
+        _log.info(
+            "GKD in %s: stopped at step %d, %d evaluations after the best (step %d)",
+            directory,
+            state.step,
+            settings.early_stop_patience,
+            state.best_step,
+        )
     weights = _full_state(student)
-    outputs = {WEIGHTS_FILE: safetensors_writer(weights), HISTORY_FILE: json_writer(state.history)}
-    info = {"steps": state.step, "tokens": state.tokens, "final_eval": state.history["eval"][-1]}
+    outputs = {WEIGHTS_FILE: safetensors_writer(weights), HISTORY_FILE: json_writer(history)}
+    info = {
+        "steps": state.step,
+        "tokens": state.tokens,
+        "final_eval": state.history["eval"][-1],
+        "kept_step": kept,
+        "kept_eval": next(e for e in state.history["eval"] if e["step"] == kept),
+        "stopped_early": stopped_early,
+    }
     artifact.write(inputs, outputs, info)
     if dist.is_main():
         shutil.rmtree(_checkpoint_dir(directory), ignore_errors=True)
     dist.barrier()
-    return GKDResult(directory, state.step, state.tokens, state.history, resumed_from)
+    return GKDResult(directory, state.step, state.tokens, history, resumed_from)
+
+
+def _patience_spent(state: _State, settings: GKDSettings) -> bool:
+    """Early stopping: `early_stop_patience` evaluations since the best one (never when it is 0)."""
+    return bool(settings.early_stop_patience) and (
+        state.evaluations_since_best() >= settings.early_stop_patience
+    )

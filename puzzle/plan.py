@@ -538,9 +538,15 @@ def _distill(ctx: _Context, problems: list[str]) -> StagePlan:
     student = ParentBytes(int(child * student.sharded), int(child * student.whole), student.largest_unit)
     teacher = ctx.parent(settings.shard)
     saved = sum(block_activation_bytes(b, H, local, train_bytes) for b in spec.blocks)
-    checkpointed = len(spec.blocks) * local * H * train_bytes + ctx.largest_block_activations(
-        local, train_bytes
-    )
+    # Per-block checkpointing keeps each student block's input (training dtype) and the teacher's residual
+    # stream after the block (parent dtype, for the cosine term, which is recomputed with the block); one
+    # block's activations are recomputed at a time in the backward.
+    kept_inputs = len(spec.blocks) * local * H * (train_bytes + ctx.dtype_bytes)
+    recomputed = ctx.largest_block_activations(local, train_bytes)
+    if settings.activation_checkpointing:
+        activations = {"saved block inputs": kept_inputs, "recomputed block activations": recomputed}
+    else:
+        activations = {"saved activations": saved}
     memory = {
         "teacher shard": teacher.sharded,
         "student shard": student.sharded,
@@ -548,7 +554,7 @@ def _distill(ctx: _Context, problems: list[str]) -> StagePlan:
         "AdamW m and v": 2 * student.sharded,
         "gathered unit": max(teacher.largest_unit, student.largest_unit),
         "whole lm_head": spec.vocab_size * H * train_bytes if world > 1 else 0,
-        "saved activations": saved,
+        **activations,
         "logits chunks": GKD_LOGIT_BUFFERS * FP32 * local * settings.vocab_chunk
         + 2 * local * H * train_bytes,
     }
@@ -556,7 +562,8 @@ def _distill(ctx: _Context, problems: list[str]) -> StagePlan:
     tokens = settings.token_budget
     if settings.steps is not None:
         tokens = settings.steps * step_tokens if tokens is None else min(tokens, settings.steps * step_tokens)
-    flops = solutions * tokens * (3 * child + 1) * forward_flops_per_token(spec, ctx.seq_len)
+    student_passes = 4 if settings.activation_checkpointing else 3  # checkpointing runs each block again
+    flops = solutions * tokens * (student_passes * child + 1) * forward_flops_per_token(spec, ctx.seq_len)
     checkpoint = 3 * child * model_params(spec) * train_bytes
     return StagePlan(
         "distill",
@@ -569,11 +576,18 @@ def _distill(ctx: _Context, problems: list[str]) -> StagePlan:
         notes=[
             _child_note(child),
             f"AdamW keeps m and v in the training dtype ({settings.dtype}); activations are the parent's "
-            "(an upper bound), all saved for the backward: GKD has no activation checkpointing (with "
-            f"per-block checkpointing they would be about {_gib(checkpointed)}: each block's input, and one "
-            "block's activations recomputed at a time)",
-            "FLOPs: student forward + backward (3x, scaled by the child's share) and teacher forward (1x) "
-            "per token; evaluations excluded",
+            "(an upper bound); "
+            + (
+                "gkd.activation_checkpointing keeps each block's input (and the teacher's stream after it) "
+                f"and recomputes one block's activations at a time: without it they would be {_gib(saved)}, "
+                "all saved for the backward"
+                if settings.activation_checkpointing
+                else f"all saved for the backward (gkd.activation_checkpointing would make them about "
+                f"{_gib(kept_inputs + recomputed)}: each block's input, one block's activations at a time)"
+            ),
+            f"FLOPs: student forward + backward ({student_passes}x with "
+            f"activation_checkpointing={settings.activation_checkpointing}, scaled by the child's share) and "
+            "teacher forward (1x) per token; evaluations excluded",
         ],
     )
 

@@ -507,7 +507,13 @@ def _gkd(report: _Report, layout: RunLayout, names: list[str]) -> None:
         train = history.get("train", []) if isinstance(history, dict) else []
         shown = evals if len(evals) <= GKD_EVAL_ROWS else [evals[0], evals[-1]]
         which = "" if shown is evals else " (the first and the last below)"
-        report.add(f"### {name}", "", f"{len(train)} training steps, {len(evals)} evaluations{which}.", "")
+        kept = history.get("kept_step") if isinstance(history, dict) else None
+        kept_note = "" if kept is None else f" The weights kept are step {kept}'s (the lowest held-out KL)."
+        if isinstance(history, dict) and history.get("stopped_early_at") is not None:
+            kept_note += f" Stopped early at step {history['stopped_early_at']}."
+        report.add(
+            f"### {name}", "", f"{len(train)} training steps, {len(evals)} evaluations{which}.{kept_note}", ""
+        )
         if evals:
             keys = sorted(_numeric_series(evals))
             report.add(

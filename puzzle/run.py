@@ -1183,16 +1183,20 @@ class Run:
         if result.resumed_from is not None:
             self._resumed.setdefault("distill", []).append(f"{name} from step {result.resumed_from}")
         _log.info(
-            "distill %s: KL %.6g -> %.6g",
+            "distill %s: KL %.6g -> %.6g (kept step %d of %d)",
             name,
             result.first_eval.get("kl", math.nan),
-            result.last_eval.get("kl", math.nan),
+            result.kept_eval.get("kl", math.nan),
+            result.kept_step,
+            result.steps,
         )
         return {
             "steps": result.steps,
             "tokens": result.tokens,
             "first_eval": result.first_eval,
             "last_eval": result.last_eval,
+            "kept_step": result.kept_step,  # the weights distilled: the best held-out KL's step
+            "kept_eval": result.kept_eval,
             "manifest": self._manifest_fp(self.layout.child(name), "gkd"),
         }
 

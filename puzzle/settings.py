@@ -143,7 +143,12 @@ class GKDSettings:
     `checkpoint_every`: steps between checkpoints (0 = never); `seed`: seeds torch and the order of a
     `TokenSplit`'s batches; `dtype`: the student's training dtype ("float32" or "bfloat16"); `autocast`:
     bf16 autocast on CUDA; `shard`: "fsdp" shards student and teacher over the ranks with FSDP2, "none"
-    replicates them (no effect in a single process).
+    replicates them (no effect in a single process); `keep_best`: the output is the evaluated checkpoint
+    with the lowest held-out KL, the child before any step included (so GKD never returns a child worse on
+    the held-out set than it was given), not the last one; it costs a host copy of each rank's student
+    shard; `early_stop_patience`: stop after this many evaluations without a lower held-out KL (0 = never);
+    `activation_checkpointing`: keep only each student block's input for the backward and recompute the
+    block's activations there (one more student forward per step; the same result).
     """
 
     lr: float = 1e-5
@@ -166,6 +171,9 @@ class GKDSettings:
     dtype: str = "float32"
     autocast: bool = True
     shard: str = "fsdp"
+    keep_best: bool = True
+    early_stop_patience: int = 0
+    activation_checkpointing: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
@@ -183,7 +191,7 @@ class GKDSettings:
             )
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ValueError(f"GKDSettings.betas must be two numbers in [0, 1), found {self.betas!r}")
-        for name in ("warmup_tokens", "eval_every", "checkpoint_every", "seed"):
+        for name in ("warmup_tokens", "eval_every", "checkpoint_every", "seed", "early_stop_patience"):
             value = getattr(self, name)
             if not is_int(value) or value < 0:
                 raise ValueError(f"GKDSettings.{name} must be an integer >= 0, found {value!r}")
@@ -193,6 +201,11 @@ class GKDSettings:
                 raise ValueError(f"GKDSettings.{name} must be an integer >= 1 or None, found {value!r}")
         if self.token_budget is None and self.steps is None:
             raise ValueError("GKDSettings: token_budget and steps are both None: set at least one")
+        if self.early_stop_patience and not self.eval_every:
+            raise ValueError(
+                f"GKDSettings.early_stop_patience ({self.early_stop_patience}) counts evaluations: it needs "
+                "eval_every > 0, found 0"
+            )
         for name in ("batch_size", "vocab_chunk"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:

@@ -5,6 +5,7 @@ replicated with gradient accumulation) give the 1-process run."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -15,7 +16,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from gkd_helpers import KILL_AT, child_spec, held_out, load_setup, save_setup, settings, train_split
+from gkd_helpers import (
+    KILL_AT,
+    TOO_HIGH_LR,
+    child_spec,
+    held_out,
+    load_setup,
+    near_lossless,
+    save_setup,
+    settings,
+    train_split,
+)
 from gloo_helpers import gloo_rank, spawn_ranks
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
@@ -208,12 +219,143 @@ def test_a_resumed_run_says_from_which_step(uninterrupted, setup, tmp_path, capl
     assert f"GKD in {tmp_path / 'gkd'}: resuming from step 6 ({tokens} tokens trained before" in caplog.text
 
 
+def _held_out_kl(student: HybridLM, parent: HybridLM) -> float:
+    """The full-vocabulary held-out KL of `student` (the oracle of the evaluations)."""
+    with torch.no_grad():
+        oracles = [_full_vocabulary(student, parent, ids) for ids in held_out()]
+    return sum(float(o["kl"]) for o in oracles) / len(oracles)
+
+
+def test_a_near_lossless_child_with_a_too_high_learning_rate_does_not_come_out_worse(setup, tmp_path):
+    parent, _ = load_setup(setup)
+    fast = settings(lr=TOO_HIGH_LR)
+    last = distill(
+        near_lossless(parent),
+        parent,
+        train_split(),
+        held_out(),
+        dataclasses.replace(fast, keep_best=False),
+        tmp_path / "last",
+    )
+    initial = last.first_eval["kl"]
+    assert 1e-5 < initial < 1e-3 and last.last_eval["kl"] > 2 * initial  # the last checkpoint is worse
+    assert (
+        last.kept_step == 24
+        and _held_out_kl(load_distilled(tmp_path / "last", HybridLM(parent.spec)), parent) > 2 * initial
+    )
+
+    student = near_lossless(parent)
+    best = distill(student, parent, train_split(), held_out(), fast, tmp_path / "best")
+    assert best.history["eval"] == last.history["eval"]  # the same training; only the output differs
+    assert best.kept_step == 0 and best.kept_eval == best.first_eval
+    saved = load_distilled(tmp_path / "best", HybridLM(parent.spec))
+    assert _held_out_kl(saved, parent) == pytest.approx(initial, rel=1e-3)  # what went in (a small KL: rel)
+    for name, value in near_lossless(parent).state_dict().items():
+        assert torch.equal(saved.state_dict()[name], value), name
+        assert torch.equal(student.state_dict()[name], value), name  # the student in memory too
+    manifest = json.loads((tmp_path / "best" / "gkd.manifest.json").read_text())
+    assert (
+        manifest["info"]["kept_step"] == 0
+        and json.loads((tmp_path / "best" / HISTORY_FILE).read_text())["kept_step"] == 0
+    )
+
+
+def test_the_best_evaluation_survives_a_resume(setup, tmp_path):
+    """Killed at step 10 (last checkpoint: step 9, best: step 0, two evaluations later), the resumed run still
+    returns the step-0 weights, and equals the uninterrupted run."""
+    parent, _ = load_setup(setup)
+    fast = settings(lr=TOO_HIGH_LR)
+    uninterrupted = distill(
+        near_lossless(parent), parent, train_split(), held_out(), fast, tmp_path / "whole"
+    )
+    assert uninterrupted.kept_step == 0
+
+    def crash(step: int, record: dict) -> None:
+        if step == 10:
+            raise _Crash
+
+    with pytest.raises(_Crash):
+        distill(
+            near_lossless(parent), parent, train_split(), held_out(), fast, tmp_path / "gkd", callback=crash
+        )
+    checkpoint = json.loads((tmp_path / "gkd" / CHECKPOINT_DIR / "checkpoint.json").read_text())
+    assert checkpoint["step"] == 9 and checkpoint["best"]["step"] == 0
+    resumed = distill(near_lossless(parent), parent, train_split(), held_out(), fast, tmp_path / "gkd")
+    assert resumed.resumed_from == 9 and resumed.history == uninterrupted.history
+    expected, got = (
+        load_file(str(tmp_path / "whole" / WEIGHTS_FILE)),
+        load_file(str(tmp_path / "gkd" / WEIGHTS_FILE)),
+    )
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
+def test_early_stopping_ends_the_run_after_the_patience_and_keeps_the_best(setup, tmp_path):
+    parent, _ = load_setup(setup)
+    result = distill(
+        near_lossless(parent),
+        parent,
+        train_split(),
+        held_out(),
+        settings(lr=TOO_HIGH_LR, early_stop_patience=2),
+        tmp_path,
+    )
+    assert result.steps == 16 and [e["step"] for e in result.history["eval"]] == [0, 8, 16]
+    assert result.kept_step == 0 and result.history["stopped_early_at"] == 16
+
+
+def test_activation_checkpointing_gives_the_same_run(uninterrupted, setup, tmp_path):
+    """The reference run checkpoints each block (the default); without it, every loss and weight is the same
+    up to float summation order."""
+    result, output = uninterrupted
+    assert settings().activation_checkpointing
+    parent, child = load_setup(setup)
+    plain = distill(
+        child, parent, train_split(), held_out(), settings(activation_checkpointing=False), tmp_path
+    )
+    for kind in ("train", "eval"):
+        for got, want in zip(plain.history[kind], result.history[kind], strict=True):
+            for key, value in want.items():
+                assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), (kind, got["step"], key)
+    expected, got = load_file(str(output / WEIGHTS_FILE)), load_file(str(tmp_path / WEIGHTS_FILE))
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def saved_bytes(distiller: _Distiller, teacher: HybridLM, ids: torch.Tensor) -> int:
+    """Bytes of the distinct tensors one training forward saves for its backward (outside checkpointed blocks,
+    whose saved tensors are recomputed), the forward's loss backpropagated after the count."""
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    scales = _scales(settings(), ids.shape[0], ids.shape[1], len(distiller.student.layers))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss, _ = distiller(ids, teacher, scales, 16, True)
+    loss.backward()
+    return sum(storages.values())
+
+
+def test_activation_checkpointing_saves_only_the_block_inputs(setup):
+    parent, child = load_setup(setup)
+    ids = torch.cat(held_out())
+    plain = saved_bytes(_Distiller(child.train().requires_grad_(True), False), parent, ids)
+    checkpointed = saved_bytes(_Distiller(child, True), parent, ids)
+    assert checkpointed < 0.5 * plain, (checkpointed, plain)
+
+
 def _worker(rank: int, world: int, port: int, setup: str, output: str) -> None:
     with gloo_rank(rank, world, port):
         # FSDP2 over a TokenSplit; the first attempt dies after step 8 (both ranks), the second resumes from the
         # step-6 checkpoint (sharded weights and AdamW moments reloaded).
         def crash(step: int, record: dict) -> None:
             if step == 8:
+                raise _Crash
+
+        def crash10(step: int, record: dict) -> None:
+            if step == 10:
                 raise _Crash
 
         parent, child = load_setup(Path(setup))
@@ -229,6 +371,22 @@ def _worker(rank: int, world: int, port: int, setup: str, output: str) -> None:
         local = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in child.parameters())
         full = sum(p.numel() for p in child.parameters())
         Path(f"{output}/rank{rank}.json").write_text(json.dumps({"local": local, "full": full}))
+        # FSDP, a near-lossless child made worse by a too-high learning rate, killed two evaluations after the
+        # best (step 0) and resumed from step 9: the sharded best weights survive the checkpoint.
+        fast = settings(lr=TOO_HIGH_LR)
+        parent, _ = load_setup(Path(setup))
+        with pytest.raises(_Crash):
+            distill(
+                near_lossless(parent),
+                parent,
+                train_split(),
+                held_out(),
+                fast,
+                Path(output) / "best",
+                callback=crash10,
+            )
+        parent, _ = load_setup(Path(setup))
+        distill(near_lossless(parent), parent, train_split(), held_out(), fast, Path(output) / "best")
         # Replicated, over the same global batches given as tensors (each rank takes its rows), each rank's 2
         # sequences in 2 micro-batches (gradient accumulation).
         batches = list(train_split().batches(4, seed=0, rank=0, world=1, epochs=2))
@@ -250,6 +408,12 @@ def test_two_gloo_ranks_give_the_single_process_run(uninterrupted, setup, tmp_pa
     for rank in range(2):  # FSDP sharded the student: each rank holds about half of it
         numels = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert numels["local"] < 0.6 * numels["full"], numels
+    history = json.loads((tmp_path / "best" / HISTORY_FILE).read_text())
+    assert history["kept_step"] == 0 and history["eval"][-1]["kl"] > 2 * history["eval"][0]["kl"]
+    parent, _ = load_setup(setup)
+    best = load_file(str(tmp_path / "best" / WEIGHTS_FILE))
+    for name, value in near_lossless(parent).state_dict().items():
+        assert torch.equal(best[name], value), name
     expected = load_file(str(output / WEIGHTS_FILE))
     for mode in ("fsdp", "none"):
         history = json.loads((tmp_path / mode / HISTORY_FILE).read_text())
@@ -278,6 +442,10 @@ def test_two_gloo_ranks_give_the_single_process_run(uninterrupted, setup, tmp_pa
         ({"micro_batch_size": 0}, r"GKDSettings\.micro_batch_size must be an integer >= 1 or None"),
         ({"kl_weight": 0, "cosine_weight": 0}, r"all 0: nothing to train"),
         ({"dtype": "float16"}, r"GKDSettings\.dtype must be 'float32' or 'bfloat16'"),
+        (
+            {"early_stop_patience": 2, "eval_every": 0},
+            r"early_stop_patience \(2\) counts evaluations: it needs eval_every > 0",
+        ),
     ],
 )
 def test_bad_settings_are_errors_naming_the_field(changes, message):

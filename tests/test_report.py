@@ -247,6 +247,7 @@ def test_gkd_section_tables_as_many_evaluations_as_it_counts(run_dir, tmp_path):
     count = len(history["eval"])
     assert count > 2  # the fixture's GKD evaluates at every step: more than a first and a last
     assert f"{count} evaluations." in section
+    assert f"The weights kept are step {history['kept_step']}'s (the lowest held-out KL)." in section
     rows = [line for line in section.splitlines() if line.startswith("| step ")]
     assert [row.split(" |")[0] for row in rows] == [f"| step {e['step']}" for e in history["eval"]]
 

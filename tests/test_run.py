@@ -93,7 +93,7 @@ def test_end_to_end_exports_the_distilled_child(finished):
     assert record["measured"]["kl"] > 0 and record["search"]["choices"] == saved["choices"]
     manifest = json.loads((run_dir / "run.json").read_text())
     assert (
-        manifest["stages"]["distill"]["outputs"][name]["last_eval"]["kl"]
+        manifest["stages"]["distill"]["outputs"][name]["kept_eval"]["kl"]
         < manifest["stages"]["assemble"]["outputs"][name]["measured"]["kl"]
     )
     assert (run_dir / "logs" / "rank0.log").is_file() and (run_dir / "run.resolved.yaml").is_file()

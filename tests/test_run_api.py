@@ -89,7 +89,7 @@ def _check_card(card: Path, run: Run, name: str, distilled: bool) -> None:
             if n.split("/")[0] == "distill" and name in r["outputs"]
         )
         assert f"| before GKD (assembled) | {measured['kl']:.6g} |" in text
-        assert f"| {gkd['last_eval']['kl']:.6g} |" in text and "are the distilled (GKD) ones" in text
+        assert f"| {gkd['kept_eval']['kl']:.6g} |" in text and "are the distilled (GKD) ones" in text
     else:
         assert "not distilled" in text
 

@@ -313,7 +313,11 @@ def measure(pipeline: Run, size: DemoSize, stages: dict[str, Any] | None = None)
         if name == "parent":
             kl, predicted_kl, before, lm, top1, budget = 0.0, None, None, first["parent_lm_loss"], 1.0, "-"
         else:
-            last, initial = distilled[name]["last_eval"], distilled[name]["first_eval"]
+            entry = distilled[name]
+            last, initial = (
+                entry.get("kept_eval", entry["last_eval"]),
+                entry["first_eval"],
+            )  # the weights kept
             kl, before, lm, top1 = last["kl"], initial.get("kl"), last["lm_loss"], last["top1"]
             solution = solutions.get(name, {})
             budget = " & ".join(solution.get("budgets", [name]))
