@@ -653,7 +653,7 @@ def score_variants(
     waves = [pending[start : start + size] for start in range(0, len(pending), size)]
     sharded = shard.active(settings.shard)
     if sharded and waves:
-        shard.shard_parent(parent)
+        shard.shard_parent(parent, settings.shard)
     # The whole lm_head for the chunk matmuls, all-gathered once when sharded (every rank, same order).
     with torch.no_grad():
         weight = shard.replicated(parent.lm_head.weight) if waves else parent.lm_head.weight
@@ -666,7 +666,7 @@ def score_variants(
             for v in wave:
                 held[v] = mixer = _get_mixer(parent, mixers, v)
                 if sharded:  # one variant at a time is whole, as loaded: shard it before the next
-                    shard.shard_variant(mixer)
+                    shard.shard_variant(mixer, settings.shard)
             own = [v for v in wave if held[v] is parent.layers[v.block_index].mixer]
             check = min(own, key=_order) if own else None
             sums = torch.zeros(len(wave) + 2, _NUM_SUMS, dtype=torch.float64, device=device)

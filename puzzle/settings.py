@@ -13,14 +13,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-# How a stage spreads its models over torch.distributed ranks (`puzzle.shard`): FSDP2, or replicated.
-SHARD_MODES = ("fsdp", "none")
+# How a stage spreads its models over torch.distributed ranks (`puzzle.shard`): FSDP2 over every rank, HSDP
+# (sharded inside a node, replicated across nodes), or replicated.
+SHARD_MODES = ("fsdp", "hsdp", "none")
 
 
 def check_shard_mode(owner: str, mode: str) -> None:
     """ValueError naming `owner` (e.g. "BLDSettings.shard") unless `mode` is one of SHARD_MODES."""
     if mode not in SHARD_MODES:
-        raise ValueError(f"{owner} must be 'fsdp' or 'none', found {mode!r}")
+        raise ValueError(f"{owner} must be 'fsdp', 'hsdp' or 'none', found {mode!r}")
 
 
 def is_int(value: Any) -> bool:
