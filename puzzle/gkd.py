@@ -272,10 +272,13 @@ class _Distiller(nn.Module):
 
 def _shard_student(distiller: _Distiller, mode: str) -> None:
     """FSDP2: each block with weights one unit, the distiller (embeddings, final norm, lm_head) the root;
-    gradients summed over ranks (the loss carries the global normaliser)."""
-    for block in distiller.student.layers:
+    gradients summed over ranks (the loss carries the global normaliser). A student assembled sharded
+    (its mixers, embeddings and lm_head FSDP units already) is made whole one unit at a time first."""
+    for index, block in enumerate(distiller.student.layers):
+        shard.plain_mixer(distiller.student, index)
         if any(True for _ in block.parameters()):
             shard.shard_variant(block, mode)
+    shard.plain_root_units(distiller.student)
     shard.shard_variant(distiller, mode)
 
 
@@ -587,7 +590,6 @@ def distill(
     distiller = _Distiller(student)
     if shard.active(settings.shard):
         shard.shard_parent(teacher, settings.shard)
-        shard.plain_root_units(student)  # a student assembled sharded: the root unit below owns these
         _shard_student(distiller, settings.shard)
     optimizer = torch.optim.AdamW(
         [p for p in distiller.parameters() if p.requires_grad],

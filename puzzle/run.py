@@ -224,7 +224,9 @@ class Run:
         self._parent_scheme: str | None = None
         self._parent_hashes: dict[str, Any] | None = None  # the content-hash cache to write (rank 0)
         self._parent: HybridLM | None = None  # the one loaded parent of this process (`parent()`)
-        self._parent_mode = "none"  # how it is laid out: "none" (whole), "fsdp" or "hsdp" (sharded from the files)
+        self._parent_mode = (
+            "none"  # how it is laid out: "none" (whole), "fsdp" or "hsdp" (sharded from the files)
+        )
         self._data: Any = None
         self._results: dict[str, Any] = {}
         # Stage -> what it resumed from checkpoints (BLD waves, GKD children), for its `done` line.

@@ -10,7 +10,7 @@ collective: every rank must run the same number of forwards of every unit, in th
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -22,7 +22,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from puzzle import dist
 from puzzle.blocks import build_block
 from puzzle.model import HybridLM
-
 
 SHARDING_MODES = ("fsdp", "hsdp")  # the `shard` settings that shard ("none" replicates)
 
@@ -81,22 +80,43 @@ def mode_of(model: nn.Module) -> str | None:
     return None
 
 
+def plain_unit(unit: nn.Module, build: Callable[[], nn.Module]) -> nn.Module:
+    """`unit` as a plain module with its whole weights, in their dtypes, when it is an FSDP unit (a
+    collective: every rank, in the same order); `unit` itself otherwise. `build` makes an empty module of
+    its structure (called on the meta device)."""
+    if not isinstance(unit, FSDPModule):
+        return unit
+    wanted = {name: parameter.requires_grad for name, parameter in unit.named_parameters()}
+    state = {name: replicated(value.detach()).clone() for name, value in unit.state_dict().items()}
+    with torch.device("meta"):
+        plain = build()
+    plain.load_state_dict(state, assign=True)  # strict: every parameter and (persistent) buffer is set
+    for name, parameter in plain.named_parameters():
+        parameter.requires_grad_(wanted[name])
+    return plain
+
+
+def plain_mixer(model: HybridLM, index: int) -> None:
+    """Block `index` of `model` holds a plain, whole copy of its mixer if it was an FSDP unit (a collective),
+    so that a trainer can shard the block its own way (FSDP2 does not nest a unit that has already run)."""
+    block = model.layers[index]
+    spec = model.spec
+    block.mixer = plain_unit(
+        block.mixer, lambda: build_block(block.mixer.spec, spec.hidden_size, spec.norm_eps)
+    )
+
+
 def plain_root_units(model: HybridLM) -> None:
     """Replace a sharded model's embeddings and lm_head units by plain, whole copies (a collective), in place,
     keeping a tied lm_head tied: for a trainer that makes them part of its own root unit (GKD's student,
     whose loss reads the lm_head's weight outside any forward of it)."""
     tied = model.lm_head.weight is model.embeddings.weight
-    for name in ("embeddings", "lm_head"):
-        unit = getattr(model, name)
-        if not isinstance(unit, FSDPModule) or (name == "lm_head" and tied):
-            continue
-        weight = replicated(unit.weight.detach()).clone()
-        with torch.device("meta"):
-            plain = nn.Embedding(*weight.shape) if name == "embeddings" else nn.Linear(*weight.shape[::-1], bias=False)
-        plain.weight = nn.Parameter(weight, requires_grad=unit.weight.requires_grad)
-        setattr(model, name, plain)
+    vocab, hidden = model.spec.vocab_size, model.spec.hidden_size
+    model.embeddings = plain_unit(model.embeddings, lambda: nn.Embedding(vocab, hidden))
     if tied:
         model.lm_head.weight = model.embeddings.weight
+    else:
+        model.lm_head = plain_unit(model.lm_head, lambda: nn.Linear(hidden, vocab, bias=False))
 
 
 def has_params(module: nn.Module) -> bool:

@@ -12,7 +12,7 @@ import torch
 from gloo_helpers import gloo_rank, spawn_ranks
 from nemotron_helpers import EVERY_KIND_SPEC as SPEC
 
-from puzzle import dist, shard
+from puzzle import shard
 from puzzle.model import HybridLM
 from puzzle.prune.importance import ModelImportance, collect_importance, load_importance, save_importance
 
@@ -66,5 +66,85 @@ def test_importance_on_a_sharded_parent_equals_one_process(tmp_path, mode, local
         _assert_same_scores(load_importance(tmp_path / f"{mode}{local_world}-{name}"), expected)
     for rank in range(2):
         share = json.loads((tmp_path / f"share-{mode}{local_world}-{rank}.json").read_text())
-        print(f"importance {mode} LOCAL_WORLD_SIZE={local_world}: rank {rank} holds {share:.3f} of the parent")
+        print(
+            f"importance {mode} LOCAL_WORLD_SIZE={local_world}: rank {rank} holds {share:.3f} of the parent"
+        )
+        assert share <= MAX_SHARE, (rank, share)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The child assembled from a sharded parent is sharded too; the measured KL and GKD take it as it is.
+
+
+def _child_worker(rank: int, world: int, port: int, root: str, chosen: dict, out: str) -> None:
+    from assemble_helpers import held_out
+    from gkd_helpers import settings as gkd_settings
+    from gkd_helpers import train_split
+
+    import puzzle
+    from puzzle.assemble import assemble, measured_kl
+    from puzzle.gkd import distill
+    from puzzle.library import read_library
+    from puzzle.spec import Variant
+
+    with gloo_rank(rank, world, port):
+        library = read_library(Path(root, "library"))
+        parent = puzzle.load(Path(root, "parent"), shard=True)
+        variants = {int(i): _variant(library, Variant, int(i), name) for i, name in chosen.items()}
+        child = assemble(variants, library, parent, check_parent=False)
+        total = sum(p.numel() for p in child.parameters())
+        share = shard.local_numel(child) / total
+        state = {k: shard.full(v) for k, v in child.state_dict().items()}
+        kl = measured_kl(child, parent, held_out(), vocab_chunk=16)["kl"]
+        result = distill(
+            child, parent, train_split(), held_out(), gkd_settings(steps=2, eval_every=0), Path(root, "gkd")
+        )
+        if rank == 0:
+            torch.save({"share": share, "state": state, "kl": kl, "eval": result.first_eval}, Path(out))
+        Path(out + f".share{rank}").write_text(json.dumps(share))
+
+
+def _variant(library, variant_type, index: int, name: str):
+    return next(v for v in library.results if v.block_index == index and v.id == name)
+
+
+@pytest.fixture(scope="module")
+def library_setup(tmp_path_factory):
+    from assemble_helpers import build_small_library, save_parent
+    from bld_helpers import trained_parent, variants
+
+    import puzzle
+
+    root = tmp_path_factory.mktemp("child")
+    save_parent(trained_parent(), root / "parent")
+    library = build_small_library(puzzle.load(root / "parent"), root / "library")
+    table = variants()
+    chosen = {0: table[0][0].id, 2: table[2][1].id, 3: table[3][0].id}
+    return root, library, chosen
+
+
+@pytest.mark.slow
+def test_the_child_of_a_sharded_parent_is_sharded_and_equals_one_process(library_setup, tmp_path):
+    from assemble_helpers import held_out
+
+    import puzzle
+    from puzzle.assemble import assemble, measured_kl
+
+    root, library, chosen = library_setup
+    out = str(tmp_path / "rank0.pt")
+    spawn_ranks(_child_worker, str(root), chosen, out)
+    got = torch.load(out)
+    parent = puzzle.load(root / "parent")
+    variants = {i: _variant(library, None, i, name) for i, name in chosen.items()}
+    child = assemble(variants, library, parent, check_parent=False)
+    want = child.state_dict()
+    assert list(got["state"]) == list(want)
+    for key, value in want.items():
+        assert torch.equal(got["state"][key], value), key
+    expected_kl = measured_kl(child, parent, held_out(), vocab_chunk=16)["kl"]
+    assert abs(got["kl"] - expected_kl) <= 1e-6 * max(1.0, expected_kl), (got["kl"], expected_kl)
+    assert got["eval"]["kl"] == pytest.approx(expected_kl, rel=1e-5, abs=1e-7)
+    for rank in range(2):
+        share = json.loads(Path(out + f".share{rank}").read_text())
+        print(f"child: rank {rank} holds {share:.3f} of its parameter elements")
         assert share <= MAX_SHARE, (rank, share)
