@@ -39,7 +39,8 @@ class BLDSettings:
     between checkpoints (0 = never); `memory_limit_bytes`: what one wave's variants may use per rank (None = one
     wave); `dtype`: the variants' training dtype ("float32" or "bfloat16"); `autocast`: bf16 autocast on
     CUDA; `seed`: seeds torch before each wave's variants are built; `shard`: "fsdp" shards the parent and
-    the variants over the ranks with FSDP2, "none" replicates them (no effect in a single process);
+    the variants over the ranks with FSDP2, "hsdp" inside each node (replicated across nodes), "none"
+    replicates them (no effect in a single process);
     `router_lr_scale`: the MoE routers' learning rate as a fraction of lr (0 = they keep their initial weights:
     the loss reaches a router only through the weights of the experts it chose, never through the choice).
     """
@@ -105,7 +106,8 @@ class ScoreSettings:
     all); the parent runs once per batch per wave. `parent_kl_tolerance`: the largest KL (nats/token) the parent's own mixer may score
     before the run is stopped as not reproducible (0 on the CPU; GPU kernels may add rounding noise).
     `shard`: "fsdp" shards the parent and the variants with FSDP2 under torch.distributed with more than one
-    rank (`puzzle.shard`, as BLD); "none" keeps them replicated on every rank. `checkpoint_every`: batches
+    rank (`puzzle.shard`, as BLD), "hsdp" inside each node (replicated across nodes); "none" keeps them
+    replicated on every rank. `checkpoint_every`: batches
     (per rank) between saves of the running sums of the wave in flight (None: only finished waves are
     saved)."""
 
@@ -143,8 +145,8 @@ class GKDSettings:
     `eval_every`: steps between held-out evaluations (0 = only before and after training);
     `checkpoint_every`: steps between checkpoints (0 = never); `seed`: seeds torch and the order of a
     `TokenSplit`'s batches; `dtype`: the student's training dtype ("float32" or "bfloat16"); `autocast`:
-    bf16 autocast on CUDA; `shard`: "fsdp" shards student and teacher over the ranks with FSDP2, "none"
-    replicates them (no effect in a single process).
+    bf16 autocast on CUDA; `shard`: "fsdp" shards student and teacher over the ranks with FSDP2, "hsdp"
+    inside each node (replicated across nodes), "none" replicates them (no effect in a single process).
     """
 
     lr: float = 1e-5
