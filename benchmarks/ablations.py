@@ -16,7 +16,9 @@ from that library:
   no-op for every block of a kind counts as a shape), the combination with the least predicted KL that
   meets the budget (all combinations enumerated), BLD weights;
 - greedy: from the parent, repeatedly take the block swap with the least KL increase per active parameter
-  saved until the budget holds (once per shared Mamba state size, the best kept);
+  saved until the budget holds, then refill: repeatedly the upgrade with the most KL decrease per active
+  parameter added that still meets the budget (once per shared Mamba state size, the best kept);
+- greedy-norefill: the greedy descent alone, stopped at the first architecture that fits;
 - random: a uniformly random architecture of the library that meets the budget (rejection sampling over
   the whole product), one per seed;
 - mip_no_bld: the MIP over the variants straight from pruning (`puzzle.prune.init_child`, no BLD), scored
@@ -78,13 +80,14 @@ METHODS = (
     "homogeneous",
     "homogeneous_width",
     "greedy",
+    "greedy-norefill",
     "random",
     "mip_no_bld",
     "mip_lm_loss",
     "no_state_axis",
     "no_width_axis",
 )
-GKD_METHODS = METHODS
+GKD_METHODS = tuple(m for m in METHODS if m != "greedy-norefill")  # the weaker greedy: assembled only
 RANDOM_BAND = 0.05  # a random architecture uses at least (level - this) x the parent's active params
 # Every axis the ablations take away exists in this space (Mamba state, MoE expert width), besides heads,
 # top-k, expert count and no-op blocks.
@@ -189,21 +192,29 @@ class Problem:
     def score(self, choices: Sequence[int]) -> float:
         return float(self.table.score[self.table.offsets[:-1] + np.asarray(choices)].sum())
 
-    def greedy(self) -> Arch | None:
-        """Best of one greedy descent per shared state size (the rule holds at every step)."""
+    def greedy(self, refill: bool = True) -> Arch | None:
+        """Best of one greedy descent per shared state size (the rule holds at every step), each refilled
+        (`_refill`) unless `refill` is False: the descent stops at the first architecture that fits, well
+        under the budget, which makes a weak baseline."""
         states = self.table.attrs.get("state_size", [])
         values = sorted({v for v in states if v is not None}) or [None]
         best: tuple[float, list[int]] | None = None
         for state in values:
             found = self._descend(state)
+            if found is not None and refill:
+                found = self._refill(found, self._allowed(state))
             if found is not None and (best is None or self.score(found) < best[0]):
                 best = (self.score(found), found)
         return None if best is None else _arch(best[1], self.candidates)
 
+    def _allowed(self, state: int | None) -> np.ndarray:
+        """Which rows of the table a descent with shared state size `state` may choose."""
+        states = self.table.attrs.get("state_size", [None] * self.table.num_variants)
+        return np.array([state is None or s is None or s == state for s in states])
+
     def _descend(self, state: int | None) -> list[int] | None:
         table, cost = self.table, self.table.cost("active_params")
-        states = table.attrs.get("state_size", [None] * table.num_variants)
-        allowed = np.array([state is None or s is None or s == state for s in states])
+        allowed = self._allowed(state)
         current = []
         for b in range(table.num_blocks):  # start from the least damaging allowed variant of each block
             rows = np.arange(table.offsets[b], table.offsets[b + 1])
@@ -224,6 +235,32 @@ class Problem:
                 return None
             current[best[1]] = best[2]
         return current
+
+    def _refill(self, current: list[int], allowed: np.ndarray) -> list[int]:
+        """`current` with blocks upgraded while the budget holds: each step takes the one-block swap that
+        lowers the predicted KL most per active parameter it adds (a swap that adds none first), among the
+        swaps whose architecture still meets the limits and rules; until no swap lowers it and fits."""
+        table, cost = self.table, self.table.cost("active_params")
+        current = list(current)
+        while True:
+            swaps: list[tuple[float, int, int]] = []  # (-gain per parameter, block, variant)
+            for b in range(table.num_blocks):
+                here = table.offsets[b] + current[b]
+                for row in range(table.offsets[b], table.offsets[b + 1]):
+                    gain = table.score[here] - table.score[row]
+                    if not allowed[row] or gain <= 0:
+                        continue
+                    added = cost[row] - cost[here]
+                    swaps.append((-math.inf if added <= 0 else -gain / added, b, int(row - table.offsets[b])))
+            if not swaps:
+                return current
+            swaps.sort()
+            trials = np.array([current] * len(swaps))
+            trials[np.arange(len(swaps)), [b for _, b, _ in swaps]] = [v for _, _, v in swaps]
+            fits = np.flatnonzero(self.feasible(trials))
+            if not len(fits):
+                return current
+            current = trials[fits[0]].tolist()
 
     def random(self, seed: int, draws: int = 20_000, rounds: int = 100) -> Arch | None:
         """A uniform draw among the feasible architectures that use at least (level - RANDOM_BAND) of the
@@ -447,6 +484,8 @@ def choose(
             out.append(Choice(method, level, arch, note=f"best of {count} feasible, no kind removed"))
         elif method == "greedy":
             out.append(Choice(method, level, kl.greedy()))
+        elif method == "greedy-norefill":
+            out.append(Choice(method, level, kl.greedy(refill=False)))
         elif method == "random":
             out += [Choice(method, level, kl.random(seed), seed=seed) for seed in range(seeds)]
         elif method == "mip_no_bld":
@@ -707,7 +746,10 @@ def markdown(
         "KL (the same scores) of all that meet the budget; **homogeneous_width**: the same without removing a "
         "kind (width pruning only);",
         "- **greedy**: from the parent, repeatedly the one-block swap with the least KL increase per active "
-        "parameter saved, until the budget holds (one descent per shared Mamba state size, the best kept);",
+        "parameter saved, until the budget holds, then refilled: the upgrade with the most KL decrease per "
+        "active parameter added that still meets the budget, until none fits (one descent per shared Mamba "
+        "state size, the best kept);",
+        "- **greedy-norefill**: the descent alone, stopped at the first architecture that fits;",
         f"- **random**: a uniformly random architecture of the library that meets the budget and uses at least "
         f"(level - {RANDOM_BAND:.0%}) of the parent's active parameters, mean ± std over {meta['seeds']} seeds;",
         "- **mip_no_bld**: the MIP over the pruned variants before BLD (`init_child` from activation "

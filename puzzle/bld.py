@@ -95,7 +95,6 @@ from puzzle.library import (
     variant_key,
 )
 from puzzle.model import HybridLM
-from puzzle.plan import shard_numel
 from puzzle.progress import progress_bar
 from puzzle.prune.importance import ModelImportance
 from puzzle.prune.init import init_child
@@ -138,7 +137,7 @@ def variant_training_bytes(
 ) -> int:
     """Estimated bytes one rank holds to train `variant`: params + grads + 2 AdamW moments (4 x params in
     `dtype`, the largest FSDP shard of each parameter when sharded over `world` ranks, see
-    `puzzle.plan.shard_numel`) plus saved activations, `_ACTIVATION_FACTOR` x the input width of every matrix
+    `puzzle.shard.shard_numel`) plus saved activations, `_ACTIVATION_FACTOR` x the input width of every matrix
     per token.
 
     `tokens_per_step`: tokens one process runs per step (its rows of the batch x sequence length). `world`:
@@ -146,7 +145,7 @@ def variant_training_bytes(
     """
     shapes, widths = _variant_shapes(variant.spec, hidden_size)
     size = torch.empty((), dtype=dtype).element_size()
-    params = sum(shard_numel(shape, world) for shape in shapes)
+    params = sum(shard.shard_numel(shape, world) for shape in shapes)
     return 4 * params * size + _ACTIVATION_FACTOR * tokens_per_step * widths * size
 
 

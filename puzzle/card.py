@@ -16,32 +16,15 @@ import json
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
+from puzzle.files import CARD_FILE, CARD_MARKER
 from puzzle.spec import ModelSpec
 
-if TYPE_CHECKING:
-    from puzzle.run import Run
-
-CARD_FILE = "README.md"
-CARD_MARKER = (
-    "<!-- model card written by puzzle.export: a README.md without this line is never overwritten -->"
-)
 TAGS = ("puzzle", "nemotron_h", "neural-architecture-search", "pruning", "knowledge-distillation")
 ENGINE_TITLES = {"transformers": "transformers", "vllm": "vLLM", "llama.cpp": "llama.cpp"}
-
-
-def card_owner(directory: str | Path) -> str | None:
-    """Who wrote `directory`/README.md: "puzzle" (it carries CARD_MARKER), "user", or None when there is none."""
-    path = Path(directory) / CARD_FILE
-    if not path.is_file():
-        return None
-    try:
-        return "puzzle" if CARD_MARKER in path.read_text(errors="replace") else "user"
-    except OSError:
-        return "user"  # unreadable: never ours to replace
 
 
 def _front_matter(text: str) -> dict[str, Any]:
@@ -265,28 +248,3 @@ def model_card(
         body += ["", *section]
     text = re.sub(r"\n{3,}", "\n\n", "\n".join(body)).rstrip()  # sections end in blank lines of their own
     return "---\n" + yaml.safe_dump(front, sort_keys=False) + "---\n\n" + text + "\n"
-
-
-def run_card_info(run: Run, name: str, source: str) -> dict[str, Any]:
-    """What the card says of run `run`'s solution `name` exported from its `source` ("assemble" or "distill"):
-    budgets, solution file, GKD evaluations when distilled, the run config's fingerprint. Read from the
-    manifest only: never runs a stage."""
-    from puzzle.artifacts import fingerprint_json
-
-    info: dict[str, Any] = {
-        "solution": name,
-        "source": source,
-        "solution_file": str(run.layout.solution(name).relative_to(run.layout.root)),
-        "config_fingerprint": fingerprint_json(run.config.to_dict()),
-        "budgets": None,
-        "distill": None,
-    }
-    for record_name, record in run.manifest()["stages"].items():
-        stage = record_name.split("/", 1)[0]
-        if record.get("status") not in ("done", "reused") or name not in record.get("outputs", {}):
-            continue
-        if stage == "solutions":
-            info["budgets"] = list(record["outputs"][name].get("budgets", []))
-        elif stage == "distill" and source == "distill":
-            info["distill"] = dict(record["outputs"][name])
-    return info

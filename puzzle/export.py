@@ -16,7 +16,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from puzzle.card import CARD_FILE, card_owner, model_card
+from puzzle.card import model_card
+from puzzle.files import CARD_FILE, card_owner
 from puzzle.model import HybridLM
 from puzzle.nemotron_h.checkpoint import EXPORT_RECORD, save_pretrained
 from puzzle.nemotron_h.config import CheckpointError, config_from_spec

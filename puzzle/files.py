@@ -194,3 +194,21 @@ def remove_stale_staging(target: Path) -> list[Path]:
             shutil.rmtree(entry, ignore_errors=True)
             handled.append(entry)
     return handled
+
+
+# The model card of an export (`puzzle.card`): its file, and the line that marks it as ours.
+CARD_FILE = "README.md"
+CARD_MARKER = (
+    "<!-- model card written by puzzle.export: a README.md without this line is never overwritten -->"
+)
+
+
+def card_owner(directory: str | Path) -> str | None:
+    """Who wrote `directory`/README.md: "puzzle" (it carries CARD_MARKER), "user", or None when there is none."""
+    path = Path(directory) / CARD_FILE
+    if not path.is_file():
+        return None
+    try:
+        return "puzzle" if CARD_MARKER in path.read_text(errors="replace") else "user"
+    except OSError:
+        return "user"  # unreadable: never ours to replace

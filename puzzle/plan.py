@@ -24,7 +24,6 @@ The estimates, and why (docs/SCALE.md shows them on Nemotron-3 Nano and Super):
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -33,6 +32,7 @@ from puzzle.cost.analytic import model_active_params, model_params, prefill_flop
 from puzzle.cost.hardware import HardwareProfile
 from puzzle.cost.kinds import block_cost
 from puzzle.search.limits import Relative
+from puzzle.shard import shard_numel
 from puzzle.spec import BlockSpec, ModelSpec, NoOpSpec, Variant
 
 GIB = 1024**3
@@ -67,16 +67,6 @@ def _mixer_shapes(spec: BlockSpec, hidden_size: int) -> tuple[tuple[tuple[int, .
     shapes = tuple(tuple(p.shape) for p in mixer.parameters())
     buffers = sum(b.numel() * FP32 for b in mixer.buffers())  # the router's fp32 correction bias
     return shapes, buffers
-
-
-def shard_numel(shape: Iterable[int], world: int) -> int:
-    """Elements rank 0 (the largest shard) holds of a parameter `fully_shard` splits over `world` ranks:
-    ceil(rows / world) rows of its first dimension."""
-    dims = tuple(shape)
-    if not dims:
-        return 1
-    rows = min(dims[0], math.ceil(dims[0] / world))
-    return rows * math.prod(dims[1:])
 
 
 def mixer_params(spec: BlockSpec, hidden_size: int) -> int:

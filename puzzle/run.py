@@ -36,7 +36,8 @@ scoring's saved variants and GKD's checkpoints live in their directories, and th
 them through their own manifests (`puzzle.artifacts`), as they do when called without a Run.
 
 Distributed (torchrun): importance, BLD, scoring, measured KL and GKD run on every rank and shard their
-work; the search and the export run on rank 0 while the others wait at a barrier. Round r >= 2 of an
+work; the search and the export run on rank 0 while the others wait at a barrier (the scoring passes of
+`search.context_rounds` run on every rank, between rank 0's solves). Round r >= 2 of an
 iterative run (`rounds.count`) is a `Run` of its own in `round-{r}/`, whose parent is the previous round's
 exported distilled child (`Run.all` chains them).
 """
@@ -72,7 +73,6 @@ from puzzle.assemble import assemble as assemble_child
 from puzzle.assemble import measured_kl
 from puzzle.bld import build_library
 from puzzle.blocks import build_block
-from puzzle.card import run_card_info
 from puzzle.config import RunConfig, dump_config, load_config, load_config_data, to_dict
 from puzzle.cost.hardware import profile_to_json
 from puzzle.data import TokenData, tokenizer_files
@@ -152,6 +152,12 @@ def _on_main(work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     if failure is not None:
         raise RuntimeError(f"rank 0 failed: {failure}")
     return dist.broadcast_object(outputs)
+
+
+def _search_on_main(problem: RunProblem, options: Any) -> Solution:
+    """`search` of `problem` on rank 0 (`_on_main`), its Solution on every rank."""
+    table, limits, rules = problem.table, problem.problem.limits, problem.problem.rules
+    return _on_main(lambda: {"solution": search(table, limits, rules, options)})["solution"]
 
 
 def _config_from_pieces(
@@ -670,17 +676,7 @@ class Run:
             parent = self.parent(self.config.scoring.shard)
             library = read_library(self.layout.library)
             usable = [v for v, r in library.results.items() if r.status != "failed"]
-            hidden, eps = parent.spec.hidden_size, parent.spec.norm_eps
-
-            def mixer(variant: Variant) -> torch.nn.Module | None:
-                status = library.results[variant].status
-                if status == "parent":
-                    return None
-                if status == "noop":
-                    return build_block(variant.spec, hidden).to(dist.device())
-                module = library.load_mixer(variant, hidden, eps)
-                return module.to(device=dist.device(), dtype=parent.embeddings.weight.dtype)
-
+            mixer = self._mixer_source(parent, library)
             fingerprints = {
                 v: fingerprint_json([r.status, r.file, self._file_fp(library, r)])
                 for v, r in library.results.items()
@@ -700,6 +696,22 @@ class Run:
             return {"manifest": self._manifest_fp(self.layout.scores, "scores")}
 
         return self._stage("scores", inputs, compute)
+
+    @staticmethod
+    def _mixer_source(parent: HybridLM, library: Library) -> Callable[[Variant], torch.nn.Module | None]:
+        """The scorer's mixers of the library's variants, loaded on demand (None: the parent's own block)."""
+        hidden, eps = parent.spec.hidden_size, parent.spec.norm_eps
+
+        def mixer(variant: Variant) -> torch.nn.Module | None:
+            result = library.results.get(variant)
+            if result is None or result.status == "parent":
+                return None
+            if result.status == "noop":
+                return build_block(variant.spec, hidden).to(dist.device())
+            module = library.load_mixer(variant, hidden, eps)
+            return module.to(device=dist.device(), dtype=parent.embeddings.weight.dtype)
+
+        return mixer
 
     @staticmethod
     def _file_fp(library: Library, result: Any) -> str | None:
@@ -768,9 +780,7 @@ class Run:
         else:
             name = _slug(texts)
             inputs = self._solutions_inputs({name: texts})
-            entries = self._stage(
-                f"solutions/{name}", inputs, lambda: _on_main(lambda: self._solve_one(name, texts))
-            )
+            entries = self._stage(f"solutions/{name}", inputs, lambda: self._solve_one(name, texts))
         problem = self._problem(texts)  # the table the saved names index
         return [Solution.from_json(self._solution_json(n), problem.table) for n in entries]
 
@@ -784,6 +794,11 @@ class Run:
             "search": to_dict(dataclasses.replace(search_settings, budgets=(), sweep=None)),
             "hardware": to_dict(self.config.hardware),
         }
+        self._rerank_inputs(inputs)
+        if search_settings.context_rounds:  # scores in context read the held-out tokens and score
+            inputs.update(held_out=self._held_out_key(), scoring=to_dict(self.config.scoring))
+        else:  # off: the inputs of the runs made before the key existed
+            inputs["search"].pop("context_rounds")
         self._prepare()  # the calibration is stored in the checked run directory
         if dist.is_main():
             self.cost_model()  # rank 0 measures and stores this machine's calibration once, if absent
@@ -795,7 +810,7 @@ class Run:
 
     def _record_solutions(self) -> dict[str, Any]:
         inputs = self._solutions_inputs(self.budgets())
-        outputs = self._stage("solutions", inputs, lambda: _on_main(self._solve))
+        outputs = self._stage("solutions", inputs, self._solve)
         # The frontier is a record of its own: the solution names stay the solutions stage's only outputs.
         frontier_inputs = {
             **inputs,
@@ -816,7 +831,7 @@ class Run:
         return {"frontier": {"file": path.name, "fingerprint": fingerprint_file(path)}}
 
     def _solve(self) -> dict[str, Any]:
-        """Every budget list of the config solved and saved: {solution name: its record}."""
+        """Every budget list of the config solved and saved: {solution name: its record} (collective)."""
         saved: dict[str, Any] = {}
         for name, limits in self.budget_limits().items():
             saved.update(self._solve_one(name, limits))
@@ -824,24 +839,43 @@ class Run:
 
     def _solve_one(self, name: str, budgets: Sequence[str | DeploymentLimit]) -> dict[str, Any]:
         """The search under `budgets` (texts or the config's parsed budgets) -> solutions/{name}.json (and
-        {name}-2, ... for `search.solutions`)."""
+        {name}-2, ... for `search.solutions`). Collective: rank 0 solves and saves; every rank takes part in
+        the scoring of `search.context_rounds` (`_in_context`) and in measuring the candidates of
+        `search.rerank` (`_rerank`)."""
         settings = self.config.search
         texts = [budget if isinstance(budget, str) else budget.text for budget in budgets]
         problem = self._problem(budgets)
-        for note in problem.notes:
-            _log.warning("search %s: %s", name, note)
-        found = search_k(
-            problem.table,
-            problem.problem.limits,
-            problem.problem.rules,
-            settings.solver,
-            settings.solutions,
-            settings.min_diff,
-        )
+
+        def first() -> dict[str, Any]:
+            for note in problem.notes:
+                _log.warning("search %s: %s", name, note)
+            limits, rules = problem.problem.limits, problem.problem.rules
+            wanted = max(settings.solutions, settings.rerank)
+            return {
+                "found": search_k(problem.table, limits, rules, settings.solver, wanted, settings.min_diff)
+            }
+
+        found = _on_main(first)["found"]
+        found, context = self._in_context(name, budgets, problem, found)
+        payloads, reranked = self._rerank(name, [solution.to_json() for solution in found])
+        return _on_main(lambda: self._save_solutions(name, texts, payloads, reranked, context))
+
+    def _save_solutions(
+        self,
+        name: str,
+        texts: list[str],
+        found: list[dict[str, Any]],
+        reranked: dict[str, Any] | None,
+        context: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        """The first `search.solutions` of `found` (solution JSONs, best first) written to
+        solutions/{name}.json, {name}-2.json, ...: {label: its record}, with the records of the re-ranking
+        (`_rerank`) and of the scores in context (`_in_context`: the rounds of the candidate that went
+        through them, the first before any re-ranking)."""
+        settings = self.config.search
         saved: dict[str, Any] = {}
-        for index, solution in enumerate(found):
+        for index, payload in enumerate(found[: settings.solutions]):
             label = name if index == 0 else f"{name}-{index + 1}"
-            payload = solution.to_json()
             path = self.layout.solution(label)
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_bytes(path, _solution_bytes(payload))
@@ -849,14 +883,171 @@ class Run:
                 "budgets": texts,
                 "file": str(path.relative_to(self.layout.root)),
                 "fingerprint": fingerprint_file(path),
-                "objective": solution.objective,
+                "objective": payload["objective"],
             }
-            _log.info("search %s: objective %.6g, %s", label, solution.objective, payload["totals"])
-        if len(found) < settings.solutions:
+            _log.info("search %s: objective %.6g, %s", label, payload["objective"], payload["totals"])
+        if reranked is not None:
+            saved[name]["rerank"] = reranked
+        if context is not None and saved:
+            saved[name]["context"] = context
+        wanted = max(settings.solutions, settings.rerank)
+        if len(found) < wanted:
             _log.warning(
                 "search %s: only %d architectures differ in >= %d blocks", name, len(found), settings.min_diff
             )
         return saved
+
+    # -- measured re-ranking (search.rerank) --------------------------------------------------------------
+
+    def _rerank_inputs(self, inputs: dict[str, Any]) -> None:
+        """The search record's inputs with re-ranking: it reads the held-out tokens too. Off, the record's
+        inputs are those of a run before the option existed (no `rerank` key), so old runs are reused."""
+        rerank = inputs["search"].pop("rerank", 0)
+        if rerank > 1:
+            inputs["rerank"] = {
+                "k": rerank,
+                "held_out": self._held_out_key(),
+                "vocab_chunk": self.config.scoring.vocab_chunk,
+            }
+
+    def _rerank(
+        self, name: str, found: list[dict[str, Any]]
+    ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+        """`found` (the MIP's candidates, best predicted first) ordered by KL to the parent measured on the
+        held-out tokens (ties keep the MIP's order), and the record of the choice: {"chosen": the winner's
+        MIP rank (1 = the MIP's best), "candidates": [{"candidate", "objective", "predicted_kl",
+        "measured_kl", "lm_loss_delta", "top1", "choices"}, ...] in MIP order}. With `search.rerank` <= 1
+        `found` as it is and None. Every rank calls it (the measurement is a collective)."""
+        if self.config.search.rerank <= 1:
+            return found, None
+        candidates = []
+        for index, payload in enumerate(found):
+            child = self._child_of(payload)
+            measured = measured_kl(
+                child, self.parent(), self.held_out_batches(), self.config.scoring.vocab_chunk
+            )
+            del child  # one candidate child in memory at a time
+            candidates.append(
+                {
+                    "candidate": index + 1,
+                    "objective": payload["objective"],
+                    "predicted_kl": measured["predicted_kl"],
+                    "measured_kl": measured["kl"],
+                    "lm_loss_delta": measured["lm_loss_delta"],
+                    "top1": measured["top1"],
+                    "choices": payload["choices"],
+                }
+            )
+            _log.info(
+                "search %s: candidate %d, predicted KL %s, measured KL %.6g",
+                name,
+                index + 1,
+                measured["predicted_kl"],
+                measured["kl"],
+            )
+        order = sorted(range(len(found)), key=lambda i: (candidates[i]["measured_kl"], i))
+        _log.info("search %s: re-ranking chose candidate %d of %d", name, order[0] + 1, len(found))
+        return [found[i] for i in order], {"chosen": order[0] + 1, "candidates": candidates}
+
+    # -- scores in context (search.context_rounds; puzzle.context) ---------------------------------------
+
+    def _in_context(
+        self,
+        name: str,
+        budgets: Sequence[str | DeploymentLimit],
+        problem: RunProblem,
+        found: list[Solution],
+    ) -> tuple[list[Solution], dict[str, Any] | None]:
+        """(the solutions, the rounds' record) after `search.context_rounds` rounds of scores in context on
+        the best one (`puzzle.context`); (found, None) when off. Collective: every rank scores, rank 0 solves.
+
+        Round r scores every candidate in the child of round r - 1 (solutions/context/{name}/round-{r}/),
+        solves on those scores and predicts D(child) + the sum; the rounds stop when the choice repeats (the
+        previous round's, or an earlier one's: a cycle).
+        The kept architecture is the round whose child measured lowest (`puzzle.context.best_round`), with
+        its predicted damage as its objective; the other solutions (`search.solutions`) stay as the first
+        search found them (one equal to the kept one is dropped)."""
+        from puzzle.context import best_round, child_variants, context_candidates, context_damage
+
+        settings = self.config.search
+        if not settings.context_rounds or not found:
+            return found, None
+        parent = self.parent(self.config.scoring.shard)
+        library = read_library(self.layout.library)
+        candidates = problem.candidates
+        solutions = [found[0]]
+        rounds: list[dict[str, Any]] = [{"choices": dict(found[0].names), "predicted": found[0].objective}]
+        for number in range(1, settings.context_rounds + 1):
+            own = child_variants(solutions[-1], candidates)
+            wanted = [
+                Variant(block, spec) for block, specs in enumerate(candidates.variants) for spec in specs
+            ]
+            scores = self._context_scores(name, number, parent, library, own, wanted)
+            rescored, base = context_candidates(candidates, scores.variants, own, settings.objective)
+            rounds[-1]["measured"] = base
+            round_problem = self._problem(budgets, candidates=rescored)
+            solved = _search_on_main(round_problem, settings.solver)
+            solution = dataclasses.replace(solved, objective=base + solved.objective)
+            rounds.append(
+                {"choices": dict(solution.names), "predicted": solution.objective, "sum": solved.objective}
+            )
+            solutions.append(solution)
+            _log.info(
+                "search %s, context round %d: child measured %.6g; re-solved, predicted %.6g",
+                name,
+                number,
+                base,
+                solution.objective,
+            )
+            earlier = [entry for entry in rounds[:-1] if entry["choices"] == rounds[-1]["choices"]]
+            if earlier:  # the choice repeats (the last child's, or a cycle): its child was measured before
+                rounds[-1]["measured"] = earlier[-1]["measured"]
+                break
+        if "measured" not in rounds[-1]:  # the last round's child, measured: its own variants alone
+            own = child_variants(solutions[-1], candidates)
+            scores = self._context_scores(name, len(rounds) - 1, parent, library, own, own[:1], "measured")
+            rounds[-1]["measured"] = context_damage(scores, own, settings.objective)
+        kept = best_round(rounds)
+        best = solutions[kept]
+        others = [solution for solution in found[1:] if solution.names != best.names]
+        return [best, *others], {"rounds": rounds, "kept": kept, "objective": settings.objective}
+
+    def _context_scores(
+        self,
+        name: str,
+        number: int,
+        parent: HybridLM,
+        library: Library,
+        own: list[Variant],
+        wanted: list[Variant],
+        what: str = "round",
+    ) -> Scores:
+        """`wanted` scored in the child whose blocks are `own` (assembled from the library; a collective),
+        into solutions/context/{name}/{what}-{number}/."""
+        choice = {variant.block_index: variant for variant in own}
+        child = assemble_child(choice, library, parent, parent_fp=self.parent_fingerprint())
+        context_fp = fingerprint_json(
+            {"library": self.record("library")["manifest"], "choice": [v.to_dict() for v in own]}
+        )
+        out = self.layout.solutions / "context" / name / f"{what}-{number}"
+        fingerprints = {
+            v: fingerprint_json([r.status, r.file, self._file_fp(library, r)])
+            for v, r in library.results.items()
+            if r.status != "failed"
+        }
+        return score_variants(
+            parent,
+            wanted,
+            self._mixer_source(parent, library),
+            self.held_out_batches(),
+            out,
+            self.config.scoring,
+            data_fingerprint=self._held_out_key(),
+            mixer_fingerprints=fingerprints,
+            parent_fp=self.parent_fingerprint(),
+            context=child,
+            context_fp=context_fp,
+        )
 
     def _solution_json(self, name: str) -> dict[str, Any]:
         return json.loads(self.layout.solution(name).read_text())
@@ -882,7 +1073,10 @@ class Run:
     def _child(self, name: str, sharded: bool | None = None) -> HybridLM:
         """The assembled child of solution `name` (the parent, the library, the scores; a collective when
         the parent is sharded), sharded as the parent is unless `sharded` says otherwise."""
-        data = self._solution_json(name)
+        return self._child_of(self._solution_json(name), sharded)
+
+    def _child_of(self, data: Mapping[str, Any], sharded: bool | None = None) -> HybridLM:
+        """The assembled child of a solution's JSON `data` (as `_child`)."""
         choice = {int(block.rsplit("_", 1)[1]): variant for block, variant in data["choices"].items()}
         return assemble_child(
             choice,
@@ -1041,6 +1235,28 @@ class Run:
             child = load_distilled(self.layout.child(name), child)
         return _on_main(lambda: {name: self._write_export(name, source, child, out)})
 
+    def _card_info(self, name: str, source: str) -> dict[str, Any]:
+        """What the model card (`puzzle.card`) says of this run's solution `name` exported from its `source` ("assemble" or "distill"):
+        budgets, solution file, GKD evaluations when distilled, the run config's fingerprint. Read from the
+        manifest only: never runs a stage."""
+        info: dict[str, Any] = {
+            "solution": name,
+            "source": source,
+            "solution_file": str(self.layout.solution(name).relative_to(self.layout.root)),
+            "config_fingerprint": fingerprint_json(self.config.to_dict()),
+            "budgets": None,
+            "distill": None,
+        }
+        for record_name, record in self.manifest()["stages"].items():
+            stage = record_name.split("/", 1)[0]
+            if record.get("status") not in ("done", "reused") or name not in record.get("outputs", {}):
+                continue
+            if stage == "solutions":
+                info["budgets"] = list(record["outputs"][name].get("budgets", []))
+            elif stage == "distill" and source == "distill":
+                info["distill"] = dict(record["outputs"][name])
+        return info
+
     def _write_export(self, name: str, source: str, child: HybridLM, out: Path) -> dict[str, Any]:
         solution = Solution.from_json(self._solution_json(name), self._problem(self._budgets_of(name)).table)
         written = export_checkpoint(
@@ -1050,7 +1266,7 @@ class Run:
             solution=solution,
             measured=self._assembled(name)["measured"],
             overwrite=True,
-            run_info=run_card_info(self, name, source),
+            run_info=self._card_info(name, source),
         )
         root = self.layout.root
         return {"path": str(written.relative_to(root)) if written.is_relative_to(root) else str(written)}

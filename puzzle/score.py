@@ -315,8 +315,15 @@ def _variant_block(parent: HybridLM, variant: Variant, mixer: nn.Module) -> Bloc
     return block
 
 
-def _get_mixer(parent: HybridLM, mixers: MixerSource, variant: Variant) -> nn.Module:
-    """The variant's mixer; None (or no entry) for the parent's own block spec means the parent's mixer."""
+def _get_mixer(
+    parent: HybridLM, mixers: MixerSource, variant: Variant, context: HybridLM | None = None
+) -> nn.Module:
+    """The variant's mixer; None (or no entry) for the parent's own block spec means the parent's mixer.
+
+    With a `context` model, a variant with the context's own block spec is the context's own mixer (not
+    asked of `mixers`): that variant is the context itself, scored without running anything."""
+    if context is not None and variant.spec == context.spec.blocks[variant.block_index]:
+        return context.layers[variant.block_index].mixer
     mixer = mixers(variant) if callable(mixers) else mixers.get(variant)
     if mixer is None:
         own = parent.layers[variant.block_index].mixer
@@ -347,41 +354,58 @@ def _score_batch(
     sums: torch.Tensor,
     chunk: int,
     check: Variant | None = None,
+    context: HybridLM | None = None,
 ) -> None:
-    """Add this batch's sums for every variant of `wave` to `sums` [len(wave) + 2, _NUM_SUMS] (fp64).
+    """Add this batch's sums for every variant of `wave` to `sums` [len(wave) + 2, _NUM_SUMS] (fp64; two
+    rows more with a `context`).
 
     Row len(wave) is the parent's own (positions and cross-entropy). A variant whose mixer is the parent's
     own is the parent: its row gets the parent's sums (0 KL, full agreement) without any work. `check`, one
-    such variant, is nevertheless run through the suffix like any other, into the last row: its KL must be
-    0 if recomputing the suffix from a kept block input reproduces the parent. `weight`: the whole lm_head
+    such variant, is nevertheless run through the suffix like any other, into row len(wave) + 1: its KL must
+    be 0 if recomputing the suffix from a kept block input reproduces the parent. `weight`: the whole lm_head
     weight [V, H] (gathered once per run when the parent is sharded).
+
+    With a `context` model (same embeddings and lm_head as the parent, same number of blocks), the variants
+    replace one block of the context instead: the context's prefix runs once and keeps the block inputs,
+    each variant runs its block and the context's suffix, and the parent runs once, whole, for the
+    reference logits. Row len(wave) + 2 is the context's own sums against the parent; a variant whose mixer
+    is the context's own gets them without any work; `check` must reproduce them on its batch (row
+    len(wave) + 3: the context's sums on the batches `check` ran).
     """
     targets = ids[:, 1:].reshape(-1)
     n = targets.numel()
     chunks = _chunks(weight.shape[0], chunk)
-    own = {v for v in wave if mixers[v] is parent.layers[v.block_index].mixer}
+    model = parent if context is None else context  # whose blocks the variants replace
+    own = {v for v in wave if mixers[v] is model.layers[v.block_index].mixer}
     rows = {variant: row for row, variant in enumerate(wave) if variant not in own}
     if check is not None:
         rows[check] = len(wave) + 1
     blocks_needed = {v.block_index for v in rows}
-    # The parent once: the input of every block with a variant to run, and its final hidden state.
-    x = parent.embeddings(ids)
+    # The model once: the input of every block with a variant to run, and its final hidden state.
+    x = model.embeddings(ids)
     inputs: dict[int, torch.Tensor] = {}
-    for index, block in enumerate(parent.layers):
+    for index, block in enumerate(model.layers):
         if index in blocks_needed:
             inputs[index] = x
         x = block(x)
 
     def final(x: torch.Tensor) -> torch.Tensor:
-        return parent.norm_f(x)[:, :-1].reshape(n, x.shape[-1])
+        return model.norm_f(x)[:, :-1].reshape(n, x.shape[-1])
 
-    reference = _Parent.of(final(x), weight, targets, chunks)
+    if context is None:
+        reference = _Parent.of(final(x), weight, targets, chunks)
+    else:
+        reference = _Parent.of(_final_hidden(parent, ids), weight, targets, chunks)
     parent_sq = reference.hidden.float().pow(2).sum(dtype=torch.float64)
     parent_nll = reference.nll.sum()
     parent_bad = ~(torch.isfinite(reference.nll) & torch.isfinite(reference.hidden).all(-1))
     sums[len(wave), _Sum.TOKENS] += n
     sums[len(wave), _Sum.PARENT_NLL] += parent_nll
-    for variant in own:
+    # With a context, its own sums are taken in the chunk pass below (as a child's) and copied to its own
+    # variants' rows after it: `before` isolates this batch's share.
+    context_row = len(wave) + 2
+    before = sums[context_row].clone() if context is not None else None
+    for variant in own if context is None else ():
         row = sums[wave.index(variant)]
         row[_Sum.TOKENS] += n
         if bool(parent_bad.any()):
@@ -393,10 +417,12 @@ def _score_batch(
     # Every variant to run through its suffix; its final hidden state is kept ([N, H] each) so that each
     # parent chunk is computed once per batch, then every variant's same chunk.
     children: list[tuple[int, _Child]] = []
+    if context is not None:
+        children.append((context_row, _Child(reference, final(x), targets)))
     for variant in sorted(rows, key=_order):
         index = variant.block_index
         y = _variant_block(parent, variant, mixers[variant])(inputs[index])
-        for block in parent.layers[index + 1 :]:
+        for block in model.layers[index + 1 :]:
             y = block(y)
         children.append((rows[variant], _Child(reference, final(y), targets)))
         if not any(v.block_index == index for v in rows if _order(v) > _order(variant)):
@@ -424,6 +450,32 @@ def _score_batch(
         sums[row, _Sum.TOP5] += top5.sum()
         sums[row, _Sum.SQ_ERR] += (hidden.float() - reference.hidden.float()).pow(2).sum(dtype=torch.float64)
         sums[row, _Sum.SQ_REF] += parent_sq
+    if before is not None:
+        share = sums[context_row] - before
+        for variant in own:
+            sums[wave.index(variant)] += share
+        if check is not None:  # what the check must reproduce: the context on the same batch
+            sums[context_row + 1] += share
+
+
+def _check_context_head(weight: torch.Tensor, context: HybridLM) -> None:
+    """ValueError unless the context model's lm_head is the parent's (`weight`, whole): the chunk pass
+    computes every model's logits with that one weight."""
+    own = shard.replicated(context.lm_head.weight)
+    if own.shape != weight.shape or not torch.equal(own, weight):
+        raise ValueError(
+            "the context model's lm_head differs from the parent's: scoring in context needs a child "
+            "assembled from this parent (its embeddings, final norm and lm_head), before any distillation"
+        )
+
+
+def _final_hidden(model: HybridLM, ids: torch.Tensor) -> torch.Tensor:
+    """`model`'s final hidden state (after its final norm) at the positions with a next token, [N, H]."""
+    x = model.embeddings(ids)
+    for block in model.layers:
+        x = block(x)
+    x = model.norm_f(x)[:, :-1]
+    return x.reshape(-1, x.shape[-1])
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -496,13 +548,19 @@ def _save_wave(directory: Path, state: Mapping[str, Any], step: int, sums: torch
             atomic_write(directory / WAVE_FILE, json_writer({**state, "step": step, "sums": total.tolist()}))
 
 
-def _check_parent(variant: Variant, row: torch.Tensor, tolerance: float) -> None:
-    """RuntimeError unless the parent's own mixer, run through the suffix, scored the parent (KL <= tolerance)."""
+def _check_parent(
+    variant: Variant, row: torch.Tensor, tolerance: float, expected: torch.Tensor | None = None
+) -> None:
+    """RuntimeError unless the parent's own mixer, run through the suffix, scored the parent (KL <= tolerance);
+    with `expected` (the context's own sums row), unless the context's own mixer scored the context's KL."""
     tokens = int(row[_Sum.TOKENS])
-    if tokens and (row[_Sum.NONFINITE] > 0 or float(row[_Sum.KL] / tokens) > tolerance):
+    target = 0.0 if expected is None else float(expected[_Sum.KL] / tokens) if tokens else 0.0
+    model = "parent" if expected is None else "context model"
+    wanted = f"KL <= {tolerance}" if expected is None else f"KL within {tolerance} of {target:.6g}"
+    if tokens and (row[_Sum.NONFINITE] > 0 or abs(float(row[_Sum.KL] / tokens) - target) > tolerance):
         raise RuntimeError(
-            f"block {variant.block_index}: the parent's own mixer scores {_record(variant, row, '')}, "
-            f"expected KL <= {tolerance} and finite: the suffix recomputation does not reproduce the parent "
+            f"block {variant.block_index}: the {model}'s own mixer scores {_record(variant, row, '')}, "
+            f"expected {wanted} and finite: the suffix recomputation does not reproduce the {model} "
             f"(non-deterministic kernels?)"
         )
 
@@ -583,6 +641,8 @@ def score_variants(
     data_fingerprint: str | None = None,
     mixer_fingerprints: Mapping[Variant, str] | None = None,
     parent_fp: str | None = None,
+    context: HybridLM | None = None,
+    context_fp: str | None = None,
 ) -> Scores:
     """Score every variant as the parent with only its block replaced, on held-out `batches`; write scores.json.
 
@@ -602,6 +662,15 @@ def score_variants(
     fingerprint keying the saved scores (`puzzle.Run` passes one from the parent's files); default
     `fingerprint_model(parent)`.
 
+    `context`: scores in context. Each variant replaces its block of `context` (e.g. an assembled child,
+    `puzzle.assemble.assemble`) instead of the parent's; the KL etc. are still to the parent's next-token
+    distributions. The context needs the parent's embeddings, final norm and lm_head (as an assembled child
+    has them) and as many blocks; a variant with the context's own block spec is the context itself (its
+    own mixer, scored once per batch, whatever `mixers` gives for it), so its record is the context's KL
+    to the parent. The context's prefix runs once per batch as the parent's does without one, and the
+    parent once more, whole, for the reference. `context_fp` keys the saved scores (default
+    `fingerprint_model(context)`).
+
     Peak memory beyond the forward passes, per batch of N = b * (t - 1) positions: the kept block inputs
     (N * H per block with variants in the wave, parent dtype, each freed once its variants have run), the
     final hidden state of every variant of the wave that runs (N * H each: they wait for the shared chunk
@@ -615,6 +684,11 @@ def score_variants(
     """
     settings = settings or ScoreSettings()
     out_dir = Path(out_dir)
+    if context is not None and context.spec.num_blocks != parent.spec.num_blocks:
+        raise ValueError(
+            f"the context model has {context.spec.num_blocks} blocks, the parent {parent.spec.num_blocks}: "
+            "a context replaces the parent's blocks one for one"
+        )
     requested = list(dict.fromkeys(variants))
     for variant in requested:
         if variant.block_index >= parent.spec.num_blocks:
@@ -631,12 +705,14 @@ def score_variants(
         "data": data_fingerprint,
         "settings": fingerprint_json({"format": FORMAT, "top_k": TOP_K}),
     }
+    if context is not None:
+        inputs["context"] = context_fp or fingerprint_model(context)
 
     def fingerprint_of(variant: Variant) -> str:
         if mixer_fingerprints is not None and variant in mixer_fingerprints:
             return mixer_fingerprints[variant]
         if not callable(mixers):  # also checks, before any work, that every variant has a mixer
-            return _mixer_fingerprint(_get_mixer(parent, mixers, variant))
+            return _mixer_fingerprint(_get_mixer(parent, mixers, variant, context))
         return ""
 
     fingerprints = {variant: fingerprint_of(variant) for variant in requested}
@@ -654,22 +730,31 @@ def score_variants(
     sharded = shard.active(settings.shard)
     if sharded and waves:
         shard.shard_parent(parent, settings.shard)
+        if context is not None:
+            shard.shard_parent(context, settings.shard)
     # The whole lm_head for the chunk matmuls, all-gathered once when sharded (every rank, same order).
     with torch.no_grad():
         weight = shard.replicated(parent.lm_head.weight) if waves else parent.lm_head.weight
+        if context is not None and waves:
+            _check_context_head(weight, context)
     device = weight.device
-    parent_was_training = parent.training
-    parent.eval()
+    models = [parent] if context is None else [parent, context]
+    was_training = [model.training for model in models]
+    for model in models:
+        model.eval()
     try:
         for number, wave in enumerate(waves):
             held = {}
             for v in wave:
-                held[v] = mixer = _get_mixer(parent, mixers, v)
+                held[v] = mixer = _get_mixer(parent, mixers, v, context)
                 if sharded:  # one variant at a time is whole, as loaded: shard it before the next
                     shard.shard_variant(mixer, settings.shard)
-            own = [v for v in wave if held[v] is parent.layers[v.block_index].mixer]
+            model = parent if context is None else context
+            own = [v for v in wave if held[v] is model.layers[v.block_index].mixer]
             check = min(own, key=_order) if own else None
-            sums = torch.zeros(len(wave) + 2, _NUM_SUMS, dtype=torch.float64, device=device)
+            # + the parent's, the check's; with a context: its own, and its own on the check's batches
+            rows = len(wave) + (2 if context is None else 4)
+            sums = torch.zeros(rows, _NUM_SUMS, dtype=torch.float64, device=device)
             steps, common = _steps(read_batches, sharded)
             state = _wave_state(inputs, wave, sharded)
             resumed = _load_wave(out_dir, state, len(sums)) if dist.is_main() else None
@@ -682,14 +767,17 @@ def score_variants(
                     continue  # scored before the run was killed
                 into = sums if counted else torch.zeros_like(sums)  # a padding batch: collectives only
                 checked = check if step == 0 else None
-                _score_batch(parent, weight, ids.to(device), wave, held, into, settings.vocab_chunk, checked)
+                _score_batch(
+                    parent, weight, ids.to(device), wave, held, into, settings.vocab_chunk, checked, context
+                )
                 every = settings.checkpoint_every
                 if every and (step + 1) % every == 0 and step + 1 < common:  # same steps on every rank
                     _save_wave(out_dir, state, step + 1, sums)
             dist.all_reduce_sum_([sums])
             sums = sums.cpu()
             if check is not None:
-                _check_parent(check, sums[-1], settings.parent_kl_tolerance)
+                expected = None if context is None else sums[len(wave) + 3]
+                _check_parent(check, sums[len(wave) + 1], settings.parent_kl_tolerance, expected)
             for row, variant in enumerate(wave):
                 done[_key(variant)] = _record(variant, sums[row], fingerprints[variant]).to_dict()
             tokens = int(sums[len(wave), _Sum.TOKENS])
@@ -703,7 +791,8 @@ def score_variants(
                     atomic_write(out_dir / PARTIAL_FILE, json_writer(_content(inputs, done, totals)))
                     (out_dir / WAVE_FILE).unlink(missing_ok=True)
     finally:
-        parent.train(parent_was_training)
+        for model, training in zip(models, was_training):
+            model.train(training)
     totals = totals or {"tokens": 0, "parent_loss": None}
     artifact = Artifact(out_dir, "scores", FORMAT)
     if waves or not current:

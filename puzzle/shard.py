@@ -9,8 +9,9 @@ collective: every rank must run the same number of forwards of every unit, in th
 
 from __future__ import annotations
 
+import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -215,3 +216,13 @@ def like(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
 def local_numel(module: nn.Module) -> int:
     """Parameter elements this rank holds (its shard of each DTensor), for memory checks."""
     return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in module.parameters())
+
+
+def shard_numel(shape: Iterable[int], world: int) -> int:
+    """Elements rank 0 (the largest shard) holds of a parameter `fully_shard` splits over `world` ranks:
+    ceil(rows / world) rows of its first dimension."""
+    dims = tuple(shape)
+    if not dims:
+        return 1
+    rows = min(dims[0], math.ceil(dims[0] / world))
+    return rows * math.prod(dims[1:])

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import math
 import sys
 from pathlib import Path
 
@@ -60,7 +59,15 @@ def test_every_method_meets_the_budget_and_the_mip_predicts_least(result):
     data, _, _ = result
     rows = [r for r in data["rows"] if r["feasible"]]
     methods = {r["method"] for r in rows}
-    assert {"puzzle", "homogeneous", "greedy", "random", "mip_no_bld", "mip_lm_loss"} <= methods
+    assert {
+        "puzzle",
+        "homogeneous",
+        "greedy",
+        "greedy-norefill",
+        "random",
+        "mip_no_bld",
+        "mip_lm_loss",
+    } <= methods
     for r in rows:
         assert r["active_fraction"] <= 0.6 + 1e-9, r
         assert r["before"]["kl"] > 0 and 0 < r["before"]["top1"] < 1
@@ -74,7 +81,53 @@ def test_every_method_meets_the_budget_and_the_mip_predicts_least(result):
     assert [r["seed"] for r in randoms] == [0, 1]
     assert all(r["active_fraction"] >= 0.6 - ablations.RANDOM_BAND - 1e-9 for r in randoms)
     assert next(r for r in rows if r["method"] == "mip_no_bld")["weights"] == "init"
-    assert -1 <= data["summary"]["spearman_bld"] <= 1 or math.isnan(data["summary"]["spearman_bld"])
+
+
+def _closed_form_spearman(x: list[float], y: list[float]) -> float:
+    """1 - 6 sum d^2 / (n (n^2 - 1)) over the ranks of x and y (no ties)."""
+    assert len(set(x)) == len(x) and len(set(y)) == len(y), "the closed form needs distinct values"
+    rank_x = {v: i for i, v in enumerate(sorted(x))}
+    rank_y = {v: i for i, v in enumerate(sorted(y))}
+    n = len(x)
+    return 1 - 6 * sum((rank_x[a] - rank_y[b]) ** 2 for a, b in zip(x, y)) / (n * (n**2 - 1))
+
+
+def test_the_summary_spearman_is_the_closed_form_on_the_distinct_bld_children(result):
+    data, _, _ = result
+    children = {
+        tuple(r["blocks"]): (r["predicted_kl"], r["before"]["kl"])
+        for r in data["rows"]
+        if r["feasible"] and r["weights"] == "bld"
+    }
+    assert len(children) >= 4, children  # enough children that the value says something
+    predicted, measured = (list(values) for values in zip(*children.values()))
+    assert data["summary"]["spearman_bld"] == pytest.approx(_closed_form_spearman(predicted, measured))
+
+
+def test_refilled_greedy_fills_the_budget_the_descent_left(result):
+    """At every level the refill meets the budget, predicts no more KL than the descent alone and uses at
+    least as many parameters; at some level strictly more (the descent stops at the first fit)."""
+    data, run, _ = result
+    assert {"greedy", "greedy-norefill"} <= {r["method"] for r in data["rows"] if r["feasible"]}
+    bench = ablations.Bench(run, init_scores=False)
+
+    def active(arch) -> float:
+        spec = dataclasses.replace(bench.spec, blocks=arch)
+        return ablations.model_active_params(spec) / ablations.model_active_params(bench.spec)
+
+    gained = []
+    for level in (0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
+        problem = ablations.Problem(run, bench.kl, level)
+        refilled, plain = problem.greedy(), problem.greedy(refill=False)
+        if plain is None:
+            assert refilled is None
+            continue
+        assert active(refilled) <= level + 1e-9 and active(refilled) >= active(plain)
+        assert bench.predicted(refilled, bench.kl_of) <= bench.predicted(plain, bench.kl_of) + 1e-12
+        mip = problem.mip()  # the MIP is optimal on the same table
+        assert bench.predicted(mip, bench.kl_of) <= bench.predicted(refilled, bench.kl_of) + 1e-9
+        gained.append(active(refilled) - active(plain))
+    assert max(gained) > 0.01, gained
 
 
 def test_restricted_and_homogeneous_spaces_keep_their_shape(result):

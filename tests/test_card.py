@@ -11,8 +11,8 @@ import torch
 import yaml
 
 import puzzle
-from puzzle.card import CARD_MARKER, card_owner
 from puzzle.export import export
+from puzzle.files import CARD_MARKER, card_owner
 from puzzle.model import HybridLM
 from puzzle.nemotron_h import CheckpointError
 from puzzle.nemotron_h.engines import engine_support

@@ -262,6 +262,7 @@ RUN_DIR_ACCEPTED: dict[str, set[str]] = {
     "keep_block": {"zero"},  # block 0 exists
     "time_limit": {"fraction"},
     "gap": {"zero"},
+    "rerank": {"zero"},  # 0 = off
     # A plain file name is a fine --out (written into the test's own working directory).
     "out": {"nonsense", "negative", "zero", "fraction", "huge", "nan", "factor", "unknown-preset"},
 }

@@ -55,7 +55,8 @@ def homogeneous(tmp_path_factory):
     """A transformers NemotronH parent (latent MoE) with an MTP module, and a library whose variants shrink
     every MoE block alike and every Mamba block alike (so the child stays one shape per kind)."""
     root = tmp_path_factory.mktemp("export_homogeneous")
-    hf = random_hf_model(tiny_config("latent_moe"), seed=4)
+    # Mamba inner width 4 x 16 = 64: llama.cpp's converter asserts a multiple of 64.
+    hf = random_hf_model(tiny_config("latent_moe", mamba_head_dim=16), seed=4)
     plain = save_hf(hf, root / "hf")
     parent_dir = root / "parent"
     parent_dir.mkdir()
@@ -71,7 +72,7 @@ def homogeneous(tmp_path_factory):
         (parent_dir / name).write_text(text)
     parent = puzzle.load(parent_dir)
     moe = MoESpec(8, 3, 8, 24, 12, 2.5, True, 2, 1)
-    mamba = MambaSpec(num_heads=4, head_dim=8, state_size=4, n_groups=2, chunk_size=8, dt_clamp_min=0.001)
+    mamba = MambaSpec(num_heads=4, head_dim=16, state_size=4, n_groups=2, chunk_size=8, dt_clamp_min=0.001)
     table = {
         index: [Variant(index, mamba if block.kind == "mamba" else moe)]
         for index, block in enumerate(parent.spec.blocks)
@@ -165,7 +166,7 @@ def test_engine_export_refuses_what_an_engine_cannot_load(every_kind, tmp_path):
 
 
 def test_engine_rules_block_by_block():
-    mamba = MambaSpec(num_heads=4, head_dim=4, state_size=8, n_groups=2)
+    mamba = MambaSpec(num_heads=4, head_dim=16, state_size=8, n_groups=2)
     attention = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=4)
     moe = MoESpec(num_experts=8, top_k=2, expert_width=16, shared_width=8, latent_size=12)
 
@@ -174,14 +175,16 @@ def test_engine_rules_block_by_block():
         return sorted({(p.engine, p.block) for p in engine_problems(spec, engines)})
 
     # Per-block width and top-k: both engines (the Puzzle-75B shape); one state size for all Mamba blocks.
-    assert problems(mamba, moe, attention, MoESpec(8, 5, 4, 8, 12), mamba.__class__(4, 4, 8, 2)) == []
-    assert problems(mamba, moe, MambaSpec(num_heads=4, head_dim=4, state_size=4, n_groups=2)) in (
+    assert problems(mamba, moe, attention, MoESpec(8, 5, 4, 8, 12), mamba.__class__(4, 16, 8, 2)) == []
+    assert problems(mamba, moe, MambaSpec(num_heads=4, head_dim=16, state_size=4, n_groups=2)) in (
         [("llama.cpp", 0), ("vllm", 0)],
         [("llama.cpp", 2), ("vllm", 2)],
     )
     # vLLM takes per-block expert counts and no shared expert; llama.cpp does not. Neither: several
     # attention shapes (llama.cpp reads the globals; vLLM's KV cache, conservatively).
     assert problems(moe, MoESpec(4, 2, 16, 8, 12), moe) == [("llama.cpp", 1)]
+    # llama.cpp's converter asserts a Mamba inner width (heads x head dim) that is a multiple of 64.
+    assert problems(MambaSpec(num_heads=4, head_dim=4, state_size=8, n_groups=2)) == [("llama.cpp", 0)]
     assert problems(attention, attention, AttentionSpec(2, 1, 4)) == [("llama.cpp", 2), ("vllm", 2)]
     assert problems(moe, MoESpec(8, 2, 16, 0, 12)) == [("llama.cpp", 1)]
     assert problems(MLPSpec(width=8, activation="silu")) == [("llama.cpp", 0), ("vllm", 0)]

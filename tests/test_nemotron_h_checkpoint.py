@@ -664,12 +664,12 @@ def test_failed_save_leaves_nothing_behind(parents, tmp_path):
 
 
 # A process that saves `spec` (random weights from `seed`) to `target`, one tensor per shard, and stops
-# for good at `stage`: after writing shards into staging, after moving the old checkpoint aside, or
+# for good at `stage`: after writing 3 tensors into staging, after moving the old checkpoint aside, or
 # before removing it. The test SIGKILLs it there, as an out-of-memory killer or a scheduler would.
 _SAVER = r"""
 import os, shutil, sys, time
 import torch
-import puzzle.nemotron_h.weights as weights
+from puzzle.nemotron_h.stream import StreamWriter
 from puzzle.model import HybridLM
 from puzzle.spec import ModelSpec
 
@@ -679,12 +679,12 @@ def stop():
     print("stopped", flush=True)
     time.sleep(600)
 
-real_save_file, real_rename, real_rmtree = weights.save_file, os.rename, shutil.rmtree
+real_write, real_rename, real_rmtree = StreamWriter.write, os.rename, shutil.rmtree
 written = []
 
-def save_file(*args, **kwargs):
-    real_save_file(*args, **kwargs)
-    written.append(args[1])
+def write(self, name, tensor):
+    real_write(self, name, tensor)
+    written.append(name)
     if stage == "shards" and len(written) == 3:
         stop()
 
@@ -698,7 +698,7 @@ def rmtree(path, *args, **kwargs):
         stop()
     real_rmtree(path, *args, **kwargs)
 
-weights.save_file, os.rename, shutil.rmtree = save_file, rename, rmtree
+StreamWriter.write, os.rename, shutil.rmtree = write, rename, rmtree
 torch.manual_seed(int(seed))
 HybridLM(ModelSpec.from_json(spec_json)).save_pretrained(target, max_shard_bytes=1)
 """

@@ -122,6 +122,64 @@ def test_suffix_scores_equal_one_full_forward_per_variant(tmp_path, chunk):
     assert kls[:6] == [0.0] * 6 and all(kl > 1e-5 for kl in kls[6:]) and len(kls) == 14
 
 
+def _replaced(parent: HybridLM, base: HybridLM, index: int, mixer) -> HybridLM:
+    """A copy of `base` with block `index`'s mixer replaced (None: the parent's own), the parent's norm kept."""
+    model = copy.deepcopy(base)
+    mixer = copy.deepcopy(parent.layers[index].mixer if mixer is None else mixer)
+    norm = parent.layers[index].norm
+    keep = None if isinstance(mixer.spec, NoOpSpec) or norm is None else copy.deepcopy(norm)
+    model.replace_mixer(index, mixer, keep)
+    return model
+
+
+@torch.no_grad()
+def _naive_kl(parent: HybridLM, model: HybridLM, batches) -> float:
+    """Mean KL(parent || model) over the positions with a next token, from whole-vocabulary fp64."""
+    total, count = 0.0, 0
+    for ids in batches:
+        logp = F.log_softmax(parent(ids).logits[:, :-1].double(), -1)
+        logq = F.log_softmax(model(ids).logits[:, :-1].double(), -1)
+        total += float((logp.exp() * (logp - logq)).sum())
+        count += logp.shape[0] * logp.shape[1]
+    return total / count
+
+
+def test_scores_in_context_replace_one_block_of_the_context(tmp_path):
+    """With a context model, each variant replaces its block of the context (KL still to the parent): every
+    score equals a full forward of that model, and the context's own choices score the context's KL."""
+    parent, batches = _parent(), _batches()
+    library = _library(parent)
+    context = parent
+    for variant in (Variant(1, LinearSpec()), Variant(3, MLPSpec(width=6))):
+        context = _replaced(parent, context, variant.block_index, library[variant])
+    scores = score_variants(
+        parent, library, library, batches, tmp_path, ScoreSettings(vocab_chunk=7), context=context
+    )
+    context_kl = _naive_kl(parent, context, batches)
+    assert context_kl > 1e-4
+    for variant, mixer in library.items():
+        own = variant.spec == context.spec.blocks[variant.block_index]
+        expected = (
+            context_kl
+            if own
+            else _naive_kl(parent, _replaced(parent, context, variant.block_index, mixer), batches)
+        )
+        assert scores[variant].kl == pytest.approx(expected, rel=1e-6, abs=1e-7), variant
+    # The context's own choices are the context itself: one record, the same sums in every block.
+    own_kls = {
+        scores[Variant(i, spec)].kl
+        for i, spec in enumerate(context.spec.blocks)
+        if Variant(i, spec) in library
+    }
+    assert len(own_kls) == 1
+    # The parent's own block 1 back into the context is a variant like any other, not 0.
+    assert scores[Variant(1, parent.spec.blocks[1])].kl != 0.0
+    with pytest.raises(ValueError, match="lm_head differs"):
+        other = copy.deepcopy(context)
+        other.lm_head.weight.data += 1.0
+        score_variants(parent, library, library, batches, tmp_path / "x", context=other)
+
+
 def test_parent_scores_zero_and_full_agreement(tmp_path):
     parent, batches = _parent(), _batches()
     own = {Variant(i, spec): None for i, spec in enumerate(parent.spec.blocks)}

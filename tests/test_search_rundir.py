@@ -278,6 +278,7 @@ def test_out_writes_the_answer_and_nothing_else_is_written(run, tmp_path, capsys
         (["search", "@run", "--scenario", "chat:batch=8,prompt=1,generated=1,kv_dtype=int3"], "int3"),
         (["search", "@run", "--hardware", "tpu"], "unknown hardware 'tpu'"),
         (["search", "@run", "--same", "stats.x"], "a run's variants have state_size, top_k and kind"),
+        (["search", "@run", "--budget", "active_params<=0.8x", "--rerank", "3"], "set search.rerank: 3"),
     ],
 )
 def test_bad_command_lines_exit_2(run, capsys, argv, message):

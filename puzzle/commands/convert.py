@@ -80,7 +80,7 @@ def register(subparsers: Any) -> None:
 
 def run_convert(args: argparse.Namespace) -> int:
     """`puzzle convert`: DST's path on stdout, or one error line and exit code 2 for bad input."""
-    from puzzle.nemotron_h.checkpoint import foreign_entries, load, refusal_to_overwrite, save_pretrained
+    from puzzle.nemotron_h.checkpoint import convert_checkpoint, foreign_entries, refusal_to_overwrite
     from puzzle.nemotron_h.config import CheckpointError
 
     if not args.src or not args.dst:
@@ -105,10 +105,10 @@ def run_convert(args: argparse.Namespace) -> int:
         )
         return EXIT_BAD_INPUT
     try:
-        model = load(source, dtype=args.dtype)
-        path = save_pretrained(
-            model,
+        path = convert_checkpoint(  # streamed: one tensor in memory at a time
+            source,
             target,
+            dtype=args.dtype,
             max_shard_bytes=args.max_shard_size,
             overwrite=args.overwrite,
             model_type=args.format,

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from puzzle.commands import fraction, parse_number, positive_int
+from puzzle.commands import fraction, non_negative_int, parse_number, positive_int
 from puzzle.search import InfeasibleError, Rules, SearchError, Solution, SolverOptions, search_k
 from puzzle.search.frontier import frontier_prefix, parse_sweep, sweep, write_frontier
 from puzzle.search.library import load_library
@@ -241,6 +241,15 @@ def register(subparsers: Any) -> None:
         "the run's search.shared_state_size, else one size, as serving engines need)",
     )
     run_dir.add_argument(
+        "--rerank",
+        type=non_negative_int,
+        default=None,
+        metavar="K",
+        help="measured re-ranking of the K best architectures (0 or 1: off) needs the parent and the run's "
+        "held-out tokens, which this command does not load: set search.rerank: K in the run config and run "
+        "`puzzle run CONFIG --until solutions`",
+    )
+    run_dir.add_argument(
         "--out",
         default=None,
         metavar="FILE",
@@ -290,6 +299,7 @@ _RUN_DIR_ONLY = (
     "memory_fraction",
     "parent",
     "mixed_state_sizes",
+    "rerank",
     "out",
 )
 _LIBRARY_ONLY = ("fixed", "maximize", "sweep", "frontier")
@@ -311,6 +321,13 @@ def _check_combinations(parser_error: Any, args: argparse.Namespace) -> None:
         value = getattr(args, dest)
         if value not in (None, []) and not (value is False and dest in _SWITCHES):
             parser_error(f"{_option(dest)} does not apply with {mode}")
+    if args.rerank is not None and args.rerank > 1:
+        parser_error(
+            f"--rerank {args.rerank} assembles each candidate and measures its KL to the parent on the run's "
+            "held-out tokens, which `puzzle search` does not load; set search.rerank: "
+            f"{args.rerank} in the run config and run `puzzle run CONFIG --until solutions` (RUN_DIR/run.json "
+            "then records every candidate's predicted and measured KL)"
+        )
     if args.frontier is not None and args.sweep is None:
         parser_error("--frontier needs --sweep (it writes the sweep's points)")
     if args.min_diff is not None and args.solutions == 1:

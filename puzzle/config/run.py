@@ -209,7 +209,26 @@ class SearchConfig:
     solutions: int = field(default=1, metadata=doc("The K best distinct architectures per budget."))
     min_diff: int = field(
         default=1,
-        metadata=doc("With solutions > 1: blocks in which each solution differs from every other."),
+        metadata=doc(
+            "With solutions > 1 or rerank > 1: blocks in which each solution differs from every other."
+        ),
+    )
+    rerank: int = field(
+        default=0,
+        metadata=doc(
+            "Measured re-ranking: solve for the K best architectures (each differing from the others in "
+            ">= min_diff blocks), assemble each, measure its KL to the parent on the held-out tokens, and keep "
+            "the least measured as the budget's solution (costs K child forwards over the held-out set per "
+            "budget). 0 or 1: off, the MIP's best is the solution."
+        ),
+    )
+    context_rounds: int = field(
+        default=0,
+        metadata=doc(
+            "Scores in context: after the first solve, rescore every block's variants in the solved child "
+            "(KL to the parent, relative to the child's own) and solve again, up to this many rounds or until "
+            "the choice repeats; the best measured round's architecture is kept. 0: off."
+        ),
     )
     shared_state_size: bool = field(
         default=True, metadata=doc("One SSM state size for every Mamba block (serving engines need it).")
@@ -228,8 +247,10 @@ class SearchConfig:
         self.swept()
         _at_least(self, "solutions", 1)
         _at_least(self, "min_diff", 1)
-        if self.min_diff > 1 and self.solutions == 1:
-            raise ConfigError("needs solutions > 1 (it spaces the solutions apart)", "min_diff")
+        _at_least(self, "rerank", 0)
+        _at_least(self, "context_rounds", 0)
+        if self.min_diff > 1 and self.solutions == 1 and self.rerank <= 1:
+            raise ConfigError("needs solutions > 1 or rerank > 1 (it spaces the solutions apart)", "min_diff")
         if self.sweep is not None and self.solutions > 1:
             raise ConfigError(
                 "more than one solution does not combine with a sweep (one solution per point)", "solutions"

@@ -12,7 +12,7 @@ import contextlib
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
@@ -21,9 +21,10 @@ import torch
 from torch import nn
 
 from puzzle import dist
-from puzzle.card import CARD_FILE, card_owner
 from puzzle.files import (
+    CARD_FILE,
     OWNER_MARKER,
+    card_owner,
     default_mode,
     make_staging_dir,
     remove_stale_staging,
@@ -38,6 +39,7 @@ from puzzle.nemotron_h.config import (
     spec_from_config,
 )
 from puzzle.nemotron_h.remote import REMOTE_CODE_FILES, write_remote_code
+from puzzle.nemotron_h.stream import convert_weights, stream_weights
 from puzzle.nemotron_h.weights import (
     DEFAULT_MAX_SHARD_BYTES,
     INDEX_FILE,
@@ -46,13 +48,11 @@ from puzzle.nemotron_h.weights import (
     SINGLE_FILE,
     allocate_banks,
     disk_name,
-    hub_state,
     map_checkpoint,
     module_hub_state,
     open_safetensors,
     read_tensor,
     weight_files,
-    write_weights,
 )
 from puzzle.progress import progress
 from puzzle.spec import NoOpSpec
@@ -138,7 +138,8 @@ def load(
         sharded.require_process_group()
         device = dist.device() if device is None else device
         if dist.world_size() > 1:
-            return sharded.load_sharded(path, dtype, device, "fsdp" if shard is True else shard)
+            meta = load(path, dtype=dtype, device="meta")  # names, shapes and dtypes checked as for a load
+            return sharded.load_sharded(meta, path, device, "fsdp" if shard is True else shard)
     compute_dtype = _compute_dtype(dtype)
     device = torch.device("cpu" if device is None else device)
     path = Path(path)
@@ -299,10 +300,76 @@ def save_pretrained(
       so the directory reads as the new checkpoint; no other file is touched;
     - the directory the model was loaded from, a folder holding it, or one inside it: refused.
 
+    The weights are streamed (`puzzle.nemotron_h.stream.stream_weights`): one tensor in memory at a time, the
+    bytes those of safetensors' `save_file`. A model sharded with FSDP2 over several ranks: call it on every
+    rank; the ranks gather one tensor at a time and rank 0 writes (a refusal or failure on rank 0 is a
+    RuntimeError naming it on the others).
+
     A save killed midway leaves a `.NAME.tmp-*` (or `.NAME.old-*`) directory beside `path`; the next
     save to `path` removes it once its owner marker proves the process that wrote it is gone (and
     puts a previous checkpoint moved aside back first). A save that fails leaves nothing behind.
     """
+    meta = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
+    if meta:
+        raise CheckpointError(f"cannot save a model with tensors on the meta device (e.g. {meta[0]!r})")
+    options = {
+        "overwrite": overwrite,
+        "model_type": model_type,
+        "aux_source": aux_source,
+        "extra_files": extra_files,
+    }
+    if _sharded(model):  # every rank gathers, rank 0 writes
+        return _save_sharded(model, path, max_shard_bytes, options)
+    return _save(model, path, lambda staging: stream_weights(model, staging, max_shard_bytes), **options)
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Whether `model` holds parameters sharded over more than one rank (FSDP2 DTensors)."""
+    return dist.world_size() > 1 and any(hasattr(p, "device_mesh") for p in model.parameters())
+
+
+def _save_sharded(model: HybridLM, path: str | Path, max_shard_bytes: int, options: dict[str, Any]) -> Path:
+    """`save_pretrained` of an FSDP2-sharded model, called on every rank: rank 0 checks, stages and writes
+    the files while every rank gathers the tensors with it one at a time (`stream_weights`). A refusal or
+    failure on rank 0 is raised there as it is and on the other ranks as a RuntimeError naming it."""
+    if not dist.is_main():
+        if dist.broadcast_object(None):  # rank 0 reached the weights: gather with it
+            stream_weights(model, None, max_shard_bytes)
+        failure = dist.broadcast_object(None)
+        if failure is not None:
+            raise RuntimeError(f"rank 0 failed to save {path}: {failure}")
+        return Path(path).absolute()
+    announced = False
+
+    def write(staging: Path) -> list[str]:
+        nonlocal announced
+        announced = dist.broadcast_object(True)
+        return stream_weights(model, staging, max_shard_bytes)
+
+    failure = None
+    try:
+        return _save(model, path, write, **options)
+    except BaseException as error:
+        failure = f"{type(error).__name__}: {error}"
+        raise
+    finally:
+        if not announced:  # refused before the weights: the other ranks gather nothing
+            dist.broadcast_object(False)
+        dist.broadcast_object(failure)
+
+
+def _save(
+    model: HybridLM,
+    path: str | Path,
+    write: Callable[[Path], list[str]],
+    overwrite: bool = False,
+    *,
+    model_type: str = "auto",
+    aux_source: str | Path | None = None,
+    extra_files: Mapping[str, str] | None = None,
+) -> Path:
+    """`save_pretrained`'s checks and files, the weights written into the staging directory by `write`
+    (`model` gives the config, the source directory and the tokenizer files; its weights may be meta)."""
     target = Path(path).absolute()
     source = model.source_path
     aux = source if aux_source is None else Path(aux_source).resolve()
@@ -315,9 +382,6 @@ def save_pretrained(
             )
     if target.exists() and not target.is_dir():
         raise CheckpointError(f"{target} exists and is not a directory")
-    meta = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
-    if meta:
-        raise CheckpointError(f"cannot save a model with tensors on the meta device (e.g. {meta[0]!r})")
     remove_stale_staging(target)
     foreign = foreign_entries(target)
     if foreign and not overwrite:
@@ -328,10 +392,9 @@ def save_pretrained(
     config = config_from_spec(
         model.spec, model.source_config, dtype=model.embeddings.weight.dtype, model_type=model_type
     )
-    tensors = hub_state(model)
     staging = make_staging_dir(target)
     try:
-        write_weights(tensors, staging, max_shard_bytes)
+        write(staging)
         config = write_remote_code(staging, config)  # nemotron_h_puzzle: the trust_remote_code files
         (staging / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")
         if aux is not None and aux.is_dir():
@@ -350,6 +413,28 @@ def save_pretrained(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return target
+
+
+def convert_checkpoint(
+    source: str | Path,
+    path: str | Path,
+    dtype: torch.dtype | str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+    *,
+    model_type: str = "auto",
+) -> Path:
+    """`save_pretrained(load(source, dtype), path, ...)`, the same files byte for byte, streamed: the weights
+    are read from `source` and written one tensor at a time (`puzzle.nemotron_h.stream.convert_weights`),
+    so memory holds one tensor, not the model (`puzzle convert`). Errors as `load` and `save_pretrained`."""
+    model = load(source, dtype, device="meta")  # every name, shape and dtype checked; no weight read
+    return _save(
+        model,
+        path,
+        lambda staging: convert_weights(model, Path(source), staging, max_shard_bytes),
+        overwrite,
+        model_type=model_type,
+    )
 
 
 def _write_beside(staging: Path, target: Path) -> None:

@@ -170,9 +170,20 @@ def _llama_cpp_global_shape(block: MambaSpec | AttentionSpec, model: _Model, ext
     return [] if extra is None else [extra]
 
 
+# The NemotronH converter asserts that the Mamba inner width (heads x head dim) is a multiple of this.
+_LLAMA_CPP_MAMBA_INNER_MULTIPLE = 64
+
+
 def _llama_cpp_mamba(block: MambaSpec, model: _Model) -> list[str]:
     clamp = "an upper dt clamp (mamba_dt_clamp_max is ours alone)" if block.dt_clamp_max is not None else None
-    return _llama_cpp_global_shape(block, model, clamp)
+    reasons = _llama_cpp_global_shape(block, model, clamp)
+    inner = block.num_heads * block.head_dim
+    if inner % _LLAMA_CPP_MAMBA_INNER_MULTIPLE:
+        reasons.append(
+            f"a Mamba inner width mamba_num_heads x mamba_head_dim = {inner}, not a multiple of "
+            f"{_LLAMA_CPP_MAMBA_INNER_MULTIPLE} (an assertion of llama.cpp's NemotronH converter)"
+        )
+    return reasons
 
 
 def _llama_cpp_attention(block: AttentionSpec, model: _Model) -> list[str]:

@@ -1,7 +1,7 @@
 """Loading a NemotronH checkpoint sharded from the file: no rank ever holds the whole parent.
 
-`load_sharded` builds the model on the meta device (`checkpoint.load(..., device="meta")`: the names,
-shapes and dtypes are checked as for a real load), shards it with FSDP2 exactly as the stages do
+`load_sharded` takes the model built on the meta device (`checkpoint.load(..., device="meta")`: the names,
+shapes and dtypes are checked as for a real load; `checkpoint.load(..., shard=True)` builds it), shards it with FSDP2 exactly as the stages do
 (`puzzle.shard.shard_parent`: embeddings, each block's mixer, the lm_head; norms replicated; a tied lm_head
 kept tied), gives every parameter and buffer uninitialised storage for its local part only (`to_empty`),
 and fills that part from the memory-mapped safetensors files, reading only the rows it owns
@@ -141,21 +141,21 @@ def _fill(model: HybridLM, handles: Mapping[Path, Any], sources: Mapping[str, Te
 
 
 def load_sharded(
-    path: str | Path, dtype: torch.dtype | str | None, device: str | torch.device, mode: str = "fsdp"
+    model: HybridLM, path: str | Path, device: str | torch.device, mode: str = "fsdp"
 ) -> HybridLM:
-    """The checkpoint at `path` as a HybridLM sharded with FSDP2 over the process group, in eval mode.
+    """`model`, the checkpoint at `path` built on the meta device (`checkpoint.load(path, device="meta")`:
+    names, shapes and dtypes checked as for a real load), sharded with FSDP2 over the process group and
+    filled from the files, in eval mode.
 
     Each rank holds and reads only its shards (see the module docstring); the model is what
     `checkpoint.load` followed by `puzzle.shard.shard_parent` gives, without the whole model ever existing.
     `device`: where this rank's shards live (its GPU, or the CPU under gloo). `mode`: "fsdp" shards over
     every rank, "hsdp" inside a node (replicated across nodes, `puzzle.shard.mesh`).
     """
-    from puzzle.nemotron_h.checkpoint import load  # the checked meta build (checkpoint imports this module)
     from puzzle.shard import shard_parent
 
     require_process_group()
     path, device = Path(path), torch.device(device)
-    model = load(path, dtype=dtype, device="meta")  # names, shapes and dtypes checked as for a real load
     if mode not in ("fsdp", "hsdp"):
         raise ValueError(f"load(..., shard={mode!r}): expected True, 'fsdp' or 'hsdp'")
     shard_parent(model, mode)

@@ -388,7 +388,9 @@ def write_weights(
 ) -> list[str]:
     """Write `tensors` into `directory` as model.safetensors, or shards plus an index; returns the file names.
 
-    One shard is held in CPU memory at a time; lazy tensors are read when their shard is written.
+    One shard is held in CPU memory at a time; lazy tensors are read when their shard is written. Saves
+    stream instead (`puzzle.nemotron_h.stream`, one tensor at a time); this is the reference their bytes
+    are tested against.
     """
     shards = plan_shards({name: tensor_nbytes(tensor) for name, tensor in tensors.items()}, max_shard_bytes)
     weight_map: dict[str, str] = {}

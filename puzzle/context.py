@@ -1,0 +1,90 @@
+"""Scores in context: the search's candidates rescored in the solved child instead of the parent.
+
+Replace-one-block scores (`puzzle.score`) measure each variant in the parent. At high compression they stop
+adding up: a block replaced in a child whose other blocks are already replaced does more damage than in the
+parent, so the MIP's sum predicts far less than the assembled child measures. After a first solve, every
+candidate of block i is scored again with the *current child* as the context (`score_variants(...,
+context=child)`: the child with block i := v, KL still to the parent) and expressed as the increase over the
+child's own:
+
+    score(i, v) = D(child with block i := v) - D(child)
+
+where D is the search objective's damage (`puzzle.search.run_dir._damage`: the KL by default). The child's
+own choice scores exactly 0 in every block, and the objective's constant is D(child): a solve on these
+scores predicts D(child) + sum_i score(i, v_i), exact for any architecture that differs from the child in
+at most one block, a first-order expansion around the child for the others. `puzzle.Run` repeats
+(`search.context_rounds`) until the choice repeats or the rounds run out, and keeps the round whose child
+measured lowest (see `best_round`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from puzzle.score import Scores, VariantScore
+from puzzle.search.run_dir import RunCandidates, _damage
+from puzzle.search.types import SearchError, Solution
+from puzzle.spec import Variant
+
+
+def child_variants(solution: Solution, candidates: RunCandidates) -> list[Variant]:
+    """The child's Variant of every block, from a solution over `candidates`' table (choices index them)."""
+    return [Variant(block, candidates.variants[block][index]) for block, index in enumerate(solution.choices)]
+
+
+def context_damage(scores: Scores, own: list[Variant], objective: str) -> float:
+    """The child's own damage D(child) from scores in its context: the record of any own variant (all equal)."""
+    record = scores[own[0]]
+    value = None if record.failed else _damage(objective, record)
+    if value is None:
+        raise SearchError(
+            f"the child itself has no {objective} score in context ({record.failed or 'none recorded'}): "
+            "its forward is not finite on the held-out tokens"
+        )
+    return value
+
+
+def context_candidates(
+    candidates: RunCandidates, scores: Mapping[Variant, VariantScore], own: list[Variant], objective: str
+) -> tuple[RunCandidates, float]:
+    """(`candidates` with every score replaced by its increase over the child's damage in the child's
+    context, D(child)). `scores`: every candidate's record from `score_variants(..., context=child)`; `own`:
+    the child's variant of every block. A candidate whose scoring in context failed is left out (a note says
+    so), but for the parent's block, which the table needs first: it keeps a score above every other.
+    """
+    base = context_damage(Scores(dict(scores), 0, 0.0), own, objective)
+    variants: list[list[Any]] = []
+    values: list[list[float]] = []
+    notes = list(candidates.notes)
+    for block, specs in enumerate(candidates.variants):
+        kept, kept_values = [], []
+        for spec in specs:
+            variant = Variant(block, spec)
+            record = scores.get(variant)
+            if record is None:
+                raise SearchError(f"block {block} variant {variant.id} has no score in context")
+            value = None if record.failed else _damage(objective, record)
+            if value is None:
+                notes.append(
+                    f"block {block} variant {variant.id}: scoring in context failed ({record.failed})"
+                )
+                if spec is not specs[0]:
+                    continue
+                value = float("inf")
+            # The child's own choice is the child: exactly 0 (its record is the child's own sums).
+            kept.append(spec)
+            kept_values.append(0.0 if variant in own else value - base)
+        finite = [v for v in kept_values if v != float("inf")]
+        ceiling = 2 * max([abs(v) for v in finite] + [1.0])
+        values.append([ceiling if v == float("inf") else v for v in kept_values])
+        variants.append(kept)
+    return RunCandidates(candidates.parent, variants, values, notes), base
+
+
+def best_round(rounds: list[dict[str, Any]]) -> int:
+    """The index of the round whose child measured lowest (the first of equals): the measured damage on the
+    held-out tokens is what the search tries to minimise, and the first solve is a round too, so context
+    rounds never return a child that measured worse than the plain search's."""
+    measured = [(entry["measured"], number) for number, entry in enumerate(rounds)]
+    return min(measured)[1]
