@@ -270,6 +270,7 @@ def assemble(
     scores: Mapping[Variant, Any] | Scores | None = None,
     check_parent: bool = True,
     parent_fp: str | None = None,
+    shard_child: bool | None = None,
 ) -> HybridLM:
     """The child of `solution`: library weights where it changes a block, the parent's elsewhere.
 
@@ -280,7 +281,10 @@ def assemble(
     its fingerprint must be the library's: `parent_fp` when given (`puzzle.Run` passes the one it built the
     library with), else `fingerprint_model(parent)` or, for a library a Run built, the fingerprint of the
     checkpoint the parent was loaded from (`_parent_fingerprint`). A sharded (FSDP2) parent is gathered a unit at
-    a time for what the child copies (a collective: every rank assembles). Returns a new HybridLM in eval mode on the parent's device,
+    a time for what the child copies (a collective: every rank assembles). `shard_child` (default: whether
+    the parent is sharded) builds the child sharded as the parent is (`puzzle.shard.shard_parent`, on the
+    parent's mesh): each mixer is sharded as soon as it is built or loaded, the embeddings and lm_head as
+    soon as they are copied, so a rank never holds more than its shards plus one whole unit. Returns a new HybridLM in eval mode on the parent's device,
     sharing no tensor with the parent, with `child.assembly` (an `Assembly`), the parent's extra (MTP)
     tensors, source config and path (so a save never writes into the parent's directory and copies its
     tokenizer files).
@@ -306,6 +310,10 @@ def assemble(
             "built from, in the same dtype"
         )
     variants = solution_variants(solution, library, parent.spec)
+    mode = shard.mode_of(parent)
+    if shard_child is None:
+        shard_child = mode is not None
+    mode = (mode or "fsdp") if shard_child and shard.active("fsdp") else None
     mixers: list[nn.Module] = []
     blocks: list[AssembledBlock] = []
     for variant in variants:
@@ -313,6 +321,8 @@ def assemble(
             mixer, source = _parent_mixer(parent, variant.block_index), "parent"
         else:
             mixer, source = _library_mixer(library, variant, parent)
+        if mode is not None:  # sharded now: one whole mixer at a time on this rank
+            shard.shard_unit(mixer, mode)
         mixers.append(mixer)
         blocks.append(AssembledBlock(variant, source, _score_of(scores, variant, parent.spec)))
     spec = ModelSpec(
@@ -325,11 +335,15 @@ def assemble(
     with torch.device("meta"):  # only the small parts outside the mixers; they are the parent's below
         child = HybridLM(spec, mixers=mixers)
     child.embeddings.weight = _copy_parameter(parent.embeddings.weight)
+    if mode is not None:
+        shard.shard_unit(child.embeddings, mode)
     child.norm_f.weight = _copy_parameter(parent.norm_f.weight)
     if spec.tie_embeddings:
         child.lm_head.weight = child.embeddings.weight
     else:
         child.lm_head.weight = _copy_parameter(parent.lm_head.weight)
+        if mode is not None:
+            shard.shard_unit(child.lm_head, mode)
     for index, block in enumerate(child.layers):
         if block.norm is None:
             continue

@@ -584,12 +584,12 @@ def build_library(
     init = default_init(parent, importance) if init is None else init
     parent.requires_grad_(False)
     if shard.active(settings.shard):
-        shard.shard_parent(parent)
+        shard.shard_parent(parent, settings.shard)
         init = _init_unsharded(parent, init)
     device = parent.embeddings.weight.device
     tokens_per_step = math.ceil(first.shape[0] / dist.world_size()) * first.shape[1]
     # What one rank holds: a sharded variant keeps 1/world of its weights and AdamW state.
-    world = dist.world_size() if shard.active(settings.shard) else 1
+    world = shard.ways(settings.shard)
     to_train = [v for v in all_variants if statuses[v] == "trained"]
     sizes = {
         v: variant_training_bytes(v, parent.spec.hidden_size, tokens_per_step, settings.torch_dtype, world)
@@ -715,7 +715,7 @@ def _run_wave(
         mixer = init(variant).to(device=device, dtype=settings.torch_dtype)
         groups = _param_groups(mixer, settings)  # frozen parameters: requires_grad False before sharding
         if shard.active(settings.shard):
-            shard.shard_variant(mixer)
+            shard.shard_variant(mixer, settings.shard)
             groups = _param_groups(mixer, settings)  # the sharded parameters
         mixers[variant] = mixer
         optimizers[variant] = torch.optim.AdamW(

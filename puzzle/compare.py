@@ -59,16 +59,17 @@ def compare_models(
     torch.distributed (`dist.shard`, sums all-reduced). A parent sharded with FSDP2 (`puzzle.Run` shares
     one parent that BLD, scoring and GKD shard in place) all-gathers its units in every forward, a
     collective: then every rank runs every batch, with the whole lm_head gathered once, and no sums are
-    reduced. Non-finite child logits are a ValueError.
+    reduced; the same when the child is sharded (assembled from a sharded parent). Non-finite child logits are a ValueError.
     """
     if parent.spec.vocab_size != child.spec.vocab_size:
         raise ValueError(
             f"the child's vocabulary ({child.spec.vocab_size}) is not the parent's ({parent.spec.vocab_size})"
         )
     listed = batches() if callable(batches) and not isinstance(batches, Sequence) else batches
-    sharded = any(isinstance(module, FSDPModule) for module in parent.modules())
-    # The whole lm_head, gathered once when sharded (every rank, in the same order).
+    sharded = any(isinstance(module, FSDPModule) for model in (parent, child) for module in model.modules())
+    # The whole lm_heads, gathered once when sharded (every rank, in the same order).
     parent_weight = shard.replicated(parent.lm_head.weight) if sharded else parent.lm_head.weight
+    child_weight = shard.replicated(child.lm_head.weight) if sharded else child.lm_head.weight
     device = parent_weight.device
     sums = torch.zeros(NUM_HEAD_SUMS, dtype=torch.float64, device=device)  # the child is the student
     modes = parent.training, child.training
@@ -87,7 +88,6 @@ def compare_models(
             n = targets.numel()
 
             parent_hidden, child_hidden = (_final_hidden(model, ids) for model in (parent, child))
-            child_weight = child.lm_head.weight
             chunks = vocab_chunks(parent_weight.shape[0], vocab_chunk)
             parent_stream = LogitStream(n, targets)
             for start, stop in chunks:

@@ -317,13 +317,16 @@ class _Distiller(nn.Module):
         return loss + cosine_scale * cosine, sums
 
 
-def _shard_student(distiller: _Distiller) -> None:
+def _shard_student(distiller: _Distiller, mode: str) -> None:
     """FSDP2: each block with weights one unit, the distiller (embeddings, final norm, lm_head) the root;
-    gradients summed over ranks (the loss carries the global normaliser)."""
-    for block in distiller.student.layers:
+    gradients summed over ranks (the loss carries the global normaliser). A student assembled sharded
+    (its mixers, embeddings and lm_head FSDP units already) is made whole one unit at a time first."""
+    for index, block in enumerate(distiller.student.layers):
+        shard.plain_mixer(distiller.student, index)
         if any(True for _ in block.parameters()):
-            shard.shard_variant(block)
-    shard.shard_variant(distiller)
+            shard.shard_variant(block, mode)
+    shard.plain_root_units(distiller.student)
+    shard.shard_variant(distiller, mode)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -720,8 +723,8 @@ def distill(
     student.to(device=device, dtype=settings.torch_dtype).train().requires_grad_(True)
     distiller = _Distiller(student, settings.activation_checkpointing)
     if shard.active(settings.shard):
-        shard.shard_parent(teacher)
-        _shard_student(distiller)
+        shard.shard_parent(teacher, settings.shard)
+        _shard_student(distiller, settings.shard)
     optimizer = torch.optim.AdamW(
         [p for p in distiller.parameters() if p.requires_grad],
         lr=settings.lr,

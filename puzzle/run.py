@@ -230,7 +230,9 @@ class Run:
         self._parent_scheme: str | None = None
         self._parent_hashes: dict[str, Any] | None = None  # the content-hash cache to write (rank 0)
         self._parent: HybridLM | None = None  # the one loaded parent of this process (`parent()`)
-        self._parent_sharded = False  # whether it is sharded from the files (FSDP2 over several ranks)
+        self._parent_mode = (
+            "none"  # how it is laid out: "none" (whole), "fsdp" or "hsdp" (sharded from the files)
+        )
         self._data: Any = None
         self._results: dict[str, Any] = {}
         # Stage -> what it resumed from checkpoints (BLD waves, GKD children), for its `done` line.
@@ -406,15 +408,15 @@ class Run:
         keeps and GKD trains the child beside it as a frozen teacher. `mode`: the asking stage's FSDP mode
         ("fsdp" or "none", its settings' `shard`); None takes the parent as it is loaded (assembly and the
         measured KL gather what they copy or read from a sharded parent, a unit at a time). A stage whose
-        mode asks for the other layout gets the parent loaded anew in it, and the old copy is dropped:
-        importance needs the whole parent on every rank, BLD, scoring and GKD under "fsdp" over several
-        ranks a parent sharded from the files. `release_parent` drops it."""
-        wanted = None if mode is None else shard.active(mode)
-        if self._parent is not None and wanted is not None and wanted != self._parent_sharded:
+        mode asks for another layout gets the parent loaded anew in it, and the old copy is dropped:
+        "none" the whole parent on every rank, "fsdp" / "hsdp" over several ranks a parent sharded from the
+        files. `release_parent` drops it."""
+        wanted = None if mode is None else (mode if shard.active(mode) else "none")
+        if self._parent is not None and wanted is not None and wanted != self._parent_mode:
             self.release_parent()
         if self._parent is None:
-            self._parent_sharded = bool(wanted)
-            self._parent = self.load_parent("fsdp" if wanted else "none")
+            self._parent_mode = wanted or "none"
+            self._parent = self.load_parent(self._parent_mode)
         return self._parent
 
     def release_parent(self) -> None:
@@ -433,7 +435,9 @@ class Run:
         """
         dtype = None if self.config.parent.dtype == "auto" else self.config.parent.dtype
         sharded = shard.active(mode)
-        model = nemotron_h.load(self.config.parent.path, dtype=dtype, device=dist.device(), shard=sharded)
+        model = nemotron_h.load(
+            self.config.parent.path, dtype=dtype, device=dist.device(), shard=mode if sharded else False
+        )
         if sharded:
             _log.info(
                 "parent loaded sharded over %d ranks: this rank holds %d of its %d parameter elements",
@@ -597,7 +601,7 @@ class Run:
 
         def compute() -> dict[str, Any]:
             importance_for(
-                self.parent("none"),  # data-parallel: every rank runs its own batches on the whole parent
+                self.parent(settings.shard),  # every rank runs its own batches (on its shards under fsdp)
                 self._calibration,
                 self.layout.importance,
                 linear_fit=settings.linear_fit,
@@ -1066,12 +1070,12 @@ class Run:
 
     # -- assemble, distill, export ----------------------------------------------------------------------
 
-    def _child(self, name: str) -> HybridLM:
+    def _child(self, name: str, sharded: bool | None = None) -> HybridLM:
         """The assembled child of solution `name` (the parent, the library, the scores; a collective when
-        the parent is sharded)."""
-        return self._child_of(self._solution_json(name))
+        the parent is sharded), sharded as the parent is unless `sharded` says otherwise."""
+        return self._child_of(self._solution_json(name), sharded)
 
-    def _child_of(self, data: Mapping[str, Any]) -> HybridLM:
+    def _child_of(self, data: Mapping[str, Any], sharded: bool | None = None) -> HybridLM:
         """The assembled child of a solution's JSON `data` (as `_child`)."""
         choice = {int(block.rsplit("_", 1)[1]): variant for block, variant in data["choices"].items()}
         return assemble_child(
@@ -1080,6 +1084,7 @@ class Run:
             self.parent(),
             scores=load_scores(self.layout.scores),
             parent_fp=self.parent_fingerprint(),
+            shard_child=sharded,
         )
 
     def _solution_fp(self, name: str) -> str:
@@ -1171,9 +1176,10 @@ class Run:
         }
 
     def _distill_one(self, name: str) -> dict[str, Any]:
+        teacher = self.parent(self.config.gkd.shard)  # first: the child is then sharded as the teacher is
         result = distill_child(
             self._child(name),
-            self.parent(self.config.gkd.shard),
+            teacher,
             self.data.train,
             self.held_out_batches(),
             self.config.gkd,
@@ -1228,7 +1234,7 @@ class Run:
     def _export_one(self, name: str, source: str, out: Path) -> dict[str, Any]:
         """{name: its export record}: the child built on every rank (assembling from a sharded parent is a
         collective), written by rank 0 while the others wait."""
-        child = self._child(name)
+        child = self._child(name, sharded=False)  # whole on every rank: rank 0 alone writes it
         if source == "distill":
             child = load_distilled(self.layout.child(name), child)
         return _on_main(lambda: {name: self._write_export(name, source, child, out)})

@@ -729,9 +729,9 @@ def score_variants(
     waves = [pending[start : start + size] for start in range(0, len(pending), size)]
     sharded = shard.active(settings.shard)
     if sharded and waves:
-        shard.shard_parent(parent)
+        shard.shard_parent(parent, settings.shard)
         if context is not None:
-            shard.shard_parent(context)
+            shard.shard_parent(context, settings.shard)
     # The whole lm_head for the chunk matmuls, all-gathered once when sharded (every rank, same order).
     with torch.no_grad():
         weight = shard.replicated(parent.lm_head.weight) if waves else parent.lm_head.weight
@@ -748,7 +748,7 @@ def score_variants(
             for v in wave:
                 held[v] = mixer = _get_mixer(parent, mixers, v, context)
                 if sharded:  # one variant at a time is whole, as loaded: shard it before the next
-                    shard.shard_variant(mixer)
+                    shard.shard_variant(mixer, settings.shard)
             model = parent if context is None else context
             own = [v for v in wave if held[v] is model.layers[v.block_index].mixer]
             check = min(own, key=_order) if own else None

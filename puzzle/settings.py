@@ -13,14 +13,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-# How a stage spreads its models over torch.distributed ranks (`puzzle.shard`): FSDP2, or replicated.
-SHARD_MODES = ("fsdp", "none")
+# How a stage spreads its models over torch.distributed ranks (`puzzle.shard`): FSDP2 over every rank, HSDP
+# (sharded inside a node, replicated across nodes), or replicated.
+SHARD_MODES = ("fsdp", "hsdp", "none")
 
 
 def check_shard_mode(owner: str, mode: str) -> None:
     """ValueError naming `owner` (e.g. "BLDSettings.shard") unless `mode` is one of SHARD_MODES."""
     if mode not in SHARD_MODES:
-        raise ValueError(f"{owner} must be 'fsdp' or 'none', found {mode!r}")
+        raise ValueError(f"{owner} must be 'fsdp', 'hsdp' or 'none', found {mode!r}")
 
 
 def is_int(value: Any) -> bool:
@@ -38,7 +39,8 @@ class BLDSettings:
     between checkpoints (0 = never); `memory_limit_bytes`: what one wave's variants may use per rank (None = one
     wave); `dtype`: the variants' training dtype ("float32" or "bfloat16"); `autocast`: bf16 autocast on
     CUDA; `seed`: seeds torch before each wave's variants are built; `shard`: "fsdp" shards the parent and
-    the variants over the ranks with FSDP2, "none" replicates them (no effect in a single process);
+    the variants over the ranks with FSDP2, "hsdp" inside each node (replicated across nodes), "none"
+    replicates them (no effect in a single process);
     `router_lr_scale`: the MoE routers' learning rate as a fraction of lr (0 = they keep their initial weights:
     the loss reaches a router only through the weights of the experts it chose, never through the choice).
     """
@@ -104,7 +106,8 @@ class ScoreSettings:
     all); the parent runs once per batch per wave. `parent_kl_tolerance`: the largest KL (nats/token) the parent's own mixer may score
     before the run is stopped as not reproducible (0 on the CPU; GPU kernels may add rounding noise).
     `shard`: "fsdp" shards the parent and the variants with FSDP2 under torch.distributed with more than one
-    rank (`puzzle.shard`, as BLD); "none" keeps them replicated on every rank. `checkpoint_every`: batches
+    rank (`puzzle.shard`, as BLD), "hsdp" inside each node (replicated across nodes); "none" keeps them
+    replicated on every rank. `checkpoint_every`: batches
     (per rank) between saves of the running sums of the wave in flight (None: only finished waves are
     saved)."""
 
@@ -142,13 +145,14 @@ class GKDSettings:
     `eval_every`: steps between held-out evaluations (0 = only before and after training);
     `checkpoint_every`: steps between checkpoints (0 = never); `seed`: seeds torch and the order of a
     `TokenSplit`'s batches; `dtype`: the student's training dtype ("float32" or "bfloat16"); `autocast`:
-    bf16 autocast on CUDA; `shard`: "fsdp" shards student and teacher over the ranks with FSDP2, "none"
-    replicates them (no effect in a single process); `keep_best`: the output is the evaluated checkpoint
-    with the lowest held-out KL, the child before any step included (so GKD never returns a child worse on
-    the held-out set than it was given), not the last one; it costs a host copy of each rank's student
-    shard; `early_stop_patience`: stop after this many evaluations without a lower held-out KL (0 = never);
-    `activation_checkpointing`: keep only each student block's input for the backward and recompute the
-    block's activations there (one more student forward per step; the same result).
+    bf16 autocast on CUDA; `shard`: "fsdp" shards student and teacher over the ranks with FSDP2, "hsdp"
+    inside each node (replicated across nodes), "none" replicates them (no effect in a single process);
+    `keep_best`: the output is the evaluated checkpoint with the lowest held-out KL, the child before any
+    step included (so GKD never returns a child worse on the held-out set than it was given), not the last
+    one; it costs a host copy of each rank's student shard; `early_stop_patience`: stop after this many
+    evaluations without a lower held-out KL (0 = never); `activation_checkpointing`: keep only each student
+    block's input for the backward and recompute the block's activations there (one more student forward
+    per step; the same result).
     """
 
     lr: float = 1e-5

@@ -1,18 +1,22 @@
 """FSDP2 sharding of a frozen parent and of variant mixers, shared by BLD and scoring (no-ops in one process).
 
-A stage asks `active(mode)` whether to shard ("fsdp" under torch.distributed with more than one rank;
-"none" keeps everything replicated). Sharded units all-gather their weights in their own forward, a
+A stage asks `active(mode)` whether to shard ("fsdp" or "hsdp" under torch.distributed with more than one
+rank; "none" keeps everything replicated). "fsdp" shards every unit over all ranks; "hsdp" shards it inside
+a node (LOCAL_WORLD_SIZE ranks) and replicates it across nodes, through FSDP2's 2-D device mesh
+(`mesh`): on one node it is "fsdp". Sharded units all-gather their weights in their own forward, a
 collective: every rank must run the same number of forwards of every unit, in the same order.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator
+import os
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -20,18 +24,109 @@ from puzzle import dist
 from puzzle.blocks import build_block
 from puzzle.model import HybridLM
 
+SHARDING_MODES = ("fsdp", "hsdp")  # the `shard` settings that shard ("none" replicates)
+
+# The HSDP mesh of this process group, made once (building a mesh creates process groups: a collective).
+_meshes: dict[tuple[int, int, int], DeviceMesh] = {}
+
 
 def active(mode: str) -> bool:
-    """Whether `mode` shards in this process: "fsdp" and more than one rank."""
-    return mode == "fsdp" and dist.world_size() > 1
+    """Whether `mode` shards in this process: "fsdp" or "hsdp", and more than one rank."""
+    return mode in SHARDING_MODES and dist.world_size() > 1
+
+
+def node_size() -> int:
+    """Ranks per node: torchrun's LOCAL_WORLD_SIZE (the whole world when it is not set)."""
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    return dist.world_size() if value is None else int(value)
+
+
+def mesh(mode: str) -> DeviceMesh | None:
+    """The device mesh `mode` shards over: None (FSDP2's default, every rank in one dimension) for "fsdp"
+    and for "hsdp" on one node; for "hsdp" over several nodes a 2-D mesh ("replicate", "shard") of
+    (nodes, LOCAL_WORLD_SIZE): each unit is sharded over the ranks of a node and replicated across nodes.
+    A collective the first time (it creates the mesh's process groups), cached after."""
+    if mode != "hsdp":
+        return None
+    world, node = dist.world_size(), node_size()
+    if node >= world:
+        return None
+    if node < 1 or world % node:
+        raise ValueError(
+            f"shard 'hsdp': the world of {world} ranks is not a whole number of nodes of LOCAL_WORLD_SIZE={node} "
+            "ranks; launch the same --nproc-per-node on every node"
+        )
+    key = (id(torch.distributed.group.WORLD), world, node)
+    if key not in _meshes:
+        _meshes[key] = init_device_mesh(
+            dist.device().type, (world // node, node), mesh_dim_names=("replicate", "shard")
+        )
+    return _meshes[key]
+
+
+def ways(mode: str) -> int:
+    """How many pieces `mode` cuts each unit into in this process: the world for "fsdp", the ranks of a
+    node for "hsdp" over several nodes, 1 when it does not shard."""
+    if not active(mode):
+        return 1
+    found = mesh(mode)
+    return dist.world_size() if found is None else found.size(1)
+
+
+def mode_of(model: nn.Module) -> str | None:
+    """How `model` is sharded: "hsdp" (a 2-D mesh), "fsdp", or None when no unit of it is an FSDP unit."""
+    for parameter in model.parameters():
+        if isinstance(parameter, DTensor):
+            return "hsdp" if parameter.device_mesh.ndim == 2 else "fsdp"
+    return None
+
+
+def plain_unit(unit: nn.Module, build: Callable[[], nn.Module]) -> nn.Module:
+    """`unit` as a plain module with its whole weights, in their dtypes, when it is an FSDP unit (a
+    collective: every rank, in the same order); `unit` itself otherwise. `build` makes an empty module of
+    its structure (called on the meta device)."""
+    if not isinstance(unit, FSDPModule):
+        return unit
+    wanted = {name: parameter.requires_grad for name, parameter in unit.named_parameters()}
+    state = {name: replicated(value.detach()).clone() for name, value in unit.state_dict().items()}
+    with torch.device("meta"):
+        plain = build()
+    plain.load_state_dict(state, assign=True)  # strict: every parameter and (persistent) buffer is set
+    for name, parameter in plain.named_parameters():
+        parameter.requires_grad_(wanted[name])
+    return plain
+
+
+def plain_mixer(model: HybridLM, index: int) -> None:
+    """Block `index` of `model` holds a plain, whole copy of its mixer if it was an FSDP unit (a collective),
+    so that a trainer can shard the block its own way (FSDP2 does not nest a unit that has already run)."""
+    block = model.layers[index]
+    spec = model.spec
+    block.mixer = plain_unit(
+        block.mixer, lambda: build_block(block.mixer.spec, spec.hidden_size, spec.norm_eps)
+    )
+
+
+def plain_root_units(model: HybridLM) -> None:
+    """Replace a sharded model's embeddings and lm_head units by plain, whole copies (a collective), in place,
+    keeping a tied lm_head tied: for a trainer that makes them part of its own root unit (GKD's student,
+    whose loss reads the lm_head's weight outside any forward of it)."""
+    tied = model.lm_head.weight is model.embeddings.weight
+    vocab, hidden = model.spec.vocab_size, model.spec.hidden_size
+    model.embeddings = plain_unit(model.embeddings, lambda: nn.Embedding(vocab, hidden))
+    if tied:
+        model.lm_head.weight = model.embeddings.weight
+    else:
+        model.lm_head = plain_unit(model.lm_head, lambda: nn.Linear(hidden, vocab, bias=False))
 
 
 def has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-def shard_parent(parent: HybridLM) -> None:
-    """Shard the frozen parent in place: embeddings, lm_head and each block's mixer are one FSDP unit each.
+def shard_parent(parent: HybridLM, mode: str = "fsdp") -> None:
+    """Shard the frozen parent in place: embeddings, lm_head and each block's mixer are one FSDP unit each,
+    over the ranks of `mode`'s mesh (`mesh`).
 
     The pre-norms stay replicated: BLD calls `block.norm` and `block.mixer` apart, and FSDP all-gathers a
     unit only when that unit's own forward runs. Already sharded units are left as they are.
@@ -41,16 +136,22 @@ def shard_parent(parent: HybridLM) -> None:
     if not tied:
         units.append(parent.lm_head)
     for unit in units:
-        if has_params(unit) and not isinstance(unit, FSDPModule):
-            # Explicit True: each unit is its own FSDP root, which by default stays gathered after forward.
-            fully_shard(unit, reshard_after_forward=True)
+        shard_unit(unit, mode)
     if (
         tied
     ):  # fully_shard replaced embeddings.weight by a sharded parameter: keep the tie (and free the copy)
         parent.lm_head.weight = parent.embeddings.weight
 
 
-def shard_variant(mixer: nn.Module) -> None:
+def shard_unit(unit: nn.Module, mode: str = "fsdp") -> None:
+    """Make `unit` one FSDP unit over `mode`'s mesh, resharded after each forward; a no-op for a module
+    without parameters or one already sharded."""
+    if has_params(unit) and not isinstance(unit, FSDPModule):
+        # Explicit True: each unit is its own FSDP root, which by default stays gathered after forward.
+        fully_shard(unit, mesh=mesh(mode), reshard_after_forward=True)
+
+
+def shard_variant(mixer: nn.Module, mode: str = "fsdp") -> None:
     """Make `mixer` one FSDP unit whose gradients are summed over ranks (not averaged); a no-op for a mixer
     without parameters or one already sharded.
 
@@ -60,7 +161,7 @@ def shard_variant(mixer: nn.Module) -> None:
     """
     if not has_params(mixer) or isinstance(mixer, FSDPModule):
         return
-    fully_shard(mixer, reshard_after_forward=True)
+    fully_shard(mixer, mesh=mesh(mode), reshard_after_forward=True)
     for module in mixer.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

@@ -396,5 +396,5 @@ def _assert_same_library(library, output: Path, directory: Path) -> None:
 
 
 def test_an_unknown_shard_mode_is_an_error_naming_it():
-    with pytest.raises(ValueError, match=r"BLDSettings\.shard must be 'fsdp' or 'none', found 'ddp'"):
+    with pytest.raises(ValueError, match=r"BLDSettings\.shard must be 'fsdp', 'hsdp' or 'none', found 'ddp'"):
         settings(shard="ddp")

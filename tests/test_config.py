@@ -151,7 +151,7 @@ def test_numbers_read_as_numbers_and_nothing_else():
     [
         ("bld.lr", -1, "bld.lr: expected a positive number, got -1"),
         ("bld.clip", -1, "bld: clip >= 0 and 0 <= min_lr_ratio <= 1, found -1.0, 0.1"),
-        ("bld.shard", "ddp", "bld.shard: expected 'fsdp' or 'none', got 'ddp'"),
+        ("bld.shard", "ddp", "bld.shard: expected 'fsdp', 'hsdp' or 'none', got 'ddp'"),
         ("scoring.vocab_chunk", 0, "scoring.vocab_chunk: expected a value >= 1, got 0"),
         ("search.solver.gap_rel", 2, "search.solver.gap_rel: expected a relative gap in [0, 1) such as 1e-6, got 2"),
         ("search.solver.solver", "gurobi", "search.solver: unknown solver 'gurobi'; choose one of auto, highs, cbc"),

@@ -436,7 +436,7 @@ def test_two_gloo_ranks_give_the_single_process_run(uninterrupted, setup, tmp_pa
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"shard": "ddp"}, r"GKDSettings\.shard must be 'fsdp' or 'none', found 'ddp'"),
+        ({"shard": "ddp"}, r"GKDSettings\.shard must be 'fsdp', 'hsdp' or 'none', found 'ddp'"),
         ({"lr": 0}, r"GKDSettings\.lr must be a positive number"),
         ({"steps": None, "token_budget": None}, r"token_budget and steps are both None"),
         ({"micro_batch_size": 0}, r"GKDSettings\.micro_batch_size must be an integer >= 1 or None"),

@@ -424,5 +424,7 @@ def test_two_gloo_ranks_give_the_single_process_scores(tmp_path):
 
 
 def test_an_unknown_shard_mode_is_an_error_naming_it():
-    with pytest.raises(ValueError, match=r"ScoreSettings\.shard must be 'fsdp' or 'none', found 'ddp'"):
+    with pytest.raises(
+        ValueError, match=r"ScoreSettings\.shard must be 'fsdp', 'hsdp' or 'none', found 'ddp'"
+    ):
         ScoreSettings(shard="ddp")

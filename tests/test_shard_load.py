@@ -204,12 +204,12 @@ def test_shard_without_a_process_group_is_refused(parents):
 
 @pytest.mark.slow
 def test_a_run_with_fsdp_stages_loads_the_parent_sharded_under_torchrun(tmp_path):
-    """`torchrun --nproc-per-node 2 -m puzzle run` with BLD, scoring and GKD on "fsdp": those stages load the
-    parent sharded (once per process: each rank logs its share, at most 0.6), and the library matches one
-    process's."""
+    """`torchrun --nproc-per-node 2 -m puzzle run` with importance, BLD, scoring and GKD on "fsdp": those
+    stages load the parent sharded (once per process: each rank logs its share, at most 0.6), the child is
+    assembled sharded and distilled, and the importance and the library match one process's."""
     data = make_inputs(tmp_path)
-    for stage in ("bld", "scoring", "gkd"):
-        data[stage]["shard"] = "fsdp"
+    for stage in ("importance", "bld", "scoring", "gkd"):
+        data.setdefault(stage, {})["shard"] = "fsdp"
     env = {
         **os.environ,
         "PUZZLE_PROGRESS": "0",
@@ -227,9 +227,17 @@ def test_a_run_with_fsdp_stages_loads_the_parent_sharded_under_torchrun(tmp_path
             int(held) / int(total)
             for held, total in re.findall(r"this rank holds (\d+) of its (\d+) parameter elements", log)
         ]
-        # One parent per process: loaded sharded once, by BLD, then shared by scoring and GKD's teacher.
+        # One parent per process: loaded sharded once, by importance, then shared by BLD, scoring, GKD's teacher.
         assert len(shares) == 1, log
         assert all(share <= MAX_SHARE for share in shares), shares
+    # Every stage ran: the child assembled sharded, distilled and exported.
+    assert list((tmp_path / "two" / "exports").glob("*/config.json")), "no export"
+    want, got = (
+        load_file(str(tmp_path / run / "importance" / "importance.safetensors")) for run in ("one", "two")
+    )
+    assert want.keys() == got.keys()
+    for key in want:  # the same sums, added in another order
+        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-7, msg=key)
     files = sorted((tmp_path / "one" / "library").glob("block*/*.safetensors"))
     assert files
     for path in files:  # as test_run's torchrun test: equal up to float summation order

@@ -55,7 +55,7 @@ _NOTES.update(
             "seed": "Seeds torch and the order of the batches.",
             "dtype": "The student's training dtype: float32 or bfloat16.",
             "autocast": "bf16 autocast on CUDA.",
-            "shard": "fsdp: shard student and teacher over the ranks with FSDP2; none: replicate them.",
+            "shard": "fsdp: shard student and teacher over the ranks with FSDP2; hsdp: shard inside a node, replicate across nodes; none: replicate them.",
             "keep_best": "Output the evaluated weights with the lowest held-out KL (the child before any step "
             "included), not the last: GKD never returns a worse child; costs a host copy of the student shard.",
             "early_stop_patience": "Stop after this many evaluations without a lower held-out KL (0: never).",

@@ -30,7 +30,7 @@ from puzzle.search.budget import CostModel, DeploymentLimit
 from puzzle.search.frontier import parse_sweep
 from puzzle.search.limits import BudgetError, Limit, Value
 from puzzle.search.types import SolverOptions
-from puzzle.settings import BLDSettings, GKDSettings, ScoreSettings
+from puzzle.settings import BLDSettings, GKDSettings, ScoreSettings, check_shard_mode
 from puzzle.space import SearchSpace
 from puzzle.spec import ModelSpec
 
@@ -167,10 +167,18 @@ class ImportanceConfig:
         default=True, metadata=doc("Also collect the sums for linear-replacement variants.")
     )
     linear_fit_every: int = field(default=8, metadata=doc("Use every k-th token for the linear fit's sums."))
+    shard: str = field(
+        default="fsdp",
+        metadata=doc(
+            "fsdp: the parent sharded over the ranks with FSDP2, each rank running its own batches; hsdp: "
+            "sharded inside a node, replicated across nodes; none: the whole parent on every rank."
+        ),
+    )
 
     def __post_init__(self) -> None:
         for name in ("tokens", "batch_size", "linear_fit_every"):
             _at_least(self, name, 1)
+        check_shard_mode("ImportanceConfig.shard", self.shard)
 
 
 @dataclass(frozen=True)

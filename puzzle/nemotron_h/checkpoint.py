@@ -107,7 +107,7 @@ def load(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device | None = None,
     *,
-    shard: bool = False,
+    shard: bool | str = False,
 ) -> HybridLM:
     """Load a NemotronH checkpoint directory (config.json + safetensors) as a HybridLM in eval mode.
 
@@ -125,7 +125,8 @@ def load(
     shard=True (under an initialised torch.distributed process group, e.g. torchrun) returns the model
     sharded with FSDP2 over the ranks as `puzzle.shard.shard_parent` shards it, each rank reading from the
     files only the rows it owns (`puzzle.nemotron_h.sharded`): no rank ever holds the whole model. With
-    one rank it is this plain load. RuntimeError without a process group. `device` None is the CPU for a
+    one rank it is this plain load. RuntimeError without a process group. shard="hsdp" shards inside a
+    node and replicates across nodes (`puzzle.shard.mesh`); True and "fsdp" shard over every rank. `device` None is the CPU for a
     plain load and this rank's device (`puzzle.dist.device()`: cuda:LOCAL_RANK, or the CPU) for a sharded one.
 
     Raises CheckpointError naming the file and tensor for a missing, unexpected, misshapen or
@@ -138,7 +139,7 @@ def load(
         device = dist.device() if device is None else device
         if dist.world_size() > 1:
             meta = load(path, dtype=dtype, device="meta")  # names, shapes and dtypes checked as for a load
-            return sharded.load_sharded(meta, path, device)
+            return sharded.load_sharded(meta, path, device, "fsdp" if shard is True else shard)
     compute_dtype = _compute_dtype(dtype)
     device = torch.device("cpu" if device is None else device)
     path = Path(path)

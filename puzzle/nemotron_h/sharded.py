@@ -140,20 +140,25 @@ def _fill(model: HybridLM, handles: Mapping[Path, Any], sources: Mapping[str, Te
             local.copy_(value.to(local.dtype))
 
 
-def load_sharded(model: HybridLM, path: str | Path, device: str | torch.device) -> HybridLM:
+def load_sharded(
+    model: HybridLM, path: str | Path, device: str | torch.device, mode: str = "fsdp"
+) -> HybridLM:
     """`model`, the checkpoint at `path` built on the meta device (`checkpoint.load(path, device="meta")`:
     names, shapes and dtypes checked as for a real load), sharded with FSDP2 over the process group and
     filled from the files, in eval mode.
 
     Each rank holds and reads only its shards (see the module docstring); the model is what
     `checkpoint.load` followed by `puzzle.shard.shard_parent` gives, without the whole model ever existing.
-    `device`: where this rank's shards live (its GPU, or the CPU under gloo).
+    `device`: where this rank's shards live (its GPU, or the CPU under gloo). `mode`: "fsdp" shards over
+    every rank, "hsdp" inside a node (replicated across nodes, `puzzle.shard.mesh`).
     """
     from puzzle.shard import shard_parent
 
     require_process_group()
     path, device = Path(path), torch.device(device)
-    shard_parent(model)
+    if mode not in ("fsdp", "hsdp"):
+        raise ValueError(f"load(..., shard={mode!r}): expected True, 'fsdp' or 'hsdp'")
+    shard_parent(model, mode)
     mesh_type = model.embeddings.weight.device_mesh.device_type
     if mesh_type != device.type:
         raise RuntimeError(

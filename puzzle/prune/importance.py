@@ -48,13 +48,16 @@ is removed from both.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from puzzle import dist
 from puzzle.artifacts import (
@@ -479,6 +482,40 @@ def collect_block_importance(
     return collector.finalize()
 
 
+def _is_sharded(model: nn.Module) -> bool:
+    """Whether any unit of `model` is sharded with FSDP2 (its forwards are then collectives)."""
+    return any(isinstance(module, FSDPModule) for module in model.modules())
+
+
+@contextmanager
+def _unsharded(mixer: nn.Module) -> Iterator[None]:
+    """The mixer's whole weights in place for the body when it is an FSDP unit (a collective), else nothing:
+    the scores weight the activation sums by column norms of the full matrices."""
+    if not isinstance(mixer, FSDPModule):
+        yield
+        return
+    mixer.unshard()
+    try:
+        yield
+    finally:
+        mixer.reshard()
+
+
+def _own_batches(batches: Iterable[torch.Tensor], sharded: bool, state: dict[str, Any]) -> Iterator[Any]:
+    """(global index, batch) of this rank's round-robin share; on a sharded model also counts every batch
+    of the stream in `state["total"]` and keeps its first in `state["first"]` (the padding forwards')."""
+    if not sharded:
+        yield from dist.shard(enumerate(batches))
+        return
+    rank, world = dist.rank(), dist.world_size()
+    for index, batch in enumerate(batches):
+        state["total"] = index + 1
+        if index == 0:
+            state["first"] = batch
+        if index % world == rank:
+            yield index, batch
+
+
 @torch.no_grad()
 def collect_importance(
     model: nn.Module,
@@ -500,23 +537,33 @@ def collect_importance(
     Under torch.distributed every rank passes the same `batches` and runs only its round-robin share
     (`puzzle.dist.shard`); the sums are then added over ranks, so every rank returns the scores of all
     batches (equal to a single-process run up to float summation order) and `tokens` is the global count.
+    A parent sharded with FSDP2 (`puzzle.load(..., shard=True)`, `puzzle.shard.shard_parent`) works the
+    same way: each unit all-gathers its weights in its own forward, a collective, so a rank with fewer
+    batches than the others runs extra forwards (one row of the first batch) with the hooks removed, and
+    every rank runs every unit equally often; the scores read the mixers' full weights a unit at a time.
     """
     indices = list(range(len(model.layers))) if layers is None else list(layers)
     hidden = model.spec.hidden_size
     fit_every = _fit_every(linear_fit, linear_fit_every)
+    sharded = _is_sharded(model)
     collectors = {i: _make_collector(model.layers[i].mixer, hidden, fit_every) for i in indices}
     # The blocks up to the last measured one, without the head: nobody reads the [b, t, V] fp32 logits.
     num_blocks = max(indices, default=-1) + 1
-    tokens = 0
+    tokens, own = 0, 0
+    stream: dict[str, Any] = {"total": 0, "first": None}
     try:
-        for index, input_ids in progress(dist.shard(enumerate(batches)), "importance", unit="batch"):
+        for index, input_ids in progress(_own_batches(batches, sharded, stream), "importance", unit="batch"):
             for collector in collectors.values():
                 collector.start_batch(index)
             model.backbone(input_ids, num_blocks)
             tokens += input_ids.numel()
+            own += 1
     finally:
         for collector in collectors.values():
             collector.remove()
+    if sharded:  # the padding forwards, hooks removed: their statistics are never collected
+        for _ in range(math.ceil(stream["total"] / dist.world_size()) - own):
+            model.backbone(stream["first"][:1], num_blocks)
     # Merge the ranks' running sums before any score is computed (scores are not additive, sums are).
     states = dist.all_gather_object((tokens, {i: c.rank_state() for i, c in collectors.items()}))
     tokens = sum(rank_tokens for rank_tokens, _ in states)
@@ -524,7 +571,10 @@ def collect_importance(
         collector.merge_ranks([blocks[i] for _, blocks in states])
     if tokens == 0:
         raise ValueError("collect_importance: `batches` yielded no tokens")
-    blocks = {i: collector.finalize() for i, collector in collectors.items()}
+    blocks = {}
+    for i, collector in collectors.items():  # the same order on every rank: unsharding is a collective
+        with _unsharded(collector.mixer):
+            blocks[i] = collector.finalize()
     extra = {"linear_fit_every": linear_fit_every} if linear_fit else {}
     return ModelImportance(blocks, tokens, parent_fp or parent_fingerprint(model), linear_fit, extra)
 
