@@ -34,7 +34,7 @@ import re
 import subprocess
 import sys
 import time
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +65,13 @@ def parent_spec(hidden: int, blocks: int, vocab: int, experts: int) -> Any:
 
     H = hidden
     mamba = MambaSpec(
-        num_heads=8, head_dim=H // 8, state_size=16, n_groups=2, conv_kernel=4, chunk_size=32, dt_clamp_min=DT_MIN
+        num_heads=8,
+        head_dim=H // 8,
+        state_size=16,
+        n_groups=2,
+        conv_kernel=4,
+        chunk_size=32,
+        dt_clamp_min=DT_MIN,
     )
     attention = AttentionSpec(num_heads=8, num_kv_heads=2, head_dim=H // 8)
     moe = MoESpec(num_experts=experts, top_k=2, expert_width=H, shared_width=H, latent_size=H // 2)
@@ -95,7 +101,10 @@ def make_data(path: Path, vocab: int, tokens: int) -> None:
 
     path.mkdir(parents=True, exist_ok=True)
     generator = torch.Generator().manual_seed(1)
-    save_file({"input_ids": torch.randint(0, vocab, (tokens,), generator=generator)}, str(path / "tokens.safetensors"))
+    save_file(
+        {"input_ids": torch.randint(0, vocab, (tokens,), generator=generator)},
+        str(path / "tokens.safetensors"),
+    )
 
 
 def config_dict(root: Path, run_dir: Path, seq: int, batch: int, steps: int) -> dict[str, Any]:
@@ -271,7 +280,10 @@ def table(comparison: dict[str, Any]) -> str:
             f"| {r['world']} | {r['stage']} | {r['measured_mib']:.0f} | {r['above_baseline_mib']:.0f} | {stage_plan}"
             f" | {r['predicted_mib']:.0f} | {ratio} | {r['seconds']:.1f} |"
         )
-    lines += ["", "| ranks | peak MiB | baseline | above baseline | set by | plan | plan / measured | vs 1 rank (above baseline) | goal |"]
+    lines += [
+        "",
+        "| ranks | peak MiB | baseline | above baseline | set by | plan | plan / measured | vs 1 rank (above baseline) | goal |",
+    ]
     lines.append("|---:|---:|---:|---:|---|---:|---:|---:|---|")
     for world, s in comparison["summary"].items():
         versus = f"{s['ratio_to_1']:.2f} ({s['ratio_to_1_above_baseline']:.2f})" if "ratio_to_1" in s else "-"
@@ -322,10 +334,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vocab", type=int, default=16384)
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=4, help="sequences per step (a multiple of every rank count)")
+    parser.add_argument(
+        "--batch", type=int, default=4, help="sequences per step (a multiple of every rank count)"
+    )
     parser.add_argument("--steps", type=int, default=2, help="BLD and GKD optimiser steps")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--work", type=Path, default=Path("/tmp/bench_scale"), help="parent, data and run dirs")
+    parser.add_argument(
+        "--work", type=Path, default=Path("/tmp/bench_scale"), help="parent, data and run dirs"
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per world size")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
@@ -343,7 +359,9 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = root / f"run-{world}"
         subprocess.run(["rm", "-rf", str(run_dir)], check=True)  # a fresh run: nothing reused
         config = root / f"config-{world}.yaml"
-        config.write_text(yaml.safe_dump(config_dict(root, run_dir, args.seq, args.batch, args.steps), sort_keys=False))
+        config.write_text(
+            yaml.safe_dump(config_dict(root, run_dir, args.seq, args.batch, args.steps), sort_keys=False)
+        )
         print(f"{world} rank(s): running", flush=True)
         runs[world] = run_world(config, run_dir, world, args.timeout)
         runs[world]["predicted_mib"] = predicted(config, world)
@@ -351,8 +369,15 @@ def main(argv: list[str] | None = None) -> int:
     comparison = compare(runs)
     print(table(comparison))
     result = {
-        "settings": {**{k: v for k, v in vars(args).items() if k not in ("work", "output")}, "parent_mib": parent_bytes / MIB},
-        "command": " ".join(["python", "benchmarks/bench_scale.py", *(argv if argv is not None else sys.argv[1:])]),
+        "settings": {
+            **{k: v for k, v in vars(args).items() if k not in ("work", "output")},
+            "parent_mib": parent_bytes / MIB,
+        },
+        "command": " ".join(
+            ["python", "benchmarks/bench_scale.py", *(argv if argv is not None else sys.argv[1:])]
+        ),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "cores": os.cpu_count(),
         "runs": {str(w): r for w, r in runs.items()},
         **comparison,
         "summary": {str(w): s for w, s in comparison["summary"].items()},

@@ -47,9 +47,9 @@ import dataclasses
 import hashlib
 import json
 import logging
-import resource
 import math
 import re
+import resource
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone

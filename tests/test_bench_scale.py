@@ -13,7 +13,7 @@ from run_helpers import make_inputs, write_config
 from puzzle.cli import main
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-import bench_scale  # noqa: E402
+import bench_scale
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +64,11 @@ def _event(name: str, event: str, second: int) -> str:
 def _rank(peaks: dict[str, float], baseline: float) -> dict:
     lines = [_line("baseline", baseline, 0) + " (before the parent loads)"]
     for second, (name, mib) in enumerate(peaks.items(), start=1):
-        lines += [_event(name, "running", second), _event(name, "done", second + 1), _line(name, mib, second + 1)]
+        lines += [
+            _event(name, "running", second),
+            _event(name, "done", second + 1),
+            _line(name, mib, second + 1),
+        ]
     parsed = bench_scale.parse_log("\n".join(lines))
     return {"rank": 0, "baseline_mib": parsed["baseline_mib"], "stages": bench_scale.stage_peaks(parsed)}
 
@@ -76,7 +80,11 @@ def test_the_peak_is_set_by_the_first_stage_reaching_it_and_goals_are_above_base
     comparison = bench_scale.compare(
         {
             1: {"seconds": 9.0, "ranks": [one], "predicted_mib": {**plan, "library": 1100.0}},
-            2: {"seconds": 9.0, "ranks": [two], "predicted_mib": {**plan, "importance": 200.0, "distill": 300.0}},
+            2: {
+                "seconds": 9.0,
+                "ranks": [two],
+                "predicted_mib": {**plan, "importance": 200.0, "distill": 300.0},
+            },
         }
     )
     first, second = comparison["summary"][1], comparison["summary"][2]
