@@ -225,6 +225,37 @@ def child_rows(data: dict) -> tuple[list[Row], list[str]]:
     return rows, details
 
 
+def scale_rows(data: dict) -> tuple[list[Row], list[str]]:
+    rows, details = [], []
+    parent = data["settings"]["parent_mib"]
+    for world, s in data["summary"].items():
+        if "goal" in s:
+            rows.append(
+                Row(
+                    f"peak RSS per rank above baseline, {world} ranks / 1 rank ({parent:.0f} MiB fp32 parent,"
+                    " every stage, FSDP)",
+                    f"{s['ratio_to_1_above_baseline']:.2f}",
+                    f"<= {s['goal']}",
+                    _yes(s["goal_met"]),
+                )
+            )
+        ratio = s["predicted_over_measured"]
+        rows.append(
+            Row(
+                f"`puzzle plan` peak per rank / measured above baseline, {world} rank(s)",
+                "-" if ratio is None else f"{ratio:.2f}",
+                "in [0.75, 1.25]",
+                _yes(s["plan_within_25pct"]),
+            )
+        )
+        details.append(
+            f"{world} rank(s): peak {s['peak_mib']:.0f} MiB per rank ({s['above_baseline_mib']:.0f} above the"
+            f" {s['baseline_mib']:.0f} MiB baseline), set by {s['set_by']}; plan {s['predicted_mib']:.0f} MiB;"
+            f" {s['seconds']:.0f} s"
+        )
+    return rows, details
+
+
 def gpu_rows(data: dict) -> tuple[list[Row], list[str]]:
     return [Row("GPU path vs CPU reference (outputs within tolerance)", "-", "passes", True)], [
         "see benchmarks/results/gpu_check.json"
@@ -276,6 +307,15 @@ BENCHES = [
         cost_model_rows,
     ),
     Bench("child", "bench_child.py", [], ["--quick"], child_rows),
+    Bench(
+        "scale",
+        "bench_scale.py",
+        # 399 MiB fp32: at 4 ranks about 9 GiB together, what a 24 GiB machine holds beside other jobs; the
+        # issue's >= 1 GB parent (`--hidden 1024 --blocks 32 --vocab 32768`) needs ~25 GiB at 4 ranks.
+        shlex.split("--hidden 768 --blocks 15 --vocab 32768"),
+        shlex.split("--hidden 256 --blocks 5 --vocab 4096 --ranks 1 2"),
+        scale_rows,
+    ),
     Bench("gpu_check", "gpu_check.py", [], [], gpu_rows, needs_cuda=True),
 ]
 

@@ -50,6 +50,7 @@ import json
 import logging
 import math
 import re
+import resource
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import datetime, timezone
@@ -116,6 +117,11 @@ class RunError(ValueError):
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _peak_rss_mib() -> float:
+    """This process's peak resident memory so far (ru_maxrss is in KiB on Linux; a running maximum)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _slug(budgets: list[str]) -> str:
@@ -362,6 +368,7 @@ class Run:
         parent.json and the manifest."""
         if self._prepared:
             return
+        _log.info("baseline: peak resident memory %.1f MiB (before the parent loads)", _peak_rss_mib())
         self.check_run_dir()
         parent_dir = self.config.parent.path.resolve()
         root = self.layout.root.resolve()
@@ -501,6 +508,7 @@ class Run:
             and dist.broadcast_object(self._present(name, record["outputs"]))
         ):
             _log.info("%s%s: reused (inputs unchanged)", self._round_label(), name)
+            _log.info("%s: peak resident memory %.1f MiB", name, _peak_rss_mib())
             self._update(name, {**record, "status": "reused", "checked": _now()})
             dist.barrier()
             self._results[name] = record["outputs"]
@@ -520,6 +528,7 @@ class Run:
         resumed = self._resumed.pop(name.split("/", 1)[0], [])
         note = f" (resumed from a checkpoint: {', '.join(resumed)})" if resumed else ""
         _log.info("%s%s: done%s", self._round_label(), name, note)
+        _log.info("%s: peak resident memory %.1f MiB", name, _peak_rss_mib())  # benchmarks/bench_scale.py
         self._results[name] = outputs
         return outputs
 
