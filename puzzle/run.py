@@ -1241,12 +1241,16 @@ class Run:
         return self.layout.root / entry["path"]
 
     def _export_one(self, name: str, source: str, out: Path) -> dict[str, Any]:
-        """{name: its export record}: the child built on every rank (assembling from a sharded parent is a
-        collective), written by rank 0 while the others wait."""
-        child = self._child(name, sharded=False)  # whole on every rank: rank 0 alone writes it
+        """{name: its export record}: the child built on every rank, sharded as the parent is (assembling from
+        a sharded parent is a collective). A sharded child is written by every rank together: the weights
+        stream out one tensor at a time, gathered on every rank and written by rank 0
+        (`puzzle.nemotron_h.stream`), so no rank holds the whole child; a whole one by rank 0 alone."""
+        child = self._child(name)
         if source == "distill":
-            child = load_distilled(self.layout.child(name), child)
-        return _on_main(lambda: {name: self._write_export(name, source, child, out)})
+            child = load_distilled(self.layout.child(name), child)  # into each rank's shards
+        if shard.local_numel(child) < sum(p.numel() for p in child.parameters()):  # sharded: a collective
+            return {name: self._write_export(name, source, child, out)}
+        return _on_main(lambda: {name: self._write_export(name, source, child, out)})  # whole: rank 0 writes
 
     def _card_info(self, name: str, source: str) -> dict[str, Any]:
         """What the model card (`puzzle.card`) says of this run's solution `name` exported from its `source` ("assemble" or "distill"):

@@ -230,8 +230,17 @@ def test_a_run_with_fsdp_stages_loads_the_parent_sharded_under_torchrun(tmp_path
         # One parent per process: loaded sharded once, by importance, then shared by BLD, scoring, GKD's teacher.
         assert len(shares) == 1, log
         assert all(share <= MAX_SHARE for share in shares), shares
-    # Every stage ran: the child assembled sharded, distilled and exported.
-    assert list((tmp_path / "two" / "exports").glob("*/config.json")), "no export"
+    # Every stage ran: the child assembled sharded, distilled and exported, streamed by both ranks together,
+    # as one process exports it (GKD's steps equal up to float summation order).
+    exports = sorted((tmp_path / "one" / "exports").glob("*/*.safetensors"))
+    assert exports, "no export"
+    for path in exports:
+        want, got = (load_file(str(p)) for p in (path, tmp_path / "two" / path.relative_to(tmp_path / "one")))
+        assert want.keys() == got.keys()
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=data["gkd"]["lr"] / 10, msg=key)
+    for rank in range(2):  # the child was sharded on both ranks when exported: the export was theirs together
+        assert "export: done" in (tmp_path / "two" / "logs" / f"rank{rank}.log").read_text()
     want, got = (
         load_file(str(tmp_path / run / "importance" / "importance.safetensors")) for run in ("one", "two")
     )
