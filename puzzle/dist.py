@@ -74,8 +74,15 @@ def init_from_env(backend: str | None = None) -> bool:
 
 
 def shutdown() -> None:
-    """Leave the process group at the end of a run (a no-op without one)."""
+    """Leave the process group at the end of a run (a no-op without one).
+
+    Drop every model sharded over the group, and `puzzle.shard`'s cached meshes, before calling this: an
+    FSDP2 module's device mesh holds the group, and a group that outlives `destroy_process_group` is torn down at interpreter exit, where gloo's
+    threads can abort the process ("terminate called without an active exception")."""
     if is_initialized():
+        import gc
+
+        gc.collect()  # sharded modules in reference cycles: freed while the group is alive
         torch_dist.destroy_process_group()
 
 

@@ -64,6 +64,11 @@ def mesh(mode: str) -> DeviceMesh | None:
     return _meshes[key]
 
 
+def forget_meshes() -> None:
+    """Drop the cached meshes (before the process group they were made over is destroyed)."""
+    _meshes.clear()
+
+
 def ways(mode: str) -> int:
     """How many pieces `mode` cuts each unit into in this process: the world for "fsdp", the ranks of a
     node for "hsdp" over several nodes, 1 when it does not shard."""

@@ -118,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
         with logging_to(pipeline.layout.logs, dist.rank(), args.quiet) as log_file:
             try:
                 pipeline.all(args.until)
+                dist.barrier()  # every rank done with its collectives before the group goes
             except ValueError:
                 log_traceback(log_file)
                 raise
@@ -132,6 +133,10 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     finally:
         if started:
+            from puzzle import shard
+
+            pipeline.release_parent()  # the sharded parent and the cached meshes hold the process group
+            shard.forget_meshes()
             dist.shutdown()
     if dist.rank() == 0 and not args.quiet:
         print(f"puzzle run: finished: {config.run_dir}", file=sys.stderr)
