@@ -236,6 +236,7 @@ class Run:
         self._parent_scheme: str | None = None
         self._parent_hashes: dict[str, Any] | None = None  # the content-hash cache to write (rank 0)
         self._parent: HybridLM | None = None  # the one loaded parent of this process (`parent()`)
+        self._mixer_fps: tuple[str, dict[Variant, str]] | None = None  # (library manifest hash, per variant)
         self._parent_mode = (
             "none"  # how it is laid out: "none" (whole), "fsdp" or "hsdp" (sharded from the files)
         )
@@ -685,23 +686,7 @@ class Run:
             parent = self.parent(self.config.scoring.shard)
             library = read_library(self.layout.library)
             usable = [v for v, r in library.results.items() if r.status != "failed"]
-            mixer = self._mixer_source(parent, library)
-            fingerprints = {
-                v: fingerprint_json([r.status, r.file, self._file_fp(library, r)])
-                for v, r in library.results.items()
-                if r.status != "failed"
-            }
-            score_variants(
-                parent,
-                usable,
-                mixer,
-                self.held_out_batches(),
-                self.layout.scores,
-                self.config.scoring,
-                data_fingerprint=self._held_out_key(),
-                mixer_fingerprints=fingerprints,
-                parent_fp=self.parent_fingerprint(),
-            )
+            self._score(parent, library, usable, self.layout.scores)
             return {"manifest": self._manifest_fp(self.layout.scores, "scores")}
 
         return self._stage("scores", inputs, compute)
@@ -722,11 +707,42 @@ class Run:
 
         return mixer
 
-    @staticmethod
-    def _file_fp(library: Library, result: Any) -> str | None:
-        if result.file is None:
-            return None
-        return fingerprint_file(Path(library.directory) / result.file)
+    def _score(
+        self, parent: HybridLM, library: Library, variants: list[Variant], out: Path, **context: Any
+    ) -> Scores:
+        """`score_variants` of `variants` into `out` with this run's scoring settings and held-out tokens
+        (the scores stage, and each round of scores in context with `context=` the child)."""
+        return score_variants(
+            parent,
+            variants,
+            self._mixer_source(parent, library),
+            self.held_out_batches(),
+            out,
+            self.config.scoring,
+            data_fingerprint=self._held_out_key(),
+            mixer_fingerprints=self._mixer_fingerprints(library),
+            parent_fp=self.parent_fingerprint(),
+            **context,
+        )
+
+    def _mixer_fingerprints(self, library: Library) -> dict[Variant, str]:
+        """Each usable variant's status, file and file hash: read once per library manifest (every round of
+        scores in context would otherwise hash every variant file again)."""
+        key = self._manifest_fp(self.layout.library, "library")
+        if self._mixer_fps is None or self._mixer_fps[0] != key:
+
+            def file_fp(result: Any) -> str | None:
+                return (
+                    None if result.file is None else fingerprint_file(Path(library.directory) / result.file)
+                )
+
+            fingerprints = {
+                v: fingerprint_json([r.status, r.file, file_fp(r)])
+                for v, r in library.results.items()
+                if r.status != "failed"
+            }
+            self._mixer_fps = (key, fingerprints)
+        return self._mixer_fps[1]
 
     # -- the search -----------------------------------------------------------------------------------------
 
@@ -1039,24 +1055,7 @@ class Run:
             {"library": self.record("library")["manifest"], "choice": [v.to_dict() for v in own]}
         )
         out = self.layout.solutions / "context" / name / f"{what}-{number}"
-        fingerprints = {
-            v: fingerprint_json([r.status, r.file, self._file_fp(library, r)])
-            for v, r in library.results.items()
-            if r.status != "failed"
-        }
-        return score_variants(
-            parent,
-            wanted,
-            self._mixer_source(parent, library),
-            self.held_out_batches(),
-            out,
-            self.config.scoring,
-            data_fingerprint=self._held_out_key(),
-            mixer_fingerprints=fingerprints,
-            parent_fp=self.parent_fingerprint(),
-            context=child,
-            context_fp=context_fp,
-        )
+        return self._score(parent, library, wanted, out, context=child, context_fp=context_fp)
 
     def _solution_json(self, name: str) -> dict[str, Any]:
         return json.loads(self.layout.solution(name).read_text())
