@@ -23,7 +23,15 @@ from puzzle.cli import main
 from puzzle.export import export
 from puzzle.model import HybridLM
 from puzzle.nemotron_h import checkpoint, stream
-from puzzle.nemotron_h.weights import INDEX_FILE, SAFETENSORS_DTYPES, hub_state, write_weights
+from puzzle.nemotron_h.weights import (
+    INDEX_FILE,
+    SAFETENSORS_DTYPES,
+    SINGLE_FILE,
+    LazyTensor,
+    hub_state,
+    plan_shards,
+    tensor_nbytes,
+)
 
 
 def _model(tie: bool = False, dtype: torch.dtype = torch.float32, seed: int = 0) -> HybridLM:
@@ -48,6 +56,29 @@ def _model(tie: bool = False, dtype: torch.dtype = torch.float32, seed: int = 0)
 
 def _files(directory: Path) -> dict[str, bytes]:
     return {file.name: file.read_bytes() for file in sorted(directory.iterdir())}
+
+
+def write_weights(
+    tensors: dict[str, torch.Tensor | LazyTensor], directory: Path, max_shard_bytes: int
+) -> None:
+    """How the export wrote its weights before streaming (the oracle): each shard whole in memory (lazy
+    tensors, e.g. a loaded checkpoint's MTP tensors, read), handed to safetensors' `save_file`, then the
+    index."""
+    shards = plan_shards({name: tensor_nbytes(tensor) for name, tensor in tensors.items()}, max_shard_bytes)
+    weight_map: dict[str, str] = {}
+    for number, names in enumerate(shards, start=1):
+        file_name = (
+            SINGLE_FILE if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        )
+        loaded = {name: tensors[name] for name in names}
+        loaded = {name: t.load() if isinstance(t, LazyTensor) else t for name, t in loaded.items()}
+        shard = {name: tensor.detach().to("cpu").contiguous() for name, tensor in loaded.items()}
+        weight_map.update(dict.fromkeys(names, file_name))
+        save_file(shard, str(directory / file_name), metadata={"format": "pt"})
+    if len(shards) > 1:
+        total = sum(tensor_nbytes(tensor) for tensor in tensors.values())
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _reference(model: HybridLM, directory: Path, max_shard_bytes: int) -> dict[str, bytes]:

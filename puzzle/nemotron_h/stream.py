@@ -1,10 +1,10 @@
 """Streaming safetensors writes: a checkpoint's weight files written tensor by tensor, never whole in memory.
 
-`write_weights` (weights.py) builds each shard in memory and hands it to safetensors' `save_file`. Here the
+The export used to build each shard in memory and hand it to safetensors' `save_file`. Here the
 files are laid out first from the tensors' names, dtypes and shapes alone (`plan_files`): the same shards
 (`plan_shards`), and in each file the header `save_file` would write (its tensor order, offsets and padding,
 `file_header`). Each tensor's bytes then go straight to their offset as soon as the tensor exists, in
-whatever order it arrives, so the output is byte-identical to `write_weights` while memory holds one tensor.
+whatever order it arrives, so the output is byte-identical to that while memory holds one tensor.
 
 Two sources of tensors:
 - a model (`stream_weights`), possibly sharded with FSDP2 over the ranks: every rank walks the state dict
@@ -98,7 +98,7 @@ def file_header(entries: Iterable[Entry]) -> tuple[bytes, dict[str, int]]:
 
 
 def plan_files(entries: Iterable[Entry], max_shard_bytes: int) -> dict[str, list[Entry]]:
-    """{file name: its tensors}: the shards `write_weights` makes of the same tensors in the same order."""
+    """{file name: its tensors}: the shards `save_file` of each whole shard makes of the same tensors, in the same order."""
     by_name = {entry.name: entry for entry in entries}
     shards = plan_shards({name: entry.nbytes for name, entry in by_name.items()}, max_shard_bytes)
     if len(shards) == 1:
@@ -127,7 +127,7 @@ class StreamWriter:
     """The weight files of `entries` in `directory`, filled in tensor by tensor (any order) by `write`.
 
     Every file is created at its final size with its header at the start; `close` checks that every tensor
-    was written exactly once and writes the index (`write_weights`' layout).
+    was written exactly once and writes the index (the layout of a `save_file` per shard).
     """
 
     def __init__(self, entries: Iterable[Entry], directory: Path, max_shard_bytes: int) -> None:
@@ -164,7 +164,7 @@ class StreamWriter:
         self.written.add(name)
 
     def close(self) -> list[str]:
-        """Close the files and write the index; returns the file names as `write_weights` does."""
+        """Close the files and write the index; returns the file names (the shards, then the index if any)."""
         for handle in self.handles:
             handle.close()
         missing = [name for name in self.entries if name not in self.written]
@@ -192,7 +192,7 @@ def write_streamed(
     entries: list[Entry], units: Iterable[Unit], directory: Path | None, max_shard_bytes: int
 ) -> list[str]:
     """Run every unit in order and write its tensors into `directory` (None: run them, write nothing: the
-    ranks other than 0 of a sharded write); returns the file names (`write_weights`')."""
+    ranks other than 0 of a sharded write); returns the file names (the shards, then the index if any)."""
     writer = None if directory is None else StreamWriter(entries, directory, max_shard_bytes)
     held = _Held()
     error: Exception | None = None
@@ -309,7 +309,7 @@ def model_units(
 
 def stream_weights(model: nn.Module, directory: Path | None, max_shard_bytes: int) -> list[str]:
     """Write `model`'s weights (`hub_state`: hub names, experts one by one, extra tensors) into `directory`
-    tensor by tensor, byte-identical to `write_weights(hub_state(model), ...)`; returns the file names.
+    tensor by tensor, byte-identical to `save_file` of each whole shard of `hub_state(model)`; returns the file names.
 
     A model sharded with FSDP2: call it on every rank (each tensor is gathered by a collective), with the
     directory on rank 0 and None on the others, which gather and drop. Peak memory per rank is the largest

@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import nn
 
 from puzzle.blocks.moe import ExpertBank
@@ -381,34 +380,3 @@ def plan_shards(sizes: Mapping[str, int], max_shard_bytes: int) -> list[list[str
         shards[-1].append(name)
         filled += size
     return shards
-
-
-def write_weights(
-    tensors: Mapping[str, torch.Tensor | LazyTensor], directory: Path, max_shard_bytes: int
-) -> list[str]:
-    """Write `tensors` into `directory` as model.safetensors, or shards plus an index; returns the file names.
-
-    One shard is held in CPU memory at a time; lazy tensors are read when their shard is written. Saves
-    stream instead (`puzzle.nemotron_h.stream`, one tensor at a time); this is the reference their bytes
-    are tested against.
-    """
-    shards = plan_shards({name: tensor_nbytes(tensor) for name, tensor in tensors.items()}, max_shard_bytes)
-    weight_map: dict[str, str] = {}
-    for number, names in enumerate(shards, start=1):
-        file_name = (
-            SINGLE_FILE if len(shards) == 1 else f"model-{number:05d}-of-{len(shards):05d}.safetensors"
-        )
-        shard = {}
-        for name in names:
-            tensor = tensors[name]
-            tensor = tensor.load() if isinstance(tensor, LazyTensor) else tensor
-            shard[name] = tensor.detach().to("cpu").contiguous()
-            weight_map[name] = file_name
-        save_file(shard, str(directory / file_name), metadata={"format": "pt"})
-        del shard
-    if len(shards) == 1:
-        return [SINGLE_FILE]
-    total = sum(tensor_nbytes(tensor) for tensor in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    return [*dict.fromkeys(weight_map.values()), INDEX_FILE]
