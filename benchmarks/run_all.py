@@ -2,13 +2,14 @@
 
     python benchmarks/run_all.py                      # full sizes (tens of minutes on a small CPU)
     python benchmarks/run_all.py --quick              # tiny sizes, fewer repeats: a few minutes
-    python benchmarks/run_all.py --only child mip     # some benchmarks only
+    python benchmarks/run_all.py --only child mip     # re-run some; the others' rows come from their JSONs
     python benchmarks/run_all.py --library /tmp/block_library.json   # adds the real NVlabs library rows
     python benchmarks/run_all.py --args mip="--repeat 5"             # extra arguments for one benchmark
 
 Each benchmark runs as a subprocess of this Python (one torch thread where it takes `--threads`) and writes
 its JSON under the results folder (benchmarks/results, or benchmarks/results/quick with --quick); this
-script then reads the JSONs and writes the table: what is compared, the ratio, the goal, whether it is met
+script then reads the JSONs and writes the table (a `--quick` run writes it beside its JSONs, not over
+docs/PERFORMANCE.md): what is compared, the ratio, the goal, whether it is met
 and the command that reproduces it, then a short section per benchmark and the machine it ran on. A
 benchmark that fails is reported as failed (with the end of its stderr), the others' rows are kept, and
 the exit status is 1.
@@ -256,6 +257,48 @@ def scale_rows(data: dict) -> tuple[list[Row], list[str]]:
     return rows, details
 
 
+def remote_cache_rows(data: dict) -> tuple[list[Row], list[str]]:
+    rows, details = [], []
+    for r in data["rows"]:
+        rows.append(
+            Row(
+                f"exported remote code, generate with / without KV+SSM cache, prompt {r['prompt']}",
+                f"{r['speedup']:.1f}x",
+                ">= 1 and the same tokens",
+                _yes(r["speedup"] >= 1 and r["same_tokens"]),
+            )
+        )
+        details.append(
+            f"prompt {r['prompt']}: {r['with cache']['tokens_per_s']:.1f} tokens/s with the cache,"
+            f" {r['without cache']['tokens_per_s']:.1f} without; same tokens: {r['same_tokens']}"
+        )
+    return rows, details
+
+
+def gkd_checkpointing_rows(data: dict) -> tuple[list[Row], list[str]]:
+    ratio = data["on_over_off"]
+    rows = [
+        Row(
+            "GKD step with / without activation checkpointing: peak step memory",
+            f"{ratio['peak_step_bytes']:.2f}",
+            "< 1",
+            _yes(ratio["peak_step_bytes"] < 1),
+        ),
+        Row(
+            "GKD step with / without activation checkpointing: time",
+            f"{ratio['step_s']:.2f}",
+            "<= 1.4 (one extra forward at most)",
+            _yes(ratio["step_s"] <= 1.4),
+        ),
+    ]
+    details = [
+        f"{mode}: saved {data[mode]['saved_bytes'] / 2**20:.0f} MiB, peak step {data[mode]['peak_step_bytes'] / 2**20:.0f}"
+        f" MiB ({data[mode]['peak_kind']}), step {data[mode]['step_s']:.2f} s"
+        for mode in ("off", "on")
+    ]
+    return rows, details
+
+
 def gpu_rows(data: dict) -> tuple[list[Row], list[str]]:
     return [Row("GPU path vs CPU reference (outputs within tolerance)", "-", "passes", True)], [
         "see benchmarks/results/gpu_check.json"
@@ -316,6 +359,20 @@ BENCHES = [
         shlex.split("--hidden 256 --blocks 5 --vocab 4096 --ranks 1 2"),
         scale_rows,
     ),
+    Bench(
+        "remote_cache",
+        "bench_remote_cache.py",
+        [],
+        ["--quick", "--prompts", "16"],
+        remote_cache_rows,
+    ),
+    Bench(
+        "gkd_checkpointing",
+        "bench_gkd_checkpointing.py",
+        [],
+        shlex.split("--hidden 256 --vocab 512 --vocab-chunk 512 --batch 2 --seq 128 --repeats 1"),
+        gkd_checkpointing_rows,
+    ),
     Bench("gpu_check", "gpu_check.py", [], [], gpu_rows, needs_cuda=True),
 ]
 
@@ -344,15 +401,50 @@ def machine_info() -> dict:
     }
 
 
-def run_bench(bench: Bench, args: argparse.Namespace, results: Path) -> dict:
-    """Run one benchmark; returns its status, command, rows and details (or the error)."""
-    output = results / f"bench_{bench.name}.json" if bench.name != "gpu_check" else results / "gpu_check.json"
+def bench_output(bench: Bench, results: Path) -> Path:
+    """Where a benchmark's JSON lands in the results folder."""
+    return results / f"bench_{bench.name}.json" if bench.name != "gpu_check" else results / "gpu_check.json"
+
+
+def bench_argv(bench: Bench, args: argparse.Namespace) -> tuple[list[str], str]:
+    """The benchmark's arguments for this run, and the command line that reproduces it (for the table)."""
     argv = list(bench.quick if args.quick else bench.full)
     if bench.name == "mip" and args.library is not None:
         argv += ["--library", str(args.library)]
     argv += shlex.split(args.extra.get(bench.name, ""))
     shown = ["python", f"benchmarks/{bench.script}", *argv]
-    command = "PYTHONPATH=.:benchmarks " + shlex.join(shown)
+    return argv, "PYTHONPATH=.:benchmarks " + shlex.join(shown)
+
+
+def summarize_output(bench: Bench, output: Path, command: str) -> dict:
+    """Rows and details from a benchmark's JSON, or a failed outcome naming the file and the error."""
+    try:
+        rows, details = bench.summarize(json.loads(output.read_text()))
+    except (KeyError, TypeError, ValueError, StopIteration, ZeroDivisionError) as error:
+        note = f"{output} could not be read: {type(error).__name__}: {error}"
+        return {"status": "failed", "command": command, "note": note}
+    return {"status": "ok", "command": command, "rows": rows, "details": details}
+
+
+def kept_bench(bench: Bench, args: argparse.Namespace, results: Path) -> dict | None:
+    """A benchmark `--only` did not run: its rows from the JSON an earlier run left, or None when there is none.
+
+    Why: `--only scale` should refresh the scale rows, not drop every other benchmark's rows from the document.
+    """
+    output = bench_output(bench, results)
+    if not output.exists():
+        return None
+    _, command = bench_argv(bench, args)
+    outcome = summarize_output(bench, output, command)
+    when = datetime.datetime.fromtimestamp(output.stat().st_mtime, datetime.timezone.utc)
+    outcome["kept"] = when.strftime("%Y-%m-%d %H:%M UTC")
+    return outcome
+
+
+def run_bench(bench: Bench, args: argparse.Namespace, results: Path) -> dict:
+    """Run one benchmark; returns its status, command, rows and details (or the error)."""
+    output = bench_output(bench, results)
+    argv, command = bench_argv(bench, args)
     if bench.needs_cuda and not args.cuda:
         return {"status": "skipped", "command": command, "note": "needs CUDA; none on this machine"}
     if not bench.needs_cuda:
@@ -380,16 +472,19 @@ def run_bench(bench: Bench, args: argparse.Namespace, results: Path) -> dict:
             "seconds": seconds,
             "note": f"{why}: {' / '.join(tail)}",
         }
-    try:
-        rows, details = bench.summarize(json.loads(output.read_text()))
-    except (KeyError, TypeError, ValueError, StopIteration, ZeroDivisionError) as error:
-        note = f"{output} could not be read: {type(error).__name__}: {error}"
-        return {"status": "failed", "command": command, "seconds": seconds, "note": note}
-    return {"status": "ok", "command": command, "seconds": seconds, "rows": rows, "details": details}
+    return {**summarize_output(bench, output, command), "seconds": seconds}
 
 
 def _met(value: bool | None) -> str:
     return "-" if value is None else ("yes" if value else "**no**")
+
+
+def _kept_sentence(outcomes: dict[str, dict]) -> list[str]:
+    """A line naming the benchmarks whose rows come from an earlier run's JSON (`--only`), if any."""
+    kept = [f"{name} ({outcome['kept']})" for name, outcome in outcomes.items() if "kept" in outcome]
+    if not kept:
+        return []
+    return [f"Not re-run this time, rows kept from their earlier JSON: {', '.join(kept)}.", ""]
 
 
 def render(outcomes: dict[str, dict], machine: dict, args: argparse.Namespace) -> str:
@@ -411,6 +506,7 @@ def render(outcomes: dict[str, dict], machine: dict, args: argparse.Namespace) -
         " cores" + (": **the machine was shared with other jobs**, expect noise." if shared else "."),
         "",
         *([args.note, ""] if args.note else []),
+        *_kept_sentence(outcomes),
         "| benchmark | what is compared | ratio | goal | met? | command |",
         "|---|---|---:|---|---|---|",
     ]
@@ -431,6 +527,7 @@ def render(outcomes: dict[str, dict], machine: dict, args: argparse.Namespace) -
     lines += ["", "## Details", ""]
     for name, outcome in outcomes.items():
         took = f" ({outcome['seconds']:.0f} s)" if "seconds" in outcome else ""
+        took += f" (kept from the run of {outcome['kept']})" if "kept" in outcome else ""
         lines += [f"### {name}{took}", "", f"`{outcome['command']}`", ""]
         if outcome["status"] != "ok":
             lines += [f"{outcome['status']}: {outcome['note']}", ""]
@@ -465,7 +562,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--note", help="a sentence to print under the introduction (how the run was made)")
     parser.add_argument(
-        "--doc", type=Path, default=ROOT / "docs" / "PERFORMANCE.md", help="the Markdown to write"
+        "--doc",
+        type=Path,
+        help="the Markdown to write (default docs/PERFORMANCE.md; with --quick, PERFORMANCE.md in the results"
+        " folder, so indicative quick figures never replace the full ones)",
     )
     args = parser.parse_args(argv)
     args.extra = {}
@@ -479,12 +579,17 @@ def main(argv: list[str] | None = None) -> int:
         args.library = None
     results = args.results or (HERE / "results" / "quick" if args.quick else HERE / "results")
     results.mkdir(parents=True, exist_ok=True)
+    if args.doc is None:
+        args.doc = results / "PERFORMANCE.md" if args.quick else ROOT / "docs" / "PERFORMANCE.md"
 
     machine = machine_info()
     args.cuda = machine["cuda"]
     outcomes = {}
     for bench in BENCHES:
         if args.only and bench.name not in args.only:
+            kept = kept_bench(bench, args, results)
+            if kept is not None:
+                outcomes[bench.name] = kept
             continue
         outcomes[bench.name] = outcome = run_bench(bench, args, results)
         print(f"[run_all] {bench.name}: {outcome['status']} {outcome.get('note', '')}", flush=True)
