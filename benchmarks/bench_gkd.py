@@ -7,7 +7,9 @@ benchmarks/results/bench_gkd.json and prints a markdown table. The teacher is th
 half its heads (fresh weights: throughput only). Measured interleaved in one process on the same batch:
 
 - gkd: one `puzzle.gkd` optimiser step (teacher and student block by block, cosine per block, chunked KL
-  with the head gradients made in the loss, clipping and the AdamW step);
+  with the head gradients made in the loss, clipping and the AdamW step), with per-block activation
+  checkpointing as `GKDSettings` defaults to (`--no-checkpointing` times it without: the backward then runs
+  no block's forward again);
 - ideal: `teacher(ids)` under no_grad plus `student(ids)` forward and backward of the mean of its logits
   (both heads make full [tokens, V] fp32 logits: no chunking, no KL, no cosine);
 - ideal+opt: ideal plus the clipping and AdamW step GKD cannot avoid;
@@ -58,12 +60,18 @@ def _time(fn) -> float:
     return time.perf_counter() - start
 
 
-def run(hidden: int, vocab: int, batch: torch.Tensor, chunk: int, repeats: int) -> dict:
+def run(hidden: int, vocab: int, batch: torch.Tensor, chunk: int, repeats: int, checkpointing: bool) -> dict:
     torch.manual_seed(0)
     teacher = HybridLM(parent_spec(hidden, vocab)).eval().requires_grad_(False)
     student = HybridLM(child_spec(teacher.spec)).train()
-    settings = gkd.GKDSettings(lr=1e-5, batch_size=batch.shape[0], vocab_chunk=chunk, steps=10**6)
-    distiller = gkd._Distiller(student)
+    settings = gkd.GKDSettings(
+        lr=1e-5,
+        batch_size=batch.shape[0],
+        vocab_chunk=chunk,
+        steps=10**6,
+        activation_checkpointing=checkpointing,
+    )
+    distiller = gkd._Distiller(student, settings.activation_checkpointing)
     params = list(student.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-5)
     blocks = len(student.layers)
@@ -107,7 +115,13 @@ def run(hidden: int, vocab: int, batch: torch.Tensor, chunk: int, repeats: int) 
         times["opt"].append(_time(optimiser))
         times["plain"].append(_time(plain))
     tokens = batch.numel()
-    row: dict = {"hidden": hidden, "vocab": vocab, "vocab_chunk": chunk, "tokens_per_step": tokens}
+    row: dict = {
+        "hidden": hidden,
+        "vocab": vocab,
+        "vocab_chunk": chunk,
+        "tokens_per_step": tokens,
+        "activation_checkpointing": checkpointing,
+    }
     for stat, pick in (("median", statistics.median), ("min", min)):
         t = {k: pick(v) for k, v in times.items()}
         ideal = t["teacher"] + t["fwd_bwd"]
@@ -136,6 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: steadier on a shared CPU)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--no-checkpointing",
+        dest="checkpointing",
+        action="store_false",
+        help="time GKD without per-block activation checkpointing (on by default, as in GKDSettings)",
+    )
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -146,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
             batch = torch.randint(
                 0, vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)
             )
-            rows.append(run(args.hidden, vocab, batch.to(device), args.vocab_chunk, args.repeats))
+            rows.append(
+                run(args.hidden, vocab, batch.to(device), args.vocab_chunk, args.repeats, args.checkpointing)
+            )
     result = {"settings": {**vars(args), "output": str(args.output), "device": str(device)}, "rows": rows}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")

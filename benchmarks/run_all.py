@@ -104,6 +104,9 @@ def _training_rows(data: dict, what: str, key: str) -> tuple[list[Row], list[str
     rows, details = [], []
     for r in data["rows"]:
         label = f"V={r['variants_per_block']}" if "variants_per_block" in r else f"vocab {r['vocab']}"
+        if r.get("activation_checkpointing"):
+            # The ideal has no recomputation: a checkpointed step runs each block's forward once more.
+            label += ", activation checkpointing (the default)"
         med, mins = r["median"], r["min"]
         rows.append(
             Row(
