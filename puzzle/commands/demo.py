@@ -12,7 +12,6 @@ from puzzle.commands import non_negative_int
 
 EXIT_BAD_INPUT = 2
 EXIT_FAILED = 1
-RUN_MANIFEST = "run.json"  # puzzle.layout's manifest: its presence marks an earlier run (kept light here)
 
 
 def register(subparsers: Any) -> None:
@@ -64,12 +63,14 @@ def _check_directory(path: Path, option: str, *, run_dir: bool) -> str | None:
         return f"{option} {path} {where}: expected a directory"
     if not os.access(existing, os.W_OK | os.X_OK):
         return f"{option} {path}: {existing} is not writable"
-    if run_dir and path.is_dir() and any(path.iterdir()) and not (path / RUN_MANIFEST).is_file():
-        names = sorted(p.name for p in path.iterdir())[:3]
-        return (
-            f"{option} {path} holds files that are not a puzzle run ({', '.join(names)}...): "
-            "choose a new or empty directory (nothing was written)"
-        )
+    if run_dir:
+        # The same rule as `puzzle run` (one place decides what a run may write into); torch-free.
+        from puzzle.layout import RunDirError, RunLayout
+
+        try:
+            RunLayout(path).check_usable()
+        except RunDirError as error:
+            return f"{option}: {error}"
     return None
 
 
