@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from puzzle import dist
 from puzzle.blocks import build_block
+from puzzle.gathers import track
 from puzzle.model import HybridLM
 
 SHARDING_MODES = ("fsdp", "hsdp")  # the `shard` settings that shard ("none" replicates)
@@ -93,7 +94,8 @@ def plain_unit(unit: nn.Module, build: Callable[[], nn.Module]) -> nn.Module:
     if not isinstance(unit, FSDPModule):
         return unit
     wanted = {name: parameter.requires_grad for name, parameter in unit.named_parameters()}
-    state = {name: replicated(value.detach()).clone() for name, value in unit.state_dict().items()}
+    # Counted (`puzzle.gathers`) until the caller shards the plain unit again or drops it.
+    state = {name: track(replicated(value.detach()).clone()) for name, value in unit.state_dict().items()}
     with torch.device("meta"):
         plain = build()
     plain.load_state_dict(state, assign=True)  # strict: every parameter and (persistent) buffer is set
@@ -192,6 +194,9 @@ def gathered_mixer(parent: HybridLM, index: int) -> Iterator[None]:
         plain = build_block(sharded.spec, parent.spec.hidden_size, parent.spec.norm_eps)
     plain = plain.to_empty(device=device)  # meta, then loaded: no draw from the seeded RNG
     plain.load_state_dict(state)  # strict: every parameter and (persistent) buffer is set
+    for value in plain.state_dict().values():  # the plain copy is whole until the body drops it
+        track(value)
+    del state  # the gathered tensors, copied: free them now, not after the body
     plain.requires_grad_(False)
     block.mixer = plain
     try:
@@ -201,13 +206,15 @@ def gathered_mixer(parent: HybridLM, index: int) -> Iterator[None]:
 
 
 def replicated(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor where it lives (a collective for a DTensor: every rank must call it, in order)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    """The whole tensor where it lives (a collective for a DTensor: every rank must call it, in order),
+    counted by `puzzle.gathers` while it lives when it was gathered."""
+    return track(tensor.full_tensor()) if isinstance(tensor, DTensor) else tensor
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor on the CPU (a collective for a DTensor: every rank must call it, in the same order)."""
-    return replicated(tensor).detach().cpu().contiguous()
+    value = replicated(tensor).detach().cpu().contiguous()
+    return track(value) if isinstance(tensor, DTensor) else value  # the CPU copy of a GPU gather counts too
 
 
 def like(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
