@@ -94,8 +94,12 @@ def plain_unit(unit: nn.Module, build: Callable[[], nn.Module]) -> nn.Module:
     if not isinstance(unit, FSDPModule):
         return unit
     wanted = {name: parameter.requires_grad for name, parameter in unit.named_parameters()}
-    # Counted (`puzzle.gathers`) until the caller shards the plain unit again or drops it.
-    state = {name: track(replicated(value.detach()).clone()) for name, value in unit.state_dict().items()}
+    # A gathered tensor is new memory already (counted by `puzzle.gathers` until the caller shards the plain
+    # unit again or drops it); the replicated buffers are copied, so that the plain unit shares nothing.
+    state = {
+        name: replicated(value.detach()) if isinstance(value, DTensor) else value.detach().clone()
+        for name, value in unit.state_dict().items()
+    }
     with torch.device("meta"):
         plain = build()
     plain.load_state_dict(state, assign=True)  # strict: every parameter and (persistent) buffer is set
@@ -188,15 +192,8 @@ def gathered_mixer(parent: HybridLM, index: int) -> Iterator[None]:
     if not isinstance(sharded, FSDPModule):
         yield
         return
-    state = {k: full(v) for k, v in sharded.state_dict().items()}
-    device = parent.embeddings.weight.device
-    with torch.device("meta"):
-        plain = build_block(sharded.spec, parent.spec.hidden_size, parent.spec.norm_eps)
-    plain = plain.to_empty(device=device)  # meta, then loaded: no draw from the seeded RNG
-    plain.load_state_dict(state)  # strict: every parameter and (persistent) buffer is set
-    for value in plain.state_dict().values():  # the plain copy is whole until the body drops it
-        track(value)
-    del state  # the gathered tensors, copied: free them now, not after the body
+    spec = parent.spec  # gathered straight into the new module's parameters: one whole copy, no staging
+    plain = plain_unit(sharded, lambda: build_block(sharded.spec, spec.hidden_size, spec.norm_eps))
     plain.requires_grad_(False)
     block.mixer = plain
     try:

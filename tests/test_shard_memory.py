@@ -45,13 +45,10 @@ STAGES = ("importance", "library", "scores", "assemble", "distill", "export")
 # Stages that gather a whole model on every rank today (the report of issue 22 names them): strict, so the
 # mark has to go when they are fixed.
 WHOLE_MODEL_GATHERS = {
-    "library": "BLD's `_save_checkpoint` gathers the whole wave, weights and both AdamW moments (3x the "
-    "wave's parameters), on every rank before rank 0 writes it: +0.07 of this parent, 2N x the wave's "
-    "sharded weights (0.58 without checkpoints)",
     "distill": "GKD's end writes gkd/weights.safetensors from `_full_state(student)`, the whole student "
-    "gathered on every rank (+0.97 of this parent, the child's size), each checkpoint also gathers AdamW's "
-    "moments and the best weights (+3.86 with a checkpoint every step), and `run.distill` returns "
-    "`load_distilled`, which reads that file whole on every rank",
+    "gathered on every rank (+0.97 of this parent, the child's size); each checkpoint gathers the student "
+    "(`_full_state`) and the best weights (`_gather_snapshot`) whole at once (+1.98); and `run.distill` "
+    "returns `load_distilled`, which reads that file whole on every rank",
     "export": "export loads the distilled weights with `load_distilled`: the whole file on every rank "
     "(+0.97 of this parent)",
 }
