@@ -40,7 +40,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
-from puzzle import __version__, dist
+from puzzle import __version__, dist, gathers
 from puzzle.files import atomic_write, atomic_write_bytes
 from puzzle.spec import BlockSpec, ModelSpec, block_to_dict
 
@@ -114,7 +114,7 @@ def fingerprint_model(model: torch.nn.Module) -> str:
     digest = hashlib.sha256(model.spec.to_json(indent=None).encode())
     for name, tensor in model.state_dict().items():
         if isinstance(tensor, DTensor):  # a sharded (FSDP2) model: the whole tensor, gathered on every rank
-            tensor = tensor.full_tensor()
+            tensor = gathers.track(tensor.full_tensor())
         flat = tensor.detach().reshape(-1)
         stride = max(1, flat.numel() // 64)
         sample = torch.cat([flat[:64], flat[::stride][:64]]).float().cpu().contiguous()

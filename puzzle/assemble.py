@@ -223,8 +223,11 @@ def _copy_parameter(tensor: torch.Tensor) -> nn.Parameter:
 def _parent_mixer(parent: HybridLM, index: int) -> nn.Module:
     """A plain copy of the parent's mixer of block `index`, sharing nothing with it (gathered first when the
     parent is sharded, a collective: a deep copy of an FSDP unit would carry its shards and FSDP state)."""
-    with shard.gathered_mixer(parent, index):
-        return copy.deepcopy(parent.layers[index].mixer)
+    mixer = parent.layers[index].mixer
+    if shard.mode_of(mixer) is None:
+        return copy.deepcopy(mixer)
+    spec = parent.spec  # gathered straight into a new module: one whole copy, not a gathered one and its copy
+    return shard.plain_unit(mixer, lambda: build_block(mixer.spec, spec.hidden_size, spec.norm_eps))
 
 
 def _parent_fingerprint(library: Library, parent: HybridLM) -> str:

@@ -386,13 +386,13 @@ def _checkpoint_dir(directory: Path) -> Path:
 
 def _save_checkpoint(directory: Path, wave: _Wave, inputs: Mapping[str, str]) -> None:
     """The wave's weights, AdamW states and position (`puzzle.resume.write_checkpoint`). Sharded tensors are
-    gathered on every rank first (collectives, in the same order everywhere)."""
+    gathered there one at a time (collectives, in the same order everywhere)."""
     tensors: dict[str, torch.Tensor] = {}
     for variant in sorted(wave.mixers, key=_order):
         if wave.results[variant].status != "trained":
             continue
         for name, value in wave.mixers[variant].state_dict().items():
-            tensors[f"{variant_key(variant)}/param/{name}"] = shard.full(value)
+            tensors[f"{variant_key(variant)}/param/{name}"] = value.detach()  # gathered as written
         tensors.update(optimizer_tensors(wave.optimizers[variant], f"{variant_key(variant)}/adam/"))
     record = {
         "inputs": dict(inputs),

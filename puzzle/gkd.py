@@ -72,7 +72,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from puzzle import dist, shard
+from puzzle import dist, gathers, shard
 from puzzle.artifacts import (
     Artifact,
     ArtifactError,
@@ -211,6 +211,9 @@ def _load_state(model: HybridLM, tensors: Mapping[str, torch.Tensor], source: st
             raise ArtifactError(
                 f"{source}: tensor {name!r} has shape {list(value.shape)}, the student's is {list(current[name].shape)}"
             )
+    if shard.mode_of(model) is not None:  # whole tensors for a sharded model: counted while they live
+        for value in tensors.values():
+            gathers.track(value)
     model.load_state_dict({k: shard.like(v, current[k]) for k, v in tensors.items()}, strict=False)
 
 
@@ -233,7 +236,8 @@ def _teacher_head(teacher: HybridLM) -> Iterator[torch.Tensor]:
         return
     unit.unshard()
     try:
-        yield unit.weight
+        with gathers.COUNTER.holding(unit.weight.numel()):  # whole on every rank for the body
+            yield unit.weight
     finally:
         unit.reshard()
 

@@ -648,6 +648,7 @@ def plan_run(
             f"the variants cannot be listed before importance runs ({error}): not planned",
         )
     ctx = _Context(config, spec, gpus, parent_dtype_bytes(config.parent.dtype, checkpoint), variants)
+    ctx, wave_note = _resolve_auto_wave(ctx, hardware.memory_bytes * fraction)
     stages = [
         _importance(ctx),
         _library(ctx, problems),
@@ -657,6 +658,8 @@ def plan_run(
         _distill(ctx, problems),
         _export(ctx),
     ]
+    if wave_note is not None:
+        stages[2].notes.append(wave_note)
     if unknown is not None:
         stages[1].notes.append(unknown)
         stages[2].notes.append(unknown)
@@ -721,3 +724,144 @@ def run_misfits(config: Any, world: int | None = None) -> list[str]:
     WORLD_SIZE) of `run_hardware` that does not fit, one line each (empty: everything fits)."""
     plan = plan_config(config, world_from_env() if world is None else world, run_hardware(config))
     return plan.misfits()
+
+
+# ------------------------------------------------------------------------- scoring's wave size ("auto")
+
+
+@dataclass(frozen=True)
+class WaveSize:
+    """Scoring's `variants_per_wave` chosen from the plan: `size` variants per wave, and why (`reason`)."""
+
+    size: int
+    reason: str
+
+
+class _WithScoring:
+    """A run config as `_scores` reads it, with another `scoring` section (the rest read through)."""
+
+    def __init__(self, config: Any, scoring: Any) -> None:
+        self._config, self.scoring = config, scoring
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._config, name)
+
+
+def _scores_peak(ctx: _Context, size: int) -> float:
+    """Scoring's planned peak per rank (`_scores`) with waves of `size` variants."""
+    import dataclasses
+
+    scoring = dataclasses.replace(ctx.config.scoring, variants_per_wave=size)
+    return _scores(dataclasses.replace(ctx, config=_WithScoring(ctx.config, scoring))).peak
+
+
+def auto_wave_size(ctx: _Context, limit: float) -> WaveSize:
+    """The most variants per wave whose planned scoring peak per rank (`_scores`: the parent's shard, the
+    gathered unit and lm_head, the wave's variants and kept hidden states, the logits chunks, ...) fits in
+    `limit` bytes; 1 when not even one fits (the plan check reports that stage). Fewer, larger waves run the
+    parent fewer times; the scores are the same whatever the wave size."""
+    variants = [v for listed in (ctx.variants or {}).values() for v in listed]
+    if not variants:
+        return WaveSize(1, "no variants to score")
+    # Bisection, about log2(variants) plans (each plan walks every variant: trying every size took most of a
+    # minute for Super's 751). The peak is not strictly monotone in the size (how the sorted variants fall
+    # into waves moves the largest wave), so the size found fits and one more does not, but a larger size
+    # further on might: a wave a little smaller than the most that fits, never one that does not fit.
+    low, high = 1, len(variants)
+    if _scores_peak(ctx, high) <= limit:
+        low = high
+    else:
+        high -= 1
+    while low < high:
+        middle = (low + high + 1) // 2
+        if _scores_peak(ctx, middle) <= limit:
+            low = middle
+        else:
+            high = middle - 1
+    peak = _scores_peak(ctx, low)
+    fits = "fits" if peak <= limit else "does not fit even one variant per wave in"
+    reason = (
+        f"{low} of {len(variants)} variants per wave: the planned peak per rank {_gib(peak)} {fits} "
+        f"{_gib(limit)}"
+    )
+    if low < len(variants):
+        reason += f"; {low + 1} per wave would need {_gib(_scores_peak(ctx, low + 1))}"
+    return WaveSize(low, reason)
+
+
+def scoring_wave_size(
+    config: Any,
+    spec: ModelSpec,
+    world: int,
+    memory_bytes: float,
+    *,
+    variants: dict[int, list[Variant]] | None = None,
+    checkpoint: dict[str, Any] | None = None,
+) -> WaveSize:
+    """`auto_wave_size` for a run config (a RunConfig) on `world` ranks of `memory_bytes` each (the usable
+    share `config.hardware.memory_fraction` of it is the limit). `variants`: those to score (the library's);
+    default: every variant of the config's space."""
+    if variants is None:
+        variants = config.search_space().all_variants(spec)
+    ctx = _Context(config, spec, world, parent_dtype_bytes(config.parent.dtype, checkpoint), variants)
+    limit = memory_bytes * config.hardware.memory_fraction
+    found = auto_wave_size(ctx, limit)
+    where = f"{config.hardware.memory_fraction:g} x {_gib(memory_bytes)} per rank, {world} rank(s)"
+    return WaveSize(found.size, f"{found.reason} ({where})")
+
+
+def scoring_wave_size_for(
+    spec: ModelSpec,
+    variants: list[Variant],
+    scoring: Any,
+    *,
+    batch: int,
+    seq_len: int,
+    dtype_bytes: int,
+    world: int,
+    memory_bytes: float,
+) -> WaveSize:
+    """`auto_wave_size` without a run config (`puzzle.score.score_variants` called directly): scoring
+    `variants` with ScoreSettings `scoring` on held-out batches of `batch` x `seq_len`, a parent of
+    `dtype_bytes` per parameter, over `world` ranks with `memory_bytes` usable each."""
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(
+        scoring=scoring, data=SimpleNamespace(eval_batch_size=batch, seq_len=seq_len, held_out_tokens=None)
+    )
+    by_block: dict[int, list[Variant]] = {}
+    for variant in variants:
+        by_block.setdefault(variant.block_index, []).append(variant)
+    return auto_wave_size(_Context(config, spec, world, dtype_bytes, by_block), memory_bytes)
+
+
+def device_memory_bytes() -> tuple[int, str]:
+    """(bytes, what) of the memory one rank computes in: this process's CUDA device, else the host's RAM."""
+    import os
+
+    import torch
+
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return int(device.total_memory), f"{device.name} memory"
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
+
+
+def _resolve_auto_wave(ctx: _Context, limit: float) -> tuple[_Context, str | None]:
+    """`ctx` with scoring's `variants_per_wave: auto` replaced by `auto_wave_size` against `limit` (all the
+    variants in one wave when they are not known yet), and a note saying what was chosen; as it is else."""
+    import dataclasses
+
+    scoring = ctx.config.scoring
+    if scoring.variants_per_wave != "auto":
+        return ctx, None
+    if ctx.variants is None:
+        size, note = (
+            None,
+            "scoring.variants_per_wave auto: chosen when the variants are known (after importance)",
+        )
+    else:
+        found = auto_wave_size(ctx, limit)
+        size, note = found.size, f"scoring.variants_per_wave auto: {found.reason}"
+    scoring = dataclasses.replace(scoring, variants_per_wave=size)
+    return dataclasses.replace(ctx, config=_WithScoring(ctx.config, scoring)), note

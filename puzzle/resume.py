@@ -11,26 +11,35 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor
 
 from puzzle import dist, shard
 from puzzle.artifacts import json_writer
 from puzzle.files import atomic_write
+from puzzle.nemotron_h.stream import Entry, Unit, dtype_name, write_streamed
+from puzzle.nemotron_h.weights import SINGLE_FILE
+
+# One file per checkpoint, however large (the streamed writer's shard size).
+_ONE_FILE = 2**62
 
 _log = logging.getLogger(__name__)
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer, prefix: str) -> dict[str, torch.Tensor]:
-    """The optimizer's per-parameter state as `{prefix}{index}/{name}` tensors, in full: sharded moments are
-    gathered, a collective that every rank calls in the same order (indices and names sorted)."""
+    """The optimizer's per-parameter state as `{prefix}{index}/{name}` tensors (indices and names sorted), as
+    the optimizer holds them: sharded moments stay sharded DTensors, gathered one at a time by
+    `write_checkpoint` (never all at once on every rank)."""
     state = optimizer.state_dict()["state"]
     return {
-        f"{prefix}{index}/{name}": shard.full(torch.as_tensor(state[index][name]))
+        f"{prefix}{index}/{name}": torch.as_tensor(state[index][name]).detach()
         for index in sorted(state)
         for name in sorted(state[index])
     }
@@ -62,12 +71,30 @@ def write_checkpoint(
 ) -> None:
     """Rank 0 writes `tensors` to `folder/tensors_name`, then `record` (with `"tensors": tensors_name`) to
     `folder/record_name`, then deletes the tensors file the record it replaced named; the other ranks wait.
-    Every rank calls it, with its tensors already gathered (`shard.full` is a collective)."""
+
+    Every rank calls it with the same names in the same order. Sharded tensors (DTensors) are gathered
+    here one at a time, written by rank 0 and freed before the next (`puzzle.nemotron_h.stream`: the file
+    `save_file` would write), so no rank holds the whole checkpoint (a wave's or a student's weights with
+    both AdamW moments) at once."""
+    entries = [Entry(name, dtype_name(value.dtype), tuple(value.shape)) for name, value in tensors.items()]
+    units = [_gathered(name, value) for name, value in tensors.items()]
     if not dist.is_main():
-        dist.barrier()
+        try:
+            write_streamed(entries, units, None, _ONE_FILE)  # this rank's part of each gather
+        finally:
+            dist.barrier()
         return
+
+    def write(path: str) -> None:
+        if not entries:
+            save_file({}, path)
+            return
+        with tempfile.TemporaryDirectory(dir=folder, prefix=".stream-") as directory:
+            write_streamed(entries, units, Path(directory), _ONE_FILE)
+            os.replace(Path(directory) / SINGLE_FILE, path)
+
     try:
-        atomic_write(folder / tensors_name, lambda path: save_file(dict(tensors), path))
+        atomic_write(folder / tensors_name, write)
         record_path = folder / record_name
         old = json.loads(record_path.read_text())["tensors"] if record_path.is_file() else None
         atomic_write(record_path, json_writer({**record, "tensors": tensors_name}))
@@ -75,6 +102,15 @@ def write_checkpoint(
             (folder / old).unlink(missing_ok=True)
     finally:
         dist.barrier()
+
+
+def _gathered(name: str, value: torch.Tensor) -> Unit:
+    """A streamed-write unit: `value` whole on the CPU (gathered when sharded: a collective)."""
+
+    def run() -> tuple[list[tuple[str, torch.Tensor]], int]:
+        return [(name, shard.full(value))], value.numel() if isinstance(value, DTensor) else 0
+
+    return run
 
 
 def read_checkpoint(

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 # Every stage this module drives, imported here and only here (a name that moves moves in one place).
-from puzzle import dist, nemotron_h, shard
+from puzzle import dist, gathers, nemotron_h, shard
 from puzzle.artifacts import (
     checkpoint_hashes,
     fingerprint_file,
@@ -84,6 +84,7 @@ from puzzle.gkd import load_distilled
 from puzzle.layout import STAGES, RunDirError, RunLayout
 from puzzle.library import Library, read_library
 from puzzle.model import HybridLM
+from puzzle.plan import run_hardware, scoring_wave_size
 from puzzle.prune.importance import ModelImportance, importance_for, load_importance
 from puzzle.score import Scores, load_scores, score_variants
 from puzzle.search import search, search_k
@@ -96,6 +97,7 @@ from puzzle.search.run_dir import (
     run_problem,
 )
 from puzzle.search.types import Solution
+from puzzle.settings import ScoreSettings
 from puzzle.space import SearchSpace
 from puzzle.spec import BlockSpec, ModelSpec, Variant
 
@@ -515,6 +517,7 @@ class Run:
             self._results[name] = record["outputs"]
             return record["outputs"]
         _log.info("%s%s: running", self._round_label(), name)
+        gathers.COUNTER.reset_peak()
         started = _now()
         running = {"status": "running", "inputs_hash": key, "inputs": inputs, "started": started}
         self._update(name, running)
@@ -530,6 +533,9 @@ class Run:
         note = f" (resumed from a checkpoint: {', '.join(resumed)})" if resumed else ""
         _log.info("%s%s: done%s", self._round_label(), name, note)
         _log.info("%s: peak resident memory %.1f MiB", name, _peak_rss_mib())  # benchmarks/bench_scale.py
+        _log.info(  # whole tensors gathered from shards, held at once (tests/test_shard_memory.py)
+            "%s: peak gathered parameter elements %d", name, gathers.COUNTER.peak
+        )
         self._results[name] = outputs
         return outputs
 
@@ -718,12 +724,35 @@ class Run:
             self._mixer_source(parent, library),
             self.held_out_batches(),
             out,
-            self.config.scoring,
+            self._scoring_settings(parent, variants),
             data_fingerprint=self._held_out_key(),
             mixer_fingerprints=self._mixer_fingerprints(library),
             parent_fp=self.parent_fingerprint(),
             **context,
         )
+
+    def _scoring_settings(self, parent: HybridLM, variants: list[Variant]) -> ScoreSettings:
+        """The run's scoring settings, `variants_per_wave: auto` resolved from the plan (`puzzle.plan.
+        scoring_wave_size`: the most variants whose planned peak per rank fits `run_hardware`'s memory, the
+        CUDA device's or else the hardware profile's, times hardware.memory_fraction), logged with why."""
+        settings = self.config.scoring
+        if settings.variants_per_wave != "auto":
+            return settings
+        by_block: dict[int, list[Variant]] = {}
+        for variant in variants:
+            by_block.setdefault(variant.block_index, []).append(variant)
+        hardware = run_hardware(self.config)
+        found = scoring_wave_size(
+            self.config,
+            parent.spec,
+            dist.world_size(),
+            hardware.memory_bytes,
+            variants=by_block,
+            checkpoint=nemotron_h.read_config(self.config.parent.path),
+        )
+        size = int(dist.broadcast_object(found.size))  # every rank runs the same waves (collectives)
+        _log.info("scores: variants_per_wave auto -> %d: %s of %s", size, found.reason, hardware.name)
+        return dataclasses.replace(settings, variants_per_wave=size)
 
     def _mixer_fingerprints(self, library: Library) -> dict[Variant, str]:
         """Each usable variant's status, file and file hash: read once per library manifest (every round of

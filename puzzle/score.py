@@ -630,6 +630,46 @@ def _content(
     return {"inputs": dict(inputs), **totals, "variants": ordered}
 
 
+def _wave_size(
+    parent: HybridLM,
+    pending: list[Variant],
+    read_batches: Callable[[], Iterable[torch.Tensor]],
+    settings: ScoreSettings,
+) -> int:
+    """Variants per wave: the setting, all of them for None, and for "auto" the most whose planned peak per
+    rank fits this device (`puzzle.plan.scoring_wave_size_for`: the CUDA device's memory, else the host's),
+    logged with the reason. `puzzle.Run` resolves "auto" itself, against the run's hardware settings."""
+    wave = settings.variants_per_wave
+    if wave != "auto":
+        return wave or max(1, len(pending))
+    first = next(iter(read_batches()), None)
+    if not pending or first is None:
+        return max(1, len(pending))
+    from puzzle.plan import device_memory_bytes, scoring_wave_size_for
+    from puzzle.search.budget import DEFAULT_MEMORY_FRACTION
+
+    memory, what = device_memory_bytes()
+    found = scoring_wave_size_for(
+        parent.spec,
+        pending,
+        settings,
+        batch=first.shape[0],
+        seq_len=first.shape[-1],
+        dtype_bytes=parent.embeddings.weight.element_size(),
+        world=dist.world_size(),
+        memory_bytes=memory * DEFAULT_MEMORY_FRACTION,
+    )
+    if dist.is_main():
+        _log.info(
+            "scoring: variants_per_wave auto -> %d: %s (%g x %s)",
+            found.size,
+            found.reason,
+            DEFAULT_MEMORY_FRACTION,
+            what,
+        )
+    return int(dist.broadcast_object(found.size))  # every rank runs the same waves (collectives)
+
+
 def score_variants(
     parent: HybridLM,
     variants: Iterable[Variant],
@@ -725,7 +765,7 @@ def score_variants(
         if _key(v) not in done or fingerprints[v] not in ("", done[_key(v)].get("mixer", ""))
     ]
     pending.sort(key=_order)
-    size = settings.variants_per_wave or max(1, len(pending))
+    size = _wave_size(parent, pending, read_batches, settings)
     waves = [pending[start : start + size] for start in range(0, len(pending), size)]
     sharded = shard.active(settings.shard)
     if sharded and waves:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -102,8 +102,10 @@ class BLDSettings:
 @dataclass(frozen=True)
 class ScoreSettings:
     """How to score. `vocab_chunk`: lm_head rows per chunk (peak memory, see `puzzle.score.score_variants`).
-    `variants_per_wave`: variants whose mixers (and, per batch, final hidden states) are held at once (None:
-    all); the parent runs once per batch per wave. `parent_kl_tolerance`: the largest KL (nats/token) the parent's own mixer may score
+    `variants_per_wave`: variants whose mixers (and, per batch, final hidden states) are held at once;
+    "auto" (default): the most whose planned peak memory per rank fits the device (`puzzle.plan.auto_wave_size`:
+    the CUDA device's memory, else the hardware profile in a run and the host's memory called directly),
+    logged with why; an integer: that many; None: all; the parent runs once per batch per wave. `parent_kl_tolerance`: the largest KL (nats/token) the parent's own mixer may score
     before the run is stopped as not reproducible (0 on the CPU; GPU kernels may add rounding noise).
     `shard`: "fsdp" shards the parent and the variants with FSDP2 under torch.distributed with more than one
     rank (`puzzle.shard`, as BLD), "hsdp" inside each node (replicated across nodes); "none" keeps them
@@ -112,7 +114,7 @@ class ScoreSettings:
     saved)."""
 
     vocab_chunk: int = 4096
-    variants_per_wave: int | None = None
+    variants_per_wave: int | Literal["auto"] | None = "auto"
     parent_kl_tolerance: float = 1e-6
     shard: str = "fsdp"
     checkpoint_every: int | None = 20
@@ -125,9 +127,14 @@ class ScoreSettings:
         check_shard_mode("ScoreSettings.shard", self.shard)
         if self.vocab_chunk < 1:
             raise ValueError(f"ScoreSettings.vocab_chunk must be >= 1, found {self.vocab_chunk}")
-        if self.variants_per_wave is not None and self.variants_per_wave < 1:
+        wave = self.variants_per_wave
+        if (
+            wave is not None
+            and wave != "auto"
+            and (not isinstance(wave, int) or isinstance(wave, bool) or wave < 1)
+        ):
             raise ValueError(
-                f"ScoreSettings.variants_per_wave must be >= 1 or None, found {self.variants_per_wave}"
+                f"ScoreSettings.variants_per_wave must be 'auto', an integer >= 1 or None, found {wave!r}"
             )
 
 

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from puzzle import dist
 from puzzle.blocks import build_block
+from puzzle.gathers import track
 from puzzle.model import HybridLM
 
 SHARDING_MODES = ("fsdp", "hsdp")  # the `shard` settings that shard ("none" replicates)
@@ -93,7 +94,12 @@ def plain_unit(unit: nn.Module, build: Callable[[], nn.Module]) -> nn.Module:
     if not isinstance(unit, FSDPModule):
         return unit
     wanted = {name: parameter.requires_grad for name, parameter in unit.named_parameters()}
-    state = {name: replicated(value.detach()).clone() for name, value in unit.state_dict().items()}
+    # A gathered tensor is new memory already (counted by `puzzle.gathers` until the caller shards the plain
+    # unit again or drops it); the replicated buffers are copied, so that the plain unit shares nothing.
+    state = {
+        name: replicated(value.detach()) if isinstance(value, DTensor) else value.detach().clone()
+        for name, value in unit.state_dict().items()
+    }
     with torch.device("meta"):
         plain = build()
     plain.load_state_dict(state, assign=True)  # strict: every parameter and (persistent) buffer is set
@@ -186,12 +192,8 @@ def gathered_mixer(parent: HybridLM, index: int) -> Iterator[None]:
     if not isinstance(sharded, FSDPModule):
         yield
         return
-    state = {k: full(v) for k, v in sharded.state_dict().items()}
-    device = parent.embeddings.weight.device
-    with torch.device("meta"):
-        plain = build_block(sharded.spec, parent.spec.hidden_size, parent.spec.norm_eps)
-    plain = plain.to_empty(device=device)  # meta, then loaded: no draw from the seeded RNG
-    plain.load_state_dict(state)  # strict: every parameter and (persistent) buffer is set
+    spec = parent.spec  # gathered straight into the new module's parameters: one whole copy, no staging
+    plain = plain_unit(sharded, lambda: build_block(sharded.spec, spec.hidden_size, spec.norm_eps))
     plain.requires_grad_(False)
     block.mixer = plain
     try:
@@ -201,13 +203,15 @@ def gathered_mixer(parent: HybridLM, index: int) -> Iterator[None]:
 
 
 def replicated(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor where it lives (a collective for a DTensor: every rank must call it, in order)."""
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    """The whole tensor where it lives (a collective for a DTensor: every rank must call it, in order),
+    counted by `puzzle.gathers` while it lives when it was gathered."""
+    return track(tensor.full_tensor()) if isinstance(tensor, DTensor) else tensor
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor on the CPU (a collective for a DTensor: every rank must call it, in the same order)."""
-    return replicated(tensor).detach().cpu().contiguous()
+    value = replicated(tensor).detach().cpu().contiguous()
+    return track(value) if isinstance(tensor, DTensor) else value  # the CPU copy of a GPU gather counts too
 
 
 def like(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:

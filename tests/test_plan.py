@@ -28,8 +28,9 @@ from puzzle.config import load_config
 from puzzle.cost.analytic import model_params
 from puzzle.cost.hardware import HardwareProfile
 from puzzle.model import HybridLM
-from puzzle.plan import parent_bytes, plan_config, plan_run
+from puzzle.plan import parent_bytes, plan_config, plan_run, scoring_wave_size
 from puzzle.presets import nemotron3_super
+from puzzle.run import Run
 from puzzle.spec import AttentionSpec, MambaSpec, ModelSpec, MoESpec, Variant
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -221,3 +222,56 @@ def test_the_plan_of_a_moved_parent_folder(tmp_path):
     config = load_config(ROOT / "examples" / "configs" / "nemotron3_super.yaml")
     moved = dataclasses.replace(config, parent=dataclasses.replace(config.parent, path=copy))
     assert plan_config(moved, 8, "b200").to_dict() == plan_config(config, 8, "b200").to_dict()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# scoring.variants_per_wave: "auto" from the plan's scoring peak per rank and the memory; an integer honoured.
+
+
+def _scores_peak(config, size) -> float:
+    """The plan's scoring peak per rank (1 rank) with an explicit wave of `size` variants."""
+    scoring = dataclasses.replace(config.scoring, variants_per_wave=size)
+    plan = plan_run(dataclasses.replace(config, scoring=scoring), RUN_SPEC, 1, tiny_profile(10**12))
+    return {s.name: s for s in plan.stages}["scores"].peak
+
+
+def test_auto_variants_per_wave_is_smaller_when_the_memory_is_smaller(tmp_path):
+    data = config_dict(tmp_path)
+    data["scoring"]["variants_per_wave"] = "auto"
+    config = load_config(write_config(tmp_path / "run.yaml", data))
+    count = sum(map(len, config.search_space().all_variants(RUN_SPEC).values()))
+    fraction = config.hardware.memory_fraction
+    assert count >= 4
+    roomy = scoring_wave_size(config, RUN_SPEC, 1, 10**12)
+    assert roomy.size == count and f"{count} of {count} variants per wave" in roomy.reason
+    # Memory below the peak of one wave of everything: auto takes a size whose planned peak fits, and one
+    # more would not; less memory than one variant needs: 1.
+    peaks = {n: _scores_peak(config, n) for n in range(1, count + 1)}
+    limit = (min(peaks.values()) + peaks[count]) / 2
+    assert limit < peaks[count]
+    tight = scoring_wave_size(config, RUN_SPEC, 1, limit / fraction)
+    expected = tight.size
+    assert 1 < expected < count and peaks[expected] <= limit < peaks[expected + 1], (tight, peaks)
+    assert f"{expected + 1} per wave would need" in tight.reason
+    assert scoring_wave_size(config, RUN_SPEC, 1, peaks[1] / 2).size == 1
+    # `puzzle plan` shows the chosen size and why.
+    plan = plan_run(config, RUN_SPEC, 1, tiny_profile(int(limit / fraction)))
+    scores = {s.name: s for s in plan.stages}["scores"]
+    assert f"waves of up to {expected} " in scores.units
+    assert any(f"auto: {expected} of {count}" in note for note in scores.notes), scores.notes
+
+
+def test_an_explicit_variants_per_wave_is_honoured_by_the_plan_and_the_run(tmp_path):
+    data = make_inputs(tmp_path)
+    data["scoring"]["variants_per_wave"] = 3
+    data["hardware"]["memory_fraction"] = 1e-9  # auto would take 1
+    config = load_config(write_config(tmp_path / "run.yaml", data))
+    scores = {s.name: s for s in plan_run(config, RUN_SPEC, 1, tiny_profile(10**12)).stages}["scores"]
+    assert "waves of up to 3 " in scores.units and not any("auto" in note for note in scores.notes)
+    run = Run.from_config(tmp_path / "run.yaml")
+    parent = HybridLM(RUN_SPEC)
+    variants = [v for listed in config.search_space().all_variants(RUN_SPEC).values() for v in listed]
+    assert run._scoring_settings(parent, variants).variants_per_wave == 3
+    data["scoring"]["variants_per_wave"] = "auto"
+    auto = Run.from_config(write_config(tmp_path / "auto.yaml", data))
+    assert auto._scoring_settings(parent, variants).variants_per_wave == 1

@@ -428,3 +428,39 @@ def test_an_unknown_shard_mode_is_an_error_naming_it():
         ValueError, match=r"ScoreSettings\.shard must be 'fsdp', 'hsdp' or 'none', found 'ddp'"
     ):
         ScoreSettings(shard="ddp")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# variants_per_wave: "auto" (from the plan), an integer, None: the same scores, the parent run once per wave.
+
+
+def test_scores_are_the_same_whatever_the_wave_size(tmp_path, caplog):
+    parent, batches = _parent(), _batches()
+    library = _library(parent)
+    parent_forwards = [0]
+    parent.embeddings.register_forward_hook(lambda *_: parent_forwards.__setitem__(0, parent_forwards[0] + 1))
+    results, forwards = {}, {}
+    for wave in (1, 3, None, "auto"):
+        parent_forwards[0] = 0
+        with caplog.at_level("INFO", logger="puzzle.score"):
+            results[wave] = score_variants(
+                parent, library, library, batches, tmp_path / str(wave), ScoreSettings(variants_per_wave=wave)
+            )
+        forwards[wave] = parent_forwards[0]
+    count = len(library)
+    # The parent runs once per batch per wave: an explicit size is honoured, None is one wave, and "auto"
+    # on this host (gigabytes for a model of kilobytes) also takes every variant at once, saying why.
+    assert forwards[1] == count * len(batches) and forwards[3] == -(-count // 3) * len(batches)
+    assert forwards[None] == forwards["auto"] == len(batches)
+    assert f"variants_per_wave auto -> {count}: {count} of {count} variants per wave" in caplog.text
+    for wave, scores in results.items():
+        assert scores.tokens == results[1].tokens and scores.parent_loss == results[1].parent_loss, wave
+        assert scores.variants == results[1].variants, (
+            wave
+        )  # bit-equal: each variant's sums do not depend on it
+
+
+def test_an_invalid_variants_per_wave_is_an_error_naming_it():
+    for bad in (0, "all", 1.5):
+        with pytest.raises(ValueError, match=r"ScoreSettings\.variants_per_wave must be 'auto'"):
+            ScoreSettings(variants_per_wave=bad)

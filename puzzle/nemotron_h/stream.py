@@ -27,6 +27,7 @@ from typing import IO
 import torch
 from torch import nn
 
+from puzzle import gathers
 from puzzle.nemotron_h.config import CheckpointError
 from puzzle.nemotron_h.weights import (
     INDEX_FILE,
@@ -225,7 +226,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor (a collective for a DTensor: every rank calls it in the same order)."""
     from torch.distributed.tensor import DTensor  # on use: DTensor imports
 
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    return gathers.track(tensor.full_tensor()) if isinstance(tensor, DTensor) else tensor
 
 
 def model_entries(model: nn.Module, extras: Mapping[str, torch.Tensor | LazyTensor]) -> list[Entry]:
