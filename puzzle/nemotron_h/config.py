@@ -222,6 +222,7 @@ KIND_TABLES: dict[type, KindTable] = {
                 _plain("mamba_dt_clamp_max", "dt_clamp_max", _optional_float),
                 _fixed("mamba_hidden_act", "silu", lambda act: act == "silu", "Mamba blocks must use 'silu'"),
             ),
+            not_in_config=("weight_format",),  # a quantized checkpoint states formats elsewhere
             names=("linear_attention",),
             globals_order=3,
         ),
@@ -233,7 +234,8 @@ KIND_TABLES: dict[type, KindTable] = {
                 Field("head_dim", "head_dim", _head_dim, lambda spec: spec.head_dim),
                 _plain("attention_bias", "bias", bool),
             ),
-            not_in_config=("rope_theta", "rotary_fraction"),  # NemotronH attention has no position encoding
+            # NemotronH attention has no position encoding; a quantized checkpoint states formats elsewhere
+            not_in_config=("rope_theta", "rotary_fraction", "weight_format"),
             names=("full_attention",),
             globals_order=2,
         ),
@@ -270,6 +272,7 @@ KIND_TABLES: dict[type, KindTable] = {
                     "MoE blocks with mlp_bias=true are not supported",
                 ),
             ),
+            not_in_config=("weight_format",),
             globals_order=1,
             entry_keys=MOE_ENTRY_KEYS,
         ),
@@ -280,10 +283,11 @@ KIND_TABLES: dict[type, KindTable] = {
                 _plain("mlp_hidden_act", "activation"),
                 _plain("mlp_bias", "bias", bool),
             ),
+            not_in_config=("weight_format",),
             globals_order=0,
             entry_keys=("intermediate_size",),
         ),
-        KindTable(LinearSpec, (_plain("linear_bias", "bias", bool),)),
+        KindTable(LinearSpec, (_plain("linear_bias", "bias", bool),), not_in_config=("weight_format",)),
         KindTable(NoOpSpec, ()),
     )
 }
