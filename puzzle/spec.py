@@ -623,6 +623,15 @@ class Variant:
         return f"block {self.block_index}: {self.id}"
 
 
+def weight_formats(spec: ModelSpec) -> dict[int, str]:
+    """{block index: weight format} of the blocks whose matmul weights are quantized (not bf16)."""
+    return {
+        index: weight_format_of(block)
+        for index, block in enumerate(spec.blocks)
+        if weight_format_of(block) != DEFAULT_WEIGHT_FORMAT
+    }
+
+
 def blocks_of_kind(spec: ModelSpec, kinds: str | Iterable[str]) -> list[int]:
     """Indices of the blocks whose kind is one of `kinds`."""
     wanted = {kinds} if isinstance(kinds, str) else set(kinds)

@@ -59,11 +59,9 @@ class CoveredWeight:
         return torch.cat(parts, dim=0)
 
 
-def _roles_by_name(spec: object) -> dict[str, str]:
-    from puzzle.blocks.registry import BLOCK_TYPES
-
+def _roles_by_name(mixer: nn.Module) -> dict[str, str]:
     # Hub names and roles do not depend on the hidden size; 1 lists them without knowing it.
-    return {t.name: t.role for t in BLOCK_TYPES[type(spec)].hub_tensors(spec, 1)}
+    return {t.name: t.role for t in type(mixer).hub_tensors(mixer.spec, 1)}
 
 
 def covered_weights(mixer: nn.Module) -> list[CoveredWeight]:
@@ -72,7 +70,7 @@ def covered_weights(mixer: nn.Module) -> list[CoveredWeight]:
     Raises SpecError when a covered hub tensor has no parameter here (a mixer whose modules its
     `hub_tensors` does not describe), so a new kind cannot silently stay unquantized.
     """
-    roles = _roles_by_name(mixer.spec)
+    roles = _roles_by_name(mixer)
     wanted = {name for name, role in roles.items() if role in QUANTIZED_ROLES}
     covered: list[CoveredWeight] = []
     found: set[str] = set()

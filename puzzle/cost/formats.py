@@ -6,8 +6,8 @@ import functools
 import math
 from dataclasses import dataclass
 
-from puzzle.blocks.tensors import ROLES
-from puzzle.spec import SpecError
+from puzzle.blocks.tensors import QUANTIZED_ROLES, ROLES
+from puzzle.spec import DEFAULT_WEIGHT_FORMAT, SpecError, weight_format_of
 
 # Bytes per element of plain formats.
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
@@ -127,3 +127,26 @@ def get_recipe(recipe: str | QuantRecipe) -> QuantRecipe:
     if recipe not in RECIPES:
         raise SpecError(f"unknown quantisation recipe {recipe!r}; choose one of {sorted(RECIPES)}")
     return RECIPES[recipe]
+
+
+@functools.lru_cache(maxsize=256)
+def with_weight_format(recipe: QuantRecipe, weight_format: str) -> QuantRecipe:
+    """`recipe` with the roles a block's weight format covers (QUANTIZED_ROLES) in `weight_format`.
+
+    "bf16" (the default format) leaves the recipe as it is: a block without a quantized format is
+    priced as the recipe says, so costs of shape-only searches do not change.
+    """
+    if weight_format == DEFAULT_WEIGHT_FORMAT:
+        return recipe
+    if weight_format not in FORMATS:
+        raise SpecError(f"unknown weight format {weight_format!r}; choose one of {list(FORMATS)}")
+    formats = tuple((role, weight_format if role in QUANTIZED_ROLES else fmt) for role, fmt in recipe.formats)
+    if formats == recipe.formats:
+        return recipe
+    return QuantRecipe(f"{recipe.name}+{weight_format}", formats, recipe.description)
+
+
+def block_recipe(spec: object, recipe: str | QuantRecipe) -> QuantRecipe:
+    """The recipe one block's tensors are priced in: `recipe`, its matmul weights in the block's
+    `weight_format` when that is not bf16 (`puzzle.spec.weight_format_of`)."""
+    return with_weight_format(get_recipe(recipe), weight_format_of(spec))
