@@ -36,7 +36,8 @@ parent's value (the Puzzle paper's two modes). Values are ordered largest first,
 rounding) removed, then the linear and no-op replacements. A kind absent from `kinds` keeps the parent's
 shape only. `weight_format` multiplies the shapes (linear replacement included): each shape in the parent's
 format (bf16) then in each other format listed, so a variant is a shape plus a format (`moe:e8:k2:w16:nvfp4`);
-which tensors a format covers is `puzzle.blocks.tensors.QUANTIZED_ROLES`. An override replaces the kind space of its blocks (axes it does not list stay at the
+which tensors a format covers is `puzzle.blocks.tensors.QUANTIZED_ROLES`. A shape whose covered weights
+have an input dimension that is not a multiple of 16 has no nvfp4 variant (NVFP4's block of 16). An override replaces the kind space of its blocks (axes it does not list stay at the
 parent's value); a block may appear in one override only.
 
 Width profiles. `init_child` reads a tuple `MoESpec.expert_width` as one width per child expert, in
@@ -442,7 +443,8 @@ class SearchSpace:
             specs.append(LinearSpec())
         if space.noop:
             specs.append(NoOpSpec())
-        unique = _with_formats(list(dict.fromkeys([block, *specs])), weight_format_of(block), space)
+        shapes = list(dict.fromkeys([block, *specs]))
+        unique = _with_formats(shapes, weight_format_of(block), space, parent.hidden_size)
         return [Variant(block_index, spec) for spec in unique]
 
     def all_variants(self, parent: ModelSpec, importance: Any = None) -> dict[int, list[Variant]]:
@@ -476,9 +478,26 @@ class _Block:
         return SpaceError(f"block {self.index} ({self.spec.kind}), axis {axis}, value {value!r}: {why}")
 
 
-def _with_formats(specs: list[BlockSpec], parent_format: str, space: KindSpace) -> list[BlockSpec]:
+def _format_fits(spec: BlockSpec, fmt: str, hidden_size: int) -> bool:
+    """nvfp4 needs every covered weight's input dimension to be a multiple of its 16-value block (vLLM
+    allocates in_features // 16 scales, `puzzle.quant` refuses a partial block); fp8 and bf16 fit any."""
+    if fmt != "nvfp4":
+        return True
+    from puzzle.blocks.tensors import QUANTIZED_ROLES
+    from puzzle.cost.formats import NVFP4_BLOCK
+    from puzzle.cost.kinds import mixer_tensors
+
+    covered = [t for t in mixer_tensors(spec, hidden_size) if t.role in QUANTIZED_ROLES]
+    return all(t.shape[-1] % NVFP4_BLOCK == 0 for t in covered)
+
+
+def _with_formats(
+    specs: list[BlockSpec], parent_format: str, space: KindSpace, hidden_size: int
+) -> list[BlockSpec]:
     """Each shape in the parent's format, then in the space's other formats (shape by shape, so the parent's
-    own block stays first); a no-op has no weights and no format."""
+    own block stays first); a no-op has no weights and no format. A shape a format cannot store (nvfp4
+    with an input dimension that is not a multiple of 16) is left out in that format, as coupled mode
+    leaves out combinations a block cannot take."""
     formats = [parent_format, *(f for f in space.weight_formats if f != parent_format)]
     if len(formats) == 1:
         return specs
@@ -487,7 +506,11 @@ def _with_formats(specs: list[BlockSpec], parent_format: str, space: KindSpace) 
         if not hasattr(spec, "weight_format"):
             out.append(spec)
             continue
-        out += [dataclasses.replace(spec, weight_format=fmt) for fmt in formats]
+        out += [
+            dataclasses.replace(spec, weight_format=fmt)
+            for fmt in formats
+            if fmt == parent_format or _format_fits(spec, fmt, hidden_size)
+        ]
     return list(dict.fromkeys(out))
 
 

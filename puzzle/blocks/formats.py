@@ -41,21 +41,22 @@ class CoveredWeight:
     owner: nn.Module
     name: str
     layout: str
+    where: str = ""  # the hub name of the owner within the mixer, for error messages
 
     def quantize(self, weight: torch.Tensor, fmt: str) -> torch.Tensor:
         """`weight` fake-quantized in `fmt` as the hub stores it (differentiable: straight-through)."""
         from puzzle.quant import fake_quantize  # late: the number formats, torch only when used
 
         if self.layout == "linear":
-            return fake_quantize(weight, fmt)
+            return fake_quantize(weight, fmt, f"{self.where}.{self.name}")
         offsets = self.owner.offsets
         parts = []
         for j in range(len(offsets) - 1):
             rows = weight[offsets[j] : offsets[j + 1]]
             if self.layout == "bank_up":  # expert j's up_proj.weight [w_j, D]
-                parts.append(fake_quantize(rows, fmt))
+                parts.append(fake_quantize(rows, fmt, f"{self.where}{j}.up_proj.weight"))
             else:  # expert j's down_proj.weight is rows.T [D, w_j]
-                parts.append(fake_quantize(rows.T, fmt).T)
+                parts.append(fake_quantize(rows.T, fmt, f"{self.where}{j}.down_proj.weight").T)
         return torch.cat(parts, dim=0)
 
 
@@ -78,7 +79,10 @@ def covered_weights(mixer: nn.Module) -> list[CoveredWeight]:
     for prefix, bank in banks.items():
         experts = {name for name in wanted if name.startswith(prefix) and name[len(prefix) :][:1].isdigit()}
         if experts:
-            covered += [CoveredWeight(bank, "up", "bank_up"), CoveredWeight(bank, "down", "bank_down")]
+            covered += [
+                CoveredWeight(bank, "up", "bank_up", prefix),
+                CoveredWeight(bank, "down", "bank_down", prefix),
+            ]
             found |= experts
     for name in sorted(wanted - found):
         path, _, param = name.rpartition(".")
@@ -88,7 +92,7 @@ def covered_weights(mixer: nn.Module) -> list[CoveredWeight]:
             owner = None
         if owner is None or param not in owner._parameters:
             raise SpecError(f"{type(mixer).__name__}: covered tensor {name!r} is not a parameter of the mixer")
-        covered.append(CoveredWeight(owner, param, "linear"))
+        covered.append(CoveredWeight(owner, param, "linear", path))
         found.add(name)
     return covered
 
