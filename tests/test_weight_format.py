@@ -17,6 +17,7 @@ import torch
 from run_helpers import SPEC, config_dict, make_inputs, write_config
 
 from puzzle.artifacts import fingerprint_json, fingerprint_spec
+from puzzle.bld import default_init
 from puzzle.blocks import build_block, formats
 from puzzle.cli import main as puzzle_main
 from puzzle.cost import model_performance, model_weight_bytes, state_bytes_per_request
@@ -187,10 +188,18 @@ def test_a_run_trains_scores_picks_and_assembles_quantized_variants(run):
     trained = {v.id: v for v, r in library.results.items() if r.status == "trained"}
     assert {"attn:q4:kv2:d4:fp8", "mlp:w16:nvfp4", "moe:e4:k1:w8:s8"} <= set(trained)
     parent = run.parent()
-    # BLD trained the format-only variant (quantization-aware) away from the parent's weights it started at.
-    mlp = library.load_mixer(trained["mlp:w16:nvfp4"], SPEC.hidden_size)
+    # A format-only variant starts from the parent's weights; its forward is quantized, so even there its
+    # held-out error is not 0; BLD keeps whichever of those and its (quantization-aware) training is better.
+    variant = trained["mlp:w16:nvfp4"]
     parent_mlp = parent.layers[2].mixer.state_dict()
-    assert any(not torch.equal(t, parent_mlp[k]) for k, t in mlp.state_dict().items())
+    start = default_init(parent, run.importance())(variant)
+    assert start.spec == variant.spec
+    assert all(torch.equal(t, parent_mlp[k]) for k, t in start.state_dict().items())
+    result = library.results[variant]
+    assert result.init_nmse > 0 and result.kept in ("init", "trained")
+    kept = library.load_mixer(variant, SPEC.hidden_size).state_dict()
+    same = all(torch.equal(t, parent_mlp[k]) for k, t in kept.items())
+    assert same == (result.kept == "init")
 
     scores = run.scores()
     kl = {v.id: record.kl for v, record in scores.variants.items()}
@@ -200,8 +209,8 @@ def test_a_run_trains_scores_picks_and_assembles_quantized_variants(run):
     (solution,) = run.search()
     child = run.assemble(solution)
     assert weight_formats(child.spec) == {1: "fp8", 2: "nvfp4"}
-    blocks = child.assembly.to_dict()["blocks"]
-    assert [b["weight_format"] for b in blocks] == ["bf16", "fp8", "nvfp4", "bf16"]
+    blocks = child.assembly.to_dict()["solution"]
+    assert [b.get("weight_format", "bf16") for b in blocks] == ["bf16", "fp8", "nvfp4", "bf16"]
 
     # The child's logits are those of a bf16-spec model with the library's (master) weights and the covered
     # weights fake-quantized by hand.
@@ -215,7 +224,8 @@ def test_a_run_trains_scores_picks_and_assembles_quantized_variants(run):
         master = library.load_mixer(Variant(i, child.spec.blocks[i]), SPEC.hidden_size).state_dict()
         for name, tensor in master.items():
             hand = name in COVERED.get(child.spec.blocks[i].kind, ())
-            state[f"layers.{i}.mixer.{name}"] = fake_quantize(tensor, block["weight_format"]) if hand else tensor
+            fmt = block.get("weight_format", "bf16")
+            state[f"layers.{i}.mixer.{name}"] = fake_quantize(tensor, fmt) if hand and fmt != "bf16" else tensor
     reference.load_state_dict(state)
     ids = torch.randint(0, SPEC.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
