@@ -63,6 +63,7 @@ from typing import Any
 from puzzle.axes import PRUNING_AXES, Axis
 from puzzle.spec import (
     BLOCK_SPEC_TYPES,
+    WEIGHT_FORMATS,
     AttentionSpec,
     BlockSpec,
     LinearSpec,
@@ -71,7 +72,6 @@ from puzzle.spec import (
     ModelSpec,
     MoESpec,
     NoOpSpec,
-    WEIGHT_FORMATS,
     SpecError,
     Variant,
     kind_entry,

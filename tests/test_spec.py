@@ -12,6 +12,7 @@ from hypothesis import given, reject, settings
 from hypothesis import strategies as st
 
 from puzzle.spec import (
+    WEIGHT_FORMATS,
     AttentionSpec,
     LinearSpec,
     MambaSpec,
@@ -20,7 +21,6 @@ from puzzle.spec import (
     MoESpec,
     NoOpSpec,
     SpecError,
-    WEIGHT_FORMATS,
     Variant,
     block_from_dict,
     block_to_dict,

@@ -55,9 +55,14 @@ def test_the_spec_formats_are_the_quantizers():
 def test_a_space_without_formats_keeps_its_ids_and_fingerprints():
     """Pinned from the checkout before the axis: the parent's and the space's fingerprints and the variant
     ids (run.json fingerprints and library file names) do not change."""
-    space = SearchSpace.from_dict({"kinds": {"moe": {"top_k": [1]}, "mlp": {"width_fraction": [0.5], "noop": True}}})
+    space = SearchSpace.from_dict(
+        {"kinds": {"moe": {"top_k": [1]}, "mlp": {"width_fraction": [0.5], "noop": True}}}
+    )
     assert fingerprint_spec(SPEC) == "6a279f403cc4581e9d021b30c0dd2b52aef4f28c0fa5fce2ed533e14bd7771db"
-    assert fingerprint_json(space.to_dict()) == "336095d27354a902c65a5413197ecf43536f3f33a254e8061b96ede76cc6560f"
+    assert (
+        fingerprint_json(space.to_dict())
+        == "336095d27354a902c65a5413197ecf43536f3f33a254e8061b96ede76cc6560f"
+    )
     ids = [v.id for variants in space.all_variants(SPEC).values() for v in variants]
     assert ids == [
         "mamba:h4:p4:n8:g2:chunk8",
@@ -82,7 +87,14 @@ def test_the_space_multiplies_shapes_by_formats_per_kind_and_override():
     assert [v.id for v in variants[1]] == ["attn:q4:kv2:d4", "attn:q4:kv2:d4:fp8"]
     # Shape by shape, the parent's format first; the width-8 MLP's down_proj has 8 inputs: no nvfp4 block
     # of 16 fits, so that shape has no nvfp4 variant.
-    assert [v.id for v in variants[2]] == ["mlp:w16", "mlp:w16:fp8", "mlp:w16:nvfp4", "mlp:w8", "mlp:w8:fp8", "noop"]
+    assert [v.id for v in variants[2]] == [
+        "mlp:w16",
+        "mlp:w16:fp8",
+        "mlp:w16:nvfp4",
+        "mlp:w8",
+        "mlp:w8:fp8",
+        "noop",
+    ]
     assert variants[2][2].spec == MLPSpec(width=16, weight_format="nvfp4")
     assert SearchSpace.from_dict(space.to_dict()) == space
     with pytest.raises(SpaceError, match=r"space.kinds.mlp.weight_format\[0\] must be one of"):
@@ -148,9 +160,9 @@ def test_costs_price_the_covered_weights_in_the_blocks_format():
             expected += tensor_bytes(tensor.shape, role_fmt)
         assert block_weight_bytes(spec, 32) == expected
         assert block_weight_bytes(spec, 32) < block_weight_bytes(moe, 32)
-    assert block_weight_bytes(dataclasses.replace(moe, weight_format="bf16"), 32, "fp8") == block_weight_bytes(
-        moe, 32, "fp8"
-    )  # a bf16 block is priced as the recipe says, as before the axis
+    assert block_weight_bytes(
+        dataclasses.replace(moe, weight_format="bf16"), 32, "fp8"
+    ) == block_weight_bytes(moe, 32, "fp8")  # a bf16 block is priced as the recipe says, as before the axis
 
 
 # ------------------------------------------------------------------------------------------ a whole run
@@ -225,7 +237,9 @@ def test_a_run_trains_scores_picks_and_assembles_quantized_variants(run):
         for name, tensor in master.items():
             hand = name in COVERED.get(child.spec.blocks[i].kind, ())
             fmt = block.get("weight_format", "bf16")
-            state[f"layers.{i}.mixer.{name}"] = fake_quantize(tensor, fmt) if hand and fmt != "bf16" else tensor
+            state[f"layers.{i}.mixer.{name}"] = (
+                fake_quantize(tensor, fmt) if hand and fmt != "bf16" else tensor
+            )
     reference.load_state_dict(state)
     ids = torch.randint(0, SPEC.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

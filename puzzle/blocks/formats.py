@@ -91,7 +91,9 @@ def covered_weights(mixer: nn.Module) -> list[CoveredWeight]:
         except AttributeError:
             owner = None
         if owner is None or param not in owner._parameters:
-            raise SpecError(f"{type(mixer).__name__}: covered tensor {name!r} is not a parameter of the mixer")
+            raise SpecError(
+                f"{type(mixer).__name__}: covered tensor {name!r} is not a parameter of the mixer"
+            )
         covered.append(CoveredWeight(owner, param, "linear", path))
         found.add(name)
     return covered
