@@ -165,6 +165,22 @@ def test_costs_price_the_covered_weights_in_the_blocks_format():
     ) == block_weight_bytes(moe, 32, "fp8")  # a bf16 block is priced as the recipe says, as before the axis
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_a_quantized_block_is_timed_as_the_recipe_of_its_format_times_it(fmt):
+    """For kinds whose non-matmul tensors the bf16 and the fp8 / nvfp4 recipes store alike (Mamba, attention,
+    MLP), a block in `fmt` under the bf16 recipe is the bf16 block under the `fmt` recipe: the same bytes and
+    roofline latency (decode reads fewer weight bytes than in bf16)."""
+    from puzzle.cost import Scenario, block_latency
+
+    for spec in (SPEC.blocks[0], SPEC.blocks[1], MLPSpec(width=4096)):
+        quantized = dataclasses.replace(spec, weight_format=fmt)
+        bf16, by_recipe = Scenario(8, 512, 128), Scenario(8, 512, 128, recipe=fmt)
+        assert block_weight_bytes(quantized, 4096) == block_weight_bytes(spec, 4096, fmt)
+        assert block_latency(quantized, 4096, bf16, "b200") == block_latency(spec, 4096, by_recipe, "b200")
+        slower = block_latency(spec, 4096, bf16, "b200").decode_step_s
+        assert block_latency(quantized, 4096, bf16, "b200").decode_step_s < slower
+
+
 # ------------------------------------------------------------------------------------------ a whole run
 
 
