@@ -147,6 +147,18 @@ def test_a_quantized_mixer_runs_fake_quantized_weights_with_straight_through_gra
         assert not torch.equal(stepped, plain.layers[0].step(x, None))
 
 
+def test_a_weight_a_format_cannot_store_is_an_error_that_leaves_the_mixer_whole():
+    """nvfp4 of a 24-input weight: the error names the tensor; every parameter is still the master."""
+    from puzzle.quant import QuantError
+
+    mixer = build_block(MLPSpec(width=16, weight_format="nvfp4"), 24)  # up_proj has 24 inputs
+    before = dict(mixer.named_parameters())
+    with pytest.raises(QuantError, match="up_proj.weight"):
+        mixer(torch.randn(1, 2, 24))
+    assert dict(mixer.named_parameters()) == before
+    assert all(isinstance(p, torch.nn.Parameter) for p in mixer.parameters())
+
+
 def test_costs_price_the_covered_weights_in_the_blocks_format():
     """An nvfp4 / fp8 block's bytes: its matmul weights in the format, norms and router as the recipe has them."""
     moe = MoESpec(4, 2, 16, shared_width=16)

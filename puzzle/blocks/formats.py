@@ -115,17 +115,22 @@ def fake_quantized(mixer: nn.Module, fmt: str | None = None) -> Iterator[nn.Modu
 
 
 def _swap_in(mixer: nn.Module, fmt: str) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    saved = []
-    for weight in covered_weights(mixer):
-        master = weight.owner._parameters[weight.name]
-        if type(master) is not nn.Parameter and master.__class__.__name__ == "DTensor":
-            raise SpecError(
-                f"{type(mixer).__name__}: fake quantization of a sharded mixer is not supported "
-                "(the per-tensor scales need the whole tensor); train and score quantized variants unsharded"
-            )
-        saved.append((weight.owner, weight.name, master))
-        # A plain tensor in _parameters: attribute reads see it; nn.Module's setattr would refuse it.
-        weight.owner._parameters[weight.name] = weight.quantize(master, fmt)
+    saved: list[tuple[nn.Module, str, torch.Tensor]] = []
+    try:
+        for weight in covered_weights(mixer):
+            master = weight.owner._parameters[weight.name]
+            if type(master) is not nn.Parameter and master.__class__.__name__ == "DTensor":
+                raise SpecError(
+                    f"{type(mixer).__name__}: fake quantization of a sharded mixer is not supported (the "
+                    "per-tensor scales need the whole tensor); train and score quantized variants unsharded"
+                )
+            quantized = weight.quantize(master, fmt)
+            saved.append((weight.owner, weight.name, master))
+            # A plain tensor in _parameters: attribute reads see it; nn.Module's setattr would refuse it.
+            weight.owner._parameters[weight.name] = quantized
+    except BaseException:
+        _swap_back(saved)  # a weight that cannot be quantized leaves every master weight in place
+        raise
     return saved
 
 
