@@ -13,7 +13,7 @@ from puzzle.spec import DEFAULT_WEIGHT_FORMAT, SpecError, weight_format_of
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 FORMATS: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8", "nvfp4")
 NVFP4_BLOCK = 16  # values sharing one fp8 (E4M3) scale, along the input dimension
-TENSOR_SCALE_BYTES = 4  # one fp32 per-tensor scale for fp8 and nvfp4 tensors
+TENSOR_SCALE_BYTES = 4  # one fp32 scale: per output channel (row) of an fp8 tensor, per nvfp4 tensor
 
 
 def dtype_bytes(dtype: str) -> float:
@@ -26,7 +26,8 @@ def dtype_bytes(dtype: str) -> float:
 def tensor_bytes(shape: tuple[int, ...], fmt: str) -> float:
     """Bytes a tensor of `shape` takes in format `fmt`, scales included.
 
-    fp8: 1 byte per value + one fp32 per-tensor scale. nvfp4: 4-bit values, one fp8 scale per 16
+    fp8: 1 byte per value + one fp32 scale per output channel (row; rows = all but the last dim), the
+    granularity `puzzle.quant` and the exported checkpoint use. nvfp4: 4-bit values, one fp8 scale per 16
     consecutive values of a row (rows = all but the last dim; a partial block still has a scale),
     plus one fp32 per-tensor scale. 1-D tensors are never block-quantised: they stay bf16.
     """
@@ -34,7 +35,7 @@ def tensor_bytes(shape: tuple[int, ...], fmt: str) -> float:
     if fmt in ("fp8", "nvfp4") and len(shape) < 2:
         return 2.0 * numel
     if fmt == "fp8":
-        return float(numel + TENSOR_SCALE_BYTES)
+        return float(numel + TENSOR_SCALE_BYTES * (numel // shape[-1]))
     if fmt in DTYPE_BYTES:
         return float(DTYPE_BYTES[fmt] * numel)
     if fmt == "nvfp4":
@@ -97,7 +98,7 @@ RECIPES: dict[str, QuantRecipe] = {
         QuantRecipe.build(
             "fp8",
             "fp8",
-            "every linear layer fp8 with a per-tensor scale; embeddings, lm_head, norms, router, "
+            "every linear layer fp8 with a scale per output channel; embeddings, lm_head, norms, router, "
             "conv and SSM parameters bf16",
             **dict.fromkeys(_KEEP_HIGH, "bf16"),
         ),
