@@ -101,6 +101,7 @@ def export(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
     run_info: Mapping[str, Any] | None = None,
+    weight_formats: Mapping[str, str] | None = None,
 ) -> Path:
     """Write `child` (e.g. from `puzzle.assemble.assemble`) as a checkpoint directory at `path`; returns it.
 
@@ -111,6 +112,12 @@ def export(
     `assembly.measured`), MTP handling, which engines can serve it). `format`: see the module docstring;
     `engines`: those `format="engine"` checks. Never writes into `parent_dir` or the parent's
     directory (CheckpointError); `overwrite` as in `save_pretrained`.
+
+    `weight_formats`: {module-name prefix, e.g. "backbone.layers.3.mixer": "bf16" | "fp8" | "nvfp4"}: those
+    blocks' matmul weights are written quantized, in the compressed-tensors format vLLM loads
+    (`puzzle.nemotron_h.quantized`; recorded in puzzle.json as `weight_formats`), and `puzzle.load` reads
+    them back dequantized. llama.cpp has its own quantization types: export bf16 (no `weight_formats`)
+    for it and quantize with its tools.
 
     README.md: the model card (`puzzle.card.model_card`); `run_info` is what the Run API knows of the
     run (`puzzle.card.run_card_info`: budgets, GKD, config fingerprint; None: a standalone export). A
@@ -126,6 +133,8 @@ def export(
     record = export_record(child, config, parent or child.source_path, solution, measured)
     if run_info is not None:
         record["run"] = dict(run_info)
+    if weight_formats is not None:
+        record["weight_formats"] = dict(weight_formats)
     files = {}
     if card_owner(path) == "user":
         record["model_card"] = f"not written: {CARD_FILE} at the export path is the user's"
@@ -140,6 +149,7 @@ def export(
         model_type=config["model_type"],
         aux_source=parent,
         extra_files=files,
+        weight_formats=weight_formats,
     )
 
 

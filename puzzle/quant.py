@@ -2,8 +2,8 @@
 
 One job: turn a 2-D matmul weight [out_features, in_features] into the stored values and scales of a
 serving format, back again, and the two composed (`fake_quantize`, the reference that scoring, QAT and
-assembly use). Which tensors get a format, and how a checkpoint is written, live elsewhere
-(`puzzle.quant_export`).
+assembly use). Which tensors of a block get a format lives in `puzzle.quant_blocks`; how a quantized
+checkpoint is written and read back, in `puzzle.nemotron_h.quantized`.
 
 Formats, exactly as vLLM's compressed-tensors kernels read them:
 
@@ -123,17 +123,27 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
 
 
-def nvfp4_global_scale(w: torch.Tensor) -> torch.Tensor:
-    """The decode global scale g = amax / (6 * 448) of a weight, fp32 scalar tensor (1 for an all-zero weight)."""
-    amax = w.detach().float().abs().amax()
+def nvfp4_global_scale(*weights: torch.Tensor) -> torch.Tensor:
+    """The decode global scale g = amax / (6 * 448) over `weights`, an fp32 scalar tensor (1 when all are zero).
+
+    Several weights: one scale shared by tensors a server fuses into one matmul (vLLM's qkv_proj of q/k/v
+    takes a single global scale for the fused layer, the largest; shards quantized with their own would
+    dequantize wrongly there), so pass them all and hand the result to `quantize_nvfp4(..., global_scale=)`.
+    """
+    if not weights:
+        raise QuantError("nvfp4_global_scale needs at least one weight")
+    amax = torch.stack([w.detach().float().abs().amax() for w in weights]).amax()
     return torch.where(amax > 0, amax / (FP4_MAX * FP8_MAX), torch.ones_like(amax))
 
 
-def quantize_nvfp4(w: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_nvfp4(
+    w: torch.Tensor, name: str = "weight", global_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`w` [out, in] -> (packed uint8 [out, in/2], E4M3 block scales [out, in/16], fp32 decode global scale []).
 
     See the module docstring for the exact arithmetic; the global scale returned is NVIDIA's decode scale
-    g = amax / 2688 (compressed-tensors stores 1 / g, ModelOpt stores g).
+    g = amax / 2688 (compressed-tensors stores 1 / g, ModelOpt stores g). `global_scale`: a g shared with
+    other tensors (`nvfp4_global_scale(*weights)`), which must cover this one's amax; default: `w`'s own.
     """
     _check_weight(w, name)
     out_features, in_features = w.shape
@@ -144,7 +154,16 @@ def quantize_nvfp4(w: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor,
             f"got shape {tuple(w.shape)}"
         )
     w32 = w.detach().float()
-    g = nvfp4_global_scale(w32)
+    if global_scale is None:
+        g = nvfp4_global_scale(w32)
+    else:
+        g = global_scale.detach().to(torch.float32).reshape(())
+        # g is computed as amax / 2688: g * 2688 may fall an ulp short of the amax it came from
+        if not bool(g > 0) or bool(w32.abs().amax() > g * (FP4_MAX * FP8_MAX) * (1 + 2**-20)):
+            raise QuantError(
+                f"{name}: shared nvfp4 global scale {g.item():.6g} does not cover the weight's largest magnitude "
+                f"{w32.abs().amax().item():.6g} (it must be at least amax / {FP4_MAX * FP8_MAX:g})"
+            )
     blocks = w32.reshape(out_features, in_features // NVFP4_BLOCK, NVFP4_BLOCK)
     block_amax = blocks.abs().amax(dim=-1)
     block_scale = ((block_amax / FP4_MAX) / g).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
@@ -171,14 +190,20 @@ def dequantize_nvfp4(
 # ---------------------------------------------------------------------------------- fake quantization
 
 
-def quantize_dequantize(w: torch.Tensor, fmt: str, name: str = "weight") -> torch.Tensor:
-    """`w` through format `fmt` and back, in `w`'s dtype, without gradient (the values a server multiplies by)."""
+def quantize_dequantize(
+    w: torch.Tensor, fmt: str, name: str = "weight", global_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`w` through format `fmt` and back, in `w`'s dtype, without gradient (the values a server multiplies by).
+
+    `global_scale`: nvfp4 only, a decode global scale shared with the tensors fused with `w` (see
+    `nvfp4_global_scale`); ignored by the other formats, whose scales are per row.
+    """
     if fmt == "bf16":
         return w.detach().to(torch.bfloat16).to(w.dtype)
     if fmt == "fp8":
         return dequantize_fp8(*quantize_fp8(w, name), dtype=w.dtype)
     if fmt == "nvfp4":
-        return dequantize_nvfp4(*quantize_nvfp4(w, name), dtype=w.dtype)
+        return dequantize_nvfp4(*quantize_nvfp4(w, name, global_scale), dtype=w.dtype)
     raise QuantError(f"{name}: unknown weight format {fmt!r}; choose one of {list(WEIGHT_FORMATS)}")
 
 
@@ -186,20 +211,24 @@ class _StraightThrough(torch.autograd.Function):
     """Forward: the fake-quantized weight; backward: the incoming gradient unchanged (straight-through)."""
 
     @staticmethod
-    def forward(ctx, w: torch.Tensor, fmt: str, name: str) -> torch.Tensor:  # type: ignore[override]
-        return quantize_dequantize(w, fmt, name)
+    def forward(ctx, w: torch.Tensor, fmt: str, name: str, global_scale: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+        return quantize_dequantize(w, fmt, name, global_scale)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        return grad, None, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        return grad, None, None, None
 
 
-def fake_quantize(w: torch.Tensor, fmt: str, name: str = "weight") -> torch.Tensor:
+def fake_quantize(
+    w: torch.Tensor, fmt: str, name: str = "weight", global_scale: torch.Tensor | None = None
+) -> torch.Tensor:
     """Quantize then dequantize `w` [out, in] in format `fmt` ("bf16", "fp8", "nvfp4"), in `w`'s dtype.
 
     Differentiable with a straight-through gradient (forward quantized, backward identity), so QAT can
     call it on a trainable weight in the forward pass. "bf16" rounds to bf16 (identity on a bf16 weight).
+    `global_scale`: nvfp4's shared decode global scale for tensors served fused (q/k/v: see
+    `puzzle.quant_blocks`); None: the tensor's own.
     """
     if fmt not in WEIGHT_FORMATS:
         raise QuantError(f"{name}: unknown weight format {fmt!r}; choose one of {list(WEIGHT_FORMATS)}")
-    return _StraightThrough.apply(w, fmt, name)
+    return _StraightThrough.apply(w, fmt, name, global_scale)

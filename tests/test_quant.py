@@ -19,6 +19,7 @@ from puzzle.quant import (
     dequantize_fp8,
     dequantize_nvfp4,
     fake_quantize,
+    nvfp4_global_scale,
     quantize_fp8,
     quantize_nvfp4,
     unpack_e2m1,
@@ -73,10 +74,14 @@ def _oracle_fp8(w: torch.Tensor) -> tuple[list[list[float]], list[float]]:
     return values, scales
 
 
-def _oracle_nvfp4(w: torch.Tensor) -> tuple[list[list[int]], list[list[float]], float, list[list[float]]]:
+def _oracle_nvfp4(
+    w: torch.Tensor, g: float | None = None
+) -> tuple[list[list[int]], list[list[float]], float, list[list[float]]]:
     rows = w.float().tolist()
     amax = max(abs(f32(v)) for row in rows for v in row)
-    g = f32(amax) / f32(6 * 448) if amax > 0 else f32(1.0)
+    if g is None:
+        g = f32(amax) / f32(6 * 448) if amax > 0 else f32(1.0)
+    g = f32(g)
     codes, scales, deq = [], [], []
     for row in rows:
         row_codes, row_scales, row_deq = [], [], []
@@ -212,6 +217,23 @@ def test_nvfp4_zero_block_row_and_tensor():
     zeros = torch.zeros(2, 16)
     packed, block_scale, g = quantize_nvfp4(zeros)
     assert g.item() == 1.0 and (dequantize_nvfp4(packed, block_scale, g) == 0).all()
+
+
+def test_nvfp4_shared_global_scale():
+    """Tensors served fused (q/k/v) share one global scale, the largest amax's: bit-exact with it given."""
+    q, k = _weight(4, 32, seed=5), 3.0 * _weight(2, 32, seed=6)
+    g = nvfp4_global_scale(q, k)
+    assert g.item() == float(f32(max(q.abs().max().item(), k.abs().max().item())) / f32(2688))
+    packed, block_scale, got_g = quantize_nvfp4(q, global_scale=g)
+    codes, scales, _, deq = _oracle_nvfp4(q, g.item())
+    assert got_g.item() == g.item()
+    assert unpack_e2m1(packed).tolist() == codes and block_scale.float().tolist() == scales
+    assert dequantize_nvfp4(packed, block_scale, g).tolist() == deq
+    own = quantize_nvfp4(q)
+    assert not torch.equal(own[1].float(), block_scale.float())  # a different scale than q's own
+    assert torch.equal(fake_quantize(q, "nvfp4", global_scale=g), dequantize_nvfp4(packed, block_scale, g))
+    with pytest.raises(QuantError, match=r"k_proj\.weight: shared nvfp4 global scale .* does not cover"):
+        quantize_nvfp4(k, name="k_proj.weight", global_scale=nvfp4_global_scale(q))
 
 
 def test_nvfp4_refuses_partial_block():

@@ -319,6 +319,7 @@ _OWNED_KEYS = (
         "attention_head_dim",
         "dtype",
         "torch_dtype",
+        "quantization_config",  # describes the stored weights: written by the save that quantizes, never carried
     }
 )
 
