@@ -52,6 +52,37 @@ def test_the_spec_formats_are_the_quantizers():
     assert WEIGHT_FORMATS == QUANT_FORMATS
 
 
+def test_the_covered_weights_are_the_exports():
+    """The torch-free role list (cost model, space) and the q/k/v group are the export's
+    (`puzzle.quant_blocks`), and a baked mixer is `fake_quantize_mixer_`'s, value for value."""
+    from puzzle import quant_blocks
+    from puzzle.blocks.tensors import QUANTIZED_ROLES
+    from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec
+
+    assert set(quant_blocks.MATMUL_ROLES) == QUANTIZED_ROLES
+    assert quant_blocks.NVFP4_SHARED_SCALE == formats.NVFP4_SHARED_SCALE
+    torch.manual_seed(0)
+    specs = (
+        AttentionSpec(4, 2, 16),
+        MambaSpec(4, 8, 16, n_groups=2),
+        MoESpec(4, 2, (16, 32, 16, 48), shared_width=16, latent_size=32),
+        MLPSpec(width=32),
+        LinearSpec(),
+    )
+    for spec in specs:
+        for fmt in ("fp8", "nvfp4"):
+            mine = build_block(dataclasses.replace(spec, weight_format=fmt), 32)
+            theirs = build_block(spec, 32)
+            with torch.no_grad():  # q/k/v of different ranges: the shared scale matters
+                for p in theirs.parameters():
+                    p.mul_(torch.rand(()) * 4)
+            mine.load_state_dict(theirs.state_dict())
+            formats.bake(mine)
+            quant_blocks.fake_quantize_mixer_(theirs, spec, 32, fmt)
+            for name, tensor in theirs.state_dict().items():
+                assert torch.equal(mine.state_dict()[name], tensor), f"{spec.kind} {fmt} {name}"
+
+
 def test_a_space_without_formats_keeps_its_ids_and_fingerprints():
     """Pinned from the checkout before the axis: the parent's and the space's fingerprints and the variant
     ids (run.json fingerprints and library file names) do not change."""

@@ -13,6 +13,9 @@ gradient is straight-through, so training the mixer (BLD) is quantization-aware 
 assembled child and GKD all run the quantized block. `bake` writes the fake-quantized values into the
 parameters themselves (assembly: what the child carries and an export writes).
 
+Fused matmuls: q/k/v share one NVFP4 global scale (vLLM serves them as one qkv_proj with one scale),
+as `puzzle.quant_blocks.fake_quantize_mixer_` and the export quantize them; every other weight has its own.
+
 Layouts: a covered weight is quantized as the hub stores it ([out, in]: per-output-channel scales,
 blocks along the input dimension). An `ExpertBank` keeps `up` as the experts' up_proj rows and `down`
 as the transposes of their down_proj, so each expert's slice is quantized on its own, `down` transposed
@@ -43,12 +46,20 @@ class CoveredWeight:
     layout: str
     where: str = ""  # the hub name of the owner within the mixer, for error messages
 
-    def quantize(self, weight: torch.Tensor, fmt: str) -> torch.Tensor:
-        """`weight` fake-quantized in `fmt` as the hub stores it (differentiable: straight-through)."""
+    @property
+    def hub_name(self) -> str:
+        """The hub name within the mixer of a "linear" weight (`q_proj.weight`); a bank's prefix otherwise."""
+        return f"{self.where}.{self.name}" if self.layout == "linear" else self.where
+
+    def quantize(
+        self, weight: torch.Tensor, fmt: str, global_scale: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`weight` fake-quantized in `fmt` as the hub stores it (differentiable: straight-through);
+        `global_scale`: nvfp4's shared decode scale of a fused group (q/k/v), for a "linear" weight."""
         from puzzle.quant import fake_quantize  # late: the number formats, torch only when used
 
         if self.layout == "linear":
-            return fake_quantize(weight, fmt, f"{self.where}.{self.name}")
+            return fake_quantize(weight, fmt, self.hub_name, global_scale=global_scale)
         offsets = self.owner.offsets
         parts = []
         for j in range(len(offsets) - 1):
@@ -58,6 +69,11 @@ class CoveredWeight:
             else:  # expert j's down_proj.weight is rows.T [D, w_j]
                 parts.append(fake_quantize(rows.T, fmt, f"{self.where}{j}.down_proj.weight").T)
         return torch.cat(parts, dim=0)
+
+
+# Weights a server runs as one fused matmul with one NVFP4 global scale (vLLM's qkv_proj), as
+# `puzzle.quant_blocks.NVFP4_SHARED_SCALE` has them for the export (a test holds the two equal).
+NVFP4_SHARED_SCALE: tuple[tuple[str, ...], ...] = (("q_proj.weight", "k_proj.weight", "v_proj.weight"),)
 
 
 def _roles_by_name(mixer: nn.Module) -> dict[str, str]:
@@ -114,17 +130,42 @@ def fake_quantized(mixer: nn.Module, fmt: str | None = None) -> Iterator[nn.Modu
         _swap_back(saved)
 
 
+def _global_scales(covered: list[CoveredWeight], fmt: str) -> dict[str, torch.Tensor]:
+    """{hub name: the nvfp4 global scale it shares} for the fused groups present (q/k/v); {} otherwise."""
+    if fmt != "nvfp4":
+        return {}
+    from puzzle.quant import nvfp4_global_scale
+
+    by_name = {weight.hub_name: weight for weight in covered if weight.layout == "linear"}
+    scales = {}
+    for group in NVFP4_SHARED_SCALE:
+        present = [by_name[name] for name in group if name in by_name]
+        if len(present) > 1:
+            scale = nvfp4_global_scale(*(w.owner._parameters[w.name] for w in present))
+            scales.update(dict.fromkeys((w.hub_name for w in present), scale))
+    return scales
+
+
+def _quantized(mixer: nn.Module, fmt: str) -> Iterator[tuple[CoveredWeight, torch.Tensor, torch.Tensor]]:
+    """(covered weight, its master, its fake-quantized value) for each weight `fmt` covers in `mixer`."""
+    covered = covered_weights(mixer)
+    for weight in covered:
+        master = weight.owner._parameters[weight.name]
+        if type(master) is not nn.Parameter and master.__class__.__name__ == "DTensor":
+            raise SpecError(
+                f"{type(mixer).__name__}: fake quantization of a sharded mixer is not supported (the "
+                "per-tensor scales need the whole tensor); train and score quantized variants unsharded"
+            )
+    scales = _global_scales(covered, fmt)
+    for weight in covered:
+        master = weight.owner._parameters[weight.name]
+        yield weight, master, weight.quantize(master, fmt, scales.get(weight.hub_name))
+
+
 def _swap_in(mixer: nn.Module, fmt: str) -> list[tuple[nn.Module, str, torch.Tensor]]:
     saved: list[tuple[nn.Module, str, torch.Tensor]] = []
     try:
-        for weight in covered_weights(mixer):
-            master = weight.owner._parameters[weight.name]
-            if type(master) is not nn.Parameter and master.__class__.__name__ == "DTensor":
-                raise SpecError(
-                    f"{type(mixer).__name__}: fake quantization of a sharded mixer is not supported (the "
-                    "per-tensor scales need the whole tensor); train and score quantized variants unsharded"
-                )
-            quantized = weight.quantize(master, fmt)
+        for weight, master, quantized in _quantized(mixer, fmt):
             saved.append((weight.owner, weight.name, master))
             # A plain tensor in _parameters: attribute reads see it; nn.Module's setattr would refuse it.
             weight.owner._parameters[weight.name] = quantized
@@ -181,7 +222,6 @@ def bake(mixer: nn.Module, fmt: str | None = None) -> nn.Module:
     fmt = fmt or weight_format_of(mixer.spec)
     if fmt == DEFAULT_WEIGHT_FORMAT:
         return mixer
-    for weight in covered_weights(mixer):
-        master = weight.owner._parameters[weight.name]
-        master.copy_(weight.quantize(master, fmt))
+    for _, master, quantized in list(_quantized(mixer, fmt)):  # every value first: q/k/v share a scale
+        master.copy_(quantized)
     return mixer
