@@ -19,7 +19,7 @@ from typing import Any
 from puzzle.card import model_card
 from puzzle.files import CARD_FILE, card_owner
 from puzzle.model import HybridLM
-from puzzle.nemotron_h.checkpoint import EXPORT_RECORD, save_pretrained
+from puzzle.nemotron_h.checkpoint import EXPORT_RECORD, module_weight_formats, save_pretrained
 from puzzle.nemotron_h.config import CheckpointError, config_from_spec
 from puzzle.nemotron_h.engines import SERVING_ENGINES, engine_problems, engine_support
 from puzzle.nemotron_h.weights import DEFAULT_MAX_SHARD_BYTES
@@ -116,8 +116,9 @@ def export(
     `weight_formats`: {module-name prefix, e.g. "backbone.layers.3.mixer": "bf16" | "fp8" | "nvfp4"}: those
     blocks' matmul weights are written quantized, in the compressed-tensors format vLLM loads
     (`puzzle.nemotron_h.quantized`; recorded in puzzle.json as `weight_formats`), and `puzzle.load` reads
-    them back dequantized. llama.cpp has its own quantization types: export bf16 (no `weight_formats`)
-    for it and quantize with its tools.
+    them back dequantized. None: the formats of the child's block specs (an assembled child's
+    `weight_format`s), if any. llama.cpp has its own quantization types: export bf16 (a child without
+    formats) for it and quantize with its tools.
 
     README.md: the model card (`puzzle.card.model_card`); `run_info` is what the Run API knows of the
     run (`puzzle.card.run_card_info`: budgets, GKD, config fingerprint; None: a standalone export). A
@@ -130,6 +131,8 @@ def export(
     config = export_config(child, format, engines)
     if measured is None and getattr(child, "assembly", None) is not None and child.assembly.measured:
         measured = child.assembly.measured
+    if weight_formats is None:  # an assembled child's blocks carry their formats
+        weight_formats = module_weight_formats(child.spec)
     record = export_record(child, config, parent or child.source_path, solution, measured)
     if run_info is not None:
         record["run"] = dict(run_info)

@@ -632,6 +632,17 @@ def weight_formats(spec: ModelSpec) -> dict[int, str]:
     }
 
 
+def without_weight_formats(spec: ModelSpec) -> ModelSpec:
+    """`spec` with every block in bf16: its architecture alone (what a config.json's block fields describe)."""
+    blocks = tuple(
+        dataclasses.replace(block, weight_format=DEFAULT_WEIGHT_FORMAT)
+        if hasattr(block, "weight_format")
+        else block
+        for block in spec.blocks
+    )
+    return dataclasses.replace(spec, blocks=blocks)
+
+
 def blocks_of_kind(spec: ModelSpec, kinds: str | Iterable[str]) -> list[int]:
     """Indices of the blocks whose kind is one of `kinds`."""
     wanted = {kinds} if isinstance(kinds, str) else set(kinds)

@@ -330,3 +330,36 @@ def test_the_search_and_puzzle_costs_agree_on_a_mixed_precision_child(run, tmp_p
     assert costs["weight_bytes"] == int(-(-totals["weight_bytes[bf16]"] // 1))  # rounded up to whole bytes
     bf16_child = ModelSpec(spec.vocab_size, spec.hidden_size, tuple(_bf16(b) for b in spec.blocks))
     assert costs["weight_bytes"] < model_weight_bytes(bf16_child)
+
+
+def test_the_assembled_child_exports_in_its_formats_and_loads_back(run, tmp_path):
+    """`puzzle.export` of the mixed child writes each block in its spec's format (compressed-tensors config
+    groups, recorded in puzzle.json) without being told, and `puzzle.load` dequantizes it to the child's
+    logits; `weight_formats={}` writes it unquantized (llama.cpp), its weights the fake-quantized values."""
+    pytest.importorskip("compressed_tensors")
+    import puzzle
+    from puzzle.export import export
+
+    (solution,) = run.search()
+    child = run.assemble(solution)
+    path = export(child, tmp_path / "child")
+    config = json.loads((path / "config.json").read_text())
+    targets = {
+        fmt: {t.split(".")[2] for t in group["targets"]}
+        for group in config["quantization_config"]["config_groups"].values()
+        for fmt in ["nvfp4" if group["weights"]["num_bits"] == 4 else "fp8"]
+    }
+    assert targets == {"fp8": {"1"}, "nvfp4": {"2"}}
+    assert json.loads((path / "puzzle.json").read_text())["weight_formats"] == {
+        "backbone.layers.1.mixer": "fp8",
+        "backbone.layers.2.mixer": "nvfp4",
+    }
+    ids = torch.randint(0, SPEC.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = child(ids).logits
+        torch.testing.assert_close(
+            puzzle.load(path, dtype="float32")(ids).logits, expected, rtol=1e-5, atol=0
+        )
+        plain = export(child, tmp_path / "plain", weight_formats={})
+        assert "quantization_config" not in json.loads((plain / "config.json").read_text())
+        torch.testing.assert_close(puzzle.load(plain, dtype="float32")(ids).logits, expected, rtol=0, atol=0)

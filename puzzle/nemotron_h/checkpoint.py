@@ -56,7 +56,8 @@ from puzzle.nemotron_h.weights import (
     weight_files,
 )
 from puzzle.progress import progress
-from puzzle.spec import NoOpSpec
+from puzzle.spec import ModelSpec, NoOpSpec
+from puzzle.spec import weight_formats as spec_weight_formats
 
 # ---------------------------------------------------------------------------------------------------- load
 
@@ -267,6 +268,12 @@ def refusal_to_overwrite(target: Path, foreign: list[str]) -> str:
     return f"refusing to write into {target}: it holds files that are not checkpoint files ({shown})"
 
 
+def module_weight_formats(spec: ModelSpec) -> dict[str, str] | None:
+    """`save_pretrained`'s `weight_formats` from the block specs' own `weight_format` (None: all bf16)."""
+    formats = spec_weight_formats(spec)
+    return {f"backbone.layers.{i}.mixer": fmt for i, fmt in formats.items()} or None
+
+
 def save_pretrained(
     model: HybridLM,
     path: str | Path,
@@ -282,7 +289,9 @@ def save_pretrained(
 
     `weight_formats`: {module-name prefix, e.g. "backbone.layers.3.mixer": "bf16" | "fp8" | "nvfp4"}: the
     matmul weights of those blocks' mixers are stored quantized in the compressed-tensors format vLLM
-    loads, with `quantization_config` in config.json (`puzzle.nemotron_h.quantized`); None: as they are.
+    loads, with `quantization_config` in config.json (`puzzle.nemotron_h.quantized`); {}: none quantized;
+    None: the formats of
+    the model's block specs (`weight_format`, e.g. an assembled child's: `puzzle.spec.weight_formats`), if any.
 
     `model_type`: as `config_from_spec` ("auto", "nemotron_h", "nemotron_h_puzzle"). `aux_source`: the
     directory whose tokenizer / generation files are copied (default: the one the model was loaded
@@ -331,7 +340,9 @@ def save_pretrained(
     weights: Callable[[Path | None], list[str]] = functools.partial(
         stream_weights, model, max_shard_bytes=max_shard_bytes
     )
-    if weight_formats is not None:
+    if weight_formats is None:  # the blocks' own formats (an assembled child's), if any
+        weight_formats = module_weight_formats(model.spec)
+    if weight_formats:  # {}: every block as it is (e.g. bf16 for llama.cpp), no quantization_config
         quant_plan = quantized.plan(model, weight_formats)  # refusals before anything is written
         options["quantization_config"] = quantized.quantization_config(quant_plan)
         weights = functools.partial(

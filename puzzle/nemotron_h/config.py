@@ -188,7 +188,9 @@ class KindTable:
     """How one block kind reads from and writes to config.json: its fields, in the order written.
 
     `not_in_config`: spec attributes no NemotronH config carries (read as their defaults, writable only
-    at them). `names`: what configs also call the kind, beyond its kind name and pattern char.
+    at them). A block's `weight_format` is not a config field either: a quantized save states it in
+    `quantization_config` (`puzzle.nemotron_h.quantized`), so the block fields ignore it.
+    `names`: what configs also call the kind, beyond its kind name and pattern char.
     `globals_order`: the most common block of the kind sets the global fields, kinds in increasing
     order, so a later kind wins a key two kinds share (MoE's mlp_* over MLP's); None: it sets none.
     `entry_keys`: keys every nemotron_h_puzzle entry of the kind states even when they equal the global.
@@ -222,7 +224,6 @@ KIND_TABLES: dict[type, KindTable] = {
                 _plain("mamba_dt_clamp_max", "dt_clamp_max", _optional_float),
                 _fixed("mamba_hidden_act", "silu", lambda act: act == "silu", "Mamba blocks must use 'silu'"),
             ),
-            not_in_config=("weight_format",),  # a quantized checkpoint states formats elsewhere
             names=("linear_attention",),
             globals_order=3,
         ),
@@ -234,8 +235,7 @@ KIND_TABLES: dict[type, KindTable] = {
                 Field("head_dim", "head_dim", _head_dim, lambda spec: spec.head_dim),
                 _plain("attention_bias", "bias", bool),
             ),
-            # NemotronH attention has no position encoding; a quantized checkpoint states formats elsewhere
-            not_in_config=("rope_theta", "rotary_fraction", "weight_format"),
+            not_in_config=("rope_theta", "rotary_fraction"),  # NemotronH attention has no position encoding
             names=("full_attention",),
             globals_order=2,
         ),
@@ -272,7 +272,6 @@ KIND_TABLES: dict[type, KindTable] = {
                     "MoE blocks with mlp_bias=true are not supported",
                 ),
             ),
-            not_in_config=("weight_format",),
             globals_order=1,
             entry_keys=MOE_ENTRY_KEYS,
         ),
@@ -283,11 +282,10 @@ KIND_TABLES: dict[type, KindTable] = {
                 _plain("mlp_hidden_act", "activation"),
                 _plain("mlp_bias", "bias", bool),
             ),
-            not_in_config=("weight_format",),
             globals_order=0,
             entry_keys=("intermediate_size",),
         ),
-        KindTable(LinearSpec, (_plain("linear_bias", "bias", bool),), not_in_config=("weight_format",)),
+        KindTable(LinearSpec, (_plain("linear_bias", "bias", bool),)),
         KindTable(NoOpSpec, ()),
     )
 }
