@@ -188,8 +188,7 @@ class KindTable:
     """How one block kind reads from and writes to config.json: its fields, in the order written.
 
     `not_in_config`: spec attributes no NemotronH config carries (read as their defaults, writable only
-    at them). A block's `weight_format` is not a config field either: a quantized save states it in
-    `quantization_config` (`puzzle.nemotron_h.quantized`), so the block fields ignore it.
+    at them). Spec fields in `QUANTIZATION_FIELDS` are not block fields either.
     `names`: what configs also call the kind, beyond its kind name and pattern char.
     `globals_order`: the most common block of the kind sets the global fields, kinds in increasing
     order, so a later kind wins a key two kinds share (MoE's mlp_* over MLP's); None: it sets none.
@@ -203,6 +202,9 @@ class KindTable:
     globals_order: int | None = None
     entry_keys: tuple[str, ...] = ()
 
+
+# Spec fields a save states in `quantization_config` (`puzzle.nemotron_h.quantized`), not in the block fields.
+QUANTIZATION_FIELDS: tuple[str, ...] = ("weight_format",)
 
 KIND_TABLES: dict[type, KindTable] = {
     table.spec_type: table
