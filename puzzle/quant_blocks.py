@@ -14,7 +14,7 @@ routed experts into one kernel that needs one scheme for all of them (`SAME_FORM
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -89,6 +89,25 @@ def fake_quantize_mixer_(mixer: nn.Module, spec: BlockSpec, hidden_size: int, fm
         for name in group:
             state[name].copy_(fake_quantize(state[name], fmt, name=name, global_scale=scale))
     return mixer
+
+
+def fake_quantize_bank(
+    up: torch.Tensor, down: torch.Tensor, offsets: Sequence[int], fmt: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """An ExpertBank's (`up`, `down`) [sum w_j, D] fake-quantized as served, differentiably (straight-through).
+
+    Expert j is rows offsets[j]:offsets[j+1]; its up_proj is those rows of `up` ([w_j, D], per-row scales,
+    nvfp4 blocks along D) and its down_proj the transpose of those rows of `down` ([D, w_j]: scales per
+    column of the bank, blocks along w_j), each with its own nvfp4 global scale. For QAT: call it in the
+    forward pass on the bank's parameters (e.g. from a `torch.nn.utils.parametrize` parametrization).
+    """
+    check_format(fmt, "expert bank")
+    ups, downs = [], []
+    for j in range(len(offsets) - 1):
+        rows = slice(offsets[j], offsets[j + 1])
+        ups.append(fake_quantize(up[rows], fmt, name=f"experts.{j}.up_proj.weight"))
+        downs.append(fake_quantize(down[rows].T, fmt, name=f"experts.{j}.down_proj.weight").T)
+    return torch.cat(ups), torch.cat(downs)
 
 
 def block_formats(formats: Mapping[str, str], num_blocks: int) -> dict[int, str]:

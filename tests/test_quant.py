@@ -305,3 +305,38 @@ def test_nvfp4_matches_compressed_tensors_unpack_and_dequantize():
     ct_dq = (values.reshape(6, 4, 16) * step.unsqueeze(-1)).reshape(6, 64)
     torch.testing.assert_close(ct_dq, dequantize_nvfp4(packed, block_scale, g), rtol=1e-6, atol=0)
     assert torch.equal(helpers.pack_fp4_to_uint8(values), packed)
+
+
+# ------------------------------------------------------------------------------------ built mixers
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_fake_quantize_mixer_and_bank_quantize_each_served_tensor(fmt):
+    """In place on a built MoE mixer: every covered weight (experts in the hub layout, shared experts, latent
+    projections) becomes its fake-quantized value, the router and norms are untouched; the differentiable
+    bank version gives the same values with an identity gradient."""
+    from puzzle.blocks.registry import build_block
+    from puzzle.quant_blocks import fake_quantize_bank, fake_quantize_mixer_, quantized_weights
+    from puzzle.spec import MoESpec
+
+    spec = MoESpec(num_experts=3, top_k=2, expert_width=(16, 32, 16), shared_width=32, latent_size=16)
+    torch.manual_seed(0)
+    mixer = build_block(spec, 32)
+    before = {k: v.detach().clone() for k, v in mixer.state_dict().items()}
+    bank = mixer.experts
+    up = bank.up.detach().clone().requires_grad_(True)
+    down = bank.down.detach().clone().requires_grad_(True)
+    up_q, down_q = fake_quantize_bank(up, down, bank.offsets, fmt)
+    fake_quantize_mixer_(mixer, spec, 32, fmt)
+    after = mixer.state_dict()
+    assert torch.equal(after["experts.up"], up_q.detach()) and torch.equal(
+        after["experts.down"], down_q.detach()
+    )
+    w1 = before["experts.down"][16:48].T  # expert 1's down_proj [D, w_1], as served
+    assert torch.equal(after["experts.down"][16:48].T, fake_quantize(w1, fmt))
+    assert torch.equal(after["fc1_latent_proj.weight"], fake_quantize(before["fc1_latent_proj.weight"], fmt))
+    for key in ("gate.weight", "gate.e_score_correction_bias"):
+        assert torch.equal(after[key], before[key]), key
+    assert "gate.weight" not in quantized_weights(spec, 32)
+    (up_q.sum() + 2 * down_q.sum()).backward()
+    assert torch.equal(up.grad, torch.ones_like(up)) and torch.equal(down.grad, torch.full_like(down, 2.0))
