@@ -5,6 +5,12 @@ the parent's mixer elsewhere; pre-norms, embeddings, final norm and lm_head are 
 The child is built once from those mixers (`HybridLM(spec, mixers=...)`), its parameters counted and
 checked against the cost model and the solution's predicted totals.
 
+Weight formats: a block whose variant has a quantized `weight_format` (fp8, nvfp4) carries its covered
+matmul weights fake-quantized (`puzzle.blocks.formats.bake`, in the child's dtype) and keeps that format
+in its spec (`child.spec.blocks[i].weight_format`, `puzzle.spec.weight_formats(child.spec)`), which
+`Assembly.to_dict` also states per block (`weight_format`, only where not bf16): what an export needs to write
+each block in its format.
+
 MTP: the search never changes the parent's multi-token-prediction module (it is not one of the searched
 blocks, and the child keeps the parent's hidden size and vocabulary, the only shapes it shares with the
 backbone), so its tensors are carried unchanged (`HybridLM.extra_tensors`) and its blocks are written
@@ -25,7 +31,7 @@ from torch import nn
 
 from puzzle import shard
 from puzzle.artifacts import ArtifactError, fingerprint_checkpoint, fingerprint_model, loaded_fingerprint
-from puzzle.blocks import build_block
+from puzzle.blocks import build_block, formats
 from puzzle.compare import ModelComparison, compare_models
 from puzzle.cost import model_active_params, model_params
 from puzzle.library import Library, read_library
@@ -33,7 +39,15 @@ from puzzle.model import HybridLM
 from puzzle.nemotron_h.config import mtp_block_specs
 from puzzle.score import Scores
 from puzzle.search.types import Solution
-from puzzle.spec import BlockSpec, ModelSpec, SpecError, Variant, block_to_dict
+from puzzle.spec import (
+    DEFAULT_WEIGHT_FORMAT,
+    BlockSpec,
+    ModelSpec,
+    SpecError,
+    Variant,
+    block_to_dict,
+    weight_format_of,
+)
 
 # Tensors the router keeps in fp32 whatever the model's dtype (as `puzzle.load` and transformers do).
 _FP32_TENSORS = ("gate.weight", "gate.e_score_correction_bias")
@@ -55,13 +69,17 @@ class AssembledBlock:
     predicted_kl: float | None = None  # its replace-one-block score, when scores were given
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "block": self.variant.block_index,
             "variant": self.variant.id,
             "source": self.source,
             "predicted_kl": self.predicted_kl,
             "spec": block_to_dict(self.variant.spec),
         }
+        fmt = weight_format_of(self.variant.spec)
+        if fmt != DEFAULT_WEIGHT_FORMAT:  # a bf16 child's puzzle.json stays as it was
+            out["weight_format"] = fmt
+        return out
 
 
 @dataclass
@@ -212,6 +230,9 @@ def _library_mixer(library: Library, variant: Variant, parent: HybridLM) -> tupl
         raise AssemblyError(f"{where}: its library file {result.file} cannot be read: {error}") from error
     parent_mixer = parent.layers[variant.block_index].mixer
     _match_parent(mixer, parent_mixer, parent.embeddings.weight.dtype, parent.embeddings.weight.device)
+    # A quantized variant: the child carries its covered weights fake-quantized, in the child's dtype (the
+    # values an export stores; the mixer's forward fake-quantizes them again, which leaves them as they are).
+    formats.bake(mixer)
     return mixer, "library"
 
 

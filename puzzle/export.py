@@ -19,7 +19,7 @@ from typing import Any
 from puzzle.card import model_card
 from puzzle.files import CARD_FILE, card_owner
 from puzzle.model import HybridLM
-from puzzle.nemotron_h.checkpoint import EXPORT_RECORD, save_pretrained
+from puzzle.nemotron_h.checkpoint import EXPORT_RECORD, module_weight_formats, save_pretrained
 from puzzle.nemotron_h.config import CheckpointError, config_from_spec
 from puzzle.nemotron_h.engines import SERVING_ENGINES, engine_problems, engine_support
 from puzzle.nemotron_h.weights import DEFAULT_MAX_SHARD_BYTES
@@ -101,6 +101,7 @@ def export(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
     run_info: Mapping[str, Any] | None = None,
+    weight_formats: Mapping[str, str] | None = None,
 ) -> Path:
     """Write `child` (e.g. from `puzzle.assemble.assemble`) as a checkpoint directory at `path`; returns it.
 
@@ -111,6 +112,13 @@ def export(
     `assembly.measured`), MTP handling, which engines can serve it). `format`: see the module docstring;
     `engines`: those `format="engine"` checks. Never writes into `parent_dir` or the parent's
     directory (CheckpointError); `overwrite` as in `save_pretrained`.
+
+    `weight_formats`: {module-name prefix, e.g. "backbone.layers.3.mixer": "bf16" | "fp8" | "nvfp4"}: those
+    blocks' matmul weights are written quantized, in the compressed-tensors format vLLM loads
+    (`puzzle.nemotron_h.quantized`; recorded in puzzle.json as `weight_formats`), and `puzzle.load` reads
+    them back dequantized. None: the formats of the child's block specs (an assembled child's
+    `weight_format`s), if any. llama.cpp has its own quantization types: export bf16 (a child without
+    formats) for it and quantize with its tools.
 
     README.md: the model card (`puzzle.card.model_card`); `run_info` is what the Run API knows of the
     run (`puzzle.card.run_card_info`: budgets, GKD, config fingerprint; None: a standalone export). A
@@ -123,9 +131,13 @@ def export(
     config = export_config(child, format, engines)
     if measured is None and getattr(child, "assembly", None) is not None and child.assembly.measured:
         measured = child.assembly.measured
+    if weight_formats is None:  # an assembled child's blocks carry their formats
+        weight_formats = module_weight_formats(child.spec)
     record = export_record(child, config, parent or child.source_path, solution, measured)
     if run_info is not None:
         record["run"] = dict(run_info)
+    if weight_formats is not None:
+        record["weight_formats"] = dict(weight_formats)
     files = {}
     if card_owner(path) == "user":
         record["model_card"] = f"not written: {CARD_FILE} at the export path is the user's"
@@ -140,6 +152,7 @@ def export(
         model_type=config["model_type"],
         aux_source=parent,
         extra_files=files,
+        weight_formats=weight_formats,
     )
 
 

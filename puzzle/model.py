@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from puzzle.blocks import build_block
+from puzzle.blocks import build_block, formats
 from puzzle.spec import BlockSpec, ModelSpec, NoOpSpec, SpecError
 
 
@@ -71,7 +71,8 @@ class Block(nn.Module):
         """One-token decode: x [b, 1, H] -> [b, 1, H], updating `cache`."""
         if isinstance(self.spec, NoOpSpec):
             return x
-        return x + self.mixer.step(self.norm(x.to(self.norm.weight.dtype)), cache)
+        with formats.step_context(self.mixer):  # a direct step call skips the mixer's fake-quant hooks
+            return x + self.mixer.step(self.norm(x.to(self.norm.weight.dtype)), cache)
 
 
 @dataclass

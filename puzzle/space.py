@@ -17,6 +17,7 @@ kinds:
     latent_size: [...]
     width_profiles:                         # a width per expert: experts ranked by importance,
       - [{experts: 0.25, width_fraction: 1.0}, {experts: 0.75, width_fraction: 0.5}]  # top 25% full width
+    weight_format: [bf16, nvfp4]            # formats of the matmul weights (default: the parent's, bf16)
     mode: coupled                           # or decoupled
     noop: false                             # also offer a removed block
     linear: false                           # also offer a hidden x hidden linear replacement
@@ -33,7 +34,10 @@ the first variant. `coupled` takes the product of the axes (combinations a block
 top_k above num_experts, are left out); `decoupled` varies one axis at a time, the others at the
 parent's value (the Puzzle paper's two modes). Values are ordered largest first, duplicates (after
 rounding) removed, then the linear and no-op replacements. A kind absent from `kinds` keeps the parent's
-shape only. An override replaces the kind space of its blocks (axes it does not list stay at the
+shape only. `weight_format` multiplies the shapes (linear replacement included): each shape in the parent's
+format (bf16) then in each other format listed, so a variant is a shape plus a format (`moe:e8:k2:w16:nvfp4`);
+which tensors a format covers is `puzzle.blocks.tensors.QUANTIZED_ROLES`. A shape whose covered weights
+have an input dimension that is not a multiple of 16 has no nvfp4 variant (NVFP4's block of 16). An override replaces the kind space of its blocks (axes it does not list stay at the
 parent's value); a block may appear in one override only.
 
 Width profiles. `init_child` reads a tuple `MoESpec.expert_width` as one width per child expert, in
@@ -59,6 +63,7 @@ from typing import Any
 from puzzle.axes import PRUNING_AXES, Axis
 from puzzle.spec import (
     BLOCK_SPEC_TYPES,
+    WEIGHT_FORMATS,
     AttentionSpec,
     BlockSpec,
     LinearSpec,
@@ -70,6 +75,7 @@ from puzzle.spec import (
     SpecError,
     Variant,
     kind_entry,
+    weight_format_of,
 )
 
 
@@ -92,7 +98,7 @@ SIZE_AXES: frozenset[str] = frozenset(a.name for axes in PRUNING_AXES.values() f
 # Axes where 0 is a real choice (no shared expert).
 _ZERO_ALLOWED = frozenset(a.name for axes in PRUNING_AXES.values() for a in axes if a.zero_allowed)
 MODES = ("coupled", "decoupled")
-_KIND_OPTIONS = ("mode", "noop", "linear", "rounding")
+_KIND_OPTIONS = ("weight_format", "mode", "noop", "linear", "rounding")
 _TIER_KEYS = ("experts", "width", "width_fraction")
 
 
@@ -151,6 +157,15 @@ def _int_values(where: str, data: Any, minimum: int) -> tuple[int, ...]:
 def _fraction_values(where: str, data: Any) -> tuple[float, ...]:
     items = data if isinstance(data, (list, tuple)) else [data]
     return tuple(sorted({_fraction(f"{where}[{i}]", v) for i, v in enumerate(items)}, reverse=True))
+
+
+def _weight_formats(where: str, data: Any) -> tuple[str, ...]:
+    """A format name or a list of them (`puzzle.spec.WEIGHT_FORMATS`), in that table's order."""
+    items = data if isinstance(data, (list, tuple)) else [data]
+    for i, item in enumerate(items):
+        if not isinstance(item, str) or item not in WEIGHT_FORMATS:
+            raise SpaceError(f"{where}[{i}] must be one of {list(WEIGHT_FORMATS)}, found {item!r}")
+    return tuple(fmt for fmt in WEIGHT_FORMATS if fmt in items)
 
 
 def _bool(where: str, value: Any) -> bool:
@@ -236,6 +251,7 @@ class KindSpace:
     values: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     fractions: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
     profiles: tuple[WidthProfile, ...] = ()
+    weight_formats: tuple[str, ...] = ()
     mode: str = "coupled"
     noop: bool = False
     linear: bool = False
@@ -269,6 +285,7 @@ class KindSpace:
             values=values,
             fractions=fractions,
             profiles=tuple(profiles),
+            weight_formats=_weight_formats(f"{where}.weight_format", data.get("weight_format", [])),
             mode=mode,
             noop=_bool(f"{where}.noop", data.get("noop", False)),
             linear=_bool(f"{where}.linear", data.get("linear", False)),
@@ -284,6 +301,8 @@ class KindSpace:
                 out[f"{axis}_fraction"] = list(self.fractions[axis])
         if self.profiles:
             out["width_profiles"] = [profile.to_dict() for profile in self.profiles]
+        if self.weight_formats:  # absent when unused, so a shape-only space keeps its fingerprint
+            out["weight_format"] = list(self.weight_formats)
         out.update(mode=self.mode, noop=self.noop, linear=self.linear, rounding=self.rounding)
         return out
 
@@ -424,7 +443,8 @@ class SearchSpace:
             specs.append(LinearSpec())
         if space.noop:
             specs.append(NoOpSpec())
-        unique = list(dict.fromkeys([block, *specs]))
+        shapes = list(dict.fromkeys([block, *specs]))
+        unique = _with_formats(shapes, weight_format_of(block), space, parent.hidden_size)
         return [Variant(block_index, spec) for spec in unique]
 
     def all_variants(self, parent: ModelSpec, importance: Any = None) -> dict[int, list[Variant]]:
@@ -456,6 +476,42 @@ class _Block:
 
     def error(self, axis: str, value: Any, why: str) -> SpaceError:
         return SpaceError(f"block {self.index} ({self.spec.kind}), axis {axis}, value {value!r}: {why}")
+
+
+def _format_fits(spec: BlockSpec, fmt: str, hidden_size: int) -> bool:
+    """nvfp4 needs every covered weight's input dimension to be a multiple of its 16-value block (vLLM
+    allocates in_features // 16 scales, `puzzle.quant` refuses a partial block); fp8 and bf16 fit any."""
+    if fmt != "nvfp4":
+        return True
+    from puzzle.blocks.tensors import QUANTIZED_ROLES
+    from puzzle.cost.formats import NVFP4_BLOCK
+    from puzzle.cost.kinds import mixer_tensors
+
+    covered = [t for t in mixer_tensors(spec, hidden_size) if t.role in QUANTIZED_ROLES]
+    return all(t.shape[-1] % NVFP4_BLOCK == 0 for t in covered)
+
+
+def _with_formats(
+    specs: list[BlockSpec], parent_format: str, space: KindSpace, hidden_size: int
+) -> list[BlockSpec]:
+    """Each shape in the parent's format, then in the space's other formats (shape by shape, so the parent's
+    own block stays first); a no-op has no weights and no format. A shape a format cannot store (nvfp4
+    with an input dimension that is not a multiple of 16) is left out in that format, as coupled mode
+    leaves out combinations a block cannot take."""
+    formats = [parent_format, *(f for f in space.weight_formats if f != parent_format)]
+    if len(formats) == 1:
+        return specs
+    out: list[BlockSpec] = []
+    for spec in specs:
+        if not hasattr(spec, "weight_format"):
+            out.append(spec)
+            continue
+        out += [
+            dataclasses.replace(spec, weight_format=fmt)
+            for fmt in formats
+            if fmt == parent_format or _format_fits(spec, fmt, hidden_size)
+        ]
+    return list(dict.fromkeys(out))
 
 
 def _round_size(value: float, multiple: int, parent_value: int) -> int:

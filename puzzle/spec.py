@@ -64,6 +64,25 @@ def _require_divisible(owner: str, name: str, value: int, divisor_name: str, div
         raise SpecError(f"{owner}.{name} ({value}) must be divisible by {divisor_name} ({divisor})")
 
 
+# Storage formats a block's matmul weights can take (the weight_format axis; `puzzle.quant` implements
+# them, `puzzle.cost` prices them). "bf16" is the parent's: the default, written nowhere (ids, JSON).
+WEIGHT_FORMATS: tuple[str, ...] = ("bf16", "fp8", "nvfp4")
+DEFAULT_WEIGHT_FORMAT = "bf16"
+
+
+def _require_weight_format(spec: Any) -> None:
+    value = spec.weight_format
+    if not isinstance(value, str) or value not in WEIGHT_FORMATS:
+        raise SpecError(
+            f"{type(spec).__name__}.weight_format must be one of {list(WEIGHT_FORMATS)}, found {value!r}"
+        )
+
+
+def weight_format_of(spec: Any) -> str:
+    """The storage format of a block's matmul weights (`weight_format`; "bf16" for a kind without one)."""
+    return getattr(spec, "weight_format", DEFAULT_WEIGHT_FORMAT)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Variant ids: `kind:token:token...`, readable, filesystem-safe, one per spec (they name library files).
 
@@ -120,10 +139,12 @@ class MambaSpec:
     proj_bias: bool = False
     dt_clamp_min: float = 0.0
     dt_clamp_max: float | None = None
+    weight_format: str = DEFAULT_WEIGHT_FORMAT
 
     def __post_init__(self) -> None:
         owner = "MambaSpec"
         _require_bools(self)
+        _require_weight_format(self)
         for name in ("num_heads", "head_dim", "state_size", "n_groups", "conv_kernel", "chunk_size"):
             _require_positive_int(owner, name, getattr(self, name))
         _require_divisible(owner, "num_heads", self.num_heads, "n_groups", self.n_groups)
@@ -171,6 +192,7 @@ class MambaSpec:
         "proj_bias": _flag("projbias"),
         "dt_clamp_min": _prefixed("dtmin"),
         "dt_clamp_max": _prefixed("dtmax"),
+        "weight_format": str,
     }
 
     def short_name(self) -> str:
@@ -198,10 +220,12 @@ class AttentionSpec:
     bias: bool = False
     rope_theta: float | None = None
     rotary_fraction: float = 1.0
+    weight_format: str = DEFAULT_WEIGHT_FORMAT
 
     def __post_init__(self) -> None:
         owner = "AttentionSpec"
         _require_bools(self)
+        _require_weight_format(self)
         for name in ("num_heads", "num_kv_heads", "head_dim"):
             _require_positive_int(owner, name, getattr(self, name))
         _require_divisible(owner, "num_heads", self.num_heads, "num_kv_heads", self.num_kv_heads)
@@ -213,6 +237,7 @@ class AttentionSpec:
         "bias": _flag("bias"),
         "rope_theta": _prefixed("rope"),
         "rotary_fraction": _prefixed("rotary"),
+        "weight_format": str,
     }
 
     def short_name(self) -> str:
@@ -242,10 +267,12 @@ class MoESpec:
     norm_topk_prob: bool = True
     n_group: int = 1
     topk_group: int = 1
+    weight_format: str = DEFAULT_WEIGHT_FORMAT
 
     def __post_init__(self) -> None:
         owner = "MoESpec"
         _require_bools(self)
+        _require_weight_format(self)
         _require_number(self, "routed_scaling_factor", minimum=0.0, above=True)
         for name in ("num_experts", "top_k", "n_group", "topk_group"):
             _require_positive_int(owner, name, getattr(self, name))
@@ -308,6 +335,7 @@ class MoESpec:
         "norm_topk_prob": _flag("nonormtopk"),
         "n_group": _prefixed("groups"),
         "topk_group": _prefixed("topkgroups"),
+        "weight_format": str,
     }
 
     def short_name(self) -> str:
@@ -335,9 +363,11 @@ class MLPSpec:
     width: int
     activation: str = "relu2"
     bias: bool = False
+    weight_format: str = DEFAULT_WEIGHT_FORMAT
 
     def __post_init__(self) -> None:
         _require_bools(self)
+        _require_weight_format(self)
         _require_positive_int("MLPSpec", "width", self.width)
         if not isinstance(self.activation, str) or self.activation not in self.ACTIVATIONS:
             raise SpecError(
@@ -349,6 +379,7 @@ class MLPSpec:
     ID_TOKENS: ClassVar[dict[str, Callable[[Any], str]]] = {
         "activation": str,  # the name itself: `mlp:w64:silu`
         "bias": _flag("bias"),
+        "weight_format": str,  # `mlp:w64:nvfp4`
     }
 
     def short_name(self) -> str:
@@ -364,12 +395,14 @@ class LinearSpec:
     pattern_char: ClassVar[str] = "L"
 
     bias: bool = False
+    weight_format: str = DEFAULT_WEIGHT_FORMAT
 
     def __post_init__(self) -> None:
         _require_bools(self)
+        _require_weight_format(self)
 
     ID_CORE: ClassVar[tuple[str, ...]] = ()
-    ID_TOKENS: ClassVar[dict[str, Callable[[Any], str]]] = {"bias": _flag("bias")}
+    ID_TOKENS: ClassVar[dict[str, Callable[[Any], str]]] = {"bias": _flag("bias"), "weight_format": str}
 
     def short_name(self) -> str:
         """The variant id: `linear`, or `linear:bias`."""
@@ -419,10 +452,12 @@ def _finite_or_none(value: Any) -> Any:
 
 
 def block_to_dict(spec: BlockSpec) -> dict[str, Any]:
-    """A JSON-ready dict: {"kind": ..., every field}. Tuples become lists."""
+    """A JSON-ready dict: {"kind": ..., every field}. Tuples become lists; `weight_format` only when not bf16."""
     out: dict[str, Any] = {"kind": spec.kind}
     for f in dataclasses.fields(spec):
         value = getattr(spec, f.name)
+        if f.name == "weight_format" and value == DEFAULT_WEIGHT_FORMAT:
+            continue  # bf16 blocks keep the JSON (and so every fingerprint) they had before the format axis
         out[f.name] = list(value) if isinstance(value, tuple) else _finite_or_none(value)
     return out
 
@@ -586,6 +621,26 @@ class Variant:
 
     def __str__(self) -> str:
         return f"block {self.block_index}: {self.id}"
+
+
+def weight_formats(spec: ModelSpec) -> dict[int, str]:
+    """{block index: weight format} of the blocks whose matmul weights are quantized (not bf16)."""
+    return {
+        index: weight_format_of(block)
+        for index, block in enumerate(spec.blocks)
+        if weight_format_of(block) != DEFAULT_WEIGHT_FORMAT
+    }
+
+
+def without_weight_formats(spec: ModelSpec) -> ModelSpec:
+    """`spec` with every block in bf16: its architecture alone (what a config.json's block fields describe)."""
+    blocks = tuple(
+        dataclasses.replace(block, weight_format=DEFAULT_WEIGHT_FORMAT)
+        if hasattr(block, "weight_format")
+        else block
+        for block in spec.blocks
+    )
+    return dataclasses.replace(spec, blocks=blocks)
 
 
 def blocks_of_kind(spec: ModelSpec, kinds: str | Iterable[str]) -> list[int]:

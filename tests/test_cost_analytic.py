@@ -166,7 +166,7 @@ def test_nemotron3_super_block_counts_match_the_reference():
 def test_tensor_bytes_of_each_format():
     assert tensor_bytes((32, 64), "bf16") == 32 * 64 * 2
     assert tensor_bytes((32, 64), "fp32") == 32 * 64 * 4
-    assert tensor_bytes((32, 64), "fp8") == 32 * 64 + 4
+    assert tensor_bytes((32, 64), "fp8") == 32 * 64 + 32 * 4  # one fp32 scale per output channel
     # nvfp4: half a byte per value, one fp8 scale per 16 values of a row, one fp32 tensor scale.
     assert tensor_bytes((32, 64), "nvfp4") == 32 * 64 / 2 + 32 * 4 + 4
     assert tensor_bytes((3, 20), "nvfp4") == 30 + 3 * 2 + 4  # a partial block still has a scale
@@ -185,7 +185,10 @@ def test_recipes_assign_formats_by_role():
     shared_and_latent = 2 * 32 * H + 2 * 16 * H
     experts_nvfp4 = 4 * (2 * (32 * 16 / 2 + 4)) + 4 * (32 * 1 + 16 * 2)
     router_weight = 2 * 4 * H  # fp32 in bf16, bf16 in nvfp4-experts
-    assert saved == pytest.approx(experts_bf16 - experts_nvfp4 + shared_and_latent - 4 * 4 + router_weight)
+    fp8_scales = 4 * (32 + H + 16 + H)  # one fp32 per output channel of shared up / down, latent fc1 / fc2
+    assert saved == pytest.approx(
+        experts_bf16 - experts_nvfp4 + shared_and_latent - fp8_scales + router_weight
+    )
     with pytest.raises(SpecError, match="unknown quantisation recipe"):
         get_recipe("int2")
     with pytest.raises(SpecError, match="missing roles"):

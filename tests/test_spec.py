@@ -12,6 +12,7 @@ from hypothesis import given, reject, settings
 from hypothesis import strategies as st
 
 from puzzle.spec import (
+    WEIGHT_FORMATS,
     AttentionSpec,
     LinearSpec,
     MambaSpec,
@@ -163,6 +164,7 @@ def _floats(*near: float, low: float, high: float) -> st.SearchStrategy[float]:
 
 
 _SMALL = st.integers(1, 4)
+_FORMATS = st.sampled_from(WEIGHT_FORMATS)
 # Per kind, one strategy per field (a function of the fields drawn before it where one depends on another).
 FIELD_VALUES = {
     MambaSpec: {
@@ -176,6 +178,7 @@ FIELD_VALUES = {
         "proj_bias": st.booleans(),
         "dt_clamp_min": _floats(0.0, 1e-3, low=0.0, high=0.1),
         "dt_clamp_max": st.one_of(st.none(), _floats(0.1, 1.0, low=0.1, high=100.0)),
+        "weight_format": _FORMATS,
     },
     AttentionSpec: {
         "num_heads": st.sampled_from([1, 2, 4]),
@@ -184,6 +187,7 @@ FIELD_VALUES = {
         "bias": st.booleans(),
         "rope_theta": st.one_of(st.none(), _floats(10000.0, 1e6, low=1.0, high=1e7)),
         "rotary_fraction": _floats(1.0, 0.5, low=0.01, high=1.0),
+        "weight_format": _FORMATS,
     },
     MoESpec: {
         "num_experts": st.sampled_from([1, 2, 4]),
@@ -198,13 +202,15 @@ FIELD_VALUES = {
         "norm_topk_prob": st.booleans(),
         "n_group": st.sampled_from([1, 2]),
         "topk_group": st.sampled_from([1, 2]),
+        "weight_format": _FORMATS,
     },
     MLPSpec: {
         "width": _SMALL,
         "activation": st.sampled_from(MLPSpec.ACTIVATIONS),
         "bias": st.booleans(),
+        "weight_format": _FORMATS,
     },
-    LinearSpec: {"bias": st.booleans()},
+    LinearSpec: {"bias": st.booleans(), "weight_format": _FORMATS},
     NoOpSpec: {},
 }
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from puzzle.blocks import formats
 from puzzle.blocks.attention import AttentionMixer, KVCache
 from puzzle.blocks.mamba import MambaMixer
 from puzzle.blocks.mlp import LinearMixer, MLPMixer, NoOpMixer
@@ -33,10 +34,12 @@ BLOCK_TYPES: dict[type, type[nn.Module]] = {
 def build_block(spec: BlockSpec, hidden_size: int, norm_eps: float = 1e-5) -> nn.Module:
     """The mixer for `spec` (without the block's pre-norm and residual, which live in the model).
 
-    Builds on whatever device is current, `torch.device("meta")` included.
+    Builds on whatever device is current, `torch.device("meta")` included. A spec with a weight format
+    other than bf16 gets a mixer whose calls fake-quantize its matmul weights (`puzzle.blocks.formats`).
     """
     mixer_cls = kind_entry(BLOCK_TYPES, spec, "no mixer for a")
-    return mixer_cls(spec, hidden_size, norm_eps)
+    # A quantized spec's mixer runs its covered weights fake-quantized (puzzle.blocks.formats).
+    return formats.install(mixer_cls(spec, hidden_size, norm_eps))
 
 
 __all__ = [

@@ -30,6 +30,12 @@ ROLES: tuple[str, ...] = (
     "linear",  # the single matrix of a LinearSpec block
 )
 
+# The roles a block's `weight_format` (fp8 / nvfp4) covers: its mixer's matmul weights. Norms, biases, the
+# router, conv and SSM parameters stay in the recipe's format (bf16 / fp32), as serving recipes keep them.
+QUANTIZED_ROLES: frozenset[str] = frozenset(
+    ("mamba_proj", "attention_proj", "routed_expert", "shared_expert", "latent_proj", "mlp", "linear")
+)
+
 
 @dataclass(frozen=True)
 class TensorInfo:

@@ -1,7 +1,9 @@
 """`puzzle costs TARGET`: parameters, weight memory, per-request state and concurrency of a model.
 
-TARGET is a preset name (`puzzle costs nemotron3-super`), a checkpoint directory, or a config.json
-file (nemotron_h, or nemotron_h_puzzle with per-block `block_configs`).
+TARGET is a preset name (`puzzle costs nemotron3-super`), a checkpoint directory, a config.json
+file (nemotron_h, or nemotron_h_puzzle with per-block `block_configs`), or a puzzle model spec JSON
+(`ModelSpec.to_json`, e.g. an assembled child's `child.spec`, per-block weight formats included: a block in
+fp8 or nvfp4 has its matmul weights counted in that format, whatever --recipe says for them).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from puzzle.cost.analytic import (
 from puzzle.cost.hardware import DEFAULT_HARDWARE, DEFAULT_MEMORY_FRACTION, get_hardware, hardware_names
 from puzzle.cost.roofline import max_concurrent_requests
 from puzzle.presets import PRESETS, get_preset
-from puzzle.spec import ModelSpec, SpecError
+from puzzle.spec import ModelSpec, SpecError, weight_formats
 
 STATE_DTYPES = ("fp32", "bf16", "fp16", "fp8")
 DTYPE_UNITS = "bytes per value: " + ", ".join(f"{dtype} {DTYPE_BYTES[dtype]:g}" for dtype in STATE_DTYPES)
@@ -47,7 +49,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "target", help=f"a preset ({', '.join(sorted(PRESETS))}), a checkpoint dir or a config.json"
+        "target",
+        help=f"a preset ({', '.join(sorted(PRESETS))}), a checkpoint dir, a config.json or a puzzle model "
+        "spec JSON (per-block weight formats included)",
     )
     parser.add_argument(
         "--hardware",
@@ -101,6 +105,9 @@ def load_target(target: str) -> tuple[ModelSpec, str]:
             nemotron_h.read_config(path), str(path / nemotron_h.CONFIG_NAME)
         ), f"checkpoint {path}"
     if path.is_file():
+        spec = _model_spec_file(path)
+        if spec is not None:
+            return spec, f"model spec {path}"
         config = nemotron_h.read_config_file(path)
         return nemotron_h.spec_from_config(config, str(path)), f"config {path}"
     if path.exists():  # a device, a fifo...
@@ -108,6 +115,20 @@ def load_target(target: str) -> tuple[ModelSpec, str]:
     if path.suffix == ".json" or "/" in target:
         raise SpecError(f"{target} does not exist")
     return get_preset(target), f"preset {target}"
+
+
+def _model_spec_file(path: Path) -> ModelSpec | None:
+    """The ModelSpec in `path` when it is a puzzle model spec JSON ("blocks", no "model_type"), else None."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # read_config_file says what is wrong with it
+    if not isinstance(data, dict) or "model_type" in data or "blocks" not in data:
+        return None
+    try:
+        return ModelSpec.from_dict(data)
+    except SpecError as error:
+        raise SpecError(f"{path}: not a valid puzzle model spec: {error}") from None
 
 
 def compute_costs(
@@ -188,6 +209,7 @@ def compute_costs(
         "recurrent_state_bytes_per_request": state_bytes_per_sequence(spec, ssm_dtype),
         "state_bytes_per_request": state_bytes_per_request(spec, context, kv_dtype, ssm_dtype),
         "max_concurrent_requests": concurrent,
+        "weight_formats": {str(i): fmt for i, fmt in weight_formats(spec).items()},  # blocks not in bf16
         "by_kind": dict(by_kind),
     }
 

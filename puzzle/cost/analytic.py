@@ -22,6 +22,7 @@ from puzzle.cost.formats import (
     RECIPES,
     TENSOR_SCALE_BYTES,
     QuantRecipe,
+    block_recipe,
     dtype_bytes,
     get_recipe,
     tensor_bytes,
@@ -151,11 +152,13 @@ def model_active_params(model_spec: ModelSpec) -> int:
 
 @lru_cache(maxsize=4096)
 def _block_weight_bytes(spec: BlockSpec, hidden_size: int, recipe: QuantRecipe) -> float:
+    recipe = block_recipe(spec, recipe)  # the block's weight format, if quantized
     return sum(tensor_bytes(t.shape, recipe.format_of(t.role)) for t in _stored_tensors(spec, hidden_size))
 
 
 def block_weight_bytes(spec: BlockSpec, hidden_size: int, recipe: str | QuantRecipe = "bf16") -> float:
-    """Bytes of every tensor the block stores (buffers included) under `recipe`."""
+    """Bytes of every tensor the block stores (buffers included) under `recipe`, its matmul weights in the
+    spec's `weight_format` when that is fp8 or nvfp4 (`puzzle.cost.formats.block_recipe`)."""
     return _block_weight_bytes(spec, hidden_size, get_recipe(recipe))
 
 

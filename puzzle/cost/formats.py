@@ -6,14 +6,14 @@ import functools
 import math
 from dataclasses import dataclass
 
-from puzzle.blocks.tensors import ROLES
-from puzzle.spec import SpecError
+from puzzle.blocks.tensors import QUANTIZED_ROLES, ROLES
+from puzzle.spec import DEFAULT_WEIGHT_FORMAT, SpecError, weight_format_of
 
 # Bytes per element of plain formats.
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 FORMATS: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8", "nvfp4")
 NVFP4_BLOCK = 16  # values sharing one fp8 (E4M3) scale, along the input dimension
-TENSOR_SCALE_BYTES = 4  # one fp32 per-tensor scale for fp8 and nvfp4 tensors
+TENSOR_SCALE_BYTES = 4  # one fp32 scale: per output channel (row) of an fp8 tensor, per nvfp4 tensor
 
 
 def dtype_bytes(dtype: str) -> float:
@@ -26,7 +26,8 @@ def dtype_bytes(dtype: str) -> float:
 def tensor_bytes(shape: tuple[int, ...], fmt: str) -> float:
     """Bytes a tensor of `shape` takes in format `fmt`, scales included.
 
-    fp8: 1 byte per value + one fp32 per-tensor scale. nvfp4: 4-bit values, one fp8 scale per 16
+    fp8: 1 byte per value + one fp32 scale per output channel (row; rows = all but the last dim), the
+    granularity `puzzle.quant` and the exported checkpoint use. nvfp4: 4-bit values, one fp8 scale per 16
     consecutive values of a row (rows = all but the last dim; a partial block still has a scale),
     plus one fp32 per-tensor scale. 1-D tensors are never block-quantised: they stay bf16.
     """
@@ -34,7 +35,7 @@ def tensor_bytes(shape: tuple[int, ...], fmt: str) -> float:
     if fmt in ("fp8", "nvfp4") and len(shape) < 2:
         return 2.0 * numel
     if fmt == "fp8":
-        return float(numel + TENSOR_SCALE_BYTES)
+        return float(numel + TENSOR_SCALE_BYTES * (numel // shape[-1]))
     if fmt in DTYPE_BYTES:
         return float(DTYPE_BYTES[fmt] * numel)
     if fmt == "nvfp4":
@@ -97,7 +98,7 @@ RECIPES: dict[str, QuantRecipe] = {
         QuantRecipe.build(
             "fp8",
             "fp8",
-            "every linear layer fp8 with a per-tensor scale; embeddings, lm_head, norms, router, "
+            "every linear layer fp8 with a scale per output channel; embeddings, lm_head, norms, router, "
             "conv and SSM parameters bf16",
             **dict.fromkeys(_KEEP_HIGH, "bf16"),
         ),
@@ -127,3 +128,26 @@ def get_recipe(recipe: str | QuantRecipe) -> QuantRecipe:
     if recipe not in RECIPES:
         raise SpecError(f"unknown quantisation recipe {recipe!r}; choose one of {sorted(RECIPES)}")
     return RECIPES[recipe]
+
+
+@functools.lru_cache(maxsize=256)
+def with_weight_format(recipe: QuantRecipe, weight_format: str) -> QuantRecipe:
+    """`recipe` with the roles a block's weight format covers (QUANTIZED_ROLES) in `weight_format`.
+
+    "bf16" (the default format) leaves the recipe as it is: a block without a quantized format is
+    priced as the recipe says, so costs of shape-only searches do not change.
+    """
+    if weight_format == DEFAULT_WEIGHT_FORMAT:
+        return recipe
+    if weight_format not in FORMATS:
+        raise SpecError(f"unknown weight format {weight_format!r}; choose one of {list(FORMATS)}")
+    formats = tuple((role, weight_format if role in QUANTIZED_ROLES else fmt) for role, fmt in recipe.formats)
+    if formats == recipe.formats:
+        return recipe
+    return QuantRecipe(f"{recipe.name}+{weight_format}", formats, recipe.description)
+
+
+def block_recipe(spec: object, recipe: str | QuantRecipe) -> QuantRecipe:
+    """The recipe one block's tensors are priced in: `recipe`, its matmul weights in the block's
+    `weight_format` when that is not bf16 (`puzzle.spec.weight_format_of`)."""
+    return with_weight_format(get_recipe(recipe), weight_format_of(spec))

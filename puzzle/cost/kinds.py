@@ -20,7 +20,7 @@ from functools import lru_cache
 from typing import ClassVar, Generic, TypeVar
 
 from puzzle.blocks.tensors import TensorInfo
-from puzzle.cost.formats import QuantRecipe, dtype_bytes, tensor_bytes
+from puzzle.cost.formats import QuantRecipe, block_recipe, dtype_bytes, tensor_bytes
 from puzzle.spec import (
     AttentionSpec,
     BlockSpec,
@@ -239,7 +239,8 @@ def routed_expert_params(spec: BlockSpec, hidden_size: int) -> tuple[int, ...]:
 
 @lru_cache(maxsize=4096)
 def routed_expert_bytes(spec: BlockSpec, hidden_size: int, recipe: QuantRecipe) -> tuple[float, ...]:
-    """Bytes of each routed expert under `recipe`, in expert order."""
+    """Bytes of each routed expert under `recipe` (in the block's weight format, if quantized), in expert order."""
+    recipe = block_recipe(spec, recipe)
     return tuple(
         sum(tensor_bytes(t.shape, recipe.format_of(t.role)) for t in expert)
         for expert in routed_experts(spec, hidden_size)

@@ -9,6 +9,7 @@ replaces an earlier checkpoint atomically (`puzzle.files` staging directories).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -31,6 +32,7 @@ from puzzle.files import (
     swap_directory_into_place,
 )
 from puzzle.model import HybridLM
+from puzzle.nemotron_h import quantized
 from puzzle.nemotron_h.config import (
     CONFIG_NAME,
     CheckpointError,
@@ -51,11 +53,11 @@ from puzzle.nemotron_h.weights import (
     map_checkpoint,
     module_hub_state,
     open_safetensors,
-    read_tensor,
     weight_files,
 )
 from puzzle.progress import progress
-from puzzle.spec import NoOpSpec
+from puzzle.spec import ModelSpec, NoOpSpec
+from puzzle.spec import weight_formats as spec_weight_formats
 
 # ---------------------------------------------------------------------------------------------------- load
 
@@ -88,17 +90,14 @@ def _compute_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return found
 
 
-def _refuse_quantized(config: Mapping[str, Any], path: Path) -> None:
-    """Quantised releases (NVFP4 / FP8) store packed weights and scales that are not the model's tensors."""
-    quantization = config.get("quantization_config")
-    if quantization:
-        method = (
-            quantization.get("quant_method", "unknown") if isinstance(quantization, Mapping) else "unknown"
-        )
+def _refuse_quantized(config: Mapping[str, Any], path: Path, what: str) -> None:
+    """Quantised checkpoints store packed weights and scales that are not the model's tensors: only a plain
+    `load` reads puzzle's own compressed-tensors exports back (dequantized); `what` cannot."""
+    if config.get("quantization_config"):
+        quantized.read_formats(config, str(path / CONFIG_NAME))  # a foreign quantization: its own message
         raise CheckpointError(
-            f"{path / CONFIG_NAME} describes a quantized checkpoint (quantization_config, quant_method "
-            f"{method!r}); puzzle loads unquantized weights (bf16 / fp16 / fp32): use the BF16 release. "
-            "Its architecture alone can still be read with puzzle.nemotron_h.spec_from_config (e.g. `puzzle costs`)."
+            f"{path / CONFIG_NAME} describes a quantized checkpoint; {what} reads unquantized weights only: "
+            "load it with puzzle.load (unsharded), which dequantizes it, and save that"
         )
 
 
@@ -129,8 +128,12 @@ def load(
     node and replicates across nodes (`puzzle.shard.mesh`); True and "fsdp" shard over every rank. `device` None is the CPU for a
     plain load and this rank's device (`puzzle.dist.device()`: cuda:LOCAL_RANK, or the CPU) for a sharded one.
 
+    A quantized export of puzzle's (compressed-tensors fp8 / nvfp4 blocks, `save_pretrained(...,
+    weight_formats=)`) is read back dequantized: each quantized weight is its served values (the
+    fake-quantized weights, `puzzle.quant`), in `dtype`. Other quantized checkpoints are refused.
+
     Raises CheckpointError naming the file and tensor for a missing, unexpected, misshapen or
-    non-float (e.g. int8 or fp8) weight.
+    non-float (e.g. int8 or fp8 without its scales) weight.
     """
     if shard:
         from puzzle.nemotron_h import sharded  # on use: FSDP and DTensor imports
@@ -138,6 +141,7 @@ def load(
         sharded.require_process_group()
         device = dist.device() if device is None else device
         if dist.world_size() > 1:
+            _refuse_quantized(read_config(Path(path)), Path(path), "a sharded load")
             meta = load(path, dtype=dtype, device="meta")  # names, shapes and dtypes checked as for a load
             return sharded.load_sharded(meta, path, device, "fsdp" if shard is True else shard)
     compute_dtype = _compute_dtype(dtype)
@@ -145,10 +149,12 @@ def load(
     path = Path(path)
     config = read_config(path)
     spec = spec_from_config(config, where=str(path / CONFIG_NAME))
-    _refuse_quantized(config, path)
+    quantized_formats = quantized.read_formats(config, str(path / CONFIG_NAME))
     with contextlib.ExitStack() as stack:
         handles = {file: stack.enter_context(open_safetensors(file)) for file in weight_files(path)}
         sources, extras, prefix = map_checkpoint(handles)
+        if quantized_formats is not None:  # puzzle's compressed-tensors export: weights read back dequantized
+            sources = quantized.dequantizing_sources(sources, str(path))
         with torch.device("meta"):
             model = HybridLM(spec)
         # Hub names: the routed experts of each MoE block one by one, as checkpoints store them.
@@ -187,15 +193,13 @@ def load(
             source = sources[key]
             if key in expert_views:
                 if device.type != "meta":
-                    expert_views[key].copy_(
-                        read_tensor(handles[source.file], source.file, source.key, source.expert)
-                    )
+                    expert_views[key].copy_(quantized.read_source(handles, source))
                 continue
             dtype_of_key = torch.float32 if _keeps_fp32(key) else target_dtype
             if device.type == "meta":
                 tensor = torch.empty(source.shape, dtype=dtype_of_key, device=device)
             else:
-                tensor = read_tensor(handles[source.file], source.file, source.key, source.expert)
+                tensor = quantized.read_source(handles, source)
                 tensor = tensor.to(dtype=dtype_of_key).to(device).contiguous()
                 if tensor.data_ptr() % 64:  # file data sits at any offset; CPU matmuls round by alignment
                     tensor = tensor.clone()
@@ -264,6 +268,12 @@ def refusal_to_overwrite(target: Path, foreign: list[str]) -> str:
     return f"refusing to write into {target}: it holds files that are not checkpoint files ({shown})"
 
 
+def module_weight_formats(spec: ModelSpec) -> dict[str, str] | None:
+    """`save_pretrained`'s `weight_formats` from the block specs' own `weight_format` (None: all bf16)."""
+    formats = spec_weight_formats(spec)
+    return {f"backbone.layers.{i}.mixer": fmt for i, fmt in formats.items()} or None
+
+
 def save_pretrained(
     model: HybridLM,
     path: str | Path,
@@ -273,8 +283,15 @@ def save_pretrained(
     model_type: str = "auto",
     aux_source: str | Path | None = None,
     extra_files: Mapping[str, str] | None = None,
+    weight_formats: Mapping[str, str] | None = None,
 ) -> Path:
     """Write `model` as a NemotronH checkpoint directory at `path`; returns the path.
+
+    `weight_formats`: {module-name prefix, e.g. "backbone.layers.3.mixer": "bf16" | "fp8" | "nvfp4"}: the
+    matmul weights of those blocks' mixers are stored quantized in the compressed-tensors format vLLM
+    loads, with `quantization_config` in config.json (`puzzle.nemotron_h.quantized`); {}: none quantized;
+    None: the formats of
+    the model's block specs (`weight_format`, e.g. an assembled child's: `puzzle.spec.weight_formats`), if any.
 
     `model_type`: as `config_from_spec` ("auto", "nemotron_h", "nemotron_h_puzzle"). `aux_source`: the
     directory whose tokenizer / generation files are copied (default: the one the model was loaded
@@ -312,15 +329,29 @@ def save_pretrained(
     meta = [name for name, tensor in model.state_dict().items() if tensor.is_meta]
     if meta:
         raise CheckpointError(f"cannot save a model with tensors on the meta device (e.g. {meta[0]!r})")
-    options = {
+    options: dict[str, Any] = {
         "overwrite": overwrite,
         "model_type": model_type,
         "aux_source": aux_source,
         "extra_files": extra_files,
     }
+
+    # weights(directory): write the weight files there (None: a sharded save's other ranks, gathering only)
+    weights: Callable[[Path | None], list[str]] = functools.partial(
+        stream_weights, model, max_shard_bytes=max_shard_bytes
+    )
+    if weight_formats is None:  # the blocks' own formats (an assembled child's), if any
+        weight_formats = module_weight_formats(model.spec)
+    if weight_formats:  # {}: every block as it is (e.g. bf16 for llama.cpp), no quantization_config
+        quant_plan = quantized.plan(model, weight_formats)  # refusals before anything is written
+        options["quantization_config"] = quantized.quantization_config(quant_plan)
+        weights = functools.partial(
+            quantized.stream_quantized, model, max_shard_bytes=max_shard_bytes, quant_plan=quant_plan
+        )
+
     if _sharded(model):  # every rank gathers, rank 0 writes
-        return _save_sharded(model, path, max_shard_bytes, options)
-    return _save(model, path, lambda staging: stream_weights(model, staging, max_shard_bytes), **options)
+        return _save_sharded(model, path, weights, options)
+    return _save(model, path, weights, **options)
 
 
 def _sharded(model: nn.Module) -> bool:
@@ -328,13 +359,15 @@ def _sharded(model: nn.Module) -> bool:
     return dist.world_size() > 1 and any(hasattr(p, "device_mesh") for p in model.parameters())
 
 
-def _save_sharded(model: HybridLM, path: str | Path, max_shard_bytes: int, options: dict[str, Any]) -> Path:
+def _save_sharded(
+    model: HybridLM, path: str | Path, weights: Callable[[Path | None], list[str]], options: dict[str, Any]
+) -> Path:
     """`save_pretrained` of an FSDP2-sharded model, called on every rank: rank 0 checks, stages and writes
     the files while every rank gathers the tensors with it one at a time (`stream_weights`). A refusal or
     failure on rank 0 is raised there as it is and on the other ranks as a RuntimeError naming it."""
     if not dist.is_main():
         if dist.broadcast_object(None):  # rank 0 reached the weights: gather with it
-            stream_weights(model, None, max_shard_bytes)
+            weights(None)
         failure = dist.broadcast_object(None)
         if failure is not None:
             raise RuntimeError(f"rank 0 failed to save {path}: {failure}")
@@ -344,7 +377,7 @@ def _save_sharded(model: HybridLM, path: str | Path, max_shard_bytes: int, optio
     def write(staging: Path) -> list[str]:
         nonlocal announced
         announced = dist.broadcast_object(True)
-        return stream_weights(model, staging, max_shard_bytes)
+        return weights(staging)
 
     failure = None
     try:
@@ -367,6 +400,7 @@ def _save(
     model_type: str = "auto",
     aux_source: str | Path | None = None,
     extra_files: Mapping[str, str] | None = None,
+    quantization_config: Mapping[str, Any] | None = None,
 ) -> Path:
     """`save_pretrained`'s checks and files, the weights written into the staging directory by `write`
     (`model` gives the config, the source directory and the tokenizer files; its weights may be meta)."""
@@ -392,6 +426,8 @@ def _save(
     config = config_from_spec(
         model.spec, model.source_config, dtype=model.embeddings.weight.dtype, model_type=model_type
     )
+    if quantization_config is not None:
+        config["quantization_config"] = dict(quantization_config)
     staging = make_staging_dir(target)
     try:
         write(staging)
@@ -427,6 +463,7 @@ def convert_checkpoint(
     """`save_pretrained(load(source, dtype), path, ...)`, the same files byte for byte, streamed: the weights
     are read from `source` and written one tensor at a time (`puzzle.nemotron_h.stream.convert_weights`),
     so memory holds one tensor, not the model (`puzzle convert`). Errors as `load` and `save_pretrained`."""
+    _refuse_quantized(read_config(Path(source)), Path(source), "puzzle convert")
     model = load(source, dtype, device="meta")  # every name, shape and dtype checked; no weight read
     return _save(
         model,

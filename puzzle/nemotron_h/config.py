@@ -188,7 +188,8 @@ class KindTable:
     """How one block kind reads from and writes to config.json: its fields, in the order written.
 
     `not_in_config`: spec attributes no NemotronH config carries (read as their defaults, writable only
-    at them). `names`: what configs also call the kind, beyond its kind name and pattern char.
+    at them). Spec fields in `QUANTIZATION_FIELDS` are not block fields either.
+    `names`: what configs also call the kind, beyond its kind name and pattern char.
     `globals_order`: the most common block of the kind sets the global fields, kinds in increasing
     order, so a later kind wins a key two kinds share (MoE's mlp_* over MLP's); None: it sets none.
     `entry_keys`: keys every nemotron_h_puzzle entry of the kind states even when they equal the global.
@@ -201,6 +202,9 @@ class KindTable:
     globals_order: int | None = None
     entry_keys: tuple[str, ...] = ()
 
+
+# Spec fields a save states in `quantization_config` (`puzzle.nemotron_h.quantized`), not in the block fields.
+QUANTIZATION_FIELDS: tuple[str, ...] = ("weight_format",)
 
 KIND_TABLES: dict[type, KindTable] = {
     table.spec_type: table
@@ -315,6 +319,7 @@ _OWNED_KEYS = (
         "attention_head_dim",
         "dtype",
         "torch_dtype",
+        "quantization_config",  # describes the stored weights: written by the save that quantizes, never carried
     }
 )
 

@@ -78,7 +78,9 @@ def _hidden_size(block: nn.Module, spec: BlockSpec) -> int:
 
 
 def _check_axes(parent: BlockSpec, child: BlockSpec) -> None:
-    axes = [axis.name for axis in pruning_axes(parent)]
+    # The weight format is not a shape: a child in another format starts from the same weights (its
+    # forward fake-quantizes them, `puzzle.blocks.formats`), so it may differ from the parent's freely.
+    axes = [axis.name for axis in pruning_axes(parent)] + ["weight_format"]
     for f in dataclasses.fields(parent):
         if f.name not in axes and getattr(parent, f.name) != getattr(child, f.name):
             raise SpecError(

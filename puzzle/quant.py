@@ -1,0 +1,234 @@
+"""Number formats of served weights: fp8 (E4M3, per output channel) and NVIDIA's NVFP4, in torch on the CPU.
+
+One job: turn a 2-D matmul weight [out_features, in_features] into the stored values and scales of a
+serving format, back again, and the two composed (`fake_quantize`, the reference that scoring, QAT and
+assembly use). Which tensors of a block get a format lives in `puzzle.quant_blocks`; how a quantized
+checkpoint is written and read back, in `puzzle.nemotron_h.quantized`.
+
+Formats, exactly as vLLM's compressed-tensors kernels read them:
+
+- **fp8**: E4M3 (`torch.float8_e4m3fn`, max 448, no infinities) values, one fp32 scale per output
+  channel (per row of the [out, in] weight), symmetric: ``scale[r] = amax(|w[r, :]|) / 448`` and
+  ``q = e4m3(w / scale)`` (round to nearest even, saturating at +-448). Per-channel is the "channel"
+  strategy of compressed-tensors (`weight_scale` of shape [out, 1]), what its FP8_DYNAMIC preset and
+  llm-compressor write and what vLLM's `CompressedTensorsW8A8Fp8` loads per output channel; a per-tensor
+  scale would let one outlier row crush every other row's precision, and per-channel costs only 4 bytes
+  a row. An all-zero row gets scale 1 (any scale dequantizes it to 0; 1 keeps the division finite).
+- **nvfp4**: E2M1 values {0, 0.5, 1, 1.5, 2, 3, 4, 6} (+-), one E4M3 scale per 16 consecutive values of
+  a row (along the input dimension), one fp32 global scale per tensor. With ``amax`` the tensor's largest
+  magnitude, the (decode) global scale is ``g = amax / (6 * 448)``; block b's scale is
+  ``s_b = e4m3((amax_b / 6) / g)`` and ``q = e2m1(w / (s_b * g))``; dequantization is ``q * s_b * g``.
+  E2M1 rounding is round-to-nearest, ties to the even code (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 5 -> 4),
+  as compressed-tensors' `cast_to_fp4` and NVIDIA's cvt.rn do. Packing: two values per uint8, the
+  element at the even column in the low nibble, the odd one in the high nibble; a nibble is
+  ``sign << 3 | code`` with code 0..7 the index into the magnitudes above (compressed-tensors'
+  `pack_fp4_to_uint8`, ModelOpt's layout). Stored scales: compressed-tensors keeps the *encode* scale
+  ``weight_global_scale = 1 / g = 6 * 448 / amax`` (its dequantization divides by it), NVIDIA ModelOpt
+  keeps ``weight_scale_2 = g``; both store the same E4M3 block scales ``weight_scale``. An all-zero
+  tensor gets ``g = 1`` and an all-zero block ``s_b = 0`` (its values are 0 whatever the scale).
+  ``in_features`` must be a multiple of 16: vLLM allocates ``in_features // 16`` block scales, so a
+  partial block could not be loaded; it is refused, not padded.
+
+Non-finite weights (NaN, inf) are refused with an error naming the tensor: they would silently poison
+a scale, and through it every value of the row or tensor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+WEIGHT_FORMATS: tuple[str, ...] = ("bf16", "fp8", "nvfp4")
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP4_MAX = 6.0  # largest E2M1 magnitude
+NVFP4_BLOCK = 16  # values sharing one E4M3 scale, along the input dimension
+# The 8 E2M1 magnitudes, indexed by their 3-bit code (exponent 2 bits, mantissa 1 bit).
+E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+class QuantError(ValueError):
+    """A weight that cannot be quantized to the asked format (shape, non-finite values, unknown format)."""
+
+
+def _check_weight(w: torch.Tensor, name: str) -> None:
+    if w.dim() != 2:
+        raise QuantError(
+            f"{name}: expected a 2-D matmul weight [out_features, in_features], got shape {tuple(w.shape)}"
+        )
+    if not w.is_floating_point():
+        raise QuantError(f"{name}: expected a floating-point weight, got dtype {w.dtype}")
+    if not bool(torch.isfinite(w).all()):
+        bad = int((~torch.isfinite(w)).sum())
+        raise QuantError(
+            f"{name}: {bad} non-finite value(s) (NaN or inf) in a weight of shape {tuple(w.shape)}"
+        )
+
+
+# ---------------------------------------------------------------------------------------------- fp8
+
+
+def quantize_fp8(w: torch.Tensor, name: str = "weight") -> tuple[torch.Tensor, torch.Tensor]:
+    """`w` [out, in] -> (E4M3 values [out, in] float8_e4m3fn, fp32 scales [out, 1]); see the module docstring."""
+    _check_weight(w, name)
+    w32 = w.detach().float()
+    amax = w32.abs().amax(dim=1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # Clamp before the cast: w / scale can exceed 448 by an ulp, and the cast must saturate, not overflow.
+    values = (w32 / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return values, scale
+
+
+def dequantize_fp8(
+    values: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """E4M3 values [out, in] times their per-row fp32 scales [out, 1], computed in fp32, returned as `dtype`."""
+    return (values.float() * scale.float()).to(dtype)
+
+
+# -------------------------------------------------------------------------------------------- nvfp4
+
+
+def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """Signed 4-bit E2M1 codes (uint8, sign in bit 3) of fp32 `x` rounded to nearest, ties to even, saturating at 6.
+
+    A tie sits exactly at a midpoint between two magnitudes; the even code is the one with mantissa bit 0,
+    so ">=" at midpoints whose upper neighbour is even and ">" where the lower one is.
+    """
+    a = x.abs()
+    code = (
+        (a > 0.25).to(torch.uint8)  # 0 | 0.5: tie -> 0 (code 0)
+        + (a >= 0.75).to(torch.uint8)  # 0.5 | 1: tie -> 1 (code 2)
+        + (a > 1.25).to(torch.uint8)  # 1 | 1.5: tie -> 1 (code 2)
+        + (a >= 1.75).to(torch.uint8)  # 1.5 | 2: tie -> 2 (code 4)
+        + (a > 2.5).to(torch.uint8)  # 2 | 3: tie -> 2 (code 4)
+        + (a >= 3.5).to(torch.uint8)  # 3 | 4: tie -> 4 (code 6)
+        + (a > 5.0).to(torch.uint8)  # 4 | 6: tie -> 4 (code 6)
+    )
+    return code | (torch.signbit(x).to(torch.uint8) << 3)
+
+
+def _e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of 4-bit E2M1 codes (uint8, sign in bit 3)."""
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=codes.device)
+    magnitude = table[(codes & 0x7).long()]
+    return torch.where((codes & 0x8) != 0, -magnitude, magnitude)
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """[out, in] 4-bit codes -> [out, in // 2] uint8: even column in the low nibble, odd column in the high one."""
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """[out, in // 2] uint8 -> [out, in] 4-bit codes (inverse of `pack_e2m1`)."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+
+
+def nvfp4_global_scale(*weights: torch.Tensor) -> torch.Tensor:
+    """The decode global scale g = amax / (6 * 448) over `weights`, an fp32 scalar tensor (1 when all are zero).
+
+    Several weights: one scale shared by tensors a server fuses into one matmul (vLLM's qkv_proj of q/k/v
+    takes a single global scale for the fused layer, the largest; shards quantized with their own would
+    dequantize wrongly there), so pass them all and hand the result to `quantize_nvfp4(..., global_scale=)`.
+    """
+    if not weights:
+        raise QuantError("nvfp4_global_scale needs at least one weight")
+    amax = torch.stack([w.detach().float().abs().amax() for w in weights]).amax()
+    return torch.where(amax > 0, amax / (FP4_MAX * FP8_MAX), torch.ones_like(amax))
+
+
+def quantize_nvfp4(
+    w: torch.Tensor, name: str = "weight", global_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`w` [out, in] -> (packed uint8 [out, in/2], E4M3 block scales [out, in/16], fp32 decode global scale []).
+
+    See the module docstring for the exact arithmetic; the global scale returned is NVIDIA's decode scale
+    g = amax / 2688 (compressed-tensors stores 1 / g, ModelOpt stores g). `global_scale`: a g shared with
+    other tensors (`nvfp4_global_scale(*weights)`), which must cover this one's amax; default: `w`'s own.
+    """
+    _check_weight(w, name)
+    out_features, in_features = w.shape
+    if in_features % NVFP4_BLOCK:
+        raise QuantError(
+            f"{name}: nvfp4 needs in_features to be a multiple of {NVFP4_BLOCK} (one E4M3 scale per block of "
+            f"{NVFP4_BLOCK} along the input dimension; vLLM allocates in_features // {NVFP4_BLOCK} scales), "
+            f"got shape {tuple(w.shape)}"
+        )
+    w32 = w.detach().float()
+    if global_scale is None:
+        g = nvfp4_global_scale(w32)
+    else:
+        g = global_scale.detach().to(torch.float32).reshape(())
+        # g is computed as amax / 2688: g * 2688 may fall an ulp short of the amax it came from
+        if not bool(g > 0) or bool(w32.abs().amax() > g * (FP4_MAX * FP8_MAX) * (1 + 2**-20)):
+            raise QuantError(
+                f"{name}: shared nvfp4 global scale {g.item():.6g} does not cover the weight's largest magnitude "
+                f"{w32.abs().amax().item():.6g} (it must be at least amax / {FP4_MAX * FP8_MAX:g})"
+            )
+    blocks = w32.reshape(out_features, in_features // NVFP4_BLOCK, NVFP4_BLOCK)
+    block_amax = blocks.abs().amax(dim=-1)
+    block_scale = ((block_amax / FP4_MAX) / g).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+    step = block_scale.float() * g  # the decode scale of each block, fp32
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    codes = _e2m1_codes(blocks / safe.unsqueeze(-1)).reshape(out_features, in_features)
+    return pack_e2m1(codes), block_scale, g
+
+
+def dequantize_nvfp4(
+    packed: torch.Tensor,
+    block_scale: torch.Tensor,
+    global_scale: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Packed E2M1 [out, in/2] times E4M3 block scales [out, in/16] times the decode global scale, in fp32, as `dtype`."""
+    values = _e2m1_decode(unpack_e2m1(packed))
+    out_features, in_features = values.shape
+    step = block_scale.float() * global_scale.float()
+    blocks = values.reshape(out_features, in_features // NVFP4_BLOCK, NVFP4_BLOCK) * step.unsqueeze(-1)
+    return blocks.reshape(out_features, in_features).to(dtype)
+
+
+# ---------------------------------------------------------------------------------- fake quantization
+
+
+def quantize_dequantize(
+    w: torch.Tensor, fmt: str, name: str = "weight", global_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`w` through format `fmt` and back, in `w`'s dtype, without gradient (the values a server multiplies by).
+
+    `global_scale`: nvfp4 only, a decode global scale shared with the tensors fused with `w` (see
+    `nvfp4_global_scale`); ignored by the other formats, whose scales are per row.
+    """
+    if fmt == "bf16":
+        return w.detach().to(torch.bfloat16).to(w.dtype)
+    if fmt == "fp8":
+        return dequantize_fp8(*quantize_fp8(w, name), dtype=w.dtype)
+    if fmt == "nvfp4":
+        return dequantize_nvfp4(*quantize_nvfp4(w, name, global_scale), dtype=w.dtype)
+    raise QuantError(f"{name}: unknown weight format {fmt!r}; choose one of {list(WEIGHT_FORMATS)}")
+
+
+class _StraightThrough(torch.autograd.Function):
+    """Forward: the fake-quantized weight; backward: the incoming gradient unchanged (straight-through)."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, fmt: str, name: str, global_scale: torch.Tensor | None) -> torch.Tensor:  # type: ignore[override]
+        return quantize_dequantize(w, fmt, name, global_scale)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        return grad, None, None, None
+
+
+def fake_quantize(
+    w: torch.Tensor, fmt: str, name: str = "weight", global_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Quantize then dequantize `w` [out, in] in format `fmt` ("bf16", "fp8", "nvfp4"), in `w`'s dtype.
+
+    Differentiable with a straight-through gradient (forward quantized, backward identity), so QAT can
+    call it on a trainable weight in the forward pass. "bf16" rounds to bf16 (identity on a bf16 weight).
+    `global_scale`: nvfp4's shared decode global scale for tensors served fused (q/k/v: see
+    `puzzle.quant_blocks`); None: the tensor's own.
+    """
+    if fmt not in WEIGHT_FORMATS:
+        raise QuantError(f"{name}: unknown weight format {fmt!r}; choose one of {list(WEIGHT_FORMATS)}")
+    return _StraightThrough.apply(w, fmt, name, global_scale)

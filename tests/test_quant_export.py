@@ -1,0 +1,259 @@
+"""Quantized exports (`puzzle.nemotron_h.quantized`): vLLM's reading of the quantization_config replayed from
+its source (`puzzle.nemotron_h.vllm_quant_replay`: every quantized module resolves to its scheme, every other
+to none), the stored tensors read by compressed-tensors' own decompressors, and `puzzle.load` of the export
+giving the fake-quantized child's logits."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import puzzle
+from puzzle.export import export
+from puzzle.model import HybridLM
+from puzzle.nemotron_h import CheckpointError, quantized
+from puzzle.nemotron_h.checkpoint import convert_checkpoint, save_pretrained
+from puzzle.nemotron_h.vllm_quant_replay import VllmQuantError, resolve
+from puzzle.quant import QuantError, nvfp4_global_scale
+from puzzle.quant_blocks import fake_quantize_mixer_
+from puzzle.spec import AttentionSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec
+
+pytest.importorskip(
+    "compressed_tensors"
+)  # the [quant] extra (in dev): writes the config, reads as the oracle
+
+# Every kind twice (dimensions multiples of 16, as nvfp4 needs; one expert width, as vLLM needs).
+SPEC = ModelSpec(
+    vocab_size=64,
+    hidden_size=32,
+    blocks=(
+        MambaSpec(num_heads=4, head_dim=8, state_size=8, n_groups=2, chunk_size=8),
+        AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8),
+        MoESpec(num_experts=4, top_k=2, expert_width=16, shared_width=32, latent_size=16),
+        MLPSpec(width=32),
+        MambaSpec(num_heads=4, head_dim=8, state_size=8, n_groups=2, chunk_size=8),
+        AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=8),
+        MoESpec(num_experts=4, top_k=2, expert_width=16, shared_width=32),
+        MLPSpec(width=32),
+    ),
+)
+# Each kind in each format, one block left out and one explicitly bf16.
+FORMATS = {
+    "backbone.layers.0.mixer": "nvfp4",
+    "backbone.layers.1.mixer": "fp8",
+    "backbone.layers.2.mixer": "nvfp4",
+    "backbone.layers.3.mixer": "fp8",
+    "backbone.layers.4.mixer": "fp8",
+    "backbone.layers.5.mixer": "nvfp4",
+    "backbone.layers.6.mixer": "fp8",
+    "backbone.layers.7.mixer": "bf16",
+}
+LINEAR_SCHEME = {"fp8": "CompressedTensorsW8A8Fp8", "nvfp4": "CompressedTensorsW4A4Fp4(use_a16=True)"}
+MOE_SCHEME = {
+    "fp8": "CompressedTensorsW8A8Fp8MoEMethod",
+    "nvfp4": "CompressedTensorsW4A4Nvfp4MoEMethod(use_a16=True)",
+}
+
+
+def _model(seed: int = 0) -> HybridLM:
+    torch.manual_seed(seed)
+    model = HybridLM(SPEC)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            parameter.normal_(std=0.3 if parameter.dim() > 1 else 0.1)
+            if name.endswith("norm.weight"):
+                parameter.add_(1.0)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory) -> tuple[HybridLM, Path]:
+    model = _model()
+    path = export(model, tmp_path_factory.mktemp("quant") / "child", weight_formats=FORMATS)
+    return model, path
+
+
+def _config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def _header(path: Path) -> dict[str, tuple[str, list[int]]]:
+    with safe_open(path / "model.safetensors", "pt") as handle:
+        return {k: (handle.get_slice(k).get_dtype(), handle.get_slice(k).get_shape()) for k in handle.keys()}  # noqa: SIM118
+
+
+# ------------------------------------------------------------------------------- vLLM's reading, replayed
+
+
+def test_vllm_resolves_every_quantized_module_to_its_scheme_and_every_other_to_none(exported):
+    _, path = exported
+    config = _config(path)
+    assert config["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert config["quantization_config"]["format"] == "mixed-precision"
+    layers = resolve(config)
+    by_block = {i: FORMATS.get(f"backbone.layers.{i}.mixer", "bf16") for i in range(SPEC.num_blocks)}
+    seen = set()
+    for layer in layers:
+        if layer.name.startswith("model.layers."):
+            fmt = by_block[int(layer.name.split(".")[2])]
+            table = MOE_SCHEME if layer.module_class == "RoutedExperts" else LINEAR_SCHEME
+            assert layer.scheme == table.get(fmt), layer
+            seen.add(layer.module_class)
+        else:  # embeddings and lm_head stay unquantized
+            assert layer.scheme is None, layer
+    # Every quantized module kind was seen: Mamba, fused qkv, o_proj, MLP / shared / latent, routed experts.
+    assert {"MergedColumnParallelLinear", "QKVParallelLinear", "RoutedExperts", "ReplicatedLinear"} <= seen
+    names = {layer.name for layer in layers}
+    assert (
+        "model.layers.2.mixer.fc1_latent_proj" in names
+        and "model.layers.6.mixer.shared_experts.up_proj" in names
+    )
+
+
+def test_the_replay_catches_targets_vllm_would_resolve_otherwise(exported):
+    """The checks above can fail: exact per-expert targets make vLLM refuse the MoE block (its non-gated experts
+    resolve through `experts.0.None`, which only a pattern matches), and a q/k/v group missing k_proj leaves
+    the fused qkv_proj unquantized."""
+    _, path = exported
+    config = _config(path)
+    broken = copy.deepcopy(config)
+    for group in broken["quantization_config"]["config_groups"].values():
+        group["targets"] = [t for t in group["targets"] if not t.startswith("re:")] + [
+            f"backbone.layers.{i}.mixer.experts.{j}.{proj}"
+            for i in (2, 6)
+            if any(f"layers\\.{i}\\." in t for t in group["targets"])
+            for j in range(4)
+            for proj in ("up_proj", "down_proj")
+        ]
+    with pytest.raises(VllmQuantError, match="All MoE projections need to have same quantization scheme"):
+        resolve(broken)
+    broken = copy.deepcopy(config)
+    for group in broken["quantization_config"]["config_groups"].values():
+        group["targets"] = [t for t in group["targets"] if t != "backbone.layers.1.mixer.k_proj"]
+    qkv = next(layer for layer in resolve(broken) if layer.name == "model.layers.1.mixer.qkv_proj")
+    assert qkv.scheme is None
+
+
+def test_stored_tensors_are_what_vllm_allocates_and_compressed_tensors_decompresses(exported):
+    """Names, dtypes and shapes of vLLM's create_weights (W8A8Fp8: weight fp8 [out, in], weight_scale fp32
+    [out, 1]; W4A4Fp4: weight_packed uint8 [out, in/2], weight_scale fp8 [out, in/16], weight_global_scale
+    fp32 [1] per shard); compressed-tensors' decompressors give the weights puzzle.load reads back."""
+    from compressed_tensors.compressors.naive_quantized.base import FloatQuantizationCompressor
+    from compressed_tensors.compressors.nvfp4.base import NVFP4PackedCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    _, path = exported
+    header = _header(path)
+    assert header["backbone.layers.1.mixer.q_proj.weight"] == ("F8_E4M3", [32, 32])
+    assert header["backbone.layers.1.mixer.q_proj.weight_scale"] == ("F32", [32, 1])
+    assert header["backbone.layers.0.mixer.in_proj.weight_packed"] == ("U8", [100, 16])
+    assert header["backbone.layers.0.mixer.in_proj.weight_scale"] == ("F8_E4M3", [100, 2])
+    assert header["backbone.layers.0.mixer.in_proj.weight_global_scale"] == ("F32", [1])
+    assert header["backbone.layers.2.mixer.experts.3.down_proj.weight_packed"] == ("U8", [16, 8])
+    # Not quantized: norms, router, conv1d, SSM parameters, the bf16 block, embeddings, lm_head.
+    for name in (
+        "backbone.layers.0.mixer.conv1d.weight",
+        "backbone.layers.0.mixer.A_log",
+        "backbone.layers.2.mixer.gate.weight",
+        "backbone.layers.7.mixer.up_proj.weight",
+        "backbone.layers.3.norm.weight",
+        "backbone.embeddings.weight",
+        "lm_head.weight",
+    ):
+        assert header[name][0] == "F32", name
+    groups = _config(path)["quantization_config"]["config_groups"].values()
+    schemes = {g["format"]: QuantizationScheme.model_validate(g) for g in groups}
+    loaded = puzzle.load(path, dtype=torch.float32)
+    state = dict(loaded.named_parameters())
+    with safe_open(path / "model.safetensors", "pt") as handle:
+        fp8 = {
+            s: handle.get_tensor(f"backbone.layers.1.mixer.o_proj.{s}") for s in ("weight", "weight_scale")
+        }
+        out = FloatQuantizationCompressor.decompress(fp8, schemes["float-quantized"])["weight"]
+        torch.testing.assert_close(out.float(), state["layers.1.mixer.o_proj.weight"], rtol=0, atol=0)
+        suffixes = ("weight_packed", "weight_scale", "weight_global_scale")
+        nv = {s: handle.get_tensor(f"backbone.layers.0.mixer.out_proj.{s}") for s in suffixes}
+        out = NVFP4PackedCompressor.decompress(nv, schemes["nvfp4-pack-quantized"])["weight"]
+        # compressed-tensors unpacks to bf16: one bf16 rounding of our fp32 values
+        ours = state["layers.0.mixer.out_proj.weight"]
+        torch.testing.assert_close(out.float(), ours.to(torch.bfloat16).float(), rtol=2**-8, atol=0)
+
+
+def test_q_k_v_share_one_nvfp4_global_scale(exported):
+    model, path = exported
+    with safe_open(path / "model.safetensors", "pt") as handle:
+        stored = [handle.get_tensor(f"backbone.layers.5.mixer.{p}_proj.weight_global_scale") for p in "qkv"]
+    assert stored[0] == stored[1] == stored[2]
+    mixer = model.layers[5].mixer
+    g = nvfp4_global_scale(mixer.q_proj.weight, mixer.k_proj.weight, mixer.v_proj.weight)
+    torch.testing.assert_close(stored[0], (1.0 / g).reshape(1), rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------- reading back
+
+
+def test_load_of_the_export_gives_the_fake_quantized_childs_logits(exported):
+    model, path = exported
+    child = copy.deepcopy(model)
+    for key, fmt in FORMATS.items():
+        index = int(key.split(".")[2])
+        if fmt != "bf16":
+            fake_quantize_mixer_(child.layers[index].mixer, SPEC.blocks[index], SPEC.hidden_size, fmt)
+    loaded = puzzle.load(path, dtype=torch.float32)
+    ids = torch.randint(0, SPEC.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, got, plain = child(ids).logits, loaded(ids).logits, model(ids).logits
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= 1e-5 * scale
+    assert (plain - want).abs().max() > 1e-3 * scale  # quantization moved the logits: the check has teeth
+    assert json.loads((path / "puzzle.json").read_text())["weight_formats"] == FORMATS
+
+
+def test_a_loaded_quantized_export_saves_plain_and_convert_refuses_it(exported, tmp_path):
+    _, path = exported
+    loaded = puzzle.load(path, dtype=torch.float32)
+    saved = save_pretrained(loaded, tmp_path / "plain")
+    assert "quantization_config" not in _config(saved)
+    assert all(dtype == "F32" for dtype, _ in _header(saved).values())
+    with pytest.raises(CheckpointError, match="describes a quantized checkpoint; puzzle convert"):
+        convert_checkpoint(path, tmp_path / "converted")
+
+
+def test_other_quantized_checkpoints_are_refused(exported, tmp_path):
+    _, path = exported
+    foreign = tmp_path / "modelopt"
+    foreign.mkdir()
+    (foreign / "model.safetensors").write_bytes((path / "model.safetensors").read_bytes())
+    config = _config(path)
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4"}
+    (foreign / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="quant_method 'modelopt'"):
+        puzzle.load(foreign)
+    config["quantization_config"] = copy.deepcopy(_config(path)["quantization_config"])
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["strategy"] = "tensor"
+    (foreign / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="puzzle reads back compressed-tensors fp8"):
+        puzzle.load(foreign)
+
+
+# ------------------------------------------------------------------------------------------- refusals
+
+
+def test_plan_refusals(tmp_path):
+    model = _model()
+    with pytest.raises(QuantError, match=r"expected backbone\.layers\.I\.mixer"):
+        quantized.plan(model, {"backbone.layers.3.mixer.up_proj": "fp8"})
+    with pytest.raises(QuantError, match="unknown weight format 'int4'"):
+        quantized.plan(model, {"backbone.layers.3.mixer": "int4"})
+    odd = HybridLM(ModelSpec(vocab_size=64, hidden_size=32, blocks=(MLPSpec(width=24),)))
+    with pytest.raises(QuantError, match=r"layers\.0\.mixer\.down_proj\.weight: nvfp4 needs in_features"):
+        save_pretrained(odd, tmp_path / "odd", weight_formats={"backbone.layers.0.mixer": "nvfp4"})
+    assert not (tmp_path / "odd").exists()  # refused before anything was written
+    save_pretrained(
+        odd, tmp_path / "odd", weight_formats={"backbone.layers.0.mixer": "fp8"}
+    )  # fp8 has no blocks
