@@ -115,8 +115,9 @@ SCENARIO_FIELDS: dict[str, str] = {
     "conv_dtype": "conv_dtype",
     "activation_dtype": "activation_dtype",
     "compute_dtype": "compute_dtype",
+    "speed": "user_speed",
 }
-SCENARIO_SYNTAX = "NAME:batch=B,prompt=P,generated=G[,recipe=R,kv_dtype=D,...]"
+SCENARIO_SYNTAX = "NAME:batch=B,prompt=P,generated=G[,speed=TOKENS_PER_S,recipe=R,kv_dtype=D,...]"
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
@@ -144,6 +145,11 @@ def parse_scenario(text: str, defaults: Mapping[str, str] | None = None) -> Scen
             if isinstance(number, Relative) or not float(number).is_integer() or number < 1:
                 raise BudgetError(f"scenario {name!r}: {key} must be a whole number >= 1, found {value!r}")
             values[field_name] = int(number)
+        elif field_name == "user_speed":
+            number = parse_value(value)
+            if isinstance(number, Relative) or number <= 0:
+                raise BudgetError(f"scenario {name!r}: speed must be tokens/s per user > 0, found {value!r}")
+            values[field_name] = float(number)
         else:
             values[field_name] = value
     missing = [key for key in ("batch", "prompt", "generated") if SCENARIO_FIELDS[key] not in values]
