@@ -67,8 +67,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--hardware",
         default=DEFAULT_HARDWARE,
-        help=f"the device whose memory holds weights and requests: one of {hardware_names()} "
-        "(default %(default)s)",
+        help=f"the device whose memory holds weights and requests: one of {hardware_names()}, or NxNAME "
+        "for N GPUs serving one copy tensor/expert parallel, e.g. 8xb200 (default %(default)s)",
     )
     parser.add_argument(
         "--context",
@@ -107,21 +107,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=positive_float,
         metavar="TOKENS_PER_S",
         help="also print, per scenario, the largest batch whose per-user decode speed stays at or above "
-        "this and the server throughput at that batch",
+        "this and the server throughput at that batch (default %(default)s: not printed)",
     )
     parser.add_argument(
         "--scenario",
         action="append",
-        default=[],
+        default=None,
         metavar="NAME:prompt=P,generated=G",
-        help="a workload for --user-speed (repeatable; also kv_dtype=, compute_dtype=, ...; default: "
-        + " and ".join(DEFAULT_SPEED_SCENARIOS)
-        + ")",
+        help="a workload for --user-speed (repeatable; also kv_dtype=, compute_dtype=, ...; default "
+        "%(default)s: the seed's " + " and ".join(DEFAULT_SPEED_SCENARIOS) + ")",
     )
     parser.add_argument(
         "--compute-dtype",
         choices=COMPUTE_DTYPES,
-        help="matmul precision for --user-speed (default: the recipe's format, nvfp4-experts fp8, else bf16)",
+        help="matmul precision for --user-speed (default %(default)s: the recipe's format, nvfp4-experts fp8, "
+        "bf16 for bf16)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(func=run)
@@ -328,7 +328,7 @@ def positive_float(text: str) -> float:
     return value
 
 
-def speed_scenarios(texts: list[str], args: argparse.Namespace) -> list[Scenario]:
+def speed_scenarios(texts: list[str] | None, args: argparse.Namespace) -> list[Scenario]:
     """The --scenario workloads (the defaults when none), in the command's recipe and state dtypes."""
     from puzzle.search.budget import parse_scenario  # late: the search package is not needed otherwise
 
