@@ -17,8 +17,9 @@ from puzzle.cost.hardware import hardware_key, multi_gpu
 from puzzle.cost.roofline import BlockWork, all_reduce_seconds, decode_work
 from puzzle.presets import nemotron3_super, puzzle_75b_a9b_like, tiny_hybrid
 from puzzle.search import search
-from puzzle.search.budget import Budget, ScenarioTarget, choices_to_spec, deployment_problem
-from puzzle.search.limits import Relative
+from puzzle.search.budget import Budget, ScenarioTarget, choices_to_spec, deployment_problem, parse_scenario
+from puzzle.search.limits import BudgetError, Relative
+from puzzle.search.types import SearchError
 from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec, MLPSpec, MoESpec, NoOpSpec, SpecError
 
 TINY = tiny_hybrid(hidden_size=64)
@@ -197,6 +198,11 @@ def test_throughput_at_speed_budget_equals_brute_force_over_its_linearisation(wo
             best, best_choices = score, choices
     assert best_choices is not None
     assert solution.objective == pytest.approx(best, abs=1e-12)
+    at_batch_named = dataclasses.replace(at_batch, name=f"{workload}@b{batch}")
+    child = choices_to_spec(TINY, variants, solution.choices)
+    performance = model_performance(child, at_batch_named, hardware)
+    assert solution.totals[f"decode_seconds[{workload}@b{batch}]"] == pytest.approx(performance.decode_step_s)
+    assert solution.totals[f"seconds[{workload}@b{batch}]"] == pytest.approx(performance.total_s)
     chosen = max_batch_at_speed(
         choices_to_spec(TINY, variants, solution.choices), scenario, hardware, memory_fraction=fraction
     )
@@ -205,6 +211,32 @@ def test_throughput_at_speed_budget_equals_brute_force_over_its_linearisation(wo
         assert best == 0.0  # the parent itself meets 1x
     else:
         assert best > 0.0
+
+
+def test_a_scenario_takes_its_speed_and_the_key_needs_one():
+    scenario = parse_scenario("fast:batch=1,prompt=8k,generated=1k,speed=250")
+    assert (scenario.user_speed, scenario.prompt_tokens) == (250.0, 8000)
+    for bad in ("speed=0", "speed=2x", "speed=fast"):
+        with pytest.raises(BudgetError, match=r"speed|cannot read"):
+            parse_scenario(f"fast:batch=1,prompt=8,generated=8,{bad}")
+    budget = Budget(
+        hardware="h100",
+        scenarios=(
+            ScenarioTarget(Scenario(1, 64, 64, name="plain"), min_tokens_per_s_at_speed=Relative(1.2)),
+        ),
+    )
+    variants = _variants(TINY)
+    scores = [[0.0] * len(options) for options in variants]
+    with pytest.raises(SearchError, match="'plain' has no user speed: define it with speed="):
+        deployment_problem(TINY, variants, scores, budget)
+    too_fast = Budget(
+        hardware="h100",
+        scenarios=(
+            ScenarioTarget(dataclasses.replace(TINY_SCENARIO, user_speed=1e9), min_tokens_per_s_at_speed=2.0),
+        ),
+    )
+    with pytest.raises(SearchError, match=r"cannot serve one request at 1e\+09 tokens/s per user"):
+        deployment_problem(TINY, variants, scores, too_fast)
 
 
 # ------------------------------------------------------------------- the seed's published gains on 8xB200
