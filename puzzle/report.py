@@ -339,19 +339,33 @@ def _block_map(
 
 def _scenario_metrics(layout: RunLayout, hardware: Any) -> list[tuple[str, Callable[[ModelSpec], float]]]:
     """Predicted throughput per scenario of the run config's hardware section (none without one), on the
-    run's hardware ("this-machine": its stored calibration, `RunLayout.hardware`)."""
+    run's hardware ("this-machine": its stored calibration, `RunLayout.hardware`); for a scenario with a
+    `user_speed`, also the throughput at the largest batch keeping that speed per user."""
     if hardware is None:
         return []
-    from puzzle.cost import model_throughput
+    from puzzle.cost import max_batch_at_speed, model_throughput
 
     device = layout.hardware(hardware.profile)
-    return [
+    metrics = [
         (
             f"throughput {name} (tokens/s, {hardware.profile})",
             lambda spec, scenario=scenario: model_throughput(spec, scenario, device),
         )
         for name, scenario in hardware.scenarios.items()
     ]
+    metrics += [
+        (
+            f"throughput {name} at {scenario.user_speed:g} tokens/s/user (tokens/s, {hardware.profile})",
+            lambda spec, scenario=scenario: (
+                max_batch_at_speed(
+                    spec, scenario, device, memory_fraction=hardware.memory_fraction
+                ).throughput
+            ),
+        )
+        for name, scenario in hardware.scenarios.items()
+        if scenario.user_speed is not None
+    ]
+    return metrics
 
 
 def _hardware(report: _Report, layout: RunLayout) -> Any:

@@ -158,7 +158,17 @@ def test_help_gives_every_default_and_unit():
             text = costs._get_formatter()._expand_help(action)
             helps[action.dest] = text
             assert f"default {action.default}" in text, (action.dest, text)
-    assert set(helps) == {"hardware", "context", "recipe", "kv_dtype", "ssm_dtype", "memory_fraction"}
+    assert set(helps) == {
+        "hardware",
+        "context",
+        "recipe",
+        "kv_dtype",
+        "ssm_dtype",
+        "memory_fraction",
+        "user_speed",
+        "scenario",
+        "compute_dtype",
+    }
     assert "tokens" in helps["context"]
     for dtype in ("kv_dtype", "ssm_dtype"):
         assert "bytes per value: fp32 4, bf16 2, fp16 2, fp8 1" in helps[dtype]

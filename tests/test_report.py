@@ -59,7 +59,8 @@ def run_dir(tmp_path_factory) -> Path:
     layout.config.write_text(
         "run_dir: .\nparent: {path: parent}\ndata: {sources: [corpus.txt], seq_len: 8}\n"
         "space: {kinds: {mlp: {width_fraction: [0.5]}}}\nsearch: {budgets: ['params<=0.85x']}\n"
-        "hardware: {scenarios: {chat: {batch_size: 2, prompt_tokens: 16, generated_tokens: 4}}}\n"
+        "hardware: {scenarios: {chat: {batch_size: 2, prompt_tokens: 16, generated_tokens: 4},\n"
+        "  fast: {batch_size: 1, prompt_tokens: 16, generated_tokens: 4, user_speed: 20000}}}\n"
     )
     return layout.root
 
@@ -92,6 +93,8 @@ def test_report_has_every_section_and_valid_plots(run_dir, capsys):
         assert heading in text, heading
     assert "Skipped" not in text and "skipped" not in text
     assert "| throughput chat (tokens/s, h100-80gb) |" in text
+    # A scenario with a per-user speed also gets the throughput at the largest batch keeping it.
+    assert "| throughput fast at 20000 tokens/s/user (tokens/s, h100-80gb) |" in text
     assert PLOT_HINT not in text
     pngs = sorted(p.name for p in report.parent.glob("*.png"))
     for expected in ("frontier_params.png", f"blocks_{NAME}.png", "costs.png", "bld.png", f"gkd_{NAME}.png"):

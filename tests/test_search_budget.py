@@ -38,7 +38,9 @@ LONG = Scenario(batch_size=2, prompt_tokens=8192, generated_tokens=64, name="lon
 CONTEXT = 100_000
 # Requests of CONTEXT tokens with the default dtypes (bf16 weights and KV cache, fp32 SSM state).
 SERVING = Scenario(batch_size=1, prompt_tokens=CONTEXT - 1000, generated_tokens=1000, name="serving")
-COST_MODEL = CostModel(HARDWARE, scenarios={s.name: s for s in (CHAT, LONG, SERVING)})
+# A workload at a per-user decode speed the tiny parent keeps up to a batch of about 270 on an H100.
+SPEEDY = Scenario(batch_size=1, prompt_tokens=2048, generated_tokens=512, name="speedy", user_speed=12000.0)
+COST_MODEL = CostModel(HARDWARE, scenarios={s.name: s for s in (CHAT, LONG, SERVING, SPEEDY)})
 
 
 def _variants(parent):
@@ -211,6 +213,10 @@ _BOTH_WAYS = {
     "throughput[chat]>=1.1x": {"scenarios": (ScenarioTarget(CHAT, min_tokens_per_s=Relative(1.1)),)},
     "latency[chat]<=0.9x": {"scenarios": (ScenarioTarget(CHAT, max_latency_s=Relative(0.9)),)},
     "ttft[long]<=0.97x": {"scenarios": (ScenarioTarget(LONG, max_ttft_s=Relative(0.97)),)},
+    "user_speed[chat]>=1.05x": {"scenarios": (ScenarioTarget(CHAT, min_user_speed=Relative(1.05)),)},
+    "throughput_at_speed[speedy]>=1.2x": {
+        "scenarios": (ScenarioTarget(SPEEDY, min_tokens_per_s_at_speed=Relative(1.2)),)
+    },
 }
 
 
@@ -233,7 +239,10 @@ def test_a_budget_prices_the_same_read_from_text_or_given_as_objects(text):
         cost_model=cost_model,
         candidates=RunCandidates(parent, variants, scores),
     )
-    assert read.problem.limits == given.limits and read.sources == {str(given.limits[0]): text}
+    # One limit per budget, except throughput_at_speed's three (throughput, speed, requests at one batch).
+    assert read.problem.limits == given.limits and read.sources == {
+        str(limit): text for limit in given.limits
+    }
     column = given.limits[0].key
     np.testing.assert_array_equal(read.table.costs[column], given.table.costs[column])
     assert read.table.fixed[column] == given.table.fixed[column]

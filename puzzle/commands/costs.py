@@ -4,6 +4,11 @@ TARGET is a preset name (`puzzle costs nemotron3-super`), a checkpoint directory
 file (nemotron_h, or nemotron_h_puzzle with per-block `block_configs`), or a puzzle model spec JSON
 (`ModelSpec.to_json`, e.g. an assembled child's `child.spec`, per-block weight formats included: a block in
 fp8 or nvfp4 has its matmul weights counted in that format, whatever --recipe says for them).
+
+With `--user-speed TOKENS_PER_S`, also per scenario (`--scenario`, default the seed's two workloads,
+8k in / 64k out and 50k in / 2k out): the largest batch whose predicted per-user decode speed stays at or
+above that speed and fits in memory, and the server's output tokens/s at that batch (roofline, prefill
+included), e.g. `puzzle costs nemotron3-super --hardware 8xb200 --recipe nvfp4 --user-speed 500`.
 """
 
 from __future__ import annotations
@@ -32,11 +37,21 @@ from puzzle.cost.analytic import (
     state_bytes_per_sequence,
 )
 from puzzle.cost.hardware import DEFAULT_HARDWARE, DEFAULT_MEMORY_FRACTION, get_hardware, hardware_names
-from puzzle.cost.roofline import max_concurrent_requests
+from puzzle.cost.roofline import (
+    COMPUTE_DTYPES,
+    Scenario,
+    SpeedPoint,
+    max_batch_at_speed,
+    max_concurrent_requests,
+)
 from puzzle.presets import PRESETS, get_preset
 from puzzle.spec import ModelSpec, SpecError, weight_formats
 
 STATE_DTYPES = ("fp32", "bf16", "fp16", "fp8")
+# The seed's published workloads (Puzzle-75B against Super on 8xB200 at a fixed per-user speed); k = 1024.
+DEFAULT_SPEED_SCENARIOS = ("8k-64k:prompt=8192,generated=65536", "50k-2k:prompt=51200,generated=2048")
+# The matmul precision a weight recipe runs at when --compute-dtype is not given (W4A4 nvfp4, W8A8 fp8).
+RECIPE_COMPUTE = {"fp8": "fp8", "nvfp4": "nvfp4", "nvfp4-experts": "fp8", "fp32": "fp32"}
 DTYPE_UNITS = "bytes per value: " + ", ".join(f"{dtype} {DTYPE_BYTES[dtype]:g}" for dtype in STATE_DTYPES)
 
 
@@ -56,8 +71,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--hardware",
         default=DEFAULT_HARDWARE,
-        help=f"the device whose memory holds weights and requests: one of {hardware_names()} "
-        "(default %(default)s)",
+        help=f"the device whose memory holds weights and requests: one of {hardware_names()}, or NxNAME "
+        "for N GPUs serving one copy tensor/expert parallel, e.g. 8xb200 (default %(default)s)",
     )
     parser.add_argument(
         "--context",
@@ -90,6 +105,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="FRACTION",
         help="share of the device memory usable for weights and requests, in (0, 1] "
         "(default %(default)s, vLLM's gpu_memory_utilization)",
+    )
+    parser.add_argument(
+        "--user-speed",
+        type=positive_float,
+        metavar="TOKENS_PER_S",
+        help="also print, per scenario, the largest batch whose per-user decode speed stays at or above "
+        "this and the server throughput at that batch (default %(default)s: not printed)",
+    )
+    parser.add_argument(
+        "--scenario",
+        action="append",
+        default=None,
+        metavar="NAME:prompt=P,generated=G",
+        help="a workload for --user-speed (repeatable; also kv_dtype=, compute_dtype=, ...; default "
+        "%(default)s: the seed's " + " and ".join(DEFAULT_SPEED_SCENARIOS) + ")",
+    )
+    parser.add_argument(
+        "--compute-dtype",
+        choices=COMPUTE_DTYPES,
+        help="matmul precision for --user-speed (default %(default)s: the recipe's format, nvfp4-experts fp8, "
+        "bf16 for bf16)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     parser.set_defaults(func=run)
@@ -282,6 +318,15 @@ def run(args: argparse.Namespace) -> int:
             args.ssm_dtype,
             args.memory_fraction,
         )
+        if args.user_speed is not None:
+            scenarios = speed_scenarios(args.scenario, args)
+            costs["at_user_speed"] = [
+                speed_row(point, scenario)
+                for scenario in scenarios
+                for point in [
+                    max_batch_at_speed(spec, scenario, args.hardware, args.user_speed, args.memory_fraction)
+                ]
+            ]
     except (ValueError, OSError) as error:  # SpecError and nemotron_h.CheckpointError are ValueErrors
         print(f"puzzle costs: error: {error}", file=sys.stderr)
         return 2
@@ -289,4 +334,73 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({"target": args.target, **costs}, indent=2))
     else:
         print(format_table(costs, title))
+        if "at_user_speed" in costs:
+            print("\n" + format_speed_table(costs["at_user_speed"], args.user_speed))
     return 0
+
+
+def positive_float(text: str) -> float:
+    """A number > 0 (argparse type)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, found {text!r}") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"expected a positive number, found {text!r}")
+    return value
+
+
+def speed_scenarios(texts: list[str] | None, args: argparse.Namespace) -> list[Scenario]:
+    """The --scenario workloads (the defaults when none), in the command's recipe and state dtypes."""
+    from puzzle.search.budget import parse_scenario  # late: the search package is not needed otherwise
+
+    defaults = {
+        "batch_size": 1,  # the batch is what --user-speed searches
+        "recipe": args.recipe,
+        "kv_dtype": args.kv_dtype,
+        "ssm_dtype": args.ssm_dtype,
+        "compute_dtype": args.compute_dtype or RECIPE_COMPUTE.get(args.recipe, "bf16"),
+    }
+    scenarios = [parse_scenario(text, defaults) for text in texts or DEFAULT_SPEED_SCENARIOS]
+    names = [scenario.name for scenario in scenarios]
+    if len(set(names)) != len(names):
+        raise SpecError(f"--scenario names must differ, found {names}")
+    return scenarios
+
+
+def speed_row(point: SpeedPoint, scenario: Scenario) -> dict[str, Any]:
+    """One scenario's figures at the user speed, JSON-ready."""
+    performance = point.performance
+    return {
+        "scenario": scenario.name,
+        "prompt_tokens": scenario.prompt_tokens,
+        "generated_tokens": scenario.generated_tokens,
+        "compute_dtype": scenario.compute_dtype,
+        "user_speed": point.user_speed,
+        "batch": point.batch,
+        "limited_by": point.limited_by,
+        "max_concurrent_requests": point.max_concurrent,
+        "per_user_tokens_per_s": performance.per_user_tokens_per_s if performance else None,
+        "output_tokens_per_s": point.throughput,
+        "prefill_s": performance.prefill_s if performance else None,
+        "decode_step_s": performance.decode_step_s if performance else None,
+    }
+
+
+def format_speed_table(rows: list[dict[str, Any]], user_speed: float) -> str:
+    """Markdown table of the figures at the user speed, one row per scenario."""
+    lines = [
+        f"at >= {user_speed:g} tokens/s per user (roofline; batch = largest meeting the speed and fitting memory)",
+        "",
+        "| scenario | in / out | batch | limited by | tokens/s per user | output tokens/s | prefill s |",
+        "|---|---|---:|---|---:|---:|---:|",
+    ]
+    for row in rows:
+        speed = row["per_user_tokens_per_s"]
+        prefill = row["prefill_s"]
+        lines.append(
+            f"| {row['scenario']} | {row['prompt_tokens']:,} / {row['generated_tokens']:,} | {row['batch']:,} | "
+            f"{row['limited_by']} | {'-' if speed is None else f'{speed:,.1f}'} | "
+            f"{row['output_tokens_per_s']:,.0f} | {'-' if prefill is None else f'{prefill:,.3f}'} |"
+        )
+    return "\n".join(lines)

@@ -76,7 +76,8 @@ def register(subparsers: Any) -> None:
             "budgets or an option is malformed, 1 for other errors (unreadable library, missing keys). "
             "With RUN_DIR instead of --library: the run's library and scores, costs from the cost model "
             "(budget keys params, active_params, weight_bytes, memory_bytes[S], concurrent_requests[S], "
-            "throughput[S], latency[S], ttft[S] for scenarios S given with --scenario or by the run's config; "
+            "throughput[S], latency[S], ttft[S], user_speed[S], throughput_at_speed[S] (the scenario's speed=) "
+            "for scenarios S given with --scenario or by the run's config; "
             "[chat,long] = each; every setting not given is the run's own)."
         ),
     )
@@ -185,14 +186,16 @@ def register(subparsers: Any) -> None:
         action="append",
         default=[],
         metavar="NAME:batch=B,prompt=P,generated=G",
-        help="a serving scenario budgets may name (repeatable; also recipe=, kv_dtype=, ssm_dtype=, "
-        "conv_dtype=, activation_dtype=, compute_dtype=); the run's own scenarios are defined without it "
+        help="a serving scenario budgets may name (repeatable; also speed= tokens/s per user, recipe=, "
+        "kv_dtype=, ssm_dtype=, conv_dtype=, activation_dtype=, compute_dtype=); the run's own scenarios are "
+        "defined without it "
         "(one given here replaces the run's of that name)",
     )
     hardware = run_dir.add_argument(
         "--hardware",
         default=None,
-        help="the device that times scenarios and holds requests: one of %(names)s (default: the run's "
+        help="the device that times scenarios and holds requests: one of %(names)s, or NxNAME for N GPUs "
+        "(8xb200) (default: the run's "
         "hardware.profile, else %(default_name)s; this-machine is the run's stored calibration, "
         "RUN_DIR/hardware.json, measured and stored once if absent)",
     )

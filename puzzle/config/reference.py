@@ -24,6 +24,8 @@ _NOTES: dict[tuple[type, str], str] = {
     (Scenario, "batch_size"): "Concurrent requests.",
     (Scenario, "prompt_tokens"): "Tokens in, per request.",
     (Scenario, "generated_tokens"): "Tokens out, per request.",
+    (Scenario, "user_speed"): "Decode tokens/s each user must get (null: none), for `throughput_at_speed[S]` "
+    "budgets, which choose the batch themselves (batch_size is not used there).",
     (BLDSettings, "token_budget"): "Tokens each variant trains on (fewer if the data ends first); the "
     "cosine decay of the learning rate ends there.",
     (BLDSettings, "min_lr_ratio"): "The learning rate at the end of the decay, as a fraction of lr.",
@@ -155,7 +157,11 @@ def reference_markdown() -> str:
         "(`KEY<=VALUE`, `KEY>=VALUE`; VALUE absolute such as `3e9`, `70G`, `2.5B`, or a factor of the "
         "round's parent such as `0.6x`; for `throughput`, `1.5x` is 1.5 times the parent's tokens/s) over "
         "these keys. `KEY[S]` names one or more scenarios under `hardware.scenarios` "
-        "(`throughput[chat,long]>=1.5x`: the bound holds in each).",
+        "(`throughput[chat,long]>=1.5x`: the bound holds in each). `throughput_at_speed[S]>=1.6x` compares "
+        "the server's tokens/s at the largest batch keeping the scenario's `user_speed` per user; it is not "
+        "a sum over blocks, so the search holds the child to the parent's batch at that speed times the "
+        "factor (rounded up): that many requests must fit, decode at the speed and give the throughput "
+        "(sufficient, not necessary).",
         "",
         "| key | bound | what it bounds |",
         "|---|---|---|",

@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import os
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,10 @@ class HardwareProfile:
     costing about a microsecond when replayed from CUDA graphs. `few_rows_flops`, when set, is the
     matmul rate for products with at most FEW_ROWS rows (decode of a small batch), which CPU BLAS
     runs far below its square-matrix rate; None means the peak applies at every size.
+
+    `gpus` > 1: a server of that many devices serving one model copy with tensor and expert parallelism
+    (`multi_gpu`): FLOP/s, bandwidth and memory are the devices' sums, and each block's output is
+    all-reduced over the interconnect, `interconnect_bandwidth` bytes/s per device and direction.
     """
 
     name: str
@@ -56,6 +61,8 @@ class HardwareProfile:
     eager: bool = False
     few_rows_flops: float | None = None
     source: str = ""
+    gpus: int = 1
+    interconnect_bandwidth: float = 0.0
 
     def matmul_flops_per_s(self, dtype: str = "bf16", rows: int | None = None) -> float:
         """FLOP/s of a matmul with `rows` rows (tokens); the few-rows rate where the profile has one."""
@@ -87,6 +94,7 @@ PROFILES: dict[str, HardwareProfile] = {
         memory_bandwidth=3.35e12,  # HBM3, 3.35 TB/s
         memory_bytes=81559 * MIB,  # nvidia-smi on H100 80GB HBM3
         op_overhead_s=1e-6,
+        interconnect_bandwidth=450e9,  # NVLink 4: 900 GB/s both directions together
         source="NVIDIA H100 Tensor Core GPU datasheet (SXM5)",
     ),
     "h200-141gb": HardwareProfile(
@@ -96,6 +104,7 @@ PROFILES: dict[str, HardwareProfile] = {
         memory_bandwidth=4.8e12,  # HBM3e, 4.8 TB/s
         memory_bytes=143771 * MIB,  # nvidia-smi on H200 141GB
         op_overhead_s=1e-6,
+        interconnect_bandwidth=450e9,  # NVLink 4: 900 GB/s both directions together
         source="NVIDIA H200 Tensor Core GPU datasheet (SXM)",
     ),
     "b200": HardwareProfile(
@@ -110,6 +119,7 @@ PROFILES: dict[str, HardwareProfile] = {
         memory_bandwidth=8.0e12,  # HBM3e, 8 TB/s
         memory_bytes=180 * 10**9,  # DGX B200: 1,440 GB over 8 GPUs
         op_overhead_s=1e-6,
+        interconnect_bandwidth=900e9,  # NVLink 5: 1.8 TB/s both directions together
         source="NVIDIA HGX B200 / DGX B200 datasheets",
     ),
     "a100-80gb": HardwareProfile(
@@ -119,6 +129,7 @@ PROFILES: dict[str, HardwareProfile] = {
         memory_bandwidth=2.039e12,  # HBM2e, 2,039 GB/s
         memory_bytes=81920 * MIB,  # nvidia-smi on A100-SXM4-80GB
         op_overhead_s=1e-6,
+        interconnect_bandwidth=300e9,  # NVLink 3: 600 GB/s both directions together
         source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)",
     ),
 }
@@ -205,26 +216,74 @@ def calibrate_this_machine() -> HardwareProfile:
 
 
 def hardware_names() -> list[str]:
-    """Names `get_hardware` accepts (aliases excluded)."""
+    """Names `get_hardware` accepts (aliases excluded; any GPU profile also as `NxNAME`, e.g. 8xb200)."""
     return [*sorted(PROFILES), "this-machine"]
 
 
+def multi_gpu(profile: HardwareProfile, gpus: int) -> HardwareProfile:
+    """`gpus` devices of `profile` serving one model copy, tensor- and expert-parallel (named `8xb200`).
+
+    Every block's weights, FLOPs, KV cache and recurrent state are split evenly over the devices (Mamba
+    and attention by heads, experts by expert or by slice, embeddings and lm_head by vocabulary), so
+    FLOP/s, bandwidth and memory add up; what does not scale is the per-kernel overhead (every device
+    runs every kernel) and the all-reduce of each block's output over the interconnect, which
+    `roofline.roofline_seconds` adds. Not modelled: KV heads replicated when there are fewer KV heads than
+    devices (engines replicate them, or run attention data-parallel), and imbalance between experts.
+    """
+    if profile.eager or profile.gpus != 1:
+        raise SpecError(f"{gpus}x{profile.name}: only a single-GPU profile can be multiplied")
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise SpecError(f"the number of GPUs must be a positive integer, found {gpus!r}")
+    if gpus == 1:
+        return profile
+    return dataclasses.replace(
+        profile,
+        name=f"{gpus}x{profile.name}",
+        peak_flops=tuple((dtype, rate * gpus) for dtype, rate in profile.peak_flops),
+        memory_bandwidth=profile.memory_bandwidth * gpus,
+        memory_bytes=profile.memory_bytes * gpus,
+        gpus=gpus,
+        source=f"{gpus} x {profile.source}, tensor/expert parallel",
+    )
+
+
+_MULTI = re.compile(r"(\d+)\s*x\s*(.+)")
+
+
 def get_hardware(name: str | HardwareProfile) -> HardwareProfile:
-    """A profile by name ("h100-80gb", "h200-141gb", "b200", "a100-80gb", "this-machine"); profiles pass through."""
+    """A profile by name ("h100-80gb", "h200-141gb", "b200", "a100-80gb", "this-machine", or `NxNAME` for N
+    GPUs of a GPU profile, e.g. "8xb200"); profiles pass through."""
     if isinstance(name, HardwareProfile):
         return name
     key = hardware_key(name)
-    return calibrate_this_machine() if key == "this-machine" else PROFILES[key]
+    if key == "this-machine":
+        return calibrate_this_machine()
+    match = _MULTI.fullmatch(key)
+    if match:
+        return multi_gpu(PROFILES[match.group(2)], int(match.group(1)))
+    return PROFILES[key]
 
 
 def hardware_key(name: str) -> str:
-    """The canonical name of hardware `name` (aliases and case resolved), without calibrating anything.
+    """The canonical name of hardware `name` (aliases and case resolved; "8 x B200" -> "8xb200"), without
+    calibrating anything.
 
     Raises SpecError for a name `get_hardware` does not know.
     """
-    key = ALIASES.get(name.strip().lower(), name.strip().lower())
+    text = name.strip().lower()
+    match = _MULTI.fullmatch(text)
+    if match:
+        gpus, single = int(match.group(1)), hardware_key(match.group(2))
+        if single == "this-machine" or gpus < 1:
+            raise SpecError(
+                f"hardware {name!r}: NxNAME needs N >= 1 and a GPU profile, one of {sorted(PROFILES)}"
+            )
+        return single if gpus == 1 else f"{gpus}x{single}"
+    key = ALIASES.get(text, text)
     if key != "this-machine" and key not in PROFILES:
-        raise SpecError(f"unknown hardware {name!r}; choose one of {hardware_names()}")
+        raise SpecError(
+            f"unknown hardware {name!r}; choose one of {hardware_names()} (or NxNAME, e.g. 8xb200)"
+        )
     return key
 
 

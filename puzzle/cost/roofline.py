@@ -13,6 +13,7 @@ nothing here runs a model.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +47,8 @@ class Scenario:
     `recipe` is the weights' storage (see analytic.RECIPES); `compute_dtype` the matmul precision
     (e.g. "fp8" for W8A8 GEMMs, "nvfp4" on Blackwell); `activation_dtype` the dtype activations are
     stored in between kernels; `kv_dtype`, `ssm_dtype`, `conv_dtype` the per-request state.
+    `user_speed`: decode tokens/s each user must get, for `max_batch_at_speed` and the
+    `throughput_at_speed` budget (which then choose the batch; None: not given).
     """
 
     batch_size: int
@@ -58,6 +61,7 @@ class Scenario:
     activation_dtype: str = "bf16"
     compute_dtype: str = "bf16"
     name: str = ""
+    user_speed: float | None = None
 
     def __post_init__(self) -> None:
         for field_name in ("batch_size", "prompt_tokens", "generated_tokens"):
@@ -67,6 +71,11 @@ class Scenario:
         get_recipe(self.recipe)
         for field_name in ("kv_dtype", "ssm_dtype", "conv_dtype", "activation_dtype"):
             dtype_bytes(getattr(self, field_name))
+        speed = self.user_speed
+        if speed is not None and (
+            isinstance(speed, bool) or not isinstance(speed, (int, float)) or not 0 < speed < math.inf
+        ):
+            raise SpecError(f"Scenario.user_speed must be a positive number of tokens/s, found {speed!r}")
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise SpecError(
                 f"Scenario.compute_dtype {self.compute_dtype!r} is unknown; choose one of {list(COMPUTE_DTYPES)}"
@@ -91,6 +100,7 @@ class BlockWork:
     activation_bytes: float
     ops: float
     rows: int | None = None  # tokens per matmul (batch x tokens); None = large
+    exchanged_bytes: float = 0.0  # the output all-reduced across GPUs under tensor parallelism
 
 
 @dataclass(frozen=True)
@@ -165,7 +175,9 @@ def prefill_work(spec: BlockSpec, hidden_size: int, scenario: Scenario, eager: b
     moved += 2.0 * tokens * kv_bytes_per_token(spec, scenario.kv_dtype)
     moved += B * state_bytes_per_sequence(spec, scenario.ssm_dtype, scenario.conv_dtype)
     activations += tokens * cost.prefill_scratch_bytes_per_token(spec, T)  # e.g. Mamba's chunked scan
-    return BlockWork(flops, moved, activations, _op_count(spec, B, T, decode=False, eager=eager), rows=tokens)
+    ops = _op_count(spec, B, T, decode=False, eager=eager)
+    exchanged = tokens * hidden_size * dtype_bytes(scenario.activation_dtype)
+    return BlockWork(flops, moved, activations, ops, rows=tokens, exchanged_bytes=exchanged)
 
 
 def decode_work(spec: BlockSpec, hidden_size: int, scenario: Scenario, eager: bool = False) -> BlockWork:
@@ -184,7 +196,9 @@ def decode_work(spec: BlockSpec, hidden_size: int, scenario: Scenario, eager: bo
     kv = kv_bytes_per_token(spec, scenario.kv_dtype)
     moved += B * (context * kv + kv)  # read the cache, append the new token
     moved += 2.0 * B * state_bytes_per_sequence(spec, scenario.ssm_dtype, scenario.conv_dtype)  # read + write
-    return BlockWork(flops, moved, activations, _op_count(spec, B, 1, decode=True, eager=eager), rows=B)
+    ops = _op_count(spec, B, 1, decode=True, eager=eager)
+    exchanged = B * hidden_size * dtype_bytes(scenario.activation_dtype)
+    return BlockWork(flops, moved, activations, ops, rows=B, exchanged_bytes=exchanged)
 
 
 def roofline_seconds(work: BlockWork, hardware: HardwareProfile, compute_dtype: str = "bf16") -> float:
@@ -202,7 +216,24 @@ def roofline_seconds(work: BlockWork, hardware: HardwareProfile, compute_dtype: 
             + work.activation_bytes / bandwidth
             + work.ops * hardware.op_overhead_s
         )
-    return max(compute, (work.bytes + work.activation_bytes) / bandwidth) + work.ops * hardware.op_overhead_s
+    seconds = (
+        max(compute, (work.bytes + work.activation_bytes) / bandwidth) + work.ops * hardware.op_overhead_s
+    )
+    return seconds + all_reduce_seconds(work, hardware)
+
+
+def all_reduce_seconds(work: BlockWork, hardware: HardwareProfile) -> float:
+    """The tensor-parallel all-reduce of a block's output on a multi-GPU profile (0 on one device).
+
+    A ring all-reduce sends and receives 2 (g - 1) / g of the tensor per device; it sits on the critical
+    path (the next block needs the sum), and costs one more kernel launch.
+    """
+    g = hardware.gpus
+    if g <= 1 or work.ops == 0:
+        return 0.0
+    if hardware.interconnect_bandwidth <= 0:
+        raise SpecError(f"hardware {hardware.name!r} has {g} GPUs but no interconnect bandwidth")
+    return 2.0 * (g - 1) / g * work.exchanged_bytes / hardware.interconnect_bandwidth + hardware.op_overhead_s
 
 
 def block_latency(
@@ -271,7 +302,10 @@ def _embedding_and_head_seconds(
         lookup = tokens * H * (embedding_value_bytes + act)  # gathered rows in, activations out
         # Final norm and logits for the last token of each sequence: lm_head weights, B x (H + V) activations.
         moved = lookup + head_bytes + B * (2 * H + V) * act
-        return BlockWork(B * head_flops, moved, activation_bytes=0.0, ops=ops, rows=B)
+        # Vocabulary-parallel lm_head over several GPUs: the logits are gathered (counted as an all-reduce).
+        return BlockWork(
+            B * head_flops, moved, activation_bytes=0.0, ops=ops, rows=B, exchanged_bytes=B * V * act
+        )
 
     dtype = scenario.compute_dtype
     prefill = roofline_seconds(phase(B * scenario.prompt_tokens), hardware, dtype)
@@ -357,3 +391,83 @@ def max_concurrent_requests(
         )
     free = memory_fraction * hardware.memory_bytes - model_weight_bytes(spec, recipe) - reserved_bytes
     return max(0, math.floor(free / per_request))
+
+
+@dataclass(frozen=True)
+class SpeedPoint:
+    """The largest batch of a scenario whose per-user decode speed stays at or above a given speed.
+
+    `batch`: that batch (0 when even one request is too slow, or does not fit); `limited_by`: "speed"
+    (batch + 1 would be slower than asked), "memory" (batch + 1 requests of the scenario's context do not
+    fit beside the weights) or "none-fits"; `max_concurrent`: how many requests fit; `performance`: the
+    model at that batch (None when the batch is 0).
+    """
+
+    user_speed: float
+    batch: int
+    max_concurrent: int
+    limited_by: str
+    performance: ModelPerformance | None
+
+    @property
+    def throughput(self) -> float:
+        """Output tokens/s of the server at that batch (prefill included); 0 when no batch meets the speed."""
+        return self.performance.output_tokens_per_s if self.performance else 0.0
+
+
+def max_batch_at_speed(
+    model_spec: ModelSpec,
+    scenario: Scenario,
+    hardware: str | HardwareProfile,
+    user_speed: float | None = None,
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION,
+    latency_fn: LatencyFn | None = None,
+) -> SpeedPoint:
+    """The largest batch of `scenario` (its own batch size ignored) whose per-user decode speed, 1 / decode
+    step at the mean decode context, is at least `user_speed` (default: the scenario's), and that fits in
+    memory: that many requests of prompt + generated tokens, KV cache and recurrent state in the scenario's
+    dtypes, beside the weights in its recipe (`max_concurrent_requests`).
+
+    The decode step does not shrink as the batch grows (more weights touched, more state read, more
+    FLOPs), so the speed is monotone in the batch and a bisection over [1, max concurrent] finds the
+    largest batch that meets it.
+    """
+    hardware = get_hardware(hardware)
+    speed = scenario.user_speed if user_speed is None else user_speed
+    if speed is None:
+        raise SpecError("max_batch_at_speed needs a user speed (tokens/s per user), given or in the scenario")
+    scenario = dataclasses.replace(scenario, user_speed=float(speed))
+    context = scenario.prompt_tokens + scenario.generated_tokens
+    try:
+        fits = max_concurrent_requests(
+            model_spec,
+            hardware,
+            context,
+            scenario.recipe,
+            scenario.kv_dtype,
+            memory_fraction,
+            scenario.ssm_dtype,
+            scenario.conv_dtype,
+        )
+    except SpecError:  # no per-request state: memory does not bound the batch; the speed will
+        fits = 2**40
+
+    def at(batch: int) -> ModelPerformance:
+        return model_performance(
+            model_spec, dataclasses.replace(scenario, batch_size=batch), hardware, latency_fn
+        )
+
+    if fits < 1:
+        return SpeedPoint(float(speed), 0, fits, "none-fits", None)
+    if at(1).per_user_tokens_per_s < speed:
+        return SpeedPoint(float(speed), 0, fits, "speed", None)
+    low, high = 1, fits  # at(low) meets the speed; the answer is in [low, high]
+    if at(high).per_user_tokens_per_s >= speed:
+        return SpeedPoint(float(speed), high, fits, "memory", at(high))
+    while high - low > 1:  # at(high) misses the speed
+        middle = (low + high) // 2
+        if at(middle).per_user_tokens_per_s >= speed:
+            low = middle
+        else:
+            high = middle
+    return SpeedPoint(float(speed), low, fits, "speed", at(low))

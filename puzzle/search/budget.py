@@ -17,7 +17,16 @@ per (budget, scenario):
   integer), weights and state in the scenario's recipe and dtypes as `puzzle costs` counts them;
 - throughput per scenario: batch x generated / (prefill + generated x decode step) >= T is
   prefill + generated x step <= batch x generated / T, a sum of block latencies plus embeddings/lm_head;
-- latency per scenario (the batch's prefill + generation) and time to first token (the prefill).
+- latency per scenario (the batch's prefill + generation) and time to first token (the prefill);
+- per-user decode speed at a scenario's batch: 1 / decode step >= V is decode step <= 1/V, a sum;
+- throughput at the scenario's per-user speed (`speed=` in the scenario): the largest batch meeting the speed
+  is not a sum over blocks, so the key is linearised at a fixed batch b: b = ceil(T / T_parent x b_parent),
+  the parent's largest batch at that speed scaled by the wanted throughput over the parent's. The child
+  must then carry b requests at the speed (decode step at b <= 1/speed), hold them (b requests' state
+  beside the weights fit), and give T at b (throughput at b >= T): three sums, which `priced_table` makes
+  from three rows (`expand`). Together they imply the child's largest batch at the speed is >= b and
+  its throughput there >= T (throughput grows with the batch); they are sufficient, not necessary (a
+  child reaching T at another batch is not seen).
 
 Relative targets (`Relative(0.6)`) are factors of the parent's value; for a throughput, `Relative(1.5)`
 means 1.5x the parent's tokens/s, i.e. at most 1/1.5 of its seconds. `Budget` is the same in Python
@@ -28,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,10 +45,12 @@ from typing import Any
 
 from puzzle.cost import (
     Scenario,
+    SpeedPoint,
     block_active_params,
     block_params,
     block_weight_bytes,
     get_hardware,
+    max_batch_at_speed,
     model_active_params,
     model_params,
     model_performance,
@@ -62,7 +74,8 @@ class CostModel:
     serving scenarios that budgets refer to (`throughput[chat]`).
 
     `profile`: Accelerator profile of puzzle.cost (h100-80gb, h200-141gb, b200, a100-80gb, this-machine;
-    aliases such as h100 accepted); in Python also a `HardwareProfile` (a run's stored calibration).
+    aliases such as h100 accepted; `NxNAME` such as 8xb200 for N GPUs serving tensor/expert parallel); in
+    Python also a `HardwareProfile` (a run's stored calibration).
     `memory_fraction`: Share of the device memory usable for weights and requests.
     `recipe`: Weight storage for weight_bytes budgets (bf16, fp8, nvfp4, ...).
     `scenarios`: Serving scenarios by name: batch_size, prompt_tokens, generated_tokens and dtypes (see
@@ -115,8 +128,9 @@ SCENARIO_FIELDS: dict[str, str] = {
     "conv_dtype": "conv_dtype",
     "activation_dtype": "activation_dtype",
     "compute_dtype": "compute_dtype",
+    "speed": "user_speed",
 }
-SCENARIO_SYNTAX = "NAME:batch=B,prompt=P,generated=G[,recipe=R,kv_dtype=D,...]"
+SCENARIO_SYNTAX = "NAME:batch=B,prompt=P,generated=G[,speed=TOKENS_PER_S,recipe=R,kv_dtype=D,...]"
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
@@ -144,6 +158,11 @@ def parse_scenario(text: str, defaults: Mapping[str, str] | None = None) -> Scen
             if isinstance(number, Relative) or not float(number).is_integer() or number < 1:
                 raise BudgetError(f"scenario {name!r}: {key} must be a whole number >= 1, found {value!r}")
             values[field_name] = int(number)
+        elif field_name == "user_speed":
+            number = parse_value(value)
+            if isinstance(number, Relative) or number <= 0:
+                raise BudgetError(f"scenario {name!r}: speed must be tokens/s per user > 0, found {value!r}")
+            values[field_name] = float(number)
         else:
             values[field_name] = value
     missing = [key for key in ("batch", "prompt", "generated") if SCENARIO_FIELDS[key] not in values]
@@ -219,6 +238,8 @@ class BudgetRow:
     block_cost: Callable[[_Pricing, Term, BlockSpec], float]
     parent_total: Callable[[_Pricing, Term], float]
     bound: Callable[[_Pricing, Term], Value] = lambda pricing, term: term.value
+    # A key that is not one sum: the terms of other rows it stands for (priced instead of it).
+    expand: Callable[[_Pricing, Term], list[Term]] | None = None
 
 
 def _plus_weights_outside(
@@ -274,6 +295,57 @@ def _seconds_for_tokens(pricing: _Pricing, term: Term) -> Value:
     if isinstance(wanted, Relative):
         return Relative(1.0 / wanted.factor)
     return term.scenario.batch_size * term.scenario.generated_tokens / float(wanted)
+
+
+def _decode_seconds(pricing: _Pricing, term: Term, spec: BlockSpec) -> float:
+    return pricing.timer(spec, pricing.parent.hidden_size, term.scenario).decode_step_s
+
+
+def _seconds_per_step(pricing: _Pricing, term: Term) -> Value:
+    """user_speed >= V tokens/s as a bound on the decode step: 1/V seconds, or 1/f of the parent's for `fx`."""
+    wanted = term.value
+    return Relative(1.0 / wanted.factor) if isinstance(wanted, Relative) else 1.0 / float(wanted)
+
+
+def parent_at_speed(pricing: _Pricing, scenario: Scenario) -> SpeedPoint:
+    """The parent's largest batch at the scenario's user speed and its throughput there (SearchError if
+    the scenario has no speed or the parent cannot serve one request at it)."""
+    name = _scenario_name(scenario)
+    if scenario.user_speed is None:
+        raise SearchError(
+            f"scenario {name!r} has no user speed: define it with speed=TOKENS_PER_S ({SCENARIO_SYNTAX})"
+        )
+    point = max_batch_at_speed(
+        pricing.parent,
+        scenario,
+        pricing.hardware,
+        memory_fraction=pricing.memory_fraction,
+        latency_fn=pricing.timer,
+    )
+    if point.batch == 0:
+        raise SearchError(
+            f"scenario {name!r}: the parent cannot serve one request at {scenario.user_speed:g} tokens/s per "
+            f"user on {pricing.hardware.name} ({point.limited_by}), so no throughput at that speed to compare"
+        )
+    return point
+
+
+def _terms_at_speed(pricing: _Pricing, term: Term) -> list[Term]:
+    """throughput_at_speed[S] >= T as three sums at the fixed batch b (see the module's docstring)."""
+    scenario = term.scenario
+    parent = parent_at_speed(pricing, scenario)
+    wanted = term.value.resolve(parent.throughput) if isinstance(term.value, Relative) else float(term.value)
+    batch = max(1, math.ceil(wanted / parent.throughput * parent.batch - 1e-9))
+    at_batch = dataclasses.replace(scenario, batch_size=batch, name=f"{_scenario_name(scenario)}@b{batch}")
+    return [
+        Term("throughput", at_batch, wanted, term.source),
+        Term("user_speed", at_batch, scenario.user_speed, term.source),
+        Term("concurrent_requests", at_batch, batch, term.source),
+    ]
+
+
+def _expanded_only(*_: Any) -> Any:
+    raise AssertionError("throughput_at_speed is priced through the rows it expands to")
 
 
 BUDGET_ROWS: dict[str, BudgetRow] = {
@@ -342,6 +414,25 @@ BUDGET_ROWS: dict[str, BudgetRow] = {
         column=lambda p, t: f"prefill_seconds[{_scenario_name(t.scenario)}]",
         block_cost=_prefill_seconds,
         parent_total=lambda p, t: _performance(p, t).prefill_s,
+    ),
+    "user_speed": BudgetRow(
+        ">=",
+        True,
+        "decode tokens/s per user at the scenario's batch (1 / decode step)",
+        column=lambda p, t: f"decode_seconds[{_scenario_name(t.scenario)}]",
+        block_cost=_decode_seconds,
+        parent_total=lambda p, t: _performance(p, t).decode_step_s,
+        bound=_seconds_per_step,
+    ),
+    "throughput_at_speed": BudgetRow(
+        ">=",
+        True,
+        "output tokens/s at the largest batch meeting the scenario's per-user speed (`speed=`); "
+        "linearised at a fixed batch",
+        column=_expanded_only,
+        block_cost=_expanded_only,
+        parent_total=_expanded_only,
+        expand=_terms_at_speed,
     ),
 }
 
@@ -437,6 +528,18 @@ def _check_candidates(
             raise SearchError(f"block {index}: {len(candidates)} variants but {len(block_scores)} scores")
 
 
+def _expand_terms(pricing: _Pricing, terms: Sequence[Term]) -> list[Term]:
+    """`terms` with each term of an `expand` row replaced by the terms it stands for (none without a bound)."""
+    expanded: list[Term] = []
+    for term in terms:
+        expand = BUDGET_ROWS[term.key].expand
+        if expand is None:
+            expanded.append(term)
+        elif term.value is not None:
+            expanded.extend(expand(pricing, term))
+    return expanded
+
+
 def priced_table(
     parent: ModelSpec,
     variants: Sequence[Sequence[BlockSpec]],
@@ -454,7 +557,7 @@ def priced_table(
     per_block: dict[str, Callable[[BlockSpec], float]] = {}
     fixed: dict[str, float] = {}
     limits: list[tuple[Term, Limit]] = []
-    for term in terms:
+    for term in _expand_terms(pricing, terms):
         row = BUDGET_ROWS[term.key]
         column = row.column(pricing, term)
         if column not in per_block:  # throughput and latency of one scenario share `seconds[S]`
@@ -505,20 +608,29 @@ def _checked_value(owner: str, name: str, value: object) -> Value | None:
 @dataclass(frozen=True)
 class ScenarioTarget:
     """Targets for one serving scenario: output tokens/s of the batch (prefill included), end-to-end
-    seconds of the batch, and time to first token (seconds). None = no target."""
+    seconds of the batch, time to first token (seconds), decode tokens/s per user at the batch, and output
+    tokens/s at the largest batch meeting the scenario's `user_speed`. None = no target."""
 
     scenario: Scenario
     min_tokens_per_s: Value | None = None
     max_latency_s: Value | None = None
     max_ttft_s: Value | None = None
+    min_user_speed: Value | None = None
+    min_tokens_per_s_at_speed: Value | None = None
 
     def __post_init__(self) -> None:
-        for name in ("min_tokens_per_s", "max_latency_s", "max_ttft_s"):
+        for name in _TARGET_KEYS:
             object.__setattr__(self, name, _checked_value("ScenarioTarget", name, getattr(self, name)))
 
 
 # ScenarioTarget field -> the budget key it is
-_TARGET_KEYS = {"min_tokens_per_s": "throughput", "max_latency_s": "latency", "max_ttft_s": "ttft"}
+_TARGET_KEYS = {
+    "min_tokens_per_s": "throughput",
+    "max_latency_s": "latency",
+    "max_ttft_s": "ttft",
+    "min_user_speed": "user_speed",
+    "min_tokens_per_s_at_speed": "throughput_at_speed",
+}
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,9 @@ objects `run_problem` also takes; `0.6x` = 0.6 x the parent's value):
 params, active_params, weight_bytes (in `CostModel.recipe`) <= V; memory_bytes[S] <= V (weights + batch x
 state at S's prompt + generated tokens); concurrent_requests[S] >= N (N requests of S's context fit in
 memory_fraction x the hardware's memory); throughput[S] >= V (output tokens/s of S's batch, roofline on
-the hardware); latency[S] <= V and ttft[S] <= V (seconds). `[chat,long]` names several scenarios: the
-bound holds in each.
+the hardware); latency[S] <= V and ttft[S] <= V (seconds); user_speed[S] >= V (decode tokens/s per user at
+S's batch); throughput_at_speed[S] >= V (tokens/s at the largest batch keeping S's user_speed; linearised
+at a fixed batch, see `puzzle.search.budget`). `[chat,long]` names several scenarios: the bound holds in each.
 """
 
 from __future__ import annotations
