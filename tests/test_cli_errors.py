@@ -77,6 +77,7 @@ ACCEPTED: dict[tuple[str, str], set[str]] = {
     ("convert", "dst"): _WRITABLE
     | {"missing-file", "directory", "corrupt-config-checkpoint", "checkpoint-without-weights"},
     ("convert", "max_shard_size"): {"fraction"},  # 1 byte: one tensor per shard
+    ("costs", "user_speed"): {"fraction"},  # 1.5 tokens/s per user: a (slow) speed
     # A new or empty run directory; any directory as the cache (it only adds demo-* folders to it).
     ("demo", "out"): _WRITABLE | {"missing-file", "directory"},
     ("demo", "cache"): _WRITABLE

@@ -73,6 +73,12 @@ def test_puzzle_config_json_and_checkpoint_dir(capsys, tmp_path):
         (["tiny-hybrid", "--memory-fraction", "nan"], "expected a finite number"),
         (["missing/config.json"], "does not exist"),
         (["/dev/null"], "/dev/null is neither a config.json file nor a checkpoint directory"),
+        (
+            ["tiny-hybrid", "--scenario", "chat:prompt=16,generated=4"],
+            "--scenario is only used with --user-speed",
+        ),
+        (["tiny-hybrid", "--compute-dtype", "fp8"], "--compute-dtype is only used with --user-speed"),
+        (["tiny-hybrid", "--user-speed", "10", "--scenario", "abc"], "abc"),
     ],
 )
 def test_bad_input_is_a_clear_error(capsys, argv, message):

@@ -318,6 +318,10 @@ def run(args: argparse.Namespace) -> int:
             args.ssm_dtype,
             args.memory_fraction,
         )
+        if args.user_speed is None and (args.scenario or args.compute_dtype):
+            # Only --user-speed reads them: silently ignoring a workload the user typed would hide a mistake.
+            given = "--scenario" if args.scenario else "--compute-dtype"
+            raise SpecError(f"{given} is only used with --user-speed TOKENS_PER_S; add it or drop {given}")
         if args.user_speed is not None:
             scenarios = speed_scenarios(args.scenario, args)
             costs["at_user_speed"] = [
