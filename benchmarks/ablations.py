@@ -1,9 +1,27 @@
-"""Ablations: Puzzle against the alternatives at equal budget on the demo parent -> docs/RESULTS.md.
+"""Ablations: Puzzle against the alternatives at equal budget on the demo parents -> docs/RESULTS.md.
 
-    python benchmarks/ablations.py            # the quick demo parent, four levels (~6 min cold, 1 min cached)
-    python benchmarks/ablations.py --full     # the full demo parent
-    python benchmarks/ablations.py --quick    # CI-sized smoke run (tiny tokens, two levels, 2 seeds; ~30 s)
-    python benchmarks/ablations.py --render   # the document and plot again from the JSON, nothing rerun
+    python benchmarks/ablations.py              # the quick parent (seed 0), fine grid, four levels, 2 GKD seeds
+    python benchmarks/ablations.py --parent deep --parent-seed 0   # the 20-block parent, the same work
+    python benchmarks/ablations.py --additivity # search.rerank / context_rounds at 40% on the 20-block parent
+    python benchmarks/ablations.py --replicate  # the full replication (REPLICATE_HOURS; results/replicate/)
+    python benchmarks/ablations.py --full       # the full demo parent
+    python benchmarks/ablations.py --quick      # CI-sized smoke run (tiny tokens, two levels, 2 seeds)
+    python benchmarks/ablations.py --render     # the document and plot again from the JSON, nothing rerun
+
+Parents (`load_parent`, cached as the demo caches its own): `quick`, the quick demo's spec trained 4x longer
+than the demo's (QUICK_PARENT, ~164k tokens), with any `--parent-seed`; `deep`, 20 blocks (DEEP_PATTERN:
+Mamba, MoE and attention mixed, hidden 64, ~246k tokens); `full`, the full demo parent. The space is the fine
+grid by default (`ablation_stats.fine_space`: widths and state sizes at 0.875 ... 0.25 of the parent's and the
+expert count, one axis at a time, so that uniform pruning meets each budget within about 1%); `--grid coarse`
+is the earlier one-step-per-axis SPACE. Every reported KL is measured on a test split (`test_split`: the
+held-out split's batches after the scoring ones, which no search, re-ranking or GKD checkpoint choice saw);
+the additivity figures (predicted vs measured) use the scoring held-out. Each distilled child is distilled
+once per GKD seed (`--gkd-seeds`, default 2). The analysis (`analysis`): each method's KL over Puzzle's on the
+same test batches per GKD seed with 95% intervals (`ablation_stats.paired_ratio`), each method at equal size
+(its KL over Puzzle's KL-vs-size curve at the size it reached, and its own curve at the budget), the
+compression where Puzzle starts to beat uniform pruning with a bootstrap interval over test batches and GKD
+seeds, the Spearman within each level next to the pooled one, and budgets on total parameters (`params`)
+beside active ones (`--total-params`, assembled only).
 
 One run directory (`runs/ablations[-full|-quick]`, reused: a rerun only re-measures) holds the pipeline's
 importance, BLD library and replace-one-block scores (`puzzle.run.Run` up to `scores`) over a space with
@@ -1139,10 +1157,12 @@ def _ratio_text(r: dict[str, float]) -> str:
 
 
 def _compression_text(value: float, compressions: Sequence[float]) -> str:
+    """A crossover (`ablation_stats.crossover`) in words: -inf, Puzzle lower at every compression measured;
+    +inf, uniform pruning at least as good at the largest one."""
     if value == -math.inf:
-        return f"<= {min(compressions):.0%}"
+        return f"<= {min(compressions):.0%} (Puzzle lower at every level)"
     if value == math.inf:
-        return f"> {max(compressions):.0%} (none in range)"
+        return f"none (uniform as good or better at {max(compressions):.0%})"
     return "-" if value != value else f"{value:.1%}"
 
 
@@ -1328,13 +1348,13 @@ def ablate(
                 log(
                     f"{budget} {level:.2f} {choice.method}"
                     f"{'' if choice.seed is None else f' seed {choice.seed}'}: "
-                    f"active {record['active_fraction']:.3f}, KL pred {record['predicted_kl']:.4f} measured "
+                    f"{budget} {record[_size_key(budget)]:.3f}, KL pred {record['predicted_kl']:.4f} measured "
                     f"{record['before']['kl']:.4f}"
                     + (f" after GKD {after['kl']:.4f}" if after else "")
                     + f" ({time.perf_counter() - started:.1f} s)"
                 )
             else:
-                log(f"{level:.2f} {choice.method}: infeasible")
+                log(f"{budget} {level:.2f} {choice.method}: infeasible")
     parent_lm = bench.parent_lm_loss
     trained = [r for r in bench.library.results.values() if r.status == "trained" and r.init_nmse]
     ratios = [r.final_nmse / r.init_nmse for r in trained if r.final_nmse is not None]
@@ -1377,7 +1397,7 @@ DEEP_PARENT = TrainSettings(seq_len=256, batch_size=8, steps=120, lr=5e-3, warmu
 PARENTS = ("quick", "deep", "full")
 REPLICATE = (("quick", 0), ("quick", 1), ("quick", 2), ("deep", 0))
 REPLICATE_LEVELS = (0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4)
-REPLICATE_HOURS = 9.0  # estimated wall time of --replicate on 2 shared cores (README: how it was estimated)
+REPLICATE_HOURS = 5.0  # --replicate on 2 shared cores: extrapolated from a two-level slice (results/slice/)
 
 
 def parent_spec(name: str) -> ModelSpec:
