@@ -301,14 +301,16 @@ class Problem:
                 return current
             current = trials[fits[0]].tolist()
 
-    def random(self, seed: int, draws: int = 20_000, rounds: int = 100) -> Arch | None:
-        """A uniform draw among the feasible architectures that use at least (level - RANDOM_BAND) of the
+    def random(
+        self, seed: int, draws: int = 20_000, rounds: int = 100, band: float = RANDOM_BAND
+    ) -> Arch | None:
+        """A uniform draw among the feasible architectures that use at least (level - `band`) of the
         parent's active parameters (rejection sampling of the whole product): equal budget, not a far
         smaller model, which a uniform draw over all feasible ones mostly is."""
         rng = np.random.default_rng(seed)
         sizes = np.diff(self.table.offsets)
         cost = self.table.cost(self.budget)
-        floor = (self.level - RANDOM_BAND) * self.table.parent_total(self.budget) - self.table.fixed.get(
+        floor = (self.level - band) * self.table.parent_total(self.budget) - self.table.fixed.get(
             self.budget, 0.0
         )
         for _ in range(rounds):
@@ -1502,10 +1504,12 @@ def additivity(
             + ", ".join(f"{a['kl']:.4f}" for a in measured["after_seeds"])
             + f" ({time.perf_counter() - started:.0f} s)"
         )
-    for seed in range(draws):  # random architectures at the level: more children for the Spearman
-        arch = problem.random(seed)
-        if arch is not None:
-            ranked.append((bench.predicted(arch, bench.kl_of), arch))
+    # More children at this level for the Spearman, measured before GKD only: uniform pruning, the MIP on
+    # LM-loss scores, random architectures (a wider band: at high compression on a deep parent a draw within
+    # RANDOM_BAND of the budget is rare).
+    others = [problem.homogeneous()[0], Problem(run, bench.lm, level).mip()]
+    others += [problem.random(seed, rounds=20, band=0.15) for seed in range(draws)]
+    ranked += [(bench.predicted(arch, bench.kl_of), arch) for arch in others if arch is not None]
     pairs: dict[Arch, tuple[float, float]] = {}
     for predicted, arch in ranked + [
         (bench.predicted(c[0], bench.kl_of), c[0]) for c in children.values() if c[0] is not None
