@@ -1517,6 +1517,10 @@ def additivity(
         pairs[arch] = (predicted, bench.measure(arch, "bld")["scoring"]["kl"])
     figures["spearman_within"] = spearman([p for p, _ in pairs.values()], [m for _, m in pairs.values()])
     figures["children"] = len(pairs)
+    figures["spearman_children"] = [
+        {"predicted_kl": p, "measured_kl": m, "blocks": [b.short_name() for b in arch]}
+        for arch, (p, m) in sorted(pairs.items(), key=lambda item: item[1])
+    ]
     greedy = figures.get("greedy", {})
     for name in options:
         mine = figures[name]
