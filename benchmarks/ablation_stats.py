@@ -29,6 +29,7 @@ from puzzle.spec import AttentionSpec, MambaSpec, ModelSpec, MoESpec
 
 FINE_FRACTIONS = (0.875, 0.75, 0.625, 0.5, 0.375, 0.25)
 Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
+REACH = 0.03  # how far past the sizes it reached a curve is read at equal size (fine-grid uniform: ~1% under)
 
 
 # ------------------------------------------------------------------------------------------ the fine grid
@@ -123,10 +124,11 @@ def closest_under(sizes: Sequence[float], level: float) -> float | None:
 # -------------------------------------------------------------------------------------- equal-size curves
 
 
-def interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
+def interpolate(points: Sequence[tuple[float, float]], x: float, reach: float = 0.0) -> float:
     """The curve through `points` (size, KL > 0) at size `x`: piecewise linear in log KL between the two
-    nearest sizes; NaN outside the sizes the curve reached (no extrapolation). Points at one size average
-    their logs."""
+    nearest sizes; beyond the sizes the curve reached, the end segment extended by at most `reach` (a
+    method lands a little under each budget, so its curve never reaches the largest one), else NaN. Points
+    at one size average their logs."""
     by_x: dict[float, list[float]] = {}
     for size, value in points:
         if value > 0 and math.isfinite(value):
@@ -135,13 +137,20 @@ def interpolate(points: Sequence[tuple[float, float]], x: float) -> float:
         return math.nan
     xs = sorted(by_x)
     ys = [sum(by_x[s]) / len(by_x[s]) for s in xs]
-    if x < xs[0] - 1e-12 or x > xs[-1] + 1e-12:
+    if x < xs[0] - reach - 1e-12 or x > xs[-1] + reach + 1e-12:
         return math.nan
-    return float(math.exp(np.interp(x, xs, ys)))
+    if xs[0] <= x <= xs[-1]:
+        return float(math.exp(np.interp(x, xs, ys)))
+    if len(xs) < 2:
+        return math.nan
+    (x0, y0), (x1, y1) = (
+        ((xs[0], ys[0]), (xs[1], ys[1])) if x < xs[0] else ((xs[-2], ys[-2]), (xs[-1], ys[-1]))
+    )
+    return float(math.exp(y0 + (y1 - y0) * (x - x0) / (x1 - x0)))
 
 
-def curve_at(points: Sequence[tuple[float, float]], xs: Sequence[float]) -> list[float]:
-    return [interpolate(points, x) for x in xs]
+def curve_at(points: Sequence[tuple[float, float]], xs: Sequence[float], reach: float = 0.0) -> list[float]:
+    return [interpolate(points, x, reach) for x in xs]
 
 
 # --------------------------------------------------------------------------------------- paired intervals
@@ -219,7 +228,7 @@ def bootstrap_crossover(
                 size, values = table[lv][0], np.atleast_2d(np.asarray(table[lv][1], dtype=np.float64))[:, :n]
                 row = values[rng.integers(len(values))] if pick else values.mean(axis=0)
                 points.append((size, float((row if index is None else row[index]).mean())))
-            curves.append(curve_at(points, usable))
+            curves.append(curve_at(points, usable, REACH))
         return crossover([1 - lv for lv in usable], curves[0], curves[1])
 
     point = one(None, pick=False)

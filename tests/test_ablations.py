@@ -246,6 +246,10 @@ def test_interpolation_at_known_points():
     assert stats.interpolate(points, 0.6) == pytest.approx(math.exp(-4.0))
     assert stats.interpolate(points, 0.5) == pytest.approx(math.exp(-2.5))  # linear in log KL
     assert math.isnan(stats.interpolate(points, 0.7)) and math.isnan(stats.interpolate(points, 0.3))
+    # A little past the ends: the end segment extended (slope -15 per unit of size in log KL), not further.
+    assert stats.interpolate(points, 0.62, reach=0.03) == pytest.approx(math.exp(-4.0 - 15 * 0.02))
+    assert stats.interpolate(points, 0.38, reach=0.03) == pytest.approx(math.exp(-1.0 + 15 * 0.02))
+    assert math.isnan(stats.interpolate(points, 0.64, reach=0.03))
 
 
 def test_the_paired_ratio_interval_is_the_hand_computed_delta_method():
@@ -415,7 +419,7 @@ def test_total_parameter_budgets_and_equal_size(fine):
     for entry in equal["puzzle"].values():  # Puzzle's own curve at its own sizes: itself
         assert entry["ratio_at_size"] == pytest.approx(1.0)
     for entry in equal["homogeneous"].values():
-        expected = stats.interpolate(puzzle_curve, entry["size"])
+        expected = stats.interpolate(puzzle_curve, entry["size"], stats.REACH)
         assert entry["puzzle_at_size"] == pytest.approx(expected, nan_ok=True)
     assert "equal_size_params" in data["analysis"]
     lines = "\n".join(ablations.evidence_sections(data))
