@@ -45,11 +45,12 @@ from that library:
 - no_state_axis / no_width_axis: the MIP without the Mamba state-size axis / without the MoE expert-width
   axis (variants that keep the parent's value only).
 
-Every architecture is assembled (`puzzle.assemble`) and measured against the parent on the run's held-out
-tokens (`puzzle.assemble.measured_kl`: KL, LM-loss increase, top-1 agreement); those of `--gkd` methods are
-then distilled by the run's own GKD settings (`puzzle.gkd.distill`) and measured again. The summed
-replace-one-block KL the search predicts is set against the measured KL of every BLD-assembled child
-(Spearman rank correlation, numpy ranks). Output: the JSON (benchmarks/results/ablations.json), the table
+Every architecture is assembled (`puzzle.assemble`) and measured against the parent on the test split and
+on the scoring held-out tokens (`puzzle.assemble.measured_kl`: KL, LM-loss increase, top-1 agreement); those
+of `--gkd` methods are then distilled by the run's own GKD settings (`puzzle.gkd.distill`), once per GKD
+seed, and measured again on the test split. The summed replace-one-block KL the search predicts is set
+against the KL measured on the scoring held-out of every BLD-assembled child (Spearman rank correlation,
+numpy ranks; pooled and within each level). Output: the JSON (benchmarks/results/ablations.json), the table
 per level and the plot (docs/RESULTS.md, docs/results_kl.png).
 """
 
