@@ -1,9 +1,27 @@
-"""Ablations: Puzzle against the alternatives at equal budget on the demo parent -> docs/RESULTS.md.
+"""Ablations: Puzzle against the alternatives at equal budget on the demo parents -> docs/RESULTS.md.
 
-    python benchmarks/ablations.py            # the quick demo parent, four levels (~6 min cold, 1 min cached)
-    python benchmarks/ablations.py --full     # the full demo parent
-    python benchmarks/ablations.py --quick    # CI-sized smoke run (tiny tokens, two levels, 2 seeds; ~30 s)
-    python benchmarks/ablations.py --render   # the document and plot again from the JSON, nothing rerun
+    python benchmarks/ablations.py              # the quick parent (seed 0), fine grid, four levels, 2 GKD seeds
+    python benchmarks/ablations.py --parent deep --parent-seed 0   # the 20-block parent, the same work
+    python benchmarks/ablations.py --additivity # search.rerank / context_rounds at 40% on the 20-block parent
+    python benchmarks/ablations.py --replicate  # the full replication (REPLICATE_HOURS; results/replicate/)
+    python benchmarks/ablations.py --full       # the full demo parent
+    python benchmarks/ablations.py --quick      # CI-sized smoke run (tiny tokens, two levels, 2 seeds)
+    python benchmarks/ablations.py --render     # the document and plot again from the JSON, nothing rerun
+
+Parents (`load_parent`, cached as the demo caches its own): `quick`, the quick demo's spec trained 4x longer
+than the demo's (QUICK_PARENT, ~164k tokens), with any `--parent-seed`; `deep`, 20 blocks (DEEP_PATTERN:
+Mamba, MoE and attention mixed, hidden 64, ~246k tokens); `full`, the full demo parent. The space is the fine
+grid by default (`ablation_stats.fine_space`: widths and state sizes at 0.875 ... 0.25 of the parent's and the
+expert count, one axis at a time, so that uniform pruning meets each budget within about 1%); `--grid coarse`
+is the earlier one-step-per-axis SPACE. Every reported KL is measured on a test split (`test_split`: the
+held-out split's batches after the scoring ones, which no search, re-ranking or GKD checkpoint choice saw);
+the additivity figures (predicted vs measured) use the scoring held-out. Each distilled child is distilled
+once per GKD seed (`--gkd-seeds`, default 2). The analysis (`analysis`): each method's KL over Puzzle's on the
+same test batches per GKD seed with 95% intervals (`ablation_stats.paired_ratio`), each method at equal size
+(its KL over Puzzle's KL-vs-size curve at the size it reached, and its own curve at the budget), the
+compression where Puzzle starts to beat uniform pruning with a bootstrap interval over test batches and GKD
+seeds, the Spearman within each level next to the pooled one, and budgets on total parameters (`params`)
+beside active ones (`--total-params`, assembled only).
 
 One run directory (`runs/ablations[-full|-quick]`, reused: a rerun only re-measures) holds the pipeline's
 importance, BLD library and replace-one-block scores (`puzzle.run.Run` up to `scores`) over a space with
@@ -27,11 +45,12 @@ from that library:
 - no_state_axis / no_width_axis: the MIP without the Mamba state-size axis / without the MoE expert-width
   axis (variants that keep the parent's value only).
 
-Every architecture is assembled (`puzzle.assemble`) and measured against the parent on the run's held-out
-tokens (`puzzle.assemble.measured_kl`: KL, LM-loss increase, top-1 agreement); those of `--gkd` methods are
-then distilled by the run's own GKD settings (`puzzle.gkd.distill`) and measured again. The summed
-replace-one-block KL the search predicts is set against the measured KL of every BLD-assembled child
-(Spearman rank correlation, numpy ranks). Output: the JSON (benchmarks/results/ablations.json), the table
+Every architecture is assembled (`puzzle.assemble`) and measured against the parent on the test split and
+on the scoring held-out tokens (`puzzle.assemble.measured_kl`: KL, LM-loss increase, top-1 agreement); those
+of `--gkd` methods are then distilled by the run's own GKD settings (`puzzle.gkd.distill`), once per GKD
+seed, and measured again on the test split. The summed replace-one-block KL the search predicts is set
+against the KL measured on the scoring held-out of every BLD-assembled child (Spearman rank correlation,
+numpy ranks; pooled and within each level). Output: the JSON (benchmarks/results/ablations.json), the table
 per level and the plot (docs/RESULTS.md, docs/results_kl.png).
 """
 
@@ -61,10 +80,12 @@ import torch
 from puzzle.assemble import assemble, measured_kl
 from puzzle.bld import default_init
 from puzzle.config.run import load_config_data
-from puzzle.cost.analytic import model_active_params
+from puzzle.cost.analytic import model_active_params, model_params
+from puzzle.demo.parent import FULL_SETTINGS, QUICK_SETTINGS, TrainSettings
 from puzzle.demo.pipeline import FULL, QUICK, DemoSize, demo_config
 from puzzle.files import atomic_write_bytes
 from puzzle.library import Library, read_library
+from puzzle.presets.demo import demo_parent_spec, demo_quick_parent_spec, demo_spec
 from puzzle.run import Run
 from puzzle.search import InfeasibleError, search
 from puzzle.search.mip import feasible_choices, resolve_limits
@@ -73,6 +94,20 @@ from puzzle.spec import BlockSpec, MambaSpec, ModelSpec, MoESpec, Variant
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from ablation_stats import (  # noqa: E402  (a sibling module)
+    REACH,
+    bootstrap_crossover,
+    fine_space,
+    interpolate,
+    paired_ratio,
+    spearman,
+    uniform_fractions,
+    within_level_spearman,
+)
+
+__all__ = ["fine_space", "interpolate", "paired_ratio", "spearman", "uniform_fractions"]
 
 LEVELS = (0.85, 0.70, 0.55, 0.40)
 METHODS = (
@@ -159,11 +194,17 @@ class Problem:
     and vectorised feasibility for the baselines."""
 
     def __init__(
-        self, run: Run, candidates: RunCandidates, level: float, speedup: float | None = None
+        self,
+        run: Run,
+        candidates: RunCandidates,
+        level: float,
+        speedup: float | None = None,
+        budget: str = "active_params",
     ) -> None:
         self.candidates = candidates
         self.level = level
-        budgets = [f"active_params<={level}x"]
+        self.budget = budget  # the bounded column: active_params, or params (total)
+        budgets = [f"{budget}<={level}x"]
         if speedup is not None:  # predicted decode tokens/s at least `speedup` x the parent's
             budgets.append(f"throughput[decode]>={speedup}x")
         self.run_problem: RunProblem = run_problem(
@@ -213,7 +254,7 @@ class Problem:
         return np.array([state is None or s is None or s == state for s in states])
 
     def _descend(self, state: int | None) -> list[int] | None:
-        table, cost = self.table, self.table.cost("active_params")
+        table, cost = self.table, self.table.cost(self.budget)
         allowed = self._allowed(state)
         current = []
         for b in range(table.num_blocks):  # start from the least damaging allowed variant of each block
@@ -240,7 +281,7 @@ class Problem:
         """`current` with blocks upgraded while the budget holds: each step takes the one-block swap that
         lowers the predicted KL most per active parameter it adds (a swap that adds none first), among the
         swaps whose architecture still meets the limits and rules; until no swap lowers it and fits."""
-        table, cost = self.table, self.table.cost("active_params")
+        table, cost = self.table, self.table.cost(self.budget)
         current = list(current)
         while True:
             swaps: list[tuple[float, int, int]] = []  # (-gain per parameter, block, variant)
@@ -262,15 +303,17 @@ class Problem:
                 return current
             current = trials[fits[0]].tolist()
 
-    def random(self, seed: int, draws: int = 20_000, rounds: int = 100) -> Arch | None:
-        """A uniform draw among the feasible architectures that use at least (level - RANDOM_BAND) of the
+    def random(
+        self, seed: int, draws: int = 20_000, rounds: int = 100, band: float = RANDOM_BAND
+    ) -> Arch | None:
+        """A uniform draw among the feasible architectures that use at least (level - `band`) of the
         parent's active parameters (rejection sampling of the whole product): equal budget, not a far
         smaller model, which a uniform draw over all feasible ones mostly is."""
         rng = np.random.default_rng(seed)
         sizes = np.diff(self.table.offsets)
-        cost = self.table.cost("active_params")
-        floor = (self.level - RANDOM_BAND) * self.table.parent_total("active_params") - self.table.fixed.get(
-            "active_params", 0.0
+        cost = self.table.cost(self.budget)
+        floor = (self.level - band) * self.table.parent_total(self.budget) - self.table.fixed.get(
+            self.budget, 0.0
         )
         for _ in range(rounds):
             choices = rng.integers(0, sizes[None, :], size=(draws, len(sizes)))
@@ -325,29 +368,46 @@ class PrunedLibrary(Library):
         return self._init(variant)
 
 
-def spearman(x: Sequence[float], y: Sequence[float]) -> float:
-    """Spearman's rank correlation (average ranks for ties), without scipy."""
+def test_split(run: Run, tokens: int) -> list[torch.Tensor]:
+    """The test split: batches of the held-out split after those the run scores and measures on
+    (`Run.held_out_batches`: the scores, GKD's evaluations and best-checkpoint choice), up to `tokens`. Used
+    only to report numbers, so that no choice (search, re-ranking, GKD's kept step) has seen them. The same
+    shuffled stream of one epoch: no sequence is in both. Raises ValueError when the split has none left."""
+    settings = run.config.data
+    split = run.data.held_out
+    used = len(run.held_out_batches())
+    per_batch = settings.eval_batch_size * split.seq_len
+    available = len(split) // settings.eval_batch_size - used
+    wanted = min(available, math.ceil(tokens / per_batch))
+    if wanted < 1:
+        raise ValueError(
+            f"no test split left in the held-out split of {settings.sources}: its {len(split)} sequences of "
+            f"{split.seq_len} make {len(split) // settings.eval_batch_size} batches, all {used} used by the "
+            "scoring held-out (data.held_out_tokens); lower it or raise data.held_out_fraction"
+        )
+    stream = split.batches(settings.eval_batch_size, run.config.seed, rank=0, world=1, epochs=1)
+    return [batch for index, batch in zip(range(used + wanted), stream) if index >= used]
 
-    def ranks(values: Sequence[float]) -> np.ndarray:
-        values = np.asarray(values, dtype=np.float64)
-        order = np.argsort(values, kind="stable")
-        out = np.empty(len(values))
-        out[order] = np.arange(len(values), dtype=np.float64)
-        for value in np.unique(values):
-            tied = values == value
-            out[tied] = out[tied].mean()
-        return out
 
-    if len(x) < 3:
-        return math.nan
-    rx, ry = ranks(x), ranks(y)
-    return float(np.corrcoef(rx, ry)[0, 1])
+def measure_batches(
+    child: Any, parent: Any, batches: Sequence[torch.Tensor], vocab_chunk: int
+) -> dict[str, Any]:
+    """`measured_kl` on each batch: the token-weighted means (as one call over all would give) and the KL of
+    each batch (`kl_batches`, for paired intervals and the bootstrap)."""
+    per = [measured_kl(child, parent, [batch], vocab_chunk) for batch in batches]
+    tokens = sum(p["tokens"] for p in per)
+    out: dict[str, Any] = {m: sum(p[m] * p["tokens"] for p in per) / tokens for m in METRICS}
+    out["tokens"] = tokens
+    out["kl_batches"] = [p["kl"] for p in per]
+    return out
 
 
 class Bench:
     """The run (up to its scores), the parent, the held-out batches, and the measurements made so far."""
 
-    def __init__(self, run: Run, init_scores: bool = True) -> None:
+    def __init__(self, run: Run, init_scores: bool = True, test_tokens: int = 0) -> None:
+        """`test_tokens`: the size of the test split (`test_split`) the reported numbers are measured on;
+        0: none, they are measured on the scoring held-out (as before the split existed)."""
         from puzzle.prune.importance import load_importance
         from puzzle.score import load_scores
 
@@ -355,6 +415,7 @@ class Bench:
         self.parent = run.load_parent()
         self.spec: ModelSpec = self.parent.spec
         self.held_out = run.held_out_batches()
+        self.test = test_split(run, test_tokens) if test_tokens else None
         self.library = read_library(run.layout.library)
         self.bld_scores = load_scores(run.layout.scores)
         self.init = default_init(self.parent, load_importance(run.layout.importance))
@@ -421,32 +482,58 @@ class Bench:
         return assemble(dict(enumerate(arch)), library, self.parent)
 
     def _measured(self, child: Any) -> dict[str, Any]:
-        return measured_kl(child, self.parent, self.held_out, self.run.config.scoring.vocab_chunk)
+        """The reported measurement: on the test split when there is one (per batch), else the held-out."""
+        chunk = self.run.config.scoring.vocab_chunk
+        if self.test is None:
+            return measured_kl(child, self.parent, self.held_out, chunk)
+        return measure_batches(child, self.parent, self.test, chunk)
 
     def measure(self, arch: Arch, weights: str, child: Any = None) -> dict[str, Any]:
-        """The child's measurements before GKD (cached per architecture); `child`: it, already assembled."""
+        """The child's measurements before GKD (cached per architecture); `child`: it, already assembled.
+        "before": reported (test split); "scoring": on the scoring held-out, the tokens the scores were
+        computed on (what the additivity of the scores is judged on)."""
         key = (arch, weights)
         if key not in self.measured:
-            self.measured[key] = {
-                "before": self._measured(child if child is not None else self.child(arch, weights))
-            }
+            child = child if child is not None else self.child(arch, weights)
+            record = {"before": self._measured(child)}
+            chunk = self.run.config.scoring.vocab_chunk
+            record["scoring"] = (
+                record["before"]
+                if self.test is None
+                else measured_kl(child, self.parent, self.held_out, chunk)
+            )
+            self.measured[key] = record
         return self.measured[key]
 
-    def distil(self, arch: Arch, weights: str, name: str) -> dict[str, Any]:
-        """GKD of the child by the run's settings, measured again as before (cached on disk by `distill`)."""
+    def distil(self, arch: Arch, weights: str, name: str, seeds: Sequence[int] = (0,)) -> dict[str, Any]:
+        """GKD of the child by the run's settings once per GKD seed (`gkd.seed`), each measured as before
+        (cached on disk by `distill`): "after" the first seed's, "after_seeds" [one per seed]."""
         from puzzle.gkd import distill
 
-        record = self.measured.get((arch, weights), {})
-        if "after" not in record:
+        record = self.measure(arch, weights)
+        done = record.setdefault("after_by_seed", {})
+        for seed in seeds:
+            if seed in done:
+                continue
             child = self.child(arch, weights)
-            record = self.measure(arch, weights, child)  # the same child, before GKD trains it
-            directory = self.run.layout.root / "ablations" / "gkd" / name
-            result = distill(
-                child, self.parent, self.run.data.train, self.held_out, self.run.config.gkd, directory
+            settings = dataclasses.replace(self.run.config.gkd, seed=self.run.config.gkd.seed + seed)
+            directory = (
+                self.run.layout.root / "ablations" / "gkd" / (name if seed == 0 else f"{name}-g{seed}")
             )
-            record["after"] = self._measured(child.eval())
-            record["gkd"] = {"steps": result.steps, "tokens": result.tokens}
+            result = distill(child, self.parent, self.run.data.train, self.held_out, settings, directory)
+            done[seed] = {
+                **self._measured(child.eval()),
+                "gkd": {
+                    "seed": settings.seed,
+                    "steps": result.steps,
+                    "tokens": result.tokens,
+                    "kept_step": getattr(result, "kept_step", None),
+                },
+            }
             self.parent_lm_loss = result.last_eval.get("parent_lm_loss", self.parent_lm_loss)
+        record["after"] = done[seeds[0]]
+        record["after_seeds"] = [done[seed] for seed in seeds]
+        record["gkd"] = done[seeds[0]]["gkd"]
         return record
 
     def predicted_speedup(self, spec: ModelSpec) -> float:
@@ -464,13 +551,19 @@ class Bench:
 
 
 def choose(
-    bench: Bench, level: float, methods: Sequence[str], seeds: int, speedup: float | None = None
+    bench: Bench,
+    level: float,
+    methods: Sequence[str],
+    seeds: int,
+    speedup: float | None = None,
+    budget: str = "active_params",
 ) -> list[Choice]:
-    """Every method's architecture at `level` (and the decode `speedup` bound, if any)."""
+    """Every method's architecture at `level` of the parent's `budget` (active_params or params, total) and
+    the decode `speedup` bound, if any."""
     out: list[Choice] = []
 
     def problem(candidates: RunCandidates) -> Problem:
-        return Problem(bench.run, candidates, level, speedup)
+        return Problem(bench.run, candidates, level, speedup, budget)
 
     kl = problem(bench.kl)
     for method in methods:
@@ -503,10 +596,20 @@ def choose(
     return out
 
 
-def row(bench: Bench, choice: Choice, gkd: bool, tag: str = "") -> dict[str, Any]:
-    """The JSON record of one method at one level: its architecture, costs, predictions and measurements."""
+def row(
+    bench: Bench,
+    choice: Choice,
+    gkd: bool,
+    tag: str = "",
+    gkd_seeds: Sequence[int] = (0,),
+    budget: str = "active_params",
+) -> dict[str, Any]:
+    """The JSON record of one method at one level: its architecture, costs, predictions and measurements
+    ("before"/"after": reported, on the test split if any; "scoring": on the scoring held-out; "after_seeds":
+    one per GKD seed)."""
     base = {
         "method": choice.method,
+        "budget": budget,
         "level": choice.level,
         "seed": choice.seed,
         "weights": choice.weights,
@@ -519,7 +622,9 @@ def row(bench: Bench, choice: Choice, gkd: bool, tag: str = "") -> dict[str, Any
     active = model_active_params(spec)
     name = f"{choice.level:.2f}{tag}-{choice.method}" + ("" if choice.seed is None else f"-{choice.seed}")
     record = (
-        bench.distil(choice.arch, choice.weights, name) if gkd else bench.measure(choice.arch, choice.weights)
+        bench.distil(choice.arch, choice.weights, name, gkd_seeds)
+        if gkd
+        else bench.measure(choice.arch, choice.weights)
     )
     return {
         **base,
@@ -527,12 +632,15 @@ def row(bench: Bench, choice: Choice, gkd: bool, tag: str = "") -> dict[str, Any
         "blocks": [block.short_name() for block in choice.arch],
         "active_params": active,
         "active_fraction": active / model_active_params(bench.spec),
+        "params_fraction": model_params(spec) / model_params(bench.spec),
         "predicted_decode_speedup": speedup,
         "predicted_kl": bench.predicted(choice.arch, bench.kl_of),
         "predicted_lm_loss_delta": bench.predicted(choice.arch, bench.lm_of),
         "predicted_kl_pruned": bench.predicted(choice.arch, bench.init_kl_of) if bench.init_kl_of else None,
         "before": record["before"],
+        "scoring": record["scoring"],
         "after": record.get("after"),
+        "after_seeds": record.get("after_seeds"),
         "gkd": record.get("gkd"),
     }
 
@@ -544,9 +652,13 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """How well the summed scores predict the measured KL: Spearman over the distinct BLD-assembled children
     (and over the pruned ones against their own scores), Pearson of the logs, the measured / predicted ratios."""
     children = {}
+    by_level: dict[float, dict[tuple[str, ...], tuple[float, float]]] = {}
     for r in rows:
         if r["feasible"] and r["weights"] == "bld":
-            children[tuple(r["blocks"])] = (r["predicted_kl"], r["before"]["kl"])
+            measured = (r.get("scoring") or r["before"])["kl"]  # on the tokens the scores were computed on
+            children[tuple(r["blocks"])] = (r["predicted_kl"], measured)
+            if r.get("budget", "active_params") == "active_params":
+                by_level.setdefault(r["level"], {})[tuple(r["blocks"])] = (r["predicted_kl"], measured)
     pairs = list(children.values())
     pruned = {
         tuple(r["blocks"]): (r["predicted_kl_pruned"], r["before"]["kl"])
@@ -557,6 +669,13 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     logs = np.log([[p, m] for p, m in pairs if p > 0 and m > 0]) if pairs else np.zeros((0, 2))
     return {
         "spearman_bld": spearman([p for p, _ in pairs], [m for _, m in pairs]),
+        "spearman_within": {
+            str(level): value
+            for level, value in within_level_spearman(
+                {lv: list(v.values()) for lv, v in by_level.items()}
+            ).items()
+        },
+        "children_within": {str(level): len(v) for level, v in by_level.items()},
         "pearson_log_bld": float(np.corrcoef(logs.T)[0, 1]) if len(logs) > 2 else math.nan,
         "ratio_median": statistics.median(ratios) if ratios else math.nan,
         "ratio_min": min(ratios, default=math.nan),
@@ -587,10 +706,12 @@ def compact(name: str) -> str:
 METRICS = ("kl", "lm_loss_delta", "top1")
 
 
-def level_rows(rows: list[dict[str, Any]], level: float) -> list[dict[str, Any]]:
-    """The rows of one level with the random seeds folded into one: means in `before` / `after` and the
-    other fields, sample standard deviations in `*_std`."""
-    here = [r for r in rows if r["level"] == level]
+def level_rows(
+    rows: list[dict[str, Any]], level: float, budget: str = "active_params"
+) -> list[dict[str, Any]]:
+    """The rows of one level of `budget` with the random seeds folded into one: means in `before` / `after`
+    and the other fields, sample standard deviations in `*_std`."""
+    here = [r for r in rows if r["level"] == level and r.get("budget", "active_params") == budget]
     out = [r for r in here if r["method"] != "random"]
     draws = [r for r in here if r["method"] == "random" and r["feasible"]]
     if not draws:
@@ -607,8 +728,9 @@ def level_rows(rows: list[dict[str, Any]], level: float) -> list[dict[str, Any]]
         "weights": "bld",
         "blocks": None,
     }
-    for key in ("active_fraction", "predicted_kl", "predicted_decode_speedup"):
-        folded[key], folded[key + "_std"] = stat([r[key] for r in draws])
+    for key in ("active_fraction", "params_fraction", "predicted_kl", "predicted_decode_speedup"):
+        if all(key in r for r in draws):
+            folded[key], folded[key + "_std"] = stat([r[key] for r in draws])
     for phase in ("before", "after"):
         if all(r.get(phase) for r in draws):
             pairs = {m: stat([r[phase][m] for r in draws]) for m in METRICS}
@@ -772,6 +894,7 @@ def markdown(
         "",
     ]
     lines += data.get("findings", [])
+    lines += evidence_sections(data)
     lines += caveats(meta)
     lines += [
         "## How additive are the scores",
@@ -788,6 +911,7 @@ def markdown(
             else "."
         ),
         "",
+        *_within_text(summary),
         "## Per level",
         "",
         "KL and ΔLM (child's minus parent's LM loss) in nats/token, top-1 = agreement with the parent's top "
@@ -822,6 +946,20 @@ def markdown(
             )
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def _within_text(summary: dict[str, Any]) -> list[str]:
+    """Spearman within each level next to the pooled figure, which compression inflates (both the predicted
+    and the measured KL rise with it)."""
+    within = summary.get("spearman_within") or {}
+    if not within:
+        return []
+    counts = summary.get("children_within") or {}
+    cells = ", ".join(
+        f"{float(lv):.0%}: {_fmt(v, 2)} (n={counts.get(lv, '?')})"
+        for lv, v in sorted(within.items(), reverse=True)
+    )
+    return [f"Within each level (distinct children of that level only): {cells}.", ""]
 
 
 def _stages_text(stages: dict[str, Any]) -> str:
@@ -917,6 +1055,199 @@ def findings(data: dict[str, Any]) -> list[str]:
     return out
 
 
+PHASES = (("before", "assembled"), ("after", "after GKD"))
+
+
+def _size_key(budget: str) -> str:
+    return "active_fraction" if budget == "active_params" else "params_fraction"
+
+
+def equal_size(data: dict[str, Any], budget: str = "active_params") -> dict[str, Any]:
+    """Each method at equal size: its KL-vs-size curve (over the levels) interpolated at each budget, and its
+    KL over Puzzle's curve interpolated at the size the method actually reached (> 1: Puzzle better at that
+    size). {phase: {method: {level: {"size", "kl", "at_budget", "puzzle_at_size", "ratio_at_size"}}}}."""
+    levels = data["meta"]["levels"]
+    size = _size_key(budget)
+    table = {
+        lv: {r["method"]: r for r in level_rows(data["rows"], lv, budget) if r["feasible"]} for lv in levels
+    }
+    out: dict[str, Any] = {}
+    for phase, _ in PHASES:
+        curves: dict[str, list[tuple[float, float]]] = {}
+        for lv in levels:
+            for method, r in table[lv].items():
+                if r.get(phase) and size in r:
+                    curves.setdefault(method, []).append((r[size], r[phase]["kl"]))
+        puzzle = curves.get("puzzle", [])
+        out[phase] = {}
+        for method, points in curves.items():
+            entry = {}
+            for lv in levels:
+                r = table[lv].get(method)
+                if r is None or not r.get(phase) or size not in r:
+                    continue
+                at_size = interpolate(puzzle, r[size], REACH)
+                entry[str(lv)] = {
+                    "size": r[size],
+                    "kl": r[phase]["kl"],
+                    "at_budget": interpolate(points, lv, REACH),
+                    "puzzle_at_size": at_size,
+                    "ratio_at_size": r[phase]["kl"] / at_size if at_size == at_size else math.nan,
+                }
+            out[phase][method] = entry
+    return out
+
+
+def paired_ratios(data: dict[str, Any]) -> dict[str, Any]:
+    """Each method's test-split KL over Puzzle's at each level (active parameters), per GKD seed, with 95%
+    intervals over the test batches (`paired_ratio`): {method: {level: {"before": r, "after": [r per seed]}}}.
+    Random architectures are left out (one draw per seed is not one method's child)."""
+    out: dict[str, Any] = {}
+    for lv in data["meta"]["levels"]:
+        here = {
+            r["method"]: r
+            for r in data["rows"]
+            if r["level"] == lv and r.get("budget", "active_params") == "active_params" and r["feasible"]
+        }
+        puzzle = here.get("puzzle")
+        if puzzle is None or "kl_batches" not in puzzle["before"]:
+            continue
+        for method, r in here.items():
+            if method in ("puzzle", "random") or "kl_batches" not in r["before"]:
+                continue
+            entry = {"before": paired_ratio(r["before"]["kl_batches"], puzzle["before"]["kl_batches"])}
+            mine, theirs = r.get("after_seeds") or [], puzzle.get("after_seeds") or []
+            entry["after"] = [paired_ratio(a["kl_batches"], b["kl_batches"]) for a, b in zip(mine, theirs)]
+            out.setdefault(method, {})[str(lv)] = entry
+    return out
+
+
+def crossovers(data: dict[str, Any], other: str = "homogeneous", draws: int = 2000) -> dict[str, Any]:
+    """Where Puzzle starts to beat `other` (uniform pruning) at equal size, before and after GKD, with 95%
+    intervals from resampling the test batches and the GKD seeds (`bootstrap_crossover`)."""
+    out: dict[str, Any] = {}
+    levels = data["meta"]["levels"]
+    for phase, _ in PHASES:
+        curves: dict[str, dict[float, tuple[float, np.ndarray]]] = {"puzzle": {}, other: {}}
+        for r in data["rows"]:
+            if r.get("budget", "active_params") != "active_params" or not r["feasible"]:
+                continue
+            if r["method"] not in curves or not r.get(phase) or "kl_batches" not in r[phase]:
+                continue
+            seeds = r.get("after_seeds") if phase == "after" else None
+            values = np.array([s["kl_batches"] for s in seeds] if seeds else [r[phase]["kl_batches"]])
+            curves[r["method"]][r["level"]] = (r["active_fraction"], values)
+        if len(curves["puzzle"]) >= 2 and len(curves[other]) >= 2:
+            out[phase] = bootstrap_crossover(levels, curves["puzzle"], curves[other], draws=draws)
+    return out
+
+
+def analysis(data: dict[str, Any]) -> dict[str, Any]:
+    """The comparisons of issue 24, section 3 and 4, from the rows: equal size (active and total parameters),
+    paired ratios per GKD seed, the crossover against uniform pruning."""
+    out = {
+        "equal_size": equal_size(data),
+        "paired": paired_ratios(data),
+        "crossover": crossovers(data),
+    }
+    if any(r.get("budget") == "params" for r in data["rows"]):
+        out["equal_size_params"] = equal_size(data, "params")
+    return out
+
+
+def _ratio_text(r: dict[str, float]) -> str:
+    star = "*" if r["low"] > 1 or r["high"] < 1 else ""
+    return f"{r['ratio']:.2f} [{r['low']:.2f}, {r['high']:.2f}]{star}"
+
+
+def _compression_text(value: float, compressions: Sequence[float]) -> str:
+    """A crossover (`ablation_stats.crossover`) in words: -inf, Puzzle lower at every compression measured;
+    +inf, uniform pruning at least as good at the largest one."""
+    if value == -math.inf:
+        return f"<= {min(compressions):.0%} (Puzzle lower at every level)"
+    if value == math.inf:
+        return f"none (uniform as good or better at {max(compressions):.0%})"
+    return "-" if value != value else f"{value:.1%}"
+
+
+def evidence_sections(data: dict[str, Any]) -> list[str]:
+    """The document's sections on equal size, paired ratios per seed, the crossover and the within-level
+    Spearman (empty where the run did not measure per batch)."""
+    found = data.get("analysis") or {}
+    levels = data["meta"]["levels"]
+    lines: list[str] = []
+    paired = found.get("paired") or {}
+    if paired:
+        lines += [
+            "## Paired ratios to Puzzle on the test split (> 1: Puzzle better)",
+            "",
+            "Each method's mean KL over Puzzle's on the same test batches, with a 95% interval (delta method, "
+            "paired over batches); after GKD one per GKD seed, each method paired with Puzzle's child of the "
+            "same seed. `*`: the interval excludes 1.",
+            "",
+            "| method | "
+            + " | ".join(f"{lv:.0%} before | {lv:.0%} after GKD, per seed" for lv in levels)
+            + " |",
+            "|---|" + "---:|---:|" * len(levels),
+        ]
+        for method, by_level in paired.items():
+            cells = []
+            for lv in levels:
+                entry = by_level.get(str(lv))
+                if entry is None:
+                    cells += ["-", "-"]
+                    continue
+                cells.append(_ratio_text(entry["before"]))
+                cells.append("; ".join(_ratio_text(r) for r in entry["after"]) or "-")
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        lines.append("")
+    for key, title in (("equal_size", "active"), ("equal_size_params", "total")):
+        table = (found.get(key) or {}).get("before")
+        if not table:
+            continue
+        lines += [
+            f"## Equal size ({title} parameters): KL / Puzzle's curve at the size the method reached",
+            "",
+            "Each method lands at its own size under a budget; Puzzle's KL-vs-size curve (piecewise linear in "
+            "log KL over the levels, extended at most 3 points of size past its ends) is read at that size. > 1: Puzzle better at equal size. "
+            "Cells: size reached, ratio before / after GKD; in brackets both curves read at the budget itself "
+            "(before GKD; - where a curve does not reach it).",
+            "",
+            "| method | " + " | ".join(f"{lv:.0%}" for lv in levels) + " |",
+            "|---|" + "---:|" * len(levels),
+        ]
+        after = (found.get(key) or {}).get("after") or {}
+        for method, by_level in table.items():
+            cells = []
+            for lv in levels:
+                b, a = by_level.get(str(lv)), (after.get(method) or {}).get(str(lv))
+                if b is None:
+                    cells.append("-")
+                    continue
+                ratio_after = _fmt(a["ratio_at_size"], 2) if a else "-"
+                puzzle_budget = ((table.get("puzzle") or {}).get(str(lv)) or {}).get("at_budget", math.nan)
+                at_budget = _fmt(b["at_budget"] / puzzle_budget, 2)
+                cells.append(f"{b['size']:.1%}: {_fmt(b['ratio_at_size'], 2)} / {ratio_after} [{at_budget}]")
+            lines.append(f"| {method} | " + " | ".join(cells) + " |")
+        lines.append("")
+    cross = found.get("crossover") or {}
+    if cross:
+        lines += ["## Where Puzzle starts to beat uniform pruning (homogeneous), at equal size", ""]
+        for phase, label in PHASES:
+            c = cross.get(phase)
+            if not c:
+                continue
+            comp = c["compressions"]
+            lines.append(
+                f"- {label}: crossover at {_compression_text(c['crossover'], comp)} compression, 95% interval "
+                f"{_compression_text(c['low'], comp)} to {_compression_text(c['high'], comp)} ({c['draws']} "
+                f"bootstrap draws over test batches and GKD seeds; {c['below_range']:.0%} of draws below the "
+                f"least compression, {c['above_range']:.0%} with none in range)."
+            )
+        lines.append("")
+    return lines
+
+
 def plot(data: dict[str, Any], path: Path) -> None:
     """Measured KL against active parameters, one line per method, before and after GKD (after: only the
     methods the run distilled; another method's child that equals a distilled one is not drawn there)."""
@@ -976,10 +1307,15 @@ def plot(data: dict[str, Any], path: Path) -> None:
 
 def prepare(parent: Any, size: DemoSize, run_dir: Path, seed: int = 0) -> Run:
     """The demo's run config over `parent` with `size` (its space), run up to the scores (reused if done)."""
+    return prepare_config(parent, size, run_dir, seed)[0]
+
+
+def prepare_config(parent: Any, size: DemoSize, run_dir: Path, seed: int = 0) -> tuple[Run, dict[str, Any]]:
+    """`prepare`, and the run's config data (what `additivity` varies)."""
     data = demo_config(parent.path, parent.corpus.path, run_dir, size, seed)
     run = Run(run_dir, load_config_data(data))
     run.run(until="scores")
-    return run
+    return run, data
 
 
 def ablate(
@@ -990,31 +1326,42 @@ def ablate(
     seeds: int = 5,
     log: Callable[[str], None] = print,
     speedups: Sequence[float] | None = None,
+    gkd_seeds: int = 1,
+    test_tokens: int = 0,
+    params_methods: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Every method at every level on the run's library (see the module docstring); the JSON's data.
-    `speedups`: one minimum predicted decode speed-up per level (a second budget), or None."""
-    bench = Bench(run, init_scores="mip_no_bld" in methods)
+    `speedups`: one minimum predicted decode speed-up per level (a second budget), or None. `gkd_seeds`: GKD
+    runs per distilled child (gkd.seed, +1, ...); `test_tokens`: the test split's size (0: report on the
+    scoring held-out); `params_methods`: these methods also at each level of total parameters (assembled and
+    measured, not distilled)."""
+    bench = Bench(run, init_scores="mip_no_bld" in methods, test_tokens=test_tokens)
     if speedups is not None and len(speedups) != len(levels):
         raise ValueError(f"{len(speedups)} speed-ups for {len(levels)} levels: give one per level")
     rows = []
-    for index, level in enumerate(levels):
+    plan = [("active_params", index, level) for index, level in enumerate(levels)]
+    plan += [("params", index, level) for index, level in enumerate(levels) if params_methods]
+    for budget, index, level in plan:
         speedup = None if speedups is None else speedups[index]
-        tag = "" if speedup is None else f"-s{speedup}"
-        for choice in choose(bench, level, methods, seeds, speedup):
+        tag = ("" if speedup is None else f"-s{speedup}") + ("" if budget == "active_params" else "-total")
+        wanted = methods if budget == "active_params" else params_methods
+        for choice in choose(bench, level, wanted, seeds, speedup, budget):
             started = time.perf_counter()
-            record = row(bench, choice, choice.method in gkd_methods, tag)
+            gkd = budget == "active_params" and choice.method in gkd_methods
+            record = row(bench, choice, gkd, tag, tuple(range(gkd_seeds)), budget)
             rows.append(record)
             if record["feasible"]:
                 after = record.get("after") or {}
                 log(
-                    f"{level:.2f} {choice.method}{'' if choice.seed is None else f' seed {choice.seed}'}: "
-                    f"active {record['active_fraction']:.3f}, KL pred {record['predicted_kl']:.4f} measured "
+                    f"{budget} {level:.2f} {choice.method}"
+                    f"{'' if choice.seed is None else f' seed {choice.seed}'}: "
+                    f"{budget} {record[_size_key(budget)]:.3f}, KL pred {record['predicted_kl']:.4f} measured "
                     f"{record['before']['kl']:.4f}"
                     + (f" after GKD {after['kl']:.4f}" if after else "")
                     + f" ({time.perf_counter() - started:.1f} s)"
                 )
             else:
-                log(f"{level:.2f} {choice.method}: infeasible")
+                log(f"{budget} {level:.2f} {choice.method}: infeasible")
     parent_lm = bench.parent_lm_loss
     trained = [r for r in bench.library.results.values() if r.status == "trained" and r.init_nmse]
     ratios = [r.final_nmse / r.init_nmse for r in trained if r.final_nmse is not None]
@@ -1026,6 +1373,8 @@ def ablate(
         },
         "rows": rows,
         "summary": summarize(rows),
+        "test_tokens": sum(b.numel() for b in bench.test) if bench.test else 0,
+        "held_out_tokens": sum(b.numel() for b in bench.held_out),
         "parent": {
             "active_params": model_active_params(bench.spec),
             "blocks": [b.short_name() for b in bench.spec.blocks],
@@ -1045,11 +1394,385 @@ def write_outputs(data: dict[str, Any], output: Path, png: Path | None, doc: Pat
         print(f"wrote {doc}")
 
 
+# ------------------------------------------------------------------------------------------------ parents
+
+# Trained about 4x longer than the quick demo's parent (20 steps, ~41k tokens, about what GKD gives each
+# child): a parent that has learned more is harder to compress, as real ones are.
+QUICK_PARENT = dataclasses.replace(QUICK_SETTINGS, steps=80)
+DEEP_PATTERN = "MEM*EMEM*EMEM*EMEM*E"  # 20 blocks: 8 Mamba, 8 MoE, 4 attention
+DEEP_PARENT = TrainSettings(seq_len=256, batch_size=8, steps=120, lr=5e-3, warmup_steps=8)  # ~246k tokens
+PARENTS = ("quick", "deep", "full")
+REPLICATE = (("quick", 0), ("quick", 1), ("quick", 2), ("deep", 0))
+REPLICATE_LEVELS = (0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4)
+REPLICATE_HOURS = 5.0  # --replicate on 2 shared cores: extrapolated from a two-level slice (results/slice/)
+
+
+def parent_spec(name: str) -> ModelSpec:
+    """The spec of a named parent: quick (the quick demo's), deep (20 blocks, hidden 64), full (the demo's)."""
+    if name == "quick":
+        return demo_quick_parent_spec()
+    if name == "deep":
+        return demo_spec(DEEP_PATTERN, 64, num_experts=8, top_k=2, num_heads=4)
+    if name == "full":
+        return demo_parent_spec()
+    raise ValueError(f"unknown parent {name!r}; parents: {', '.join(PARENTS)}")
+
+
+def load_parent(name: str, seed: int, cache: Path | None) -> Any:
+    """The named parent trained with `seed` (`puzzle.demo.parent.demo_parent`: cached as the demo's is)."""
+    from puzzle.demo.parent import demo_parent
+
+    settings = {"quick": QUICK_PARENT, "deep": DEEP_PARENT, "full": FULL_SETTINGS}[name]
+    return demo_parent(cache, seed=seed, progress=False, spec=parent_spec(name), settings=settings)
+
+
+def run_size(base: DemoSize, spec: ModelSpec, grid: str) -> DemoSize:
+    """`base` over the `grid`'s space: coarse (SPACE, one step per axis) or fine (`fine_space`)."""
+    if grid == "coarse":
+        return dataclasses.replace(base, space=SPACE)
+    if grid == "fine":
+        return dataclasses.replace(base, space=fine_space(spec))
+    raise ValueError(f"unknown grid {grid!r}: coarse or fine")
+
+
+# ---------------------------------------------------------------------- the search where additivity fails
+
+OPTIONS = {"mip": {}, "rerank": {"rerank": 5}, "context": {"context_rounds": 2}}
+OPTIONS["both"] = {**OPTIONS["rerank"], **OPTIONS["context"]}
+
+
+def _solution_arch(run: Run, label: str, entry: dict[str, Any]) -> Arch:
+    payload = json.loads((run.layout.root / entry["file"]).read_text())
+    return tuple(run._child_of(payload).spec.blocks)
+
+
+def additivity(
+    run: Run,
+    config: dict[str, Any],
+    level: float = 0.4,
+    options: Sequence[str] = tuple(OPTIONS),
+    gkd_seeds: int = 2,
+    test_tokens: int = 8192,
+    draws: int = 5,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """`search.rerank` and `search.context_rounds` at `level` against the plain MIP and the refilled greedy
+    (issue 24, section 1). Each option runs the pipeline's solutions stage over `run`'s scores (`config`: the
+    run's config data; the earlier stages reused); every child is measured on the scoring held-out (prediction) and the test split (report),
+    and distilled once per GKD seed. The goals: within-level Spearman of predicted vs measured KL >= 0.8, the
+    chosen child's measured KL within 1.5x of its prediction, Puzzle beating the refilled greedy beyond the
+    noise (paired 95% interval above 1) after GKD in every seed."""
+    bench = Bench(run, init_scores=False, test_tokens=test_tokens)
+    problem = Problem(run, bench.kl, level)
+    children: dict[str, tuple[Arch, float | None, dict[str, Any] | None]] = {}
+    ranked: list[tuple[float, Arch]] = []  # rerank's candidates: (predicted, arch)
+    for option in options:
+        staged = Run(run.layout.root, load_config_data(_option_config(config, level, OPTIONS[option])))
+        outputs = staged.record("solutions")
+        label, entry = next(iter(outputs.items()))
+        arch = _solution_arch(staged, label, entry)
+        children[option] = (
+            arch,
+            float(entry["objective"]),
+            {k: entry[k] for k in ("rerank", "context") if k in entry},
+        )
+        for candidate in (entry.get("rerank") or {}).get("candidates", []):
+            payload = {"choices": candidate["choices"]}
+            ranked.append((candidate["predicted_kl"], tuple(staged._child_of(payload).spec.blocks)))
+    children["greedy"] = (problem.greedy(), None, None)
+    children["greedy-norefill"] = (problem.greedy(refill=False), None, None)
+    seeds = tuple(range(gkd_seeds))
+    figures: dict[str, Any] = {}
+    for name, (arch, objective, record) in children.items():
+        if arch is None:
+            figures[name] = {"feasible": False}
+            continue
+        started = time.perf_counter()
+        measured = bench.distil(arch, "bld", f"additivity-{level:.2f}-{name}", seeds)
+        predicted = objective if objective is not None else bench.predicted(arch, bench.kl_of)
+        spec = dataclasses.replace(bench.spec, blocks=arch)
+        figures[name] = {
+            "feasible": True,
+            "blocks": [b.short_name() for b in arch],
+            "active_fraction": model_active_params(spec) / model_active_params(bench.spec),
+            "predicted_kl": predicted,  # the option's own prediction (in context: the last round's)
+            "predicted_kl_sum": bench.predicted(arch, bench.kl_of),
+            "measured_kl": measured["scoring"]["kl"],
+            "measured_over_predicted": measured["scoring"]["kl"] / predicted if predicted > 0 else math.nan,
+            "test_before": measured["before"],
+            "test_after": measured["after_seeds"],
+            "record": record,
+        }
+        log(
+            f"{level:.2f} {name}: predicted {predicted:.4f} measured {measured['scoring']['kl']:.4f} test "
+            f"{measured['before']['kl']:.4f} after GKD "
+            + ", ".join(f"{a['kl']:.4f}" for a in measured["after_seeds"])
+            + f" ({time.perf_counter() - started:.0f} s)"
+        )
+    # More children at this level for the Spearman, measured before GKD only: uniform pruning, the MIP on
+    # LM-loss scores, random architectures (a wider band: at high compression on a deep parent a draw within
+    # RANDOM_BAND of the budget is rare).
+    others = [problem.homogeneous()[0], Problem(run, bench.lm, level).mip()]
+    others += [problem.random(seed, rounds=20, band=0.15) for seed in range(draws)]
+    ranked += [(bench.predicted(arch, bench.kl_of), arch) for arch in others if arch is not None]
+    pairs: dict[Arch, tuple[float, float]] = {}
+    for predicted, arch in ranked + [
+        (bench.predicted(c[0], bench.kl_of), c[0]) for c in children.values() if c[0] is not None
+    ]:
+        pairs[arch] = (predicted, bench.measure(arch, "bld")["scoring"]["kl"])
+    figures["spearman_within"] = spearman([p for p, _ in pairs.values()], [m for _, m in pairs.values()])
+    figures["children"] = len(pairs)
+    figures["spearman_children"] = [
+        {"predicted_kl": p, "measured_kl": m, "blocks": [b.short_name() for b in arch]}
+        for arch, (p, m) in sorted(pairs.items(), key=lambda item: item[1])
+    ]
+    greedy = figures.get("greedy", {})
+    for name in options:
+        mine = figures[name]
+        if not mine.get("feasible") or not greedy.get("feasible"):
+            continue
+        mine["greedy_ratio_before"] = paired_ratio(
+            greedy["test_before"]["kl_batches"], mine["test_before"]["kl_batches"]
+        )
+        mine["greedy_ratio_after"] = [
+            paired_ratio(g["kl_batches"], m["kl_batches"])
+            for g, m in zip(greedy["test_after"], mine["test_after"])
+        ]
+        mine["goals"] = {
+            "spearman_within_0.8": figures["spearman_within"] >= 0.8,
+            "measured_within_1.5x": mine["measured_over_predicted"] <= 1.5,
+            "beats_greedy_every_seed": all(r["low"] > 1 for r in mine["greedy_ratio_after"]),
+        }
+    return {"level": level, "options": list(options), "gkd_seeds": gkd_seeds, "figures": figures}
+
+
+def _option_config(config: dict[str, Any], level: float, search: dict[str, Any]) -> dict[str, Any]:
+    """The run's config data with the solutions stage's search at `level` and the option's settings."""
+    data = dict(config)
+    data["search"] = {"sweep": f"active_params<={level}x", "objective": "kl", **search}
+    return data
+
+
+def additivity_markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
+    """The additivity figures as a short Markdown page."""
+    f = result["figures"]
+    lines = [
+        f"# Search options at {result['level']:.0%} of active parameters: {meta['parent']}",
+        "",
+        "```",
+        shown_command(meta["command"]),
+        "```",
+        "",
+        f"Within-level Spearman of predicted (summed replace-one-block) vs measured KL over {f['children']} "
+        f"distinct children at this level: **{_fmt(f['spearman_within'], 3)}** (goal >= 0.8). {meta['seconds']:.0f} s.",
+        "",
+        "| search | active | predicted KL | measured KL | measured / predicted (goal <= 1.5) | test KL | "
+        "after GKD, per seed | greedy / this after GKD, per seed (95%) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name in [*result["options"], "greedy", "greedy-norefill"]:
+        r = f.get(name, {})
+        if not r.get("feasible"):
+            lines.append(f"| {name} | infeasible | | | | | | |")
+            continue
+        after = "; ".join(f"{a['kl']:.4f}" for a in r["test_after"])
+        ratios = "; ".join(_ratio_text(x) for x in r.get("greedy_ratio_after", [])) or "-"
+        lines.append(
+            f"| {name} | {r['active_fraction']:.1%} | {r['predicted_kl']:.4f} | {r['measured_kl']:.4f} | "
+            f"{r['measured_over_predicted']:.2f} | {r['test_before']['kl']:.4f} | {after} | {ratios} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Setup:
+    """One ablation run: which parent, how much work, which space, where the outputs go."""
+
+    parent: str = "quick"  # PARENTS
+    parent_seed: int = 0
+    size: DemoSize = DEFAULT
+    grid: str = "fine"
+    levels: Sequence[float] = LEVELS
+    seeds: int = 5  # random architectures per level
+    gkd: Sequence[str] = GKD_METHODS
+    gkd_seeds: int = 2
+    test_tokens: int | None = None  # None: as many as the scoring held-out
+    params_methods: Sequence[str] = ("puzzle", "homogeneous", "greedy")
+    speedups: Sequence[float] | None = None
+    run_dir: Path = ROOT / "runs" / "ablations"
+    output: Path = HERE / "results" / "ablations.json"
+    doc: Path | None = None
+    png: Path | None = None
+
+    @property
+    def tag(self) -> str:
+        """The parent and its seed, e.g. quick-s1: names the run directory and the outputs."""
+        return f"{self.parent}-s{self.parent_seed}"
+
+    def describe(self) -> str:
+        names = {
+            "quick": "the quick demo parent",
+            "deep": "the 20-block parent",
+            "full": "the full demo parent",
+        }
+        return f"{names[self.parent]} (seed {self.parent_seed}), {self.grid} grid"
+
+
+def _stage_seconds(run: Run) -> dict[str, Any]:
+    stages = {}
+    for name, entry in run.manifest()["stages"].items():
+        if entry.get("started") and entry.get("finished"):
+            seconds = (
+                datetime.fromisoformat(entry["finished"]) - datetime.fromisoformat(entry["started"])
+            ).total_seconds()
+            stages[name] = {"seconds": seconds, "status": entry.get("status")}
+    return stages
+
+
+def run_setup(setup: Setup, cache: Path | None, command: str, threads: int) -> dict[str, Any]:
+    """One ablation run (`Setup`) end to end: the parent (cached), the run up to its scores, every method at
+    every level, the analysis; writes the JSON, the document and the plot where `setup` asks."""
+    started = time.perf_counter()
+    parent = load_parent(setup.parent, setup.parent_seed, cache)
+    print(f"parent {setup.tag}: {parent.path}", flush=True)
+    size = run_size(setup.size, parent.model.spec, setup.grid)
+    run = prepare(parent, size, setup.run_dir)
+    print(f"run (up to the scores): {setup.run_dir} ({time.perf_counter() - started:.0f} s)", flush=True)
+    test_tokens = size.held_out_tokens if setup.test_tokens is None else setup.test_tokens
+    data = ablate(
+        run,
+        setup.levels,
+        METHODS,
+        setup.gkd,
+        setup.seeds,
+        speedups=setup.speedups,
+        gkd_seeds=setup.gkd_seeds,
+        test_tokens=test_tokens,
+        params_methods=setup.params_methods,
+    )
+    data["parent"]["lm_loss"] = data["parent"]["lm_loss"] or parent.record.get("held_out_loss")
+    data["meta"] = {
+        "command": command,
+        "parent": setup.describe(),
+        "parent_seed": setup.parent_seed,
+        "parent_train_tokens": parent.record.get("train_tokens"),
+        "grid": setup.grid,
+        "parent_blocks": " ".join(data["parent"]["blocks"]),
+        "parent_active_params": data["parent"]["active_params"],
+        "parent_lm_loss": data["parent"]["lm_loss"],
+        "variants": data["variants"],
+        "space": size.space,
+        "bld_tokens": size.bld_tokens,
+        "held_out_tokens": size.held_out_tokens,
+        "test_tokens": data["test_tokens"],
+        "gkd_tokens": size.gkd_tokens,
+        "gkd_seeds": setup.gkd_seeds,
+        "levels": list(setup.levels),
+        "speedups": None
+        if setup.speedups is None
+        else {str(lv): sp for lv, sp in zip(setup.levels, setup.speedups)},
+        "bld": data["bld"],
+        "stages": _stage_seconds(run),
+        "seeds": setup.seeds,
+        "gkd_methods": list(setup.gkd),
+        "seconds": time.perf_counter() - started,
+        "machine": f"{platform.machine()} CPU, {threads} torch thread(s)",
+    }
+    data["findings"] = findings(data)
+    data["analysis"] = analysis(data)
+    setup.output.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(setup.output, (json.dumps(data, indent=2, default=str) + "\n").encode())
+    print(f"wrote {setup.output}")
+    write_outputs(data, setup.output, setup.png, setup.doc)
+    summary = data["summary"]
+    print(
+        f"Spearman (predicted vs measured KL, {summary['children_bld']} children): pooled "
+        f"{summary['spearman_bld']:.3f}, within levels "
+        + ", ".join(f"{float(k):.0%} {v:.2f}" for k, v in summary["spearman_within"].items())
+        + f"; {data['meta']['seconds']:.0f} s"
+    )
+    return data
+
+
+def run_additivity(
+    setup: Setup, cache: Path | None, command: str, threads: int, level: float
+) -> dict[str, Any]:
+    """`additivity` on `setup`'s parent at `level`: JSON and Markdown beside `setup.output`."""
+    started = time.perf_counter()
+    parent = load_parent(setup.parent, setup.parent_seed, cache)
+    size = run_size(setup.size, parent.model.spec, setup.grid)
+    run, config = prepare_config(parent, size, setup.run_dir)
+    test_tokens = size.held_out_tokens if setup.test_tokens is None else setup.test_tokens
+    result = additivity(run, config, level, gkd_seeds=setup.gkd_seeds, test_tokens=test_tokens)
+    meta = {
+        "command": command,
+        "parent": setup.describe(),
+        "seconds": time.perf_counter() - started,
+        "machine": f"{platform.machine()} CPU, {threads} torch thread(s)",
+    }
+    result["meta"] = meta
+    setup.output.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(setup.output, (json.dumps(result, indent=2, default=str) + "\n").encode())
+    markdown_path = setup.output.with_suffix(".md")
+    atomic_write_bytes(markdown_path, additivity_markdown(result, meta).encode())
+    print(f"wrote {setup.output} and {markdown_path} ({meta['seconds']:.0f} s)")
+    return result
+
+
+def replication_summary(results: dict[str, dict[str, Any]]) -> str:
+    """One page over the replication's runs: per parent, the within-level and pooled Spearman and the
+    crossover against uniform pruning (details: each run's own page beside it)."""
+    lines = [
+        "# Replication: every parent, two GKD seeds, a test split",
+        "",
+        "```",
+        "python benchmarks/ablations.py --replicate",
+        "```",
+        "",
+        "| parent | Spearman pooled | within levels | crossover before GKD [95%] | after GKD [95%] | seconds |",
+        "|---|---:|---|---|---|---:|",
+    ]
+    for tag, data in results.items():
+        summary, cross = data["summary"], (data.get("analysis") or {}).get("crossover") or {}
+        within = ", ".join(f"{float(k):.0%} {_fmt(v, 2)}" for k, v in summary["spearman_within"].items())
+        cells = []
+        for phase, _ in PHASES:
+            c = cross.get(phase)
+            cells.append(
+                "-"
+                if not c
+                else f"{_compression_text(c['crossover'], c['compressions'])} "
+                f"[{_compression_text(c['low'], c['compressions'])}, {_compression_text(c['high'], c['compressions'])}]"
+            )
+        lines.append(
+            f"| [{tag}]({tag}.md) | {_fmt(summary['spearman_bld'], 2)} | {within} | {cells[0]} | {cells[1]} | "
+            f"{data['meta']['seconds']:.0f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--full", action="store_true", help="the full demo parent and the demo's full sizes")
     group.add_argument("--quick", action="store_true", help="CI-sized smoke run (tiny token counts)")
+    group.add_argument(
+        "--replicate",
+        action="store_true",
+        help=f"the full replication: parents {REPLICATE}, levels {REPLICATE_LEVELS}, then --additivity on the "
+        f"deep parent (about {REPLICATE_HOURS:g} h on 2 shared cores); outputs in benchmarks/results/replicate/",
+    )
+    group.add_argument(
+        "--additivity",
+        action="store_true",
+        help="search.rerank and search.context_rounds against the plain MIP and the refilled greedy at the first "
+        "--levels value (default 0.4), on --parent (default deep)",
+    )
+    parser.add_argument(
+        "--parent", choices=PARENTS, help="the parent (default quick; deep with --additivity)"
+    )
+    parser.add_argument("--parent-seed", type=int, default=0, help="the parent's training seed (default 0)")
+    parser.add_argument("--grid", choices=("fine", "coarse"), default="fine", help="the space (default fine)")
     parser.add_argument(
         "--levels", type=float, nargs="+", help=f"fractions of active params (default {LEVELS})"
     )
@@ -1057,8 +1780,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--seeds", type=int, help="random architectures per level (default 5, 2 with --quick)"
     )
     parser.add_argument("--gkd", nargs="*", default=None, help=f"methods distilled (default {GKD_METHODS})")
+    parser.add_argument("--gkd-seeds", type=int, default=2, help="GKD runs per distilled child (default 2)")
     parser.add_argument(
-        "--run-dir", type=Path, help="the cached run directory (default runs/ablations[-full|-quick])"
+        "--test-tokens", type=int, help="the test split's tokens (default: the scoring held-out's; 0: none)"
+    )
+    parser.add_argument(
+        "--total-params",
+        nargs="*",
+        default=None,
+        help="methods also run at each level of total parameters (default puzzle homogeneous greedy)",
+    )
+    parser.add_argument(
+        "--run-dir", type=Path, help="the cached run directory (default runs/ablations-<parent>-s<seed>[...])"
     )
     parser.add_argument("--cache", type=Path, help="the demo parent's cache (default puzzle.demo.parent's)")
     parser.add_argument("--output", type=Path, help="the JSON (default benchmarks/results/ablations.json)")
@@ -1083,72 +1816,79 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
 
-    from puzzle.demo.parent import demo_parent
-
-    started = time.perf_counter()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("PUZZLE_PROGRESS", "0")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    suffix = "-full" if args.full else "-quick" if args.quick else ""
-    size = FULL if args.full else SMOKE if args.quick else DEFAULT
-    levels = args.levels or ((0.7, 0.4) if args.quick else LEVELS)
-    seeds = args.seeds or (2 if args.quick else 5)
-    gkd = GKD_METHODS if args.gkd is None else tuple(args.gkd)
-    run_dir = (args.run_dir or ROOT / "runs" / f"ablations{suffix}").absolute()
+    command = "python benchmarks/ablations.py" + " ".join(["", *(argv if argv is not None else sys.argv[1:])])
+    parent = args.parent or ("full" if args.full else "deep" if args.additivity else "quick")
+    size = FULL if parent == "full" else SMOKE if args.quick else DEFAULT
+    suffix = ("-coarse" if args.grid == "coarse" else "") + ("-smoke" if args.quick else "")
+    setup = Setup(
+        parent=parent,
+        parent_seed=args.parent_seed,
+        size=size,
+        grid=args.grid,
+        levels=args.levels or ((0.7, 0.4) if args.quick else LEVELS),
+        seeds=args.seeds or (2 if args.quick else 5),
+        gkd=GKD_METHODS if args.gkd is None else tuple(args.gkd),
+        gkd_seeds=args.gkd_seeds,
+        test_tokens=args.test_tokens,
+        params_methods=Setup.params_methods if args.total_params is None else tuple(args.total_params),
+        speedups=args.speedup,
+    )
+    setup.run_dir = (args.run_dir or ROOT / "runs" / f"ablations-{setup.tag}{suffix}").absolute()
+    default_run = parent == "quick" and args.parent_seed == 0 and not suffix and not args.additivity
     results = HERE / "results" / ("quick" if args.quick else "")
-    output = args.output or results / "ablations.json"
-    doc = args.doc or (None if args.quick else ROOT / "docs" / "RESULTS.md")
-    png = args.plot or (None if args.quick else (doc.parent if doc else ROOT / "docs") / "results_kl.png")
+    setup.output = args.output or results / (
+        "ablations.json"
+        if default_run or args.quick or parent == "full"
+        else f"{'additivity' if args.additivity else 'ablations'}-{setup.tag}{suffix}.json"
+    )
+    if parent == "full" and args.output is None:
+        setup.output = results / "ablations-full.json"
+    setup.doc = args.doc or (ROOT / "docs" / "RESULTS.md" if default_run else None)
+    setup.png = args.plot or (ROOT / "docs" / "results_kl.png" if default_run else None)
 
     if args.render:
-        if not output.is_file():
-            parser.error(f"--render reads the JSON of an earlier run: {output} does not exist")
-        write_outputs(json.loads(output.read_text()), output, png, doc)
+        if not setup.output.is_file():
+            parser.error(f"--render reads the JSON of an earlier run: {setup.output} does not exist")
+        data = json.loads(setup.output.read_text())
+        if "meta" in data and "rows" in data:  # the analysis again, as this version computes it
+            data["findings"], data["analysis"] = findings(data), analysis(data)
+        write_outputs(data, setup.output, setup.png, setup.doc)
         return 0
+    if args.additivity:
+        level = (args.levels or (0.4,))[0]
+        run_additivity(setup, args.cache, command, args.threads, level)
+        return 0
+    if args.replicate:
+        return replicate(setup, args.cache, command, args.threads)
+    run_setup(setup, args.cache, command, args.threads)
+    return 0
 
-    parent = demo_parent(args.cache, quick=not args.full, progress=False)
-    print(f"parent: {parent.path}", flush=True)
-    run = prepare(parent, size, run_dir)
-    print(f"run (up to the scores): {run_dir} ({time.perf_counter() - started:.0f} s)", flush=True)
-    data = ablate(run, levels, METHODS, gkd, seeds, speedups=args.speedup)
-    stages = {}
-    for name, entry in run.manifest()["stages"].items():
-        if entry.get("started") and entry.get("finished"):
-            seconds = (
-                datetime.fromisoformat(entry["finished"]) - datetime.fromisoformat(entry["started"])
-            ).total_seconds()
-            stages[name] = {"seconds": seconds, "status": entry.get("status")}
-    command = "python benchmarks/ablations.py" + " ".join(["", *(argv if argv is not None else sys.argv[1:])])
-    data["parent"]["lm_loss"] = data["parent"]["lm_loss"] or parent.record.get("held_out_loss")
-    data["meta"] = {
-        "command": command,
-        "parent": "the full demo parent" if args.full else "the quick demo parent",
-        "parent_blocks": " ".join(data["parent"]["blocks"]),
-        "parent_active_params": data["parent"]["active_params"],
-        "parent_lm_loss": data["parent"]["lm_loss"],
-        "variants": data["variants"],
-        "space": size.space,
-        "bld_tokens": size.bld_tokens,
-        "held_out_tokens": size.held_out_tokens,
-        "gkd_tokens": size.gkd_tokens,
-        "levels": list(levels),
-        "speedups": None if args.speedup is None else {str(lv): sp for lv, sp in zip(levels, args.speedup)},
-        "bld": data["bld"],
-        "stages": stages,
-        "seeds": seeds,
-        "gkd_methods": list(gkd),
-        "seconds": time.perf_counter() - started,
-        "machine": f"{platform.machine()} CPU, {args.threads} torch thread(s)",
-    }
-    data["findings"] = findings(data)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(output, (json.dumps(data, indent=2, default=str) + "\n").encode())
-    print(f"wrote {output}")
-    write_outputs(data, output, png, doc)
-    print(
-        f"Spearman (predicted vs measured KL, {data['summary']['children_bld']} children): "
-        f"{data['summary']['spearman_bld']:.3f}; {data['meta']['seconds']:.0f} s"
-    )
+
+def replicate(base: Setup, cache: Path | None, command: str, threads: int) -> int:
+    """The full replication (`--replicate`): each parent of REPLICATE at REPLICATE_LEVELS, then the search
+    options on the deep parent at 40%; everything under benchmarks/results/replicate/."""
+    started = time.perf_counter()
+    out = HERE / "results" / "replicate"
+    results = {}
+    for name, seed in REPLICATE:
+        setup = dataclasses.replace(
+            base, parent=name, parent_seed=seed, levels=REPLICATE_LEVELS, size=DEFAULT
+        )
+        setup.run_dir = ROOT / "runs" / f"ablations-{setup.tag}"
+        setup.output, setup.doc, setup.png = (
+            out / f"{setup.tag}.json",
+            out / f"{setup.tag}.md",
+            out / f"{setup.tag}.png",
+        )
+        results[setup.tag] = run_setup(setup, cache, command, threads)
+    deep = dataclasses.replace(base, parent="deep", parent_seed=0, size=DEFAULT)
+    deep.run_dir, deep.output = ROOT / "runs" / "ablations-deep-s0", out / "additivity-deep-s0.json"
+    run_additivity(deep, cache, command, threads, 0.4)
+    atomic_write_bytes(out / "README.md", replication_summary(results).encode())
+    print(f"wrote {out / 'README.md'} ({time.perf_counter() - started:.0f} s)")
     return 0
 
 

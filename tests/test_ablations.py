@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
@@ -205,3 +206,254 @@ def test_spearman_matches_the_closed_form_without_ties():
     closed = 1 - 6 * float(((rx - ry) ** 2).sum()) / (12 * (12**2 - 1))
     assert ablations.spearman(x, y) == pytest.approx(closed)
     assert ablations.spearman([1, 2, 2, 3], [1, 2, 2, 3]) == pytest.approx(1.0)
+
+
+# ------------------------------------------------------------------- issue 24: fine grid, seeds, test split
+
+stats = sys.modules["ablation_stats"]  # the sibling module ablations.py imports
+
+
+def test_the_fine_grid_meets_budgets_the_coarse_space_cannot():
+    """Uniform pruning on the quick demo parent: width only (Minitron's widths, no block removed) the coarse
+    space's one step per axis cannot reach 65% of the active parameters at all, the fine grid lands within
+    1%; with removal, the coarse space misses 55% of the total parameters by over 5%, the fine grid by <1%."""
+    from puzzle.presets.demo import demo_quick_parent_spec
+
+    parent = demo_quick_parent_spec()
+    fine = stats.fine_space(parent)
+    assert fine["mamba"]["state_size"] == [14, 12, 10, 8, 6, 4]  # 0.875 ... 0.25 of 16
+    assert fine["moe"]["num_experts"] == [7, 6, 5, 4, 3, 2]
+
+    def gap(kinds, level, budget, noop):
+        reached = stats.closest_under(stats.uniform_fractions(parent, kinds, budget, noop=noop), level)
+        return math.inf if reached is None else level - reached
+
+    assert gap(ablations.SPACE, 0.65, "active_params", noop=False) == math.inf
+    assert gap(fine, 0.65, "active_params", noop=False) < 0.01
+    assert gap(ablations.SPACE, 0.55, "params", noop=True) > 0.05
+    assert gap(fine, 0.55, "params", noop=True) < 0.01
+    for level in (0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5, 0.45, 0.4):
+        assert gap(fine, level, "active_params", noop=True) < 0.02, level
+
+
+def test_interpolation_at_known_points():
+    points = [
+        (0.4, math.exp(-1.0)),
+        (0.6, math.exp(-3.0)),
+        (0.6, math.exp(-5.0)),
+    ]  # two at 0.6: logs averaged
+    assert stats.interpolate(points, 0.4) == pytest.approx(math.exp(-1.0))
+    assert stats.interpolate(points, 0.6) == pytest.approx(math.exp(-4.0))
+    assert stats.interpolate(points, 0.5) == pytest.approx(math.exp(-2.5))  # linear in log KL
+    assert math.isnan(stats.interpolate(points, 0.7)) and math.isnan(stats.interpolate(points, 0.3))
+    # A little past the ends: the end segment extended (slope -15 per unit of size in log KL), not further.
+    assert stats.interpolate(points, 0.62, reach=0.03) == pytest.approx(math.exp(-4.0 - 15 * 0.02))
+    assert stats.interpolate(points, 0.38, reach=0.03) == pytest.approx(math.exp(-1.0 + 15 * 0.02))
+    assert math.isnan(stats.interpolate(points, 0.64, reach=0.03))
+
+
+def test_the_paired_ratio_interval_is_the_hand_computed_delta_method():
+    a, b = [1.0, 2.0, 3.0, 4.0], [1.0, 1.0, 2.0, 2.0]
+    # means 5/2, 3/2; sample variances 5/3, 1/3; covariance 2/3:
+    # var(log R) = (5/3 / (25/4) + 1/3 / (9/4) - 2 (2/3) / (15/4)) / 4 = (36 + 20 - 48) / 135 / 4 = 2/135
+    se = math.sqrt(2 / 135)
+    found = stats.paired_ratio(a, b)
+    assert found["ratio"] == pytest.approx(5 / 3)
+    assert found["low"] == pytest.approx(5 / 3 * math.exp(-1.959963984540054 * se))
+    assert found["high"] == pytest.approx(5 / 3 * math.exp(1.959963984540054 * se))
+    # Pairing matters: a method exactly twice Puzzle on every batch is 2x with no doubt at all, though
+    # the batches themselves vary a lot; unpaired (reordered) the same numbers leave a wide interval.
+    puzzle = [0.1, 0.5, 0.2, 0.9, 0.3]
+    paired = stats.paired_ratio([2 * x for x in puzzle], puzzle)
+    assert paired["low"] == pytest.approx(2.0) and paired["high"] == pytest.approx(2.0)
+    shuffled = stats.paired_ratio([2 * x for x in reversed(puzzle)], puzzle)
+    assert shuffled["high"] - shuffled["low"] > 1.0
+
+
+def test_the_crossover_is_the_interpolated_zero_and_its_interval_holds_it():
+    compressions = [0.1, 0.2, 0.3, 0.4]
+    puzzle, uniform = [1.0] * 4, [0.5, 0.8, 2.0, 4.0]  # uniform better up to 20%, worse from 30%
+    d0, d1 = math.log(0.8), math.log(2.0)
+    assert stats.crossover(compressions, puzzle, uniform) == pytest.approx(0.2 + 0.1 * -d0 / (d1 - d0))
+    assert stats.crossover(compressions, puzzle, [2.0] * 4) == -math.inf  # Puzzle better everywhere
+    assert stats.crossover(compressions, puzzle, [2.0, 2.0, 2.0, 0.5]) == math.inf  # not at the largest
+    # Batches without noise: every bootstrap draw finds the same crossover.
+    levels = [1 - c for c in compressions]
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0.5, 1.5, size=16)
+    p = {lv: (lv, np.array([base])) for lv in levels}
+    u = {lv: (lv, np.array([base * k])) for lv, k in zip(levels, uniform)}
+    exact = stats.bootstrap_crossover(levels, p, u, draws=50)
+    assert exact["crossover"] == pytest.approx(stats.crossover(compressions, puzzle, uniform))
+    assert exact["low"] == pytest.approx(exact["crossover"]) and exact["high"] == pytest.approx(
+        exact["crossover"]
+    )
+    noisy = {
+        lv: (lv, np.array([base * k * rng.uniform(0.7, 1.3, size=16)])) for lv, k in zip(levels, uniform)
+    }
+    spread = stats.bootstrap_crossover(levels, p, noisy, draws=200)
+    assert spread["low"] <= spread["crossover"] <= spread["high"] and spread["high"] > spread["low"]
+
+
+def test_the_named_parents():
+    deep = ablations.parent_spec("deep")
+    assert deep.num_blocks >= 19 and {b.kind for b in deep.blocks} == {"mamba", "moe", "attention"}
+    tokens = lambda s: s.steps * s.batch_size * s.seq_len  # noqa: E731
+    assert tokens(ablations.QUICK_PARENT) > 2 * tokens(ablations.QUICK_SETTINGS)  # trained longer than ~41k
+
+
+@pytest.fixture(scope="module")
+def fine(tmp_path_factory):
+    """A tiny parent over a fine grid (two steps per axis), two levels, two GKD seeds, a test split and
+    total-parameter budgets."""
+    root = tmp_path_factory.mktemp("fine")
+    parent = demo_parent(
+        root / "cache",
+        progress=False,
+        spec=demo_spec("ME*E", 32, num_experts=4, top_k=2, num_heads=4),
+        settings=TINY_PARENT,
+        corpus_root=stdlib_root() / "email",
+    )
+    size = dataclasses.replace(
+        ablations.SMOKE,
+        seq_len=32,
+        held_out_tokens=512,
+        importance_tokens=256,
+        bld_tokens=256,
+        gkd_tokens=128,
+        space=stats.fine_space(parent.model.spec, (0.75, 0.5)),
+    )
+    run, config = ablations.prepare_config(parent, size, root / "run")
+    data = ablations.ablate(
+        run,
+        levels=(0.8, 0.6),
+        methods=("puzzle", "homogeneous", "greedy", "random"),
+        gkd_methods=("puzzle", "homogeneous", "greedy"),
+        seeds=2,
+        log=lambda _: None,
+        gkd_seeds=2,
+        test_tokens=512,
+        params_methods=("puzzle", "homogeneous"),
+    )
+    data["meta"] = {"levels": [0.8, 0.6]}
+    data["analysis"] = ablations.analysis(data)
+    return data, run, config
+
+
+def test_the_test_split_is_disjoint_from_the_scoring_held_out(fine):
+    _, run, _ = fine
+    scoring, test = run.held_out_batches(), ablations.test_split(run, 512)
+    assert test and sum(b.numel() for b in test) >= 512
+    seen = {tuple(row.tolist()) for batch in scoring for row in batch}
+    assert not any(tuple(row.tolist()) in seen for batch in test for row in batch)
+
+
+def test_a_held_out_split_used_up_by_the_scoring_leaves_no_test_split(fine, monkeypatch):
+    _, run, _ = fine
+    batches = len(run.data.held_out) // run.config.data.eval_batch_size
+    monkeypatch.setattr(run, "held_out_batches", lambda: [None] * batches)  # the scoring takes every batch
+    with pytest.raises(ValueError, match="no test split left"):
+        ablations.test_split(run, 512)
+
+
+def test_reported_numbers_come_from_the_test_split_and_each_gkd_seed(fine):
+    data, run, _ = fine
+    rows = [r for r in data["rows"] if r["feasible"] and r["budget"] == "active_params"]
+    bench = ablations.Bench(run, init_scores=False, test_tokens=512)
+    puzzle = next(r for r in rows if r["method"] == "puzzle" and r["level"] == 0.6)
+    arch = tuple(
+        bench.kl.variants[b][[s.short_name() for s in bench.kl.variants[b]].index(n)]
+        for b, n in enumerate(puzzle["blocks"])
+    )
+    child = bench.child(arch, "bld")
+    on_test = ablations.measured_kl(child, bench.parent, bench.test, run.config.scoring.vocab_chunk)
+    on_scoring = ablations.measured_kl(child, bench.parent, bench.held_out, run.config.scoring.vocab_chunk)
+    assert puzzle["before"]["kl"] == pytest.approx(on_test["kl"], rel=1e-5)
+    assert puzzle["scoring"]["kl"] == pytest.approx(on_scoring["kl"], rel=1e-5)
+    assert puzzle["before"]["kl"] != pytest.approx(puzzle["scoring"]["kl"], rel=1e-6)
+    assert len(puzzle["after_seeds"]) == 2
+    first, second = (s["kl"] for s in puzzle["after_seeds"])
+    assert first != pytest.approx(second, rel=1e-7)  # the GKD seed changes the child
+    assert [s["gkd"]["seed"] for s in puzzle["after_seeds"]] == [0, 1]
+
+
+def test_paired_ratios_per_seed_and_within_level_spearman(fine):
+    data, _, _ = fine
+    rows = {
+        (r["method"], r["level"]): r for r in data["rows"] if r["feasible"] and r["budget"] == "active_params"
+    }
+    paired = data["analysis"]["paired"]["greedy"]["0.6"]
+    greedy, puzzle = rows[("greedy", 0.6)], rows[("puzzle", 0.6)]
+    assert paired["before"] == stats.paired_ratio(
+        greedy["before"]["kl_batches"], puzzle["before"]["kl_batches"]
+    )
+    assert len(paired["after"]) == 2
+    for seed in (0, 1):
+        assert paired["after"][seed] == stats.paired_ratio(
+            greedy["after_seeds"][seed]["kl_batches"], puzzle["after_seeds"][seed]["kl_batches"]
+        )
+    within = data["summary"]["spearman_within"]
+    assert set(within) == {"0.8", "0.6"}
+    for level in (0.8, 0.6):
+        children = {
+            tuple(r["blocks"]): (r["predicted_kl"], r["scoring"]["kl"])
+            for r in data["rows"]
+            if r["feasible"] and r["level"] == level and r["budget"] == "active_params"
+        }
+        p, m = zip(*children.values())
+        expected = stats.spearman(p, m)
+        assert within[str(level)] == pytest.approx(expected, nan_ok=True)
+        assert data["summary"]["children_within"][str(level)] == len(children)
+
+
+def test_total_parameter_budgets_and_equal_size(fine):
+    data, _, _ = fine
+    totals = [r for r in data["rows"] if r["budget"] == "params" and r["feasible"]]
+    assert {r["method"] for r in totals} == {"puzzle", "homogeneous"}
+    assert all(r["params_fraction"] <= r["level"] + 1e-9 for r in totals)
+    distilled = {tuple(r["blocks"]) for r in data["rows"] if r["feasible"] and r["budget"] == "active_params"}
+    # Assembled and measured, not distilled (a child some active-parameter method distilled shows its GKD).
+    assert all(r["after"] is None for r in totals if tuple(r["blocks"]) not in distilled)
+    equal = data["analysis"]["equal_size"]["before"]
+    puzzle_curve = [(e["size"], e["kl"]) for e in equal["puzzle"].values()]
+    for entry in equal["puzzle"].values():  # Puzzle's own curve at its own sizes: itself
+        assert entry["ratio_at_size"] == pytest.approx(1.0)
+    for entry in equal["homogeneous"].values():
+        expected = stats.interpolate(puzzle_curve, entry["size"], stats.REACH)
+        assert entry["puzzle_at_size"] == pytest.approx(expected, nan_ok=True)
+    assert "equal_size_params" in data["analysis"]
+    lines = "\n".join(ablations.evidence_sections(data))
+    assert "Paired ratios to Puzzle" in lines and "Equal size (active parameters)" in lines
+
+
+def test_the_search_options_against_the_mip_and_refilled_greedy(fine):
+    """--additivity on the tiny run: the plain option is the benchmark's own MIP, re-ranking never keeps a
+    child that measures worse than the MIP's best, and the goals are evaluated."""
+    _, run, config = fine
+    result = ablations.additivity(
+        run,
+        config,
+        0.6,
+        options=("mip", "rerank", "context"),
+        gkd_seeds=1,
+        test_tokens=512,
+        draws=3,
+        log=lambda _: None,
+    )
+    f = result["figures"]
+    bench = ablations.Bench(run, init_scores=False)
+    mip = ablations.Problem(run, bench.kl, 0.6).mip()
+    assert f["mip"]["blocks"] == [b.short_name() for b in mip]
+    assert f["rerank"]["measured_kl"] <= f["mip"]["measured_kl"] + 1e-9
+    assert f["rerank"]["record"]["rerank"]["candidates"]
+    assert f["context"]["record"]["context"]["rounds"]
+    assert f["children"] >= 3 and -1 <= f["spearman_within"] <= 1
+    for name in ("mip", "rerank", "context"):
+        assert set(f[name]["goals"]) == {
+            "spearman_within_0.8",
+            "measured_within_1.5x",
+            "beats_greedy_every_seed",
+        }
+        assert len(f[name]["greedy_ratio_after"]) == 1
+    text = ablations.additivity_markdown(result, {"parent": "tiny", "command": "x", "seconds": 1.0})
+    assert "| rerank |" in text and "| greedy |" in text
