@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 # Every stage this module drives, imported here and only here (a name that moves moves in one place).
-from puzzle import dist, nemotron_h, shard
+from puzzle import dist, hostmem, nemotron_h, shard
 from puzzle.artifacts import (
     checkpoint_hashes,
     fingerprint_file,
@@ -369,6 +369,8 @@ class Run:
         parent.json and the manifest."""
         if self._prepared:
             return
+        # Before the parent loads: freed gathers and gradients go back to the system (puzzle.hostmem).
+        hostmem.return_freed_memory()
         _log.info("baseline: peak resident memory %.1f MiB (before the parent loads)", _peak_rss_mib())
         self.check_run_dir()
         parent_dir = self.config.parent.path.resolve()
