@@ -49,8 +49,10 @@ atomically under `<directory>/gkd-checkpoints/` (full tensors, rank 0);
 a killed run restarted with the same inputs continues from the last one and produces the same losses and
 final weights as an uninterrupted run. The output goes through `puzzle.artifacts` (stage "gkd"):
 ``student.safetensors`` (the student's `state_dict()`, full tensors; a tied lm_head is stored once, as
-the embeddings) and ``history.json``; the checkpoints are then removed. A finished output made from the
-same inputs is reused without work.
+the embeddings; written one tensor at a time, each gathered on every rank and written by rank 0, so no rank
+holds the whole student) and ``history.json``; the checkpoints are then removed. A finished output made
+from the same inputs is reused without work. `load_distilled` into a sharded model reads from the file
+only the rows each rank holds.
 """
 
 from __future__ import annotations
