@@ -762,6 +762,7 @@ def distill(
     if shard.active(settings.shard):
         shard.shard_parent(teacher, settings.shard)
         _shard_student(distiller, settings.shard)
+        shard.free_dropped_units()  # the student's units as it was sharded before (an assembled child)
     optimizer = torch.optim.AdamW(
         [p for p in distiller.parameters() if p.requires_grad],
         lr=settings.lr,

@@ -517,6 +517,7 @@ class Run:
             self._results[name] = record["outputs"]
             return record["outputs"]
         _log.info("%s%s: running", self._round_label(), name)
+        shard.free_dropped_units()  # an earlier stage's sharded modules, dropped but not yet collected
         started = _now()
         running = {"status": "running", "inputs_hash": key, "inputs": inputs, "started": started}
         self._update(name, running)
@@ -526,6 +527,7 @@ class Run:
             self._update(name, {**running, "status": "failed", "error": f"{type(error).__name__}: {error}"})
             raise
         outputs = dist.broadcast_object(outputs)
+        shard.free_dropped_units()
         self._update(name, {**running, "status": "done", "finished": _now(), "outputs": outputs})
         dist.barrier()
         resumed = self._resumed.pop(name.split("/", 1)[0], [])

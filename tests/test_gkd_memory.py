@@ -1,10 +1,13 @@
 """GKD on 2 gloo ranks holds its share of the student, not the whole of it (issue 22 section 5):
 `keep_best`'s host copy keeps this rank's shards only, the output file is written one tensor at a time, and
-`load_distilled` into a sharded model reads only the rows each rank holds."""
+`load_distilled` into a sharded model reads only the rows each rank holds, and the units GKD re-shards are
+freed (FSDP units are cyclic garbage: `puzzle.shard.free_dropped_units`)."""
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,10 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
     with gloo_rank(rank, world, port):
         teacher, student = load_setup(Path(root))
         total = sum(p.numel() for p in student.parameters())
+        shard.shard_parent(student, "fsdp")  # as the run assembles it from a sharded parent
+        old_units = [weakref.ref(b.mixer) for b in student.layers if shard.has_params(b.mixer)]
+        old_units.append(weakref.ref(student.embeddings))
+        gc.disable()  # what GKD frees itself, not the cycle collector's own schedule
         kept, held, read = [], [], []
         snapshot = gkd._snapshot  # the real one, counted
         gkd._snapshot = lambda model: _counted(snapshot(model), kept)
@@ -39,6 +46,8 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
             )
         finally:
             gkd._snapshot, stream.held_observer = snapshot, None
+            gc.enable()
+        alive = sum(ref() is not None for ref in old_units)  # the units GKD re-sharded, dropped
         model = HybridLM(child_spec())
         shard.shard_parent(model, "fsdp")
         sharded.read_observer = lambda file, key, tensor: read.append(tensor.numel() * tensor.element_size())
@@ -50,7 +59,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         if rank == 0:
             torch.save(state, Path(root, "loaded.pt"))
         facts = {"total": total, "kept": kept, "held": max(held, default=0), "read": sum(read)}
-        facts["kept_step"] = result.kept_step
+        facts["kept_step"], facts["alive"] = result.kept_step, alive
         Path(root, f"rank{rank}.json").write_text(json.dumps(facts))
 
 
@@ -81,6 +90,7 @@ def test_gkd_on_two_ranks_holds_its_shards_only(tmp_path: Path) -> None:
         assert facts["kept"] and max(facts["kept"]) <= MAX_SHARE * total  # each evaluation's copy
         assert facts["held"] == largest  # one tensor at a time, never the student
         assert 0 < facts["read"] <= MAX_SHARE * file_bytes
+        assert facts["alive"] == 0  # the student's units as it came, sharded, freed once re-sharded
     # What the ranks loaded is the file (gathered again), and the file is what one process loads.
     loaded = torch.load(tmp_path / "loaded.pt")
     plain = load_distilled(tmp_path / "gkd", HybridLM(child_spec()))
