@@ -214,12 +214,13 @@ def setter(stages: dict[str, dict[str, float]]) -> str | None:
 
 
 def predicted(config_path: Path, world: int) -> dict[str, float]:
-    """`puzzle plan CONFIG --gpus world`: each stage's predicted peak per rank, in MiB."""
+    """`puzzle plan CONFIG --gpus world`: each stage's predicted peak per rank, in MiB, with the host copies
+    (`StagePlan.resident`: on these CPU ranks host memory is the device memory)."""
     from puzzle.config import load_config
     from puzzle.plan import plan_config
 
     plan = plan_config(load_config(config_path), world)
-    return {stage.name: stage.peak / MIB for stage in plan.stages}
+    return {stage.name: stage.resident / MIB for stage in plan.stages}  # CPU ranks: host memory counts
 
 
 def compare(runs: dict[int, dict[str, Any]]) -> dict[str, Any]:
@@ -327,6 +328,30 @@ def run_world(config: Path, run_dir: Path, world: int, timeout: float) -> dict[s
     return {"seconds": seconds, "ranks": ranks}
 
 
+def replan(output: Path, work: Path) -> int:
+    """Re-predict the runs recorded in `output` with today's `puzzle plan` (same settings, configs rewritten
+    under `work`, where the parent must still be) and rewrite its comparison; the measurements are kept."""
+    import yaml
+
+    result = json.loads(output.read_text())
+    settings = result["settings"]
+    tag = f"h{settings['hidden']}-b{settings['blocks']}-v{settings['vocab']}-e{settings['experts']}"
+    root = work / tag
+    runs = {int(w): r for w, r in result["runs"].items()}
+    for world, run in runs.items():
+        config = root / f"config-{world}.yaml"
+        data = config_dict(root, root / f"run-{world}", settings["seq"], settings["batch"], settings["steps"])
+        config.write_text(yaml.safe_dump(data, sort_keys=False))
+        run["predicted_mib"] = predicted(config, world)
+    comparison = compare(runs)
+    print(table(comparison))
+    result.update(comparison, summary={str(w): s for w, s in comparison["summary"].items()})
+    result["runs"] = {str(w): r for w, r in runs.items()}
+    output.write_text(json.dumps(result, indent=1))
+    print(f"rewrote {output}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=512)
@@ -344,7 +369,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per world size")
     parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--replan",
+        action="store_true",
+        help="measure nothing: compare the runs already in --output with what `puzzle plan` predicts now",
+    )
     args = parser.parse_args(argv)
+    if args.replan:
+        return replan(args.output, args.work)
 
     import yaml
 

@@ -629,6 +629,7 @@ def build_library(
                 device,
                 max_steps,
             )
+            shard.free_dropped_units()  # this wave's sharded variants
         results.update({r.variant: r for r in done})
 
     ordered = {v: results[v] for v in sorted(results, key=_order)}

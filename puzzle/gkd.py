@@ -49,8 +49,10 @@ atomically under `<directory>/gkd-checkpoints/` (full tensors, rank 0);
 a killed run restarted with the same inputs continues from the last one and produces the same losses and
 final weights as an uninterrupted run. The output goes through `puzzle.artifacts` (stage "gkd"):
 ``student.safetensors`` (the student's `state_dict()`, full tensors; a tied lm_head is stored once, as
-the embeddings) and ``history.json``; the checkpoints are then removed. A finished output made from the
-same inputs is reused without work.
+the embeddings; written one tensor at a time, each gathered on every rank and written by rank 0, so no rank
+holds the whole student) and ``history.json``; the checkpoints are then removed. A finished output made
+from the same inputs is reused without work. `load_distilled` into a sharded model reads from the file
+only the rows each rank holds.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -68,6 +71,7 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint
+from safetensors import safe_open
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -80,7 +84,6 @@ from puzzle.artifacts import (
     fingerprint_model,
     fingerprint_tensors,
     json_writer,
-    safetensors_writer,
 )
 from puzzle.bld import BLDSettings, _rows, learning_rate
 from puzzle.data import DataError, TokenSplit
@@ -95,6 +98,10 @@ from puzzle.logits import (
     head_pass,
 )
 from puzzle.model import HybridLM
+from puzzle.nemotron_h.config import CheckpointError
+from puzzle.nemotron_h.sharded import fill_from_file
+from puzzle.nemotron_h.stream import stream_state
+from puzzle.nemotron_h.weights import SINGLE_FILE
 from puzzle.progress import progress_bar
 from puzzle.resume import (
     announce_resume,
@@ -110,6 +117,7 @@ ARTIFACT_NAME = "gkd"
 WEIGHTS_FILE = "student.safetensors"
 HISTORY_FILE = "history.json"
 CHECKPOINT_DIR = "gkd-checkpoints"
+STAGING_DIR = "gkd-staging"  # the weights file as it streams out, before the artifact moves it into place
 
 _log = logging.getLogger(__name__)
 
@@ -161,7 +169,7 @@ def load_distilled(directory: str | Path, model: HybridLM) -> HybridLM:
     `HybridLM` of the student's spec) and return it; errors name the file and the tensors."""
     artifact = Artifact(Path(directory), ARTIFACT_NAME, FORMAT_VERSION)
     artifact.read_manifest()
-    _load_state(model, artifact.load_tensors(WEIGHTS_FILE), str(artifact.path(WEIGHTS_FILE)))
+    _load_file(model, artifact.path(WEIGHTS_FILE))
     return model
 
 
@@ -215,6 +223,35 @@ def _load_state(model: HybridLM, tensors: Mapping[str, torch.Tensor], source: st
         for value in tensors.values():
             gathers.track(value)
     model.load_state_dict({k: shard.like(v, current[k]) for k, v in tensors.items()}, strict=False)
+
+
+def _load_file(model: HybridLM, path: Path) -> None:
+    """Load GKD's weights file `path` into `model`: each rank reads only the rows of its shards where the
+    model is sharded (`puzzle.nemotron_h.sharded.fill_from_file`), never the whole file; names and shapes
+    are checked against the file's header first (errors name the file and the tensors)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{ARTIFACT_NAME} output {path} does not exist")
+    current = model.state_dict()
+    expected = set(current) - ({"lm_head.weight"} if _tied(model) else set())
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            shapes = {name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118
+    except Exception as error:  # safetensors raises its own types for truncated or corrupt files
+        raise ArtifactError(f"cannot read {ARTIFACT_NAME} tensors {path}: {error}") from error
+    if set(shapes) != expected:
+        missing, extra = sorted(expected - set(shapes)), sorted(set(shapes) - expected)
+        raise ArtifactError(
+            f"{path}: tensors do not match the student (missing {missing}, unexpected {extra})"
+        )
+    for name, shape in shapes.items():
+        if shape != tuple(current[name].shape):
+            raise ArtifactError(
+                f"{path}: tensor {name!r} has shape {list(shape)}, the student's is {list(current[name].shape)}"
+            )
+    try:
+        fill_from_file(model, path, sorted(shapes))
+    except CheckpointError as error:
+        raise ArtifactError(str(error)) from error
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -715,7 +752,7 @@ def distill(
     }
     artifact = Artifact(directory, ARTIFACT_NAME, FORMAT_VERSION)
     if artifact.load_if_current(inputs) is not None:
-        _load_state(student, artifact.load_tensors(WEIGHTS_FILE), str(artifact.path(WEIGHTS_FILE)))
+        _load_file(student, artifact.path(WEIGHTS_FILE))
         manifest_info = artifact.read_manifest().info
         return GKDResult(
             directory, manifest_info["steps"], manifest_info["tokens"], artifact.load_json(HISTORY_FILE)
@@ -729,6 +766,7 @@ def distill(
     if shard.active(settings.shard):
         shard.shard_parent(teacher, settings.shard)
         _shard_student(distiller, settings.shard)
+        shard.free_dropped_units()  # the student's units as it was sharded before (an assembled child)
     optimizer = torch.optim.AdamW(
         [p for p in distiller.parameters() if p.requires_grad],
         lr=settings.lr,
@@ -807,8 +845,8 @@ def distill(
             settings.early_stop_patience,
             state.best_step,
         )
-    weights = _full_state(student)
-    outputs = {WEIGHTS_FILE: safetensors_writer(weights), HISTORY_FILE: json_writer(history)}
+    staged = _stream_student(student, directory)
+    outputs = {WEIGHTS_FILE: lambda path: os.replace(staged, path), HISTORY_FILE: json_writer(history)}
     info = {
         "steps": state.step,
         "tokens": state.tokens,
@@ -820,8 +858,26 @@ def distill(
     artifact.write(inputs, outputs, info)
     if dist.is_main():
         shutil.rmtree(_checkpoint_dir(directory), ignore_errors=True)
+        shutil.rmtree(staged.parent, ignore_errors=True)
     dist.barrier()
     return GKDResult(directory, state.step, state.tokens, history, resumed_from)
+
+
+def _stream_student(student: HybridLM, directory: Path) -> Path:
+    """The student's weights (its `state_dict()`, a tied lm_head once) written to a staging file under
+    `directory` by rank 0, gathered one tensor at a time on every rank (`stream_state`, a collective under
+    FSDP): no rank holds the whole student. Returns the file, which the artifact then moves into place."""
+    staging = directory / STAGING_DIR
+    if dist.is_main():
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    dist.barrier()
+    state = student.state_dict()
+    if _tied(student):
+        state.pop("lm_head.weight", None)
+    stream_state(state, staging if dist.is_main() else None)
+    dist.barrier()
+    return staging / SINGLE_FILE
 
 
 def _patience_spent(state: _State, settings: GKDSettings) -> bool:

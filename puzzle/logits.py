@@ -205,17 +205,23 @@ class _DistillationHeadLoss(torch.autograd.Function):
             nll_scale,
             gradients=True,
         )
-        ctx.save_for_backward(grad_hidden.to(hidden.dtype), grad_weight)
+        ctx.save_for_backward(grad_hidden.to(hidden.dtype))
+        # Not saved for backward: it is scaled in place there (no second [V, H] tensor), so a second
+        # backward through this graph (retain_graph) has nothing left to scale and raises.
+        ctx.grad_weight = grad_weight
         loss = (kl_scale * sums[KL_SUM] + nll_scale * sums[NLL_SUM]).float()
         ctx.mark_non_differentiable(sums)
         return loss, sums
 
     @staticmethod
     def backward(ctx, grad_loss, grad_sums):
-        grad_hidden, grad_weight = ctx.saved_tensors
+        (grad_hidden,) = ctx.saved_tensors
+        grad_weight, ctx.grad_weight = ctx.grad_weight, None
+        if grad_weight is None:
+            raise RuntimeError("distillation_head_loss: its backward runs once (no retain_graph)")
         scale = grad_loss.to(grad_hidden.dtype)
         hidden_grad = grad_hidden * scale if ctx.needs_input_grad[0] else None
-        weight_grad = grad_weight * scale.to(grad_weight.dtype) if ctx.needs_input_grad[1] else None
+        weight_grad = grad_weight.mul_(scale.to(grad_weight.dtype)) if ctx.needs_input_grad[1] else None
         return hidden_grad, weight_grad, None, None, None, None, None, None
 
 

@@ -120,7 +120,9 @@ def parent_bytes(spec: ModelSpec, dtype_bytes: int, world: int) -> ParentBytes:
 @dataclass
 class StagePlan:
     """One stage: `units` (what it does, in words), `tokens` processed, `flops`, `memory` (name -> bytes per
-    rank; the peak is their sum), `disk` (bytes it writes), `notes` (what the estimate assumes)."""
+    rank on its device; the peak is their sum), `disk` (bytes it writes), `notes` (what the estimate
+    assumes), `host` (name -> bytes per rank the stage keeps in host memory beside that: not counted
+    against the GPU, but on a CPU run, where host memory is the device memory, `resident` adds them)."""
 
     name: str
     units: str
@@ -130,10 +132,16 @@ class StagePlan:
     disk: float = 0.0
     notes: list[str] = field(default_factory=list)
     seconds: float | None = None  # set by plan_run from flops (or given, for the search)
+    host: dict[str, float] = field(default_factory=dict)
 
     @property
     def peak(self) -> float:
         return float(sum(self.memory.values()))
+
+    @property
+    def resident(self) -> float:
+        """What a rank holds when its device is the host (CPU ranks, gloo): the peak plus the host copies."""
+        return self.peak + float(sum(self.host.values()))
 
 
 @dataclass
@@ -181,6 +189,7 @@ class Plan:
                     "seconds": s.seconds,
                     "memory": dict(s.memory),
                     "peak_bytes": s.peak,
+                    "host_memory": dict(s.host),
                     "disk_bytes": s.disk,
                     "notes": list(s.notes),
                 }
@@ -214,6 +223,9 @@ class Plan:
             )
             parts = ", ".join(f"{k} {_gib(v)}" for k, v in stage.memory.items() if v) or "none on the GPU"
             lines.append(f"  memory per rank: {parts}")
+            if any(stage.host.values()):
+                host = ", ".join(f"{k} {_gib(v)}" for k, v in stage.host.items() if v)
+                lines.append(f"  host memory per rank (beside the GPU): {host}")
             lines += [f"  note: {n}" for n in stage.notes]
         lines.append("")
         lines.append(f"total time {_duration(total)}; disk {_gib(sum(s.disk for s in self.stages))}")
@@ -547,13 +559,14 @@ def _distill(ctx: _Context, problems: list[str]) -> StagePlan:
         activations = {"saved block inputs": kept_inputs, "recomputed block activations": recomputed}
     else:
         activations = {"saved activations": saved}
+    table = spec.vocab_size * H  # elements of the embeddings, and of the lm_head
     memory = {
         "teacher shard": teacher.sharded,
         "student shard": student.sharded,
         "student grads": student.sharded,
         "AdamW m and v": 2 * student.sharded,
         "gathered unit": max(teacher.largest_unit, student.largest_unit),
-        "whole lm_head": spec.vocab_size * H * train_bytes if world > 1 else 0,
+        **_gkd_head(spec, table, world, train_bytes, ctx.dtype_bytes),
         **activations,
         "logits chunks": GKD_LOGIT_BUFFERS * FP32 * local * settings.vocab_chunk
         + 2 * local * H * train_bytes,
@@ -573,6 +586,8 @@ def _distill(ctx: _Context, problems: list[str]) -> StagePlan:
         flops,
         memory,
         disk=solutions * checkpoint,
+        # keep_best: a host copy of this rank's shards of the best evaluation's weights (puzzle.gkd._snapshot).
+        host={"best weights (host copy)": student.sharded if settings.keep_best else 0},
         notes=[
             _child_note(child),
             f"AdamW keeps m and v in the training dtype ({settings.dtype}); activations are the parent's "
@@ -590,6 +605,24 @@ def _distill(ctx: _Context, problems: list[str]) -> StagePlan:
             "teacher forward (1x) per token; evaluations excluded",
         ],
     )
+
+
+def _gkd_head(
+    spec: ModelSpec, table: int, world: int, train_bytes: int, parent_bytes: int
+) -> dict[str, float]:
+    """What GKD's head holds whole on a rank beyond the shards (`puzzle.gkd._Distiller`, `puzzle.logits`).
+
+    Sharded, the student's root unit (embeddings and lm_head, one table when tied) is gathered for the whole
+    forward and backward, the teacher's lm_head around the loss, and the lm_head's gradient [V, H] is made
+    whole (`head_pass`, scaled in place in the backward) before its reduce-scatter."""
+    if world == 1:
+        return {}
+    root = (1 if spec.tie_embeddings else 2) * table * train_bytes
+    return {
+        "whole root unit (embeddings, lm_head)": root,
+        "whole teacher lm_head": table * parent_bytes,
+        "whole head gradient": table * train_bytes,
+    }
 
 
 def _export(ctx: _Context) -> StagePlan:

@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 # Every stage this module drives, imported here and only here (a name that moves moves in one place).
-from puzzle import dist, gathers, nemotron_h, shard
+from puzzle import dist, gathers, hostmem, nemotron_h, shard
 from puzzle.artifacts import (
     checkpoint_hashes,
     fingerprint_file,
@@ -371,6 +371,8 @@ class Run:
         parent.json and the manifest."""
         if self._prepared:
             return
+        # Before the parent loads: freed gathers and gradients go back to the system (puzzle.hostmem).
+        hostmem.return_freed_memory()
         _log.info("baseline: peak resident memory %.1f MiB (before the parent loads)", _peak_rss_mib())
         self.check_run_dir()
         parent_dir = self.config.parent.path.resolve()
@@ -517,6 +519,7 @@ class Run:
             self._results[name] = record["outputs"]
             return record["outputs"]
         _log.info("%s%s: running", self._round_label(), name)
+        shard.free_dropped_units()  # an earlier stage's sharded modules, dropped but not yet collected
         gathers.COUNTER.reset_peak()
         started = _now()
         running = {"status": "running", "inputs_hash": key, "inputs": inputs, "started": started}
@@ -527,6 +530,7 @@ class Run:
             self._update(name, {**running, "status": "failed", "error": f"{type(error).__name__}: {error}"})
             raise
         outputs = dist.broadcast_object(outputs)
+        shard.free_dropped_units()
         self._update(name, {**running, "status": "done", "finished": _now(), "outputs": outputs})
         dist.barrier()
         resumed = self._resumed.pop(name.split("/", 1)[0], [])

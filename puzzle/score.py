@@ -826,6 +826,8 @@ def score_variants(
                 "parent_loss": float(sums[len(wave), _Sum.PARENT_NLL] / tokens) if tokens else None,
             }
             del held
+            if sharded:
+                shard.free_dropped_units()  # this wave's sharded variants
             with dist.main_process_first():
                 if dist.is_main():
                     atomic_write(out_dir / PARTIAL_FILE, json_writer(_content(inputs, done, totals)))

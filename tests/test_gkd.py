@@ -468,3 +468,44 @@ def test_a_batch_that_does_not_split_over_the_ranks_is_an_error_naming_the_field
         GKDSettings(batch_size=8, micro_batch_size=3).micro_batches(2)
     with pytest.raises(ValueError, match=r"batch_size \(6\) must be a multiple of the number of ranks \(4\)"):
         GKDSettings(batch_size=6).micro_batches(4)
+
+
+def test_head_backward_makes_no_second_vocabulary_sized_tensor():
+    """The head's [V, H] gradient, made in the forward, is scaled in place in the backward: no op of the
+    backward allocates another [V, H] tensor (a whole one per rank under FSDP), and it runs once only."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class NewStorage(TorchDispatchMode):
+        def __init__(self, threshold: int) -> None:
+            super().__init__()
+            self.threshold, self.found = threshold, []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {
+                a.untyped_storage().data_ptr()
+                for a in torch.utils._pytree.tree_leaves(args)
+                if torch.is_tensor(a)
+            }
+            for t in torch.utils._pytree.tree_leaves(out):
+                if (
+                    torch.is_tensor(t)
+                    and t.numel() >= self.threshold
+                    and t.untyped_storage().data_ptr() not in inputs
+                ):
+                    self.found.append(str(func))
+            return out
+
+    generator = torch.Generator().manual_seed(0)
+    n, hidden_size, vocab = 6, 8, 40
+    hidden = torch.randn(n, hidden_size, generator=generator, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, generator=generator, requires_grad=True)
+    teacher_hidden = torch.randn(n, hidden_size, generator=generator)
+    teacher_weight = torch.randn(vocab, hidden_size, generator=generator)
+    targets = torch.randint(0, vocab, (n,), generator=generator)
+    loss, _ = distillation_head_loss(hidden, weight, teacher_hidden, teacher_weight, targets, 16, 0.7)
+    with NewStorage(vocab * hidden_size) as mode:
+        (2 * loss).backward(retain_graph=True)
+    assert mode.found == []
+    with pytest.raises(RuntimeError, match="runs once"):
+        loss.backward()

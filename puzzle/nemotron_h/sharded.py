@@ -23,7 +23,7 @@ tests count the bytes each rank reads.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -173,3 +173,26 @@ def load_sharded(
         sources, _, _ = map_checkpoint(handles)
         _fill(model, handles, sources)
     return model.eval()
+
+
+def fill_from_file(model: torch.nn.Module, file: Path, names: Iterable[str]) -> None:
+    """Copy into the state-dict tensors `names` of `model` their values from the safetensors `file`, which
+    names its tensors as the state dict does (e.g. GKD's output), in place.
+
+    Each rank reads only its local rows of a sharded (DTensor) tensor (`get_slice`, memory-mapped) and
+    whole the replicated ones: a sharded model is filled without any rank reading the whole file. Names
+    and shapes are the caller's to check (from `safe_open(...).get_slice(name).get_shape()`); values are
+    cast to the model's dtypes. `read_observer` sees every read.
+    """
+    state = model.state_dict()
+    with open_safetensors(file) as handle:
+        for name in names:
+            tensor = state[name]
+            rows = _rows(tensor)
+            if rows is not None and rows[0] >= rows[1]:
+                continue  # this rank holds none of it
+            source = TensorSource(file, name, tuple(tensor.shape), "")
+            value = _read(handle, source, None if rows is None else (slice(*rows),))
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            with torch.no_grad():
+                local.copy_(value.to(local.dtype))

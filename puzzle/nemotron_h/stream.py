@@ -357,3 +357,20 @@ def convert_weights(model: nn.Module, path: Path, directory: Path, max_shard_byt
             key, _ = model_key(entry.name)
             units.append(_read_unit(entry.name, reader(sources[key]), SAFETENSORS_DTYPES[entry.dtype]))
         return write_streamed(entries, units, directory, max_shard_bytes)
+
+
+# ------------------------------------------------------------------------------------ a plain state dict
+
+
+def stream_state(tensors: Mapping[str, torch.Tensor], directory: Path | None) -> list[str]:
+    """Write `tensors` (name -> tensor, as they are named: e.g. a state dict) into one safetensors file
+    (`SINGLE_FILE`) in `directory`, one tensor at a time, in their order; returns the file names.
+
+    DTensors (a model sharded with FSDP2) are gathered one at a time: call it on every rank, with the
+    directory on rank 0 and None on the others, which gather and drop. Peak memory per rank is the largest
+    tensor, never the whole state (GKD's output: `puzzle.gkd`).
+    """
+    entries = [Entry(name, dtype_name(t.dtype), tuple(t.shape)) for name, t in tensors.items()]
+    units = [_tensor_unit(name, tensor) for name, tensor in tensors.items()]
+    one_file = sum(entry.nbytes for entry in entries) + 1
+    return write_streamed(entries, units, directory, one_file)
