@@ -197,9 +197,10 @@ def _tied(model: HybridLM) -> bool:
     return model.lm_head.weight is model.embeddings.weight
 
 
-def _full_state(model: HybridLM) -> dict[str, torch.Tensor]:
-    """Every tensor of the model's state_dict, full and on the CPU (collective under FSDP); a tied lm_head once."""
-    state = {k: shard.full(v) for k, v in model.state_dict().items()}
+def _state_to_save(model: HybridLM) -> dict[str, torch.Tensor]:
+    """Every tensor of the model's state_dict, a tied lm_head once. Sharded tensors stay sharded (DTensors):
+    `puzzle.resume.write_checkpoint` gathers them one at a time, so no rank holds the whole student."""
+    state = dict(model.state_dict())
     if _tied(model):
         state.pop("lm_head.weight", None)
     return state
@@ -591,9 +592,10 @@ def _restore(student: HybridLM, snapshot: Mapping[str, torch.Tensor]) -> None:
         _local(state[name]).copy_(value)
 
 
-def _gather_snapshot(student: HybridLM, snapshot: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A `_snapshot`'s full tensors on the CPU, laid out as the student's (a collective under FSDP)."""
-    state, full = student.state_dict(), {}
+def _snapshot_as_student(student: HybridLM, snapshot: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A `_snapshot`'s tensors laid out as the student's: DTensors over this rank's shards where the student is
+    sharded (no collective here: `puzzle.resume.write_checkpoint` gathers them one at a time)."""
+    state, laid_out = student.state_dict(), {}
     for name, value in snapshot.items():
         reference = state[name]
         if isinstance(reference, DTensor):
@@ -605,8 +607,8 @@ def _gather_snapshot(student: HybridLM, snapshot: Mapping[str, torch.Tensor]) ->
                 shape=reference.shape,
                 stride=reference.stride(),
             )
-        full[name] = shard.full(value)
-    return full
+        laid_out[name] = value
+    return laid_out
 
 
 def _note_evaluation(state: _State, student: HybridLM, settings: GKDSettings) -> None:
@@ -630,15 +632,15 @@ def _save_checkpoint(
     optimizer: torch.optim.Optimizer,
     inputs: Mapping[str, str],
 ) -> None:
-    """The student, AdamW, RNG states and position (`puzzle.resume.write_checkpoint`). Sharded tensors are
-    gathered on every rank first."""
-    tensors = {f"param/{k}": v for k, v in _full_state(student).items()}
+    """The student, AdamW, RNG states and position (`puzzle.resume.write_checkpoint`, which gathers sharded
+    tensors one at a time as it writes them)."""
+    tensors = {f"param/{k}": v for k, v in _state_to_save(student).items()}
     tensors.update(optimizer_tensors(optimizer, "adam/"))
     tensors["rng/cpu"] = torch.get_rng_state()
     if torch.cuda.is_available():
         tensors["rng/cuda"] = torch.cuda.get_rng_state()
     if state.best_weights is not None and state.best_step != state.step:  # else the params are the best
-        tensors.update({f"best/{k}": v for k, v in _gather_snapshot(student, state.best_weights).items()})
+        tensors.update({f"best/{k}": v for k, v in _snapshot_as_student(student, state.best_weights).items()})
     record = {
         "inputs": dict(inputs),
         "step": state.step,
