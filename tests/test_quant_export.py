@@ -5,6 +5,7 @@ giving the fake-quantized child's logits."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from pathlib import Path
@@ -21,7 +22,7 @@ from puzzle.nemotron_h.checkpoint import convert_checkpoint, save_pretrained
 from puzzle.nemotron_h.vllm_quant_replay import VllmQuantError, resolve
 from puzzle.quant import QuantError, nvfp4_global_scale
 from puzzle.quant_blocks import fake_quantize_mixer_
-from puzzle.spec import AttentionSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec
+from puzzle.spec import AttentionSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, weight_formats
 
 pytest.importorskip(
     "compressed_tensors"
@@ -214,10 +215,63 @@ def test_load_of_the_export_gives_the_fake_quantized_childs_logits(exported):
     assert json.loads((path / "puzzle.json").read_text())["weight_formats"] == FORMATS
 
 
-def test_a_loaded_quantized_export_saves_plain_and_convert_refuses_it(exported, tmp_path):
+def test_a_loaded_export_keeps_its_block_formats_and_its_logits(exported):
+    """The loaded model's spec carries each block's format (read from the stored tensors), and its quantized
+    forward, which fake-quantizes the already-quantized weights again, gives the logits of the same weights
+    under the bf16 spec within 1e-5 (relative to the largest): on the format's grid fake quantization is the
+    identity up to the fp32 rounding of the recomputed scales."""
     _, path = exported
     loaded = puzzle.load(path, dtype=torch.float32)
-    saved = save_pretrained(loaded, tmp_path / "plain")
+    expected = {int(k.split(".")[2]): f for k, f in FORMATS.items() if f != "bf16"}
+    assert weight_formats(loaded.spec) == expected
+    as_bf16 = ModelSpec(SPEC.vocab_size, SPEC.hidden_size, SPEC.blocks)
+    plain = HybridLM(as_bf16).eval()
+    plain.load_state_dict(loaded.state_dict())
+    ids = torch.randint(0, SPEC.vocab_size, (2, 11), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        got, want = loaded(ids).logits, plain(ids).logits
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_a_partly_quantized_block_loads_exactly_under_its_plain_spec(exported):
+    """A block whose covered weights are not all stored quantized (another tool's choice of targets) keeps
+    its bf16 spec, so its plain weights are not fake-quantized in the forward."""
+    _, path = exported
+    from puzzle.nemotron_h.weights import map_checkpoint, open_safetensors, weight_files
+
+    with contextlib.ExitStack() as stack:
+        handles = {f: stack.enter_context(open_safetensors(f)) for f in weight_files(path)}
+        sources = quantized.dequantizing_sources(map_checkpoint(handles)[0], str(path))
+    assert weight_formats(quantized.spec_with_formats(SPEC, sources)) == {
+        int(k.split(".")[2]): f for k, f in FORMATS.items() if f != "bf16"
+    }
+    dropped = {k: v for k, v in sources.items() if k != "layers.1.mixer.q_proj.weight"}
+    dropped["layers.1.mixer.q_proj.weight"] = sources["layers.0.mixer.in_proj.weight"].parts[0][1]
+    assert 1 not in weight_formats(quantized.spec_with_formats(SPEC, dropped))
+
+
+def test_a_loaded_quantized_export_saves_in_its_formats_or_plain_and_convert_refuses_it(exported, tmp_path):
+    """Saved again, a loaded export keeps its formats and stores the same quantized codes and block scales
+    (its weights are on the grid); `weight_formats={}` saves it plain."""
+    _, path = exported
+    loaded = puzzle.load(path, dtype=torch.float32)
+    again = save_pretrained(loaded, tmp_path / "again")
+    assert (
+        _config(again)["quantization_config"]["config_groups"]
+        == _config(path)["quantization_config"]["config_groups"]
+    )
+    with (
+        safe_open(path / "model.safetensors", "pt") as first,
+        safe_open(again / "model.safetensors", "pt") as second,
+    ):
+        assert set(first.keys()) == set(second.keys())
+        for key in first.keys():  # noqa: SIM118
+            a, b = first.get_tensor(key), second.get_tensor(key)
+            if a.dtype in (torch.uint8, torch.float8_e4m3fn):  # codes and nvfp4's block scales
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), key
+            elif key.endswith("weight_scale"):  # fp8's per-channel scales, recomputed in fp32
+                assert torch.allclose(a, b, rtol=1e-6, atol=0), key
+    saved = save_pretrained(loaded, tmp_path / "plain", weight_formats={})
     assert "quantization_config" not in _config(saved)
     assert all(dtype == "F32" for dtype, _ in _header(saved).values())
     with pytest.raises(CheckpointError, match="describes a quantized checkpoint; puzzle convert"):

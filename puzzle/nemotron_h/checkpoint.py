@@ -130,7 +130,9 @@ def load(
 
     A quantized export of puzzle's (compressed-tensors fp8 / nvfp4 blocks, `save_pretrained(...,
     weight_formats=)`) is read back dequantized: each quantized weight is its served values (the
-    fake-quantized weights, `puzzle.quant`), in `dtype`. Other quantized checkpoints are refused.
+    fake-quantized weights, `puzzle.quant`), in `dtype`, and its blocks keep their formats
+    (`model.spec.blocks[i].weight_format`, `quantized.spec_with_formats`). Other quantized checkpoints
+    are refused.
 
     Raises CheckpointError naming the file and tensor for a missing, unexpected, misshapen or
     non-float (e.g. int8 or fp8 without its scales) weight.
@@ -155,6 +157,7 @@ def load(
         sources, extras, prefix = map_checkpoint(handles)
         if quantized_formats is not None:  # puzzle's compressed-tensors export: weights read back dequantized
             sources = quantized.dequantizing_sources(sources, str(path))
+            spec = quantized.spec_with_formats(spec, sources)
         with torch.device("meta"):
             model = HybridLM(spec)
         # Hub names: the routed experts of each MoE block one by one, as checkpoints store them.

@@ -32,6 +32,7 @@ biases, the router, conv1d, SSM parameters, embeddings, lm_head and MTP tensors 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ from puzzle.quant import (
     quantize_nvfp4,
 )
 from puzzle.quant_blocks import NVFP4_SHARED_SCALE, block_formats, quantized_weights
+from puzzle.spec import ModelSpec
 
 if TYPE_CHECKING:
     from puzzle.model import HybridLM
@@ -344,6 +346,28 @@ def dequantizing_sources(sources: Mapping[str, TensorSource], where: str) -> dic
     if leftover:
         raise CheckpointError(f"{where}: scale tensor(s) {leftover[:3]} belong to no quantized weight")
     return out
+
+
+def spec_with_formats(spec: ModelSpec, sources: Mapping[str, TensorSource]) -> ModelSpec:
+    """`spec` with the `weight_format` of each block whose covered weights (`quantized_weights`) are all
+    stored in one format, read from the `dequantizing_sources`: a loaded export keeps its blocks' formats
+    (`puzzle costs` of it, a re-export, a further search see them). Its forward is unchanged: the block's
+    weights are already on the format's grid. A block stored partly
+    quantized (another tool's checkpoint) stays as the spec says: its weights load exactly, dequantized.
+    (Quantizing grid values again is the identity up to the fp32 rounding of the recomputed scales.)"""
+    stored: dict[int, dict[str, str]] = {}
+    for key, source in sources.items():
+        if isinstance(source, DequantizedSource) and key.startswith("layers."):
+            _, index, _, name = key.split(".", 3)  # layers.{i}.mixer.{name}
+            stored.setdefault(int(index), {})[name] = source.fmt
+    blocks = list(spec.blocks)
+    for index, formats in stored.items():
+        block = blocks[index]
+        kinds = set(formats.values())
+        whole = set(formats) == set(quantized_weights(block, spec.hidden_size))
+        if hasattr(block, "weight_format") and len(kinds) == 1 and whole:
+            blocks[index] = dataclasses.replace(block, weight_format=kinds.pop())
+    return dataclasses.replace(spec, blocks=tuple(blocks))
 
 
 def read_source(handles: Mapping[Path, Any], source: TensorSource) -> torch.Tensor:
