@@ -200,11 +200,14 @@ class Problem:
         level: float,
         speedup: float | None = None,
         budget: str = "active_params",
+        limit: str | None = None,
     ) -> None:
+        """`limit`: the budget's own text instead of `{budget}<={level}x` (an absolute one, for candidates
+        without the parent's own block, whose relative totals would be another model's)."""
         self.candidates = candidates
         self.level = level
-        self.budget = budget  # the bounded column: active_params, or params (total)
-        budgets = [f"{budget}<={level}x"]
+        self.budget = budget  # the bounded column: active_params, params (total) or weight_bytes
+        budgets = [limit or f"{budget}<={level}x"]
         if speedup is not None:  # predicted decode tokens/s at least `speedup` x the parent's
             budgets.append(f"throughput[decode]>={speedup}x")
         self.run_problem: RunProblem = run_problem(
@@ -1403,8 +1406,14 @@ DEEP_PATTERN = "MEM*EMEM*EMEM*EMEM*E"  # 20 blocks: 8 Mamba, 8 MoE, 4 attention
 DEEP_PARENT = TrainSettings(seq_len=256, batch_size=8, steps=120, lr=5e-3, warmup_steps=8)  # ~246k tokens
 PARENTS = ("quick", "deep", "full")
 REPLICATE = (("quick", 0), ("quick", 1), ("quick", 2), ("deep", 0))
-REPLICATE_LEVELS = (0.9, 0.85, 0.8, 0.7, 0.6, 0.5, 0.4)
-REPLICATE_HOURS = 5.0  # --replicate on 2 shared cores: extrapolated from a two-level slice (results/slice/)
+# The replication distils the methods the claims rest on (Puzzle, uniform pruning, refilled greedy, random,
+# LM-loss scores) with two GKD seeds each, at the default four levels, with two random architectures per
+# level; the other methods are assembled and measured before GKD. Sized to run in about an hour on 2 cores
+# (two parents at a time: `--parent NAME --parent-seed S` with REPLICATE_ARGS fills the same run directories).
+REPLICATE_LEVELS = LEVELS
+REPLICATE_GKD = ("puzzle", "homogeneous", "greedy", "random", "mip_lm_loss")
+REPLICATE_RANDOM = 2
+REPLICATE_HOURS = 1.5  # --replicate, one process on 2 cores (a parent at a time); see results/replicate/
 
 
 def parent_spec(name: str) -> ModelSpec:
@@ -1875,7 +1884,13 @@ def replicate(base: Setup, cache: Path | None, command: str, threads: int) -> in
     results = {}
     for name, seed in REPLICATE:
         setup = dataclasses.replace(
-            base, parent=name, parent_seed=seed, levels=REPLICATE_LEVELS, size=DEFAULT
+            base,
+            parent=name,
+            parent_seed=seed,
+            levels=REPLICATE_LEVELS,
+            size=DEFAULT,
+            gkd=REPLICATE_GKD,
+            seeds=REPLICATE_RANDOM,
         )
         setup.run_dir = ROOT / "runs" / f"ablations-{setup.tag}"
         setup.output, setup.doc, setup.png = (
