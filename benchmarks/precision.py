@@ -253,7 +253,21 @@ def evaluate(
         "speed": throughput.speed,
         "test_tokens": sum(b.numel() for b in bench.test) if bench.test else 0,
         "variants": sum(1 for r in bench.library.results.values() if r.status != "parent"),
+        "bld": bld_by_format(bench.library),
     }
+
+
+def bld_by_format(library: Any) -> dict[str, dict[str, int]]:
+    """Per weight format, how many variants BLD trained and how many of them kept their trained weights
+    (the rest kept their initial ones: training left them worse on the held-out tokens)."""
+    out: dict[str, dict[str, int]] = {}
+    for variant, result in library.results.items():
+        if result.status != "trained":
+            continue
+        entry = out.setdefault(format_of(variant.spec), {"trained": 0, "kept_trained": 0})
+        entry["trained"] += 1
+        entry["kept_trained"] += result.kept == "trained"
+    return out
 
 
 # --------------------------------------------------------------------------------------------- the report
@@ -351,6 +365,14 @@ def markdown(data: dict[str, Any]) -> str:
         )
     lines += [
         "",
+        "BLD kept its trained weights for "
+        + ", ".join(
+            f"{v['kept_trained']} of {v['trained']} {fmt} variants"
+            for fmt, v in sorted(data.get("bld", {}).items())
+        )
+        + " (the others kept their initial weights, the parent's or pruned ones: training left them worse on "
+        "the held-out tokens).",
+        "",
         f"The bf16 parent serves {data['parent']['throughput']['batch']:,} requests at that speed "
         f"(limited by {data['parent']['throughput']['limited_by']}). GKD kept step 0 where the child came out "
         "of assembly better than any later held-out evaluation (`gkd.keep_best`): both seeds then report the "
@@ -401,7 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     default = args.parent == "quick" and args.parent_seed == 0
     tag = f"{args.parent}-s{args.parent_seed}" + ("-smoke" if args.smoke else "")
     name = "precision" if default and not args.smoke else f"precision-{tag}"
-    output = args.output or HERE / "results" / f"{name}.json"
+    output = args.output or HERE / "results" / ("quick/precision.json" if args.smoke else f"{name}.json")
     doc = args.doc or (None if args.smoke else ROOT / "docs" / f"RESULTS-{name}.md")
     if args.render:
         data = json.loads(output.read_text())
