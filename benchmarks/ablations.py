@@ -1757,7 +1757,72 @@ def replication_summary(results: dict[str, dict[str, Any]]) -> str:
             f"| [{tag}]({tag}.md) | {_fmt(summary['spearman_bld'], 2)} | {within} | {cells[0]} | {cells[1]} | "
             f"{data['meta']['seconds']:.0f} |"
         )
+    lines += ["", *verdict_table(results)]
     return "\n".join(lines) + "\n"
+
+
+def _verdict(entries: Sequence[dict[str, float]]) -> str:
+    """One cell over a method's paired ratios to Puzzle (one per GKD seed): the mean ratio, then `+` when
+    Puzzle is lower beyond the noise in every seed, `-` when the method is, `~` otherwise."""
+    if not entries:
+        return "-"
+    mean = sum(e["ratio"] for e in entries) / len(entries)
+    mark = "+" if all(e["low"] > 1 for e in entries) else "-" if all(e["high"] < 1 for e in entries) else "~"
+    return f"{mean:.2f} {mark}"
+
+
+def verdict_table(results: dict[str, dict[str, Any]], phase: str = "after") -> list[str]:
+    """Each method's KL over Puzzle's per parent and level on the test split (`paired_ratios`; after GKD: the
+    mean over GKD seeds), marked + (Puzzle lower beyond the noise in every seed), - (the method lower beyond
+    it in every seed) or ~; random: the mean over its draws of their KL over Puzzle's, unmarked."""
+    levels = sorted({lv for data in results.values() for lv in data["meta"]["levels"]}, reverse=True)
+    lines = [
+        f"KL over Puzzle's ({'after GKD, mean of the GKD seeds' if phase == 'after' else 'assembled'}); "
+        "+ Puzzle lower beyond the noise in every seed, - the method lower beyond it in every seed, ~ neither:",
+        "",
+        "| method | parent | " + " | ".join(f"{lv:.0%}" for lv in levels) + " |",
+        "|---|---|" + "---:|" * len(levels),
+    ]
+    methods = [m for m in METHODS if m not in ("puzzle",)]
+    for method in methods:
+        for tag, data in results.items():
+            paired = ((data.get("analysis") or {}).get("paired") or {}).get(method, {})
+            cells = []
+            for lv in levels:
+                if method == "random":
+                    cells.append(_random_ratio(data, lv, phase))
+                    continue
+                entry = paired.get(str(lv))
+                cells.append(
+                    "-"
+                    if entry is None
+                    else _verdict(entry["after"] if phase == "after" else [entry["before"]])
+                )
+            if any(c != "-" for c in cells):
+                lines.append(f"| {method} | {tag} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _random_ratio(data: dict[str, Any], level: float, phase: str) -> str:
+    """The mean over random draws of their KL over Puzzle's at `level` (after GKD: the seeds' mean KL)."""
+
+    def kl(r: dict[str, Any]) -> float | None:
+        if phase == "after":
+            seeds = r.get("after_seeds") or []
+            return sum(s["kl"] for s in seeds) / len(seeds) if seeds else None
+        return r["before"]["kl"]
+
+    rows = [
+        r
+        for r in data["rows"]
+        if r["level"] == level and r["feasible"] and r.get("budget", "active_params") == "active_params"
+    ]
+    puzzle = next((kl(r) for r in rows if r["method"] == "puzzle"), None)
+    draws = [kl(r) for r in rows if r["method"] == "random"]
+    draws = [d for d in draws if d is not None]
+    if not puzzle or not draws:
+        return "-"
+    return f"{sum(d / puzzle for d in draws) / len(draws):.2f}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

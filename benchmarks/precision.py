@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from puzzle.cost.analytic import model_active_params, model_weight_bytes
+from puzzle.cost.analytic import block_weight_bytes, model_active_params, model_weight_bytes
 from puzzle.cost.hardware import get_hardware
 from puzzle.cost.roofline import max_batch_at_speed, model_performance
 from puzzle.files import atomic_write_bytes
@@ -248,6 +248,7 @@ def evaluate(
         "parent": {
             "blocks": [b.short_name() for b in bench.spec.blocks],
             "weight_bytes": model_weight_bytes(bench.spec, "bf16"),
+            "outside_fraction": outside_fraction(bench.spec),
             "throughput": throughput.parent,
         },
         "speed": throughput.speed,
@@ -255,6 +256,12 @@ def evaluate(
         "variants": sum(1 for r in bench.library.results.values() if r.status != "parent"),
         "bld": bld_by_format(bench.library),
     }
+
+
+def outside_fraction(spec: ModelSpec) -> float:
+    """The share of the bf16 bytes outside the blocks (embeddings, lm_head, final norm): no format covers it."""
+    blocks = sum(block_weight_bytes(b, spec.hidden_size, "bf16") for b in spec.blocks)
+    return 1 - blocks / model_weight_bytes(spec, "bf16")
 
 
 def bld_by_format(library: Any) -> dict[str, dict[str, int]]:
@@ -321,7 +328,8 @@ def verdicts(data: dict[str, Any]) -> list[str]:
     return lines
 
 
-def markdown(data: dict[str, Any]) -> str:
+def markdown(data: dict[str, Any], others: Sequence[Path] = ()) -> str:
+    """The document of `data`; `others`: the pages of the same comparison on other parents, linked."""
     meta = data["meta"]
     lines = [
         "# Shape and weight format searched together",
@@ -337,6 +345,16 @@ def markdown(data: dict[str, Any]) -> str:
         f"no search saw; GKD: the run's settings ({meta['gkd_tokens']:,} tokens), once per GKD seed. Wall time "
         f"{meta['seconds'] / 60:.0f} min on {meta['machine']}.",
         "",
+        *(
+            [
+                "Other parents: "
+                + ", ".join(f"[{o.stem.removeprefix('RESULTS-')}]({o.name})" for o in others)
+                + ".",
+                "",
+            ]
+            if others
+            else []
+        ),
         "Weight memory: every stored tensor, each block's matmul weights in its format (fp8: E4M3 with one "
         "fp32 scale per output channel; nvfp4: E2M1 in blocks of 16 with an E4M3 scale each and one fp32 "
         "scale per tensor), embeddings, norms, routers and 1-D tensors in bf16, as a fraction of the bf16 "
@@ -386,13 +404,17 @@ def markdown(data: dict[str, Any]) -> str:
         "",
         "## Caveats",
         "",
-        "- One parent and one parent seed: the GKD-seed intervals say nothing of how another parent would "
-        "rank the methods.",
-        "- The parent is tiny (hidden 128): its embeddings are ~10% of the bf16 bytes and stay bf16, so no "
-        "format alone reaches 35%; on Nemotron-3-Super the blocks are ~98% of the bytes.",
+        "- One seed of this parent: the GKD-seed intervals say nothing of how another parent would rank the "
+        "methods (the other parents' pages are listed above).",
+        f"- The parent is tiny: {data['parent']['outside_fraction']:.0%} of its bf16 bytes lie outside the "
+        "blocks (embeddings, lm_head) and stay bf16, so no format alone reaches 35%; on Nemotron-3-Super the "
+        "blocks hold ~98% of the bytes.",
+        "- The budget bounds weight memory only, where a format is far cheaper in KL than a shape: the "
+        "shape-only bf16 search is the pipeline as it was, not a strong baseline. The strong ones are the "
+        "fp8 shape search and uniform nvfp4.",
         "- The throughput figures come from the cost model (roofline on a B200 profile), not a measurement. "
-        "On a parent this small a request's KV cache at 72k tokens of context (~18 MiB for the one attention "
-        "block) outweighs all the weights (~1.2 MiB), so the decode step, and with it the batch at a fixed "
+        "On a parent this small a request's KV cache at 72k tokens of context (tens of MiB) outweighs all the "
+        "weights (about 1 MiB), so the decode step, and with it the batch at a fixed "
         "speed, is set by the attention and SSM state: weight formats barely move it (1.00x) and removing "
         "the attention block moves it by orders of magnitude. At Super's size the weights are ~64 GB per "
         "replica and formats move throughput (`puzzle costs --user-speed`, issue 25 section 6).",
@@ -425,10 +447,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = "precision" if default and not args.smoke else f"precision-{tag}"
     output = args.output or HERE / "results" / ("quick/precision.json" if args.smoke else f"{name}.json")
     doc = args.doc or (None if args.smoke else ROOT / "docs" / f"RESULTS-{name}.md")
+    others = sorted(p for p in (ROOT / "docs").glob("RESULTS-precision-*.md") if doc is None or p != doc)
+    others = others if doc is not None and doc.name == "RESULTS-precision.md" else []
     if args.render:
         data = json.loads(output.read_text())
         if doc is not None:
-            atomic_write_bytes(doc, markdown(data).encode())
+            atomic_write_bytes(doc, markdown(data, others).encode())
             print(f"wrote {doc}")
         return 0
     torch.set_num_threads(args.threads)
@@ -457,7 +481,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     atomic_write_bytes(output, (json.dumps(data, indent=2, default=str) + "\n").encode())
     print(f"wrote {output}")
     if doc is not None:
-        atomic_write_bytes(doc, markdown(data).encode())
+        atomic_write_bytes(doc, markdown(data, others).encode())
         print(f"wrote {doc}")
     print("\n".join(verdicts(data)))
     return 0

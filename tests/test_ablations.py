@@ -460,3 +460,14 @@ def test_the_search_options_against_the_mip_and_refilled_greedy(fine):
         assert len(f[name]["greedy_ratio_after"]) == 1
     text = ablations.additivity_markdown(result, {"parent": "tiny", "command": "x", "seconds": 1.0})
     assert "| rerank |" in text and "| greedy |" in text
+
+
+def test_the_replication_verdicts_mark_only_margins_beyond_the_noise_in_every_seed():
+    beyond = {"ratio": 1.5, "low": 1.2, "high": 1.8}
+    within = {"ratio": 1.1, "low": 0.9, "high": 1.3}
+    below = {"ratio": 0.6, "low": 0.5, "high": 0.7}
+    assert ablations._verdict([beyond, beyond]) == "1.50 +"
+    assert ablations._verdict([beyond, within]) == "1.30 ~"  # one seed within the noise: no claim
+    assert ablations._verdict([below, below]) == "0.60 -"
+    assert ablations._verdict([beyond, below]) == "1.05 ~"  # the seeds disagree
+    assert ablations._verdict([]) == "-"
