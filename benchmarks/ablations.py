@@ -1,4 +1,4 @@
-"""Ablations: Puzzle against the alternatives at equal budget on the demo parents -> docs/RESULTS.md.
+"""Ablations: Puzzle against the alternatives at equal budget on the demo parents -> docs/RESULTS*.md.
 
     python benchmarks/ablations.py              # the quick parent (seed 0), fine grid, four levels, 2 GKD seeds
     python benchmarks/ablations.py --parent deep --parent-seed 0   # the 20-block parent, the same work
@@ -51,7 +51,8 @@ of `--gkd` methods are then distilled by the run's own GKD settings (`puzzle.gkd
 seed, and measured again on the test split. The summed replace-one-block KL the search predicts is set
 against the KL measured on the scoring held-out of every BLD-assembled child (Spearman rank correlation,
 numpy ranks; pooled and within each level). Output: the JSON (benchmarks/results/ablations.json), the table
-per level and the plot (docs/RESULTS.md, docs/results_kl.png).
+per level and the plot (docs/RESULTS-quick.md, docs/results_kl.png); `--replicate` writes every parent's under
+benchmarks/results/replicate/, which docs/RESULTS.md summarises.
 """
 
 from __future__ import annotations
@@ -829,7 +830,7 @@ def markdown(
     text; the plot is linked relative to `doc_path`'s folder). Defaults: the default run's files."""
     json_path = json_path or HERE / "results" / "ablations.json"
     plot_path = plot_path or ROOT / "docs" / "results_kl.png"
-    doc_path = doc_path or ROOT / "docs" / "RESULTS.md"
+    doc_path = doc_path or ROOT / "docs" / "RESULTS-quick.md"
     link = os.path.relpath(Path(plot_path).absolute(), Path(doc_path).absolute().parent)
     rows, meta, summary = data["rows"], data["meta"], data["summary"]
     parent_arch = " ".join(compact(b) for b in data["parent"]["blocks"])
@@ -1413,7 +1414,9 @@ REPLICATE = (("quick", 0), ("quick", 1), ("quick", 2), ("deep", 0))
 REPLICATE_LEVELS = LEVELS
 REPLICATE_GKD = ("puzzle", "homogeneous", "greedy", "random", "mip_lm_loss")
 REPLICATE_RANDOM = 2
-REPLICATE_HOURS = 1.5  # --replicate, one process on 2 cores (a parent at a time); see results/replicate/
+REPLICATE_HOURS = (
+    1.0  # one parent at a time on 2 cores (not timed: two at a time took 21 min + a 4.5 min pass)
+)
 
 
 def parent_spec(name: str) -> ModelSpec:
@@ -1869,7 +1872,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--cache", type=Path, help="the demo parent's cache (default puzzle.demo.parent's)")
     parser.add_argument("--output", type=Path, help="the JSON (default benchmarks/results/ablations.json)")
-    parser.add_argument("--doc", type=Path, help="the Markdown (default docs/RESULTS.md; none with --quick)")
+    parser.add_argument(
+        "--doc", type=Path, help="the Markdown (default docs/RESULTS-quick.md; none with --quick)"
+    )
     parser.add_argument("--plot", type=Path, help="the PNG (default docs/results_kl.png; none with --quick)")
     parser.add_argument(
         "--speedup",
@@ -1920,7 +1925,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     if parent == "full" and args.output is None:
         setup.output = results / "ablations-full.json"
-    setup.doc = args.doc or (ROOT / "docs" / "RESULTS.md" if default_run else None)
+    setup.doc = args.doc or (ROOT / "docs" / "RESULTS-quick.md" if default_run else None)
     setup.png = args.plot or (ROOT / "docs" / "results_kl.png" if default_run else None)
 
     if args.render:

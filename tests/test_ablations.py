@@ -449,7 +449,9 @@ def test_the_search_options_against_the_mip_and_refilled_greedy(fine):
     assert f["context"]["record"]["context"]["rounds"]
     assert f["children"] >= 3 and len(f["spearman_children"]) == f["children"]
     children = f["spearman_children"]
-    closed = _closed_form_spearman([c["predicted_kl"] for c in children], [c["measured_kl"] for c in children])
+    closed = _closed_form_spearman(
+        [c["predicted_kl"] for c in children], [c["measured_kl"] for c in children]
+    )
     assert math.isclose(f["spearman_within"], closed, abs_tol=1e-12)
     for name in ("mip", "rerank", "context"):
         assert set(f[name]["goals"]) == {
