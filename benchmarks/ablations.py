@@ -1451,6 +1451,8 @@ def run_size(base: DemoSize, spec: ModelSpec, grid: str) -> DemoSize:
 
 OPTIONS = {"mip": {}, "rerank": {"rerank": 5}, "context": {"context_rounds": 2}}
 OPTIONS["both"] = {**OPTIONS["rerank"], **OPTIONS["context"]}
+# Scores in context within a trust region: at most two blocks change from the child per round.
+OPTIONS["trust"] = {"context_rounds": 3, "context_changes": 2}
 
 
 def _solution_arch(run: Run, label: str, entry: dict[str, Any]) -> Arch:

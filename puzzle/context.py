@@ -14,7 +14,8 @@ own choice scores exactly 0 in every block, and the objective's constant is D(ch
 scores predicts D(child) + sum_i score(i, v_i), exact for any architecture that differs from the child in
 at most one block, a first-order expansion around the child for the others. `puzzle.Run` repeats
 (`search.context_rounds`) until the choice repeats or the rounds run out, and keeps the round whose child
-measured lowest (see `best_round`).
+measured lowest (see `best_round`). `search.context_changes` bounds how many blocks a round may change
+(`limit_changes`: a trust region around the child, where the expansion holds).
 """
 
 from __future__ import annotations
@@ -22,8 +23,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
+
 from puzzle.score import Scores, VariantScore
-from puzzle.search.run_dir import RunCandidates, _damage
+from puzzle.search.limits import Limit
+from puzzle.search.run_dir import RunCandidates, RunProblem, _damage
 from puzzle.search.types import SearchError, Solution
 from puzzle.spec import Variant
 
@@ -80,6 +84,25 @@ def context_candidates(
         values.append([ceiling if v == float("inf") else v for v in kept_values])
         variants.append(kept)
     return RunCandidates(candidates.parent, variants, values, notes), base
+
+
+CHANGED = "changed_blocks"  # the trust region's cost column: 1 for a variant other than the child's own
+
+
+def limit_changes(problem: RunProblem, own: list[Variant], most: int) -> RunProblem:
+    """`problem` (a round's, over scores in context) with at most `most` blocks changed from the child: a
+    trust region. The scores in context are exact for one change and a first-order expansion for several;
+    a re-solve free to change every block adds up many upgrades as if each were alone, and overshoots."""
+    table = problem.table
+    mine = {(v.block_index, v.spec) for v in own}
+    changed = [
+        0.0 if (block, spec) in mine else 1.0
+        for block, specs in enumerate(problem.candidates.variants)
+        for spec in specs
+    ]
+    table.costs[CHANGED] = np.asarray(changed, dtype=np.float64)
+    problem.problem.limits.append(Limit(CHANGED, upper=float(most)))
+    return problem
 
 
 def best_round(rounds: list[dict[str, Any]]) -> int:

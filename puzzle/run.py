@@ -857,6 +857,8 @@ class Run:
             inputs.update(held_out=self._held_out_key(), scoring=to_dict(self.config.scoring))
         else:  # off: the inputs of the runs made before the key existed
             inputs["search"].pop("context_rounds")
+        if not search_settings.context_changes:  # likewise
+            inputs["search"].pop("context_changes")
         self._prepare()  # the calibration is stored in the checked run directory
         if dist.is_main():
             self.cost_model()  # rank 0 measures and stores this machine's calibration once, if absent
@@ -1025,7 +1027,13 @@ class Run:
         The kept architecture is the round whose child measured lowest (`puzzle.context.best_round`), with
         its predicted damage as its objective; the other solutions (`search.solutions`) stay as the first
         search found them (one equal to the kept one is dropped)."""
-        from puzzle.context import best_round, child_variants, context_candidates, context_damage
+        from puzzle.context import (
+            best_round,
+            child_variants,
+            context_candidates,
+            context_damage,
+            limit_changes,
+        )
 
         settings = self.config.search
         if not settings.context_rounds or not found:
@@ -1044,6 +1052,8 @@ class Run:
             rescored, base = context_candidates(candidates, scores.variants, own, settings.objective)
             rounds[-1]["measured"] = base
             round_problem = self._problem(budgets, candidates=rescored)
+            if settings.context_changes:
+                limit_changes(round_problem, own, settings.context_changes)
             solved = _search_on_main(round_problem, settings.solver)
             solution = dataclasses.replace(solved, objective=base + solved.objective)
             rounds.append(

@@ -616,6 +616,52 @@ def test_scores_in_context_rescore_the_child_and_keep_the_best_measured(finished
     print("\ncontext rounds:", json.dumps(rounds, indent=1))
 
 
+def test_a_trust_region_changes_at_most_k_blocks_and_predicts_one_change_exactly(finished, tmp_path):
+    """search.context_changes: 1 bounds each round to one block changed from the previous child, where the
+    scores in context are exact: the round's prediction is the measured KL of its child."""
+    run_dir, _ = finished
+    copied = tmp_path / "run"
+    shutil.copytree(run_dir, copied)
+    data = config_dict(run_dir.parent, run_dir=str(copied))
+    data["search"].update(context_rounds=1, context_changes=1)
+    config = write_config(tmp_path / "run.yaml", data)
+    assert _run(config, "--until", "solutions") == 0
+    name = "active_params-le-0.8x"
+    rounds = json.loads((copied / "run.json").read_text())["stages"]["solutions"]["outputs"][name]["context"][
+        "rounds"
+    ]
+    first, second = rounds[0]["choices"], rounds[1]["choices"]
+    changed = [block for block in first if first[block] != second[block]]
+    assert len(changed) <= 1
+    if changed:  # one block away from the child it was scored in: exact, to float noise
+        assert rounds[1]["predicted"] == pytest.approx(rounds[1]["measured"], rel=1e-5, abs=1e-7)
+
+    # The bounded search is the best architecture within the budget and k changes: brute force over all.
+    import itertools
+
+    import numpy as np
+
+    from puzzle.context import child_variants, limit_changes
+    from puzzle.search import search
+    from puzzle.search.mip import feasible_choices, resolve_limits
+
+    pipeline = Run.from_config(config)
+    expected = json.loads((run_dir / "solutions" / f"{name}.json").read_text())
+    plain = pipeline._problem(["active_params<=0.8x"])
+    own = child_variants(Solution.from_json(expected, plain.table), plain.candidates)
+    for most in (1, 2):
+        problem = limit_changes(pipeline._problem(["active_params<=0.9x"]), own, most)
+        table, limits, rules = problem.table, problem.problem.limits, problem.problem.rules
+        found = search(table, limits, rules)
+        sizes = np.diff(table.offsets)
+        every = np.array(list(itertools.product(*(range(n) for n in sizes))))
+        ok = feasible_choices(table, every, resolve_limits(table, limits), rules)
+        scores = table.score[table.offsets[:-1][None, :] + every].sum(axis=1)
+        assert found.objective == pytest.approx(scores[ok].min(), rel=1e-9, abs=1e-12)
+        own_rows = [problem.candidates.variants[v.block_index].index(v.spec) for v in own]
+        assert sum(a != b for a, b in zip(found.choices, own_rows)) <= most
+
+
 @pytest.mark.slow
 def test_scores_in_context_under_two_gloo_processes_match_one(finished, tmp_path):
     """search.context_rounds under `torchrun --nproc-per-node 2` (scoring sharded with FSDP, the child too):

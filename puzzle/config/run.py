@@ -230,6 +230,13 @@ class SearchConfig:
             "the choice repeats; the best measured round's architecture is kept. 0: off."
         ),
     )
+    context_changes: int = field(
+        default=0,
+        metadata=doc(
+            "Scores in context: at most this many blocks change from the child in each round (a trust region: "
+            "the rescored values are exact for one change, a first-order expansion for several). 0: no bound."
+        ),
+    )
     shared_state_size: bool = field(
         default=True, metadata=doc("One SSM state size for every Mamba block (serving engines need it).")
     )
@@ -249,6 +256,7 @@ class SearchConfig:
         _at_least(self, "min_diff", 1)
         _at_least(self, "rerank", 0)
         _at_least(self, "context_rounds", 0)
+        _at_least(self, "context_changes", 0)
         if self.min_diff > 1 and self.solutions == 1 and self.rerank <= 1:
             raise ConfigError("needs solutions > 1 or rerank > 1 (it spaces the solutions apart)", "min_diff")
         if self.sweep is not None and self.solutions > 1:
