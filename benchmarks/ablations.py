@@ -2,7 +2,7 @@
 
     python benchmarks/ablations.py              # the quick parent (seed 0), fine grid, four levels, 2 GKD seeds
     python benchmarks/ablations.py --parent deep --parent-seed 0   # the 20-block parent, the same work
-    python benchmarks/ablations.py --additivity # search.rerank / context_rounds at 40% on the 20-block parent
+    python benchmarks/ablations.py --additivity # rerank / context rounds / trust region at 40%, 20-block parent
     python benchmarks/ablations.py --replicate  # the full replication (REPLICATE_HOURS; results/replicate/)
     python benchmarks/ablations.py --full       # the full demo parent
     python benchmarks/ablations.py --quick      # CI-sized smoke run (tiny tokens, two levels, 2 seeds)
@@ -1470,10 +1470,11 @@ def additivity(
     draws: int = 5,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """`search.rerank` and `search.context_rounds` at `level` against the plain MIP and the refilled greedy
-    (issue 24, section 1). Each option runs the pipeline's solutions stage over `run`'s scores (`config`: the
-    run's config data; the earlier stages reused); every child is measured on the scoring held-out (prediction) and the test split (report),
-    and distilled once per GKD seed. The goals: within-level Spearman of predicted vs measured KL >= 0.8, the
+    """The search options (OPTIONS: `search.rerank`, `search.context_rounds`, both, and the trust region
+    `context_changes`) at `level` against the plain MIP and the refilled greedy (issue 24, section 1). Each
+    option runs the pipeline's solutions stage over `run`'s scores (`config`: the run's config data; the
+    earlier stages reused); every child is measured on the scoring held-out (prediction) and the test split
+    (report), and distilled once per GKD seed. The goals: within-level Spearman of predicted vs measured KL >= 0.8, the
     chosen child's measured KL within 1.5x of its prediction, Puzzle beating the refilled greedy beyond the
     noise (paired 95% interval above 1) after GKD in every seed."""
     bench = Bench(run, init_scores=False, test_tokens=test_tokens)
