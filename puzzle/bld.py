@@ -415,15 +415,20 @@ def _load_checkpoint(directory: Path, wave: _Wave, inputs: Mapping[str, str]) ->
     for data in record["results"]:
         result = VariantResult.from_dict(data)
         wave.results[result.variant] = result
-    for variant, mixer in wave.mixers.items():
-        if wave.results[variant].status != "trained":
-            wave.optimizers.pop(variant, None)
-            continue
-        prefix = f"{variant_key(variant)}/param/"
-        current = mixer.state_dict()
-        state = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-        mixer.load_state_dict({k: shard.like(v, current[k]) if k in current else v for k, v in state.items()})
-        load_optimizer_tensors(wave.optimizers[variant], tensors, f"{variant_key(variant)}/adam/")
+    with tensors:  # read lazily: each rank only the rows of its shards of each mixer and its AdamW moments
+        for variant, mixer in wave.mixers.items():
+            if wave.results[variant].status != "trained":
+                wave.optimizers.pop(variant, None)
+                continue
+            prefix = f"{variant_key(variant)}/param/"
+            current = mixer.state_dict()
+            names = [key[len(prefix) :] for key in tensors if key.startswith(prefix)]
+            state = {
+                k: tensors.like(prefix + k, current[k]) if k in current else tensors[prefix + k]
+                for k in names
+            }
+            mixer.load_state_dict(state)  # strict: a name missing or unexpected is an error naming it
+            load_optimizer_tensors(wave.optimizers[variant], tensors, f"{variant_key(variant)}/adam/")
     return True
 
 

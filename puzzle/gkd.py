@@ -45,7 +45,8 @@ With "none" the models are replicated and the gradients all-reduced.
 
 Resume: every `checkpoint_every` steps the student's weights, AdamW state, step, tokens, data position,
 RNG state, history and best evaluation (with its weights, where they are not the current ones) are written
-atomically under `<directory>/gkd-checkpoints/` (full tensors, rank 0);
+atomically under `<directory>/gkd-checkpoints/` (full tensors, rank 0; read back lazily on resume, each rank
+only the rows of its shards, `puzzle.resume.CheckpointTensors`);
 a killed run restarted with the same inputs continues from the last one and produces the same losses and
 final weights as an uninterrupted run. The output goes through `puzzle.artifacts` (stage "gkd"):
 ``student.safetensors`` (the student's `state_dict()`, full tensors; a tied lm_head is stored once, as
@@ -63,7 +64,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,6 +105,7 @@ from puzzle.nemotron_h.stream import stream_state
 from puzzle.nemotron_h.weights import SINGLE_FILE
 from puzzle.progress import progress_bar
 from puzzle.resume import (
+    CheckpointTensors,
     announce_resume,
     load_optimizer_tensors,
     optimizer_tensors,
@@ -206,24 +208,27 @@ def _state_to_save(model: HybridLM) -> dict[str, torch.Tensor]:
     return state
 
 
-def _load_state(model: HybridLM, tensors: Mapping[str, torch.Tensor], source: str) -> None:
-    """Load full tensors into `model` (into this rank's shards where it is sharded)."""
+def _load_state(model: HybridLM, tensors: CheckpointTensors, prefix: str) -> None:
+    """Load the checkpoint's `prefix` tensors into `model`: where it is sharded, each rank reads only the rows
+    of its shards (`CheckpointTensors.local`), one tensor at a time; names and shapes are checked first."""
     current = model.state_dict()
     expected = set(current) - ({"lm_head.weight"} if _tied(model) else set())
-    if set(tensors) != expected:
-        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+    names = {key[len(prefix) :] for key in tensors if key.startswith(prefix)}
+    if names != expected:
+        missing, extra = sorted(expected - names), sorted(names - expected)
         raise ArtifactError(
-            f"{source}: tensors do not match the student (missing {missing}, unexpected {extra})"
+            f"{tensors.path}: tensors do not match the student (missing {missing}, unexpected {extra})"
         )
-    for name, value in tensors.items():
-        if tuple(value.shape) != tuple(current[name].shape):
+    for name in sorted(names):
+        shape = tensors.shape(prefix + name)
+        if shape != tuple(current[name].shape):
             raise ArtifactError(
-                f"{source}: tensor {name!r} has shape {list(value.shape)}, the student's is {list(current[name].shape)}"
+                f"{tensors.path}: tensor {name!r} has shape {list(shape)}, the student's is {list(current[name].shape)}"
             )
-    if shard.mode_of(model) is not None:  # whole tensors for a sharded model: counted while they live
-        for value in tensors.values():
-            gathers.track(value)
-    model.load_state_dict({k: shard.like(v, current[k]) for k, v in tensors.items()}, strict=False)
+    with torch.no_grad():  # one tensor at a time, copied into this rank's part of the student's
+        for name in sorted(names):
+            target = _local(current[name])
+            target.copy_(tensors.local(prefix + name, current[name]).to(target.dtype))
 
 
 def _load_file(model: HybridLM, path: Path) -> None:
@@ -665,28 +670,36 @@ def _load_checkpoint(
     found = read_checkpoint(_checkpoint_dir(directory), "checkpoint.json", inputs)
     if found is None:
         return None
-    record, tensors, path = found
-    params = {k[len("param/") :]: v for k, v in tensors.items() if k.startswith("param/")}
-    _load_state(student, params, str(path))
-    load_optimizer_tensors(optimizer, tensors, "adam/")
-    torch.set_rng_state(tensors["rng/cpu"])
-    if "rng/cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensors["rng/cuda"])
-    state = _State(int(record["step"]), int(record["tokens"]), record["position"], record["history"])
-    state.best_step, state.best_kl = int(record["best"]["step"]), float(record["best"]["kl"])
-    if settings.keep_best:
-        best = {k[len("best/") :]: v for k, v in tensors.items() if k.startswith("best/")}
-        if best:  # the best evaluation's weights, laid out (sharded) as the student's
-            current = student.state_dict()
-            _check_names(best, params, str(path))
-            best = {k: shard.like(v, current[k]) for k, v in best.items()}
-            state.best_weights = {k: _local(v).detach().to("cpu", copy=True) for k, v in best.items()}
-        else:  # the checkpoint was written at the best evaluation's step
-            state.best_weights = _snapshot(student)
+    record, tensors, _ = found
+    with tensors:  # read lazily: each rank only the rows of its shards
+        _load_state(student, tensors, "param/")
+        load_optimizer_tensors(optimizer, tensors, "adam/")
+        torch.set_rng_state(tensors["rng/cpu"])
+        if "rng/cuda" in tensors and torch.cuda.is_available():
+            torch.cuda.set_rng_state(tensors["rng/cuda"])
+        state = _State(int(record["step"]), int(record["tokens"]), record["position"], record["history"])
+        state.best_step, state.best_kl = int(record["best"]["step"]), float(record["best"]["kl"])
+        if settings.keep_best:
+            state.best_weights = _best_weights(student, tensors)
     return state
 
 
-def _check_names(best: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor], source: str) -> None:
+def _best_weights(student: HybridLM, tensors: CheckpointTensors) -> dict[str, torch.Tensor]:
+    """The checkpoint's best evaluation's weights as a `_snapshot` (this rank's shards, on the host, each rank
+    reading only its rows), or the student's own when the checkpoint was written at the best step."""
+    best = {key[len("best/") :] for key in tensors if key.startswith("best/")}
+    if not best:  # the checkpoint was written at the best evaluation's step
+        return _snapshot(student)
+    params = {key[len("param/") :] for key in tensors if key.startswith("param/")}
+    _check_names(best, params, str(tensors.path))
+    current = student.state_dict()
+    return {
+        k: tensors.local(f"best/{k}", current[k], "the student").to("cpu", current[k].dtype, copy=True)
+        for k in sorted(best)
+    }
+
+
+def _check_names(best: Collection[str], params: Collection[str], source: str) -> None:
     if set(best) != set(params):
         raise ArtifactError(
             f"{source}: the best checkpoint's tensors are not the student's "

@@ -28,9 +28,10 @@ from gkd_helpers import (
     train_split,
 )
 from gloo_helpers import gloo_rank, spawn_ranks
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
+from puzzle.artifacts import ArtifactError
 from puzzle.gkd import (
     CHECKPOINT_DIR,
     HISTORY_FILE,
@@ -288,6 +289,46 @@ def test_the_best_evaluation_survives_a_resume(setup, tmp_path):
     )
     for name, value in expected.items():
         assert torch.equal(got[name], value), name
+
+
+@pytest.mark.parametrize(
+    ("tamper", "message"),
+    [
+        (
+            "rename",
+            r"tensors do not match the student \(missing \['norm_f\.weight'\], unexpected \['norm_g\.weight'\]\)",
+        ),
+        ("reshape", r"tensor 'norm_f\.weight' has shape \[3\], the student's is \[\d+\]"),
+        ("reshape_best", r"tensor 'best/norm_f\.weight' has shape \[3\], the student's is \[\d+\]"),
+    ],
+)
+def test_a_checkpoint_that_does_not_fit_the_student_is_an_error_naming_the_file_and_tensor(
+    setup, tmp_path, tamper, message
+):
+    """A checkpoint whose tensors are not the student's (a name, a shape; also the best weights') stops the
+    resume with an error naming the tensors file and the tensor, before anything is loaded."""
+    parent, child = load_setup(setup)
+    run = settings(steps=6, eval_every=2, checkpoint_every=3)
+
+    def crash(step: int, record: dict) -> None:
+        if step == 4:
+            raise _Crash
+
+    with pytest.raises(_Crash):
+        distill(child, parent, train_split(), held_out(), run, tmp_path / "gkd", callback=crash)
+    folder = tmp_path / "gkd" / CHECKPOINT_DIR
+    path = folder / json.loads((folder / "checkpoint.json").read_text())["tensors"]
+    tensors = load_file(str(path))
+    assert "best/norm_f.weight" in tensors  # the step-2 weights, kept apart at step 3
+    if tamper == "rename":
+        tensors["param/norm_g.weight"] = tensors.pop("param/norm_f.weight")
+    else:
+        tensors[f"{'best' if tamper == 'reshape_best' else 'param'}/norm_f.weight"] = torch.ones(3)
+    save_file(tensors, str(path))
+    parent, child = load_setup(setup)
+    with pytest.raises(ArtifactError, match=message) as error:
+        distill(child, parent, train_split(), held_out(), run, tmp_path / "gkd")
+    assert str(path) in str(error.value)
 
 
 def test_early_stopping_ends_the_run_after_the_patience_and_keeps_the_best(setup, tmp_path):

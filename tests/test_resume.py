@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from puzzle.resume import load_optimizer_tensors, optimizer_tensors, read_checkpoint, write_checkpoint
@@ -58,3 +59,29 @@ def test_adamw_state_round_trips_and_the_next_step_matches(tmp_path):
         opt.step()
     for a, b in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(a, b)
+
+
+def test_checkpoint_tensors_are_read_when_asked_for_and_whole_for_a_plain_destination(tmp_path):
+    """`read_checkpoint` reads no tensor; each is read (through the sharded loader's observer) when asked for,
+    whole into a plain destination (one process); a destination of another shape is an error naming the
+    file and the tensor."""
+    from puzzle.artifacts import ArtifactError
+    from puzzle.nemotron_h import sharded
+
+    saved = {"w": torch.arange(6.0).reshape(3, 2), "v": torch.ones(4)}
+    write_checkpoint(tmp_path, "ckpt.json", "s.safetensors", saved, {"inputs": INPUTS})
+    read = []
+    sharded.read_observer = lambda file, key, tensor: read.append((file.name, key, tuple(tensor.shape)))
+    try:
+        _, tensors, path = read_checkpoint(tmp_path, "ckpt.json", INPUTS)
+        with tensors:
+            assert sorted(tensors) == ["v", "w"] and tensors.shape("w") == (3, 2) and read == []
+            assert torch.equal(tensors.like("w", torch.zeros(3, 2)), saved["w"])
+            assert read == [("s.safetensors", "w", (3, 2))]
+            with pytest.raises(
+                ArtifactError, match=r"s\.safetensors: tensor 'v' has shape \[4\], the x's is \[5\]"
+            ):
+                tensors.like("v", torch.zeros(5), "the x")
+    finally:
+        sharded.read_observer = None
+    assert str(path).endswith("s.safetensors")

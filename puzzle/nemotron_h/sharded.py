@@ -175,6 +175,36 @@ def load_sharded(
     return model.eval()
 
 
+def read_local(handle: Any, file: Path, key: str, reference: torch.Tensor) -> torch.Tensor:
+    """This rank's part of tensor `key` of the open safetensors `file` (`open_safetensors`), for a
+    destination laid out as `reference`: the rows it holds of a DTensor sharded on dim 0 (`get_slice`,
+    memory-mapped: the other rows are never read), the whole tensor otherwise (a plain or replicated
+    `reference`), as stored (no cast). Local: no collective. `read_observer` sees the read."""
+    rows = _rows(reference)
+    if rows is not None and rows[0] >= rows[1]:  # this rank holds none of it (the last shards of a short one)
+        shape = tuple(handle.get_slice(key).get_shape())
+        return torch.empty((0, *shape[1:]), dtype=reference.dtype)
+    source = TensorSource(file, key, tuple(reference.shape), "")
+    return _read(handle, source, None if rows is None else (slice(*rows),))
+
+
+def read_like(handle: Any, file: Path, key: str, reference: torch.Tensor) -> torch.Tensor:
+    """Tensor `key` of the open safetensors `file` laid out as `reference`, reading only what this rank
+    holds (`read_local`): a DTensor of `reference`'s mesh, placements, dtype and device made of this rank's
+    rows when `reference` is one (no collective), the whole tensor as stored otherwise."""
+    local = read_local(handle, file, key, reference)
+    if not isinstance(reference, DTensor):
+        return local
+    return DTensor.from_local(
+        local.to(device=reference.device, dtype=reference.dtype),
+        reference.device_mesh,
+        reference.placements,
+        run_check=False,
+        shape=reference.shape,
+        stride=reference.stride(),
+    )
+
+
 def fill_from_file(model: torch.nn.Module, file: Path, names: Iterable[str]) -> None:
     """Copy into the state-dict tensors `names` of `model` their values from the safetensors `file`, which
     names its tensors as the state dict does (e.g. GKD's output), in place.
@@ -188,11 +218,7 @@ def fill_from_file(model: torch.nn.Module, file: Path, names: Iterable[str]) -> 
     with open_safetensors(file) as handle:
         for name in names:
             tensor = state[name]
-            rows = _rows(tensor)
-            if rows is not None and rows[0] >= rows[1]:
-                continue  # this rank holds none of it
-            source = TensorSource(file, name, tuple(tensor.shape), "")
-            value = _read(handle, source, None if rows is None else (slice(*rows),))
+            value = read_local(handle, file, name, tensor)  # empty where this rank holds none of it
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
             with torch.no_grad():
                 local.copy_(value.to(local.dtype))
