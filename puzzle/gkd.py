@@ -600,20 +600,8 @@ def _restore(student: HybridLM, snapshot: Mapping[str, torch.Tensor]) -> None:
 def _snapshot_as_student(student: HybridLM, snapshot: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A `_snapshot`'s tensors laid out as the student's: DTensors over this rank's shards where the student is
     sharded (no collective here: `puzzle.resume.write_checkpoint` gathers them one at a time)."""
-    state, laid_out = student.state_dict(), {}
-    for name, value in snapshot.items():
-        reference = state[name]
-        if isinstance(reference, DTensor):
-            value = DTensor.from_local(
-                value.to(device=reference.device, dtype=reference.dtype),
-                reference.device_mesh,
-                reference.placements,
-                run_check=False,
-                shape=reference.shape,
-                stride=reference.stride(),
-            )
-        laid_out[name] = value
-    return laid_out
+    state = student.state_dict()
+    return {name: shard.local_like(value, state[name]) for name, value in snapshot.items()}
 
 
 def _note_evaluation(state: _State, student: HybridLM, settings: GKDSettings) -> None:

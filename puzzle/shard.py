@@ -232,6 +232,22 @@ def like(value: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
     return value
 
 
+def local_like(local: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """This rank's part `local` of a tensor laid out as `reference`: a DTensor of `reference`'s mesh,
+    placements, shape, dtype and device when `reference` is one (no collective: `local` must be this rank's
+    shard), `local` itself otherwise."""
+    if not isinstance(reference, DTensor):
+        return local
+    return DTensor.from_local(
+        local.to(device=reference.device, dtype=reference.dtype),
+        reference.device_mesh,
+        reference.placements,
+        run_check=False,
+        shape=reference.shape,
+        stride=reference.stride(),
+    )
+
+
 def local_numel(module: nn.Module) -> int:
     """Parameter elements this rank holds (its shard of each DTensor), for memory checks."""
     return sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel() for p in module.parameters())

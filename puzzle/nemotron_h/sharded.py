@@ -31,7 +31,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from puzzle import dist
+from puzzle import dist, shard
 from puzzle.model import HybridLM
 from puzzle.nemotron_h.config import CheckpointError
 from puzzle.nemotron_h.weights import (
@@ -192,17 +192,7 @@ def read_like(handle: Any, file: Path, key: str, reference: torch.Tensor) -> tor
     """Tensor `key` of the open safetensors `file` laid out as `reference`, reading only what this rank
     holds (`read_local`): a DTensor of `reference`'s mesh, placements, dtype and device made of this rank's
     rows when `reference` is one (no collective), the whole tensor as stored otherwise."""
-    local = read_local(handle, file, key, reference)
-    if not isinstance(reference, DTensor):
-        return local
-    return DTensor.from_local(
-        local.to(device=reference.device, dtype=reference.dtype),
-        reference.device_mesh,
-        reference.placements,
-        run_check=False,
-        shape=reference.shape,
-        stride=reference.stride(),
-    )
+    return shard.local_like(read_local(handle, file, key, reference), reference)
 
 
 def fill_from_file(model: torch.nn.Module, file: Path, names: Iterable[str]) -> None:
