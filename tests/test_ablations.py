@@ -5,53 +5,22 @@ the plot are written, and the numpy Spearman matches the closed form."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import math
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from ablation_helpers import benchmark_module, tiny_parent, tiny_size
 
-from puzzle.demo.corpus import stdlib_root
-from puzzle.demo.parent import TrainSettings, demo_parent
-from puzzle.presets.demo import demo_spec
 from puzzle.spec import MambaSpec, MoESpec
 
-ROOT = Path(__file__).resolve().parents[1]
-TINY_PARENT = TrainSettings(seq_len=32, batch_size=4, steps=25, lr=1e-2, warmup_steps=3, held_out_sequences=4)
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("ablations", ROOT / "benchmarks" / "ablations.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ablations"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-ablations = _module()
+ablations = benchmark_module("ablations")
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     root = tmp_path_factory.mktemp("ablations")
-    parent = demo_parent(
-        root / "cache",
-        progress=False,
-        spec=demo_spec("ME*E", 32, num_experts=4, top_k=2, num_heads=4),
-        settings=TINY_PARENT,
-        corpus_root=stdlib_root() / "email",
-    )
-    size = dataclasses.replace(
-        ablations.SMOKE,
-        seq_len=32,
-        held_out_tokens=512,
-        importance_tokens=256,
-        bld_tokens=512,
-        gkd_tokens=256,
-    )
-    run = ablations.prepare(parent, size, root / "run")
+    run = ablations.prepare(tiny_parent(root), tiny_size(ablations), root / "run")
     data = ablations.ablate(run, levels=(0.6,), gkd_methods=("puzzle",), seeds=2, log=lambda _: None)
     return data, run, root
 
@@ -307,21 +276,9 @@ def fine(tmp_path_factory):
     """A tiny parent over a fine grid (two steps per axis), two levels, two GKD seeds, a test split and
     total-parameter budgets."""
     root = tmp_path_factory.mktemp("fine")
-    parent = demo_parent(
-        root / "cache",
-        progress=False,
-        spec=demo_spec("ME*E", 32, num_experts=4, top_k=2, num_heads=4),
-        settings=TINY_PARENT,
-        corpus_root=stdlib_root() / "email",
-    )
-    size = dataclasses.replace(
-        ablations.SMOKE,
-        seq_len=32,
-        held_out_tokens=512,
-        importance_tokens=256,
-        bld_tokens=256,
-        gkd_tokens=128,
-        space=stats.fine_space(parent.model.spec, (0.75, 0.5)),
+    parent = tiny_parent(root)
+    size = tiny_size(
+        ablations, bld_tokens=256, gkd_tokens=128, space=stats.fine_space(parent.model.spec, (0.75, 0.5))
     )
     run, config = ablations.prepare_config(parent, size, root / "run")
     data = ablations.ablate(

@@ -4,55 +4,20 @@ paired ratios are the ratios of the measured means, and the report names every m
 
 from __future__ import annotations
 
-import dataclasses
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
+from ablation_helpers import benchmark_module, tiny_parent, tiny_size
 
-from puzzle.demo.corpus import stdlib_root
-from puzzle.demo.parent import TrainSettings, demo_parent
-from puzzle.presets.demo import demo_spec
-
-ROOT = Path(__file__).resolve().parents[1]
-TINY_PARENT = TrainSettings(seq_len=32, batch_size=4, steps=25, lr=1e-2, warmup_steps=3, held_out_sequences=4)
-
-
-def _module(name: str):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
-ablations = _module("ablations")
-precision = _module("precision")
+ablations = benchmark_module("ablations")
+precision = benchmark_module("precision")
 
 
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     root = tmp_path_factory.mktemp("precision")
-    parent = demo_parent(
-        root / "cache",
-        progress=False,
-        spec=demo_spec("ME*E", 32, num_experts=4, top_k=2, num_heads=4),
-        settings=TINY_PARENT,
-        corpus_root=stdlib_root() / "email",
-    )
-    size = dataclasses.replace(
-        ablations.SMOKE,
-        seq_len=32,
-        held_out_tokens=512,
-        importance_tokens=256,
-        bld_tokens=512,
-        gkd_tokens=256,
-        space=precision.precision_space(ablations.SPACE),
-    )
-    run = ablations.prepare(parent, size, root / "run")
+    size = tiny_size(ablations, space=precision.precision_space(ablations.SPACE))
+    run = ablations.prepare(tiny_parent(root), size, root / "run")
     data = precision.evaluate(run, levels=(0.6,), gkd_seeds=1, test_tokens=256, log=lambda _: None)
     return data, run
 
