@@ -327,6 +327,49 @@ class Problem:
                 return _arch(choices[hits[0]].tolist(), self.candidates)
         return None
 
+    def random_walk(self, seed: int, steps: int = 10_000) -> Arch | None:
+        """A random architecture at the budget: from the parent (one shared state size drawn at random), random
+        one-block downgrades until it fits, then random one-block upgrades while it still fits. Unlike
+        `random`'s uniform draw, which rarely fits a deep parent at high compression, every walk ends just
+        under the budget, anywhere in the space: a ranking test for predictors that favours none of them."""
+        rng = np.random.default_rng(seed)
+        table, cost = self.table, self.table.cost(self.budget)
+        states = sorted({v for v in self.table.attrs.get("state_size", []) if v is not None}) or [None]
+        allowed = self._allowed(states[int(rng.integers(len(states)))])
+        rows = [
+            np.flatnonzero(allowed[table.offsets[b] : table.offsets[b + 1]]) for b in range(table.num_blocks)
+        ]
+        if any(not len(r) for r in rows):
+            return None
+        current = [int(r[0]) for r in rows]
+        for _ in range(steps):
+            if self.feasible(np.array([current]))[0]:
+                break
+            b = int(rng.integers(table.num_blocks))
+            here = cost[table.offsets[b] + current[b]]
+            cheaper = [int(v) for v in rows[b] if cost[table.offsets[b] + v] < here]
+            if cheaper:
+                current[b] = cheaper[int(rng.integers(len(cheaper)))]
+        else:
+            return None
+        while True:  # upgrades in random order, the first that still fits each time
+            swaps = [
+                (b, int(v))
+                for b in range(table.num_blocks)
+                for v in rows[b]
+                if cost[table.offsets[b] + v] > cost[table.offsets[b] + current[b]]
+            ]
+            if not swaps:
+                break
+            order = rng.permutation(len(swaps))
+            trials = np.array([current] * len(swaps))
+            trials[np.arange(len(swaps)), [swaps[i][0] for i in order]] = [swaps[i][1] for i in order]
+            fits = np.flatnonzero(self.feasible(trials))
+            if not len(fits):
+                break
+            current = trials[fits[0]].tolist()
+        return _arch(current, self.candidates)
+
     def homogeneous(self, noop: bool = True) -> tuple[Arch | None, int]:
         """The least predicted KL among one-shape-per-kind architectures that meet the budget, and how many
         such architectures there are; without `noop`, no kind is removed (width pruning only)."""
@@ -1468,6 +1511,7 @@ def additivity(
     gkd_seeds: int = 2,
     test_tokens: int = 8192,
     draws: int = 5,
+    walks: int = 20,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """The search options (OPTIONS: `search.rerank`, `search.context_rounds`, both, and the trust region
@@ -1481,10 +1525,12 @@ def additivity(
     problem = Problem(run, bench.kl, level)
     children: dict[str, tuple[Arch, float | None, dict[str, Any] | None]] = {}
     ranked: list[tuple[float, Arch]] = []  # rerank's candidates: (predicted, arch)
+    staged_runs: dict[str, tuple[Run, str]] = {}
     for option in options:
         staged = Run(run.layout.root, load_config_data(_option_config(config, level, OPTIONS[option])))
         outputs = staged.record("solutions")
         label, entry = next(iter(outputs.items()))
+        staged_runs[option] = (staged, label)
         arch = _solution_arch(staged, label, entry)
         children[option] = (
             arch,
@@ -1526,21 +1572,42 @@ def additivity(
         )
     # More children at this level for the Spearman, measured before GKD only: uniform pruning, the MIP on
     # LM-loss scores, random architectures (a wider band: at high compression on a deep parent a draw within
-    # RANDOM_BAND of the budget is rare).
-    others = [problem.homogeneous()[0], Problem(run, bench.lm, level).mip()]
-    others += [problem.random(seed, rounds=20, band=0.15) for seed in range(draws)]
-    ranked += [(bench.predicted(arch, bench.kl_of), arch) for arch in others if arch is not None]
-    pairs: dict[Arch, tuple[float, float]] = {}
-    for predicted, arch in ranked + [
-        (bench.predicted(c[0], bench.kl_of), c[0]) for c in children.values() if c[0] is not None
-    ]:
-        pairs[arch] = (predicted, bench.measure(arch, "bld")["scoring"]["kl"])
-    figures["spearman_within"] = spearman([p for p, _ in pairs.values()], [m for _, m in pairs.values()])
-    figures["children"] = len(pairs)
-    figures["spearman_children"] = [
-        {"predicted_kl": p, "measured_kl": m, "blocks": [b.short_name() for b in arch]}
-        for arch, (p, m) in sorted(pairs.items(), key=lambda item: item[1])
-    ]
+    # RANDOM_BAND of the budget is rare) and `walks` random walks to the budget (`Problem.random_walk`).
+    origin: dict[Arch, str] = {}  # each child's group: the searches' (near the optimum), baselines, walks
+    for arch in [a for _, a in ranked] + [c[0] for c in children.values() if c[0] is not None]:
+        origin.setdefault(arch, "search")
+    baselines = [problem.homogeneous()[0], Problem(run, bench.lm, level).mip()]
+    baselines += [problem.random(seed, rounds=20, band=0.15) for seed in range(draws)]
+    for group, archs in (("baseline", baselines), ("walk", [problem.random_walk(s) for s in range(walks)])):
+        for arch in archs:
+            if arch is not None:
+                origin.setdefault(arch, group)
+    archs = list(origin)
+    measured = [bench.measure(arch, "bld")["scoring"]["kl"] for arch in archs]
+    # Three predictors of the same children: the summed replace-one-block scores (in the parent), and the
+    # first-order expansion around a searched child (`predict_in_context`: every candidate scored in that
+    # child's context), around the plain MIP's child and around the last option's (the trust region's).
+    predictors = {"sum": [bench.predicted(arch, bench.kl_of) for arch in archs]}
+    for name in dict.fromkeys(["mip", options[-1]]):
+        center = children.get(name, (None,))[0]
+        if center is not None:
+            predictors[f"around {name}"] = _predict_around(staged_runs[name], center, archs, bench)
+    figures["spearman_within"] = spearman(predictors["sum"], measured)
+    figures["children"] = len(archs)
+    figures["rankings"] = rankings(predictors, measured, [origin[a] for a in archs])
+    figures["spearman_children"] = sorted(
+        (
+            {
+                "group": origin[arch],
+                "measured_kl": measured[i],
+                "predicted_kl": predictors["sum"][i],
+                "predicted": {name: values[i] for name, values in predictors.items()},
+                "blocks": [b.short_name() for b in arch],
+            }
+            for i, arch in enumerate(archs)
+        ),
+        key=lambda r: (r["measured_kl"], r["predicted_kl"]),
+    )
     greedy = figures.get("greedy", {})
     for name in options:
         mine = figures[name]
@@ -1561,11 +1628,81 @@ def additivity(
     return {"level": level, "options": list(options), "gkd_seeds": gkd_seeds, "figures": figures}
 
 
+def rankings(
+    predictors: dict[str, Sequence[float]], measured: Sequence[float], groups: Sequence[str]
+) -> dict[str, dict[str, Any]]:
+    """How well each predictor ranks the measured KL, over all children and within each group: the Spearman
+    (None below 3 children), and the pick: the measured KL of the child it predicts lowest over the lowest
+    measured (1.0: it finds the best child)."""
+    out: dict[str, dict[str, Any]] = {}
+    for group in ["all", *dict.fromkeys(groups)]:
+        rows = [i for i, g in enumerate(groups) if group in ("all", g)]
+        best = min(measured[i] for i in rows)
+        out[group] = {"children": len(rows)}
+        for name, values in predictors.items():
+            picked = min(rows, key=lambda i: values[i])
+            out[group][name] = {
+                "spearman": spearman([values[i] for i in rows], [measured[i] for i in rows])
+                if len(rows) >= 3
+                else None,
+                "pick": measured[picked] / best if best > 0 else math.nan,
+            }
+    return out
+
+
+def _predict_around(staged: tuple[Run, str], center: Arch, archs: list[Arch], bench: Bench) -> list[float]:
+    """Each of `archs`' KL predicted around the child `center` (`puzzle.context.predict_in_context`), from
+    every candidate scored in that child's context (one scoring pass, cached in the run directory)."""
+    from puzzle.context import predict_in_context
+
+    run, label = staged
+    wanted = [Variant(b, spec) for b, specs in enumerate(bench.kl.variants) for spec in specs]
+    own = [Variant(b, spec) for b, spec in enumerate(center)]
+    scores = run.scores_in_context(label, own, wanted).variants
+    return [
+        predict_in_context(scores, own, [Variant(b, spec) for b, spec in enumerate(arch)], "kl")
+        for arch in archs
+    ]
+
+
 def _option_config(config: dict[str, Any], level: float, search: dict[str, Any]) -> dict[str, Any]:
     """The run's config data with the solutions stage's search at `level` and the option's settings."""
     data = dict(config)
     data["search"] = {"sweep": f"active_params<={level}x", "objective": "kl", **search}
     return data
+
+
+GROUPS = {
+    "all": "all children",
+    "search": "the searches' (MIP, its k best, context rounds, trust region, greedy)",
+    "baseline": "uniform pruning, LM-loss MIP, random draws",
+    "walk": "random walks to the budget",
+}
+
+
+def rankings_table(rankings: dict[str, dict[str, Any]] | None) -> list[str]:
+    """The predictors' Spearman and pick per group of children (`rankings`), as Markdown lines."""
+    if not rankings:
+        return []
+    names = [k for k in rankings["all"] if k != "children"]
+    lines = [
+        "How each predictor ranks the children's measured KL: Spearman, and in brackets the measured KL of the "
+        "child it predicts lowest over the lowest measured (1.00: it finds the best). *sum*: the summed "
+        "replace-one-block scores, what the MIP solves; *around X*: the first-order expansion around X's "
+        "child, every candidate scored in that child's context (`puzzle.context.predict_in_context`).",
+        "",
+        "| children | n | " + " | ".join(names) + " |",
+        "|---|---:|" + "---:|" * len(names),
+    ]
+    for group, entry in rankings.items():
+        cells = [
+            f"{_fmt(entry[n]['spearman'], 2)} [{entry[n]['pick']:.2f}]"
+            if entry[n]["spearman"] is not None
+            else f"- [{entry[n]['pick']:.2f}]"
+            for n in names
+        ]
+        lines.append(f"| {GROUPS.get(group, group)} | {entry['children']} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def additivity_markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
@@ -1581,6 +1718,7 @@ def additivity_markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
         f"Within-level Spearman of predicted (summed replace-one-block) vs measured KL over {f['children']} "
         f"distinct children at this level: **{_fmt(f['spearman_within'], 3)}** (goal >= 0.8). {meta['seconds']:.0f} s.",
         "",
+        *rankings_table(f.get("rankings")),
         "| search | active | predicted KL | measured KL | measured / predicted (goal <= 1.5) | test KL | "
         "after GKD, per seed | greedy / this after GKD, per seed (95%) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",

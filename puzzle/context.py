@@ -86,6 +86,33 @@ def context_candidates(
     return RunCandidates(candidates.parent, variants, values, notes), base
 
 
+def predict_in_context(
+    scores: Mapping[Variant, VariantScore], own: list[Variant], other: list[Variant], objective: str
+) -> float:
+    """The damage of the architecture `other` (a Variant per block) predicted around the child `own` from
+    `scores` in the child's context: D(child) + sum over the blocks where `other` differs of
+    D(child with that block := other's) - D(child). Exact where `other` differs in at most one block; the
+    same first-order expansion a round of scores in context solves on, for any architecture (the search's
+    own prediction, and a ranking of other children at the child's size; see benchmarks/ablations.py
+    --additivity). SearchError for a changed block with no finite score in context."""
+    base = context_damage(Scores(dict(scores), 0, 0.0), own, objective)
+    if len(other) != len(own):
+        raise SearchError(f"the architecture has {len(other)} blocks; the child in context has {len(own)}")
+    total = base
+    for mine, theirs in zip(own, other):
+        if theirs == mine:
+            continue
+        record = scores.get(theirs)
+        value = None if record is None or record.failed else _damage(objective, record)
+        if value is None:
+            reason = "none recorded" if record is None else record.failed or f"no {objective}"
+            raise SearchError(
+                f"block {theirs.block_index} variant {theirs.id} has no score in context ({reason})"
+            )
+        total += value - base
+    return total
+
+
 CHANGED = "changed_blocks"  # the trust region's cost column: 1 for a variant other than the child's own
 
 

@@ -1083,7 +1083,7 @@ class Run:
     def _context_scores(
         self,
         name: str,
-        number: int,
+        number: int | str,
         parent: HybridLM,
         library: Library,
         own: list[Variant],
@@ -1099,6 +1099,15 @@ class Run:
         )
         out = self.layout.solutions / "context" / name / f"{what}-{number}"
         return self._score(parent, library, wanted, out, context=child, context_fp=context_fp)
+
+    def scores_in_context(self, name: str, own: list[Variant], wanted: list[Variant]) -> Scores:
+        """`wanted` scored in the child whose blocks are `own` (a collective; cached, like the rounds, under
+        solutions/context/{name}/predict-{the child's fingerprint}/, one folder per child): what
+        `puzzle.context.predict_in_context` ranks other architectures from, around a child the search chose."""
+        parent = self.parent(self.config.scoring.shard)
+        library = read_library(self.layout.library)
+        child = fingerprint_json([v.to_dict() for v in own])[:12]
+        return self._context_scores(name, child, parent, library, own, wanted, "predict")
 
     def _solution_json(self, name: str) -> dict[str, Any]:
         return json.loads(self.layout.solution(name).read_text())

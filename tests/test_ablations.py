@@ -395,12 +395,20 @@ def test_the_search_options_against_the_mip_and_refilled_greedy(fine):
         gkd_seeds=1,
         test_tokens=512,
         draws=3,
+        walks=4,
         log=lambda _: None,
     )
     f = result["figures"]
     bench = ablations.Bench(run, init_scores=False)
     mip = ablations.Problem(run, bench.kl, 0.6).mip()
     assert f["mip"]["blocks"] == [b.short_name() for b in mip]
+    # The expansion around a child predicts that child exactly (its own KL in its context is its measured).
+    for name in ("mip", "context"):
+        own = next(c for c in f["spearman_children"] if c["blocks"] == f[name]["blocks"])
+        assert own["predicted"][f"around {name}"] == pytest.approx(own["measured_kl"], rel=1e-5, abs=1e-7)
+    assert {"all", "search", "walk"} <= set(f["rankings"])
+    assert f["rankings"]["all"]["children"] == f["children"]
+    assert f["rankings"]["all"]["sum"]["spearman"] == pytest.approx(f["spearman_within"])
     assert f["rerank"]["measured_kl"] <= f["mip"]["measured_kl"] + 1e-9
     assert f["rerank"]["record"]["rerank"]["candidates"]
     assert f["context"]["record"]["context"]["rounds"]
@@ -419,6 +427,46 @@ def test_the_search_options_against_the_mip_and_refilled_greedy(fine):
         assert len(f[name]["greedy_ratio_after"]) == 1
     text = ablations.additivity_markdown(result, {"parent": "tiny", "command": "x", "seconds": 1.0})
     assert "| rerank |" in text and "| greedy |" in text
+
+
+def test_random_walks_end_at_the_budget_with_no_upgrade_left_that_fits(fine):
+    """Each walk meets the budget and the rules, no single-block upgrade of it still fits (it ends just under
+    the budget), the same seed walks the same way, and different seeds reach different architectures."""
+    _, run, _ = fine
+    bench = ablations.Bench(run, init_scores=False)
+    problem = ablations.Problem(run, bench.kl, 0.6)
+    table, cost = problem.table, problem.table.cost("active_params")
+    walks = [problem.random_walk(seed) for seed in range(6)]
+    assert all(w is not None for w in walks) and len(set(walks)) >= 3
+    assert problem.random_walk(0) == walks[0]
+    rows = {(b, spec): j for b, specs in enumerate(bench.kl.variants) for j, spec in enumerate(specs)}
+    states = table.attrs.get("state_size", [None] * table.num_variants)
+    for walk in walks:
+        choices = [rows[(b, spec)] for b, spec in enumerate(walk)]
+        assert problem.feasible(np.array([choices]))[0]
+        # The walk keeps the one state size it drew: upgrades within it.
+        drawn = {states[table.offsets[b] + c] for b, c in enumerate(choices)} - {None}
+        for b in range(table.num_blocks):
+            for j in range(table.offsets[b + 1] - table.offsets[b]):
+                row = table.offsets[b] + j
+                if cost[row] > cost[table.offsets[b] + choices[b]] and (
+                    states[row] is None or {states[row]} >= drawn
+                ):
+                    trial = list(choices)
+                    trial[b] = j
+                    assert not problem.feasible(np.array([trial]))[0], (b, j)
+
+
+def test_rankings_give_each_predictors_spearman_and_pick_per_group():
+    measured = [1.0, 2.0, 3.0, 4.0, 5.0]
+    groups = ["near", "near", "near", "far", "far"]
+    predictors = {"right": [0.1, 0.2, 0.3, 0.4, 0.5], "wrong": [0.5, 0.4, 0.3, 0.2, 0.1]}
+    out = ablations.rankings(predictors, measured, groups)
+    assert out["all"]["children"] == 5 and out["near"]["children"] == 3 and out["far"]["children"] == 2
+    assert out["all"]["right"] == {"spearman": pytest.approx(1.0), "pick": 1.0}
+    assert out["all"]["wrong"] == {"spearman": pytest.approx(-1.0), "pick": 5.0}  # picks the worst child
+    assert out["near"]["wrong"]["pick"] == 3.0 and out["far"]["right"]["spearman"] is None
+    assert out["far"]["wrong"]["pick"] == 5.0 / 4.0
 
 
 def test_the_replication_verdicts_mark_only_margins_beyond_the_noise_in_every_seed():

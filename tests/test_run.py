@@ -662,6 +662,61 @@ def test_a_trust_region_changes_at_most_k_blocks_and_predicts_one_change_exactly
         assert sum(a != b for a, b in zip(found.choices, own_rows)) <= most
 
 
+def test_predictions_around_a_child_are_exact_for_it_and_one_block_away(finished, tmp_path):
+    """Run.scores_in_context scores every candidate in a searched child (cached in the run directory) and
+    puzzle.context.predict_in_context predicts from them: the child itself and a child one block away exactly
+    (their measured KL, another code path), two blocks away the sum of both changes."""
+    from puzzle.assemble import assemble, measured_kl
+    from puzzle.context import child_variants, predict_in_context
+    from puzzle.library import read_library
+    from puzzle.search import SearchError
+    from puzzle.spec import Variant
+
+    run_dir, _ = finished
+    copied = tmp_path / "run"
+    shutil.copytree(run_dir, copied)
+    config = write_config(tmp_path / "run.yaml", config_dict(run_dir.parent, run_dir=str(copied)))
+    pipeline = Run.from_config(config)
+    name = "active_params-le-0.8x"
+    problem = pipeline._problem(["active_params<=0.8x"])
+    expected = json.loads((run_dir / "solutions" / f"{name}.json").read_text())
+    own = child_variants(Solution.from_json(expected, problem.table), problem.candidates)
+    wanted = [Variant(b, spec) for b, specs in enumerate(problem.candidates.variants) for spec in specs]
+    scores = pipeline.scores_in_context(name, own, wanted).variants
+    assert len(list((copied / "solutions" / "context" / name).glob("predict-*"))) == 1
+    parent, library = pipeline.parent(), read_library(copied / "library")
+
+    def measured(variants: list[Variant]) -> float:
+        child = assemble(
+            {v.block_index: v for v in variants}, library, parent, parent_fp=pipeline.parent_fingerprint()
+        )
+        return measured_kl(child, parent, pipeline.held_out_batches(), 16)["kl"]
+
+    base = predict_in_context(scores, own, own, "kl")
+    assert base == pytest.approx(measured(own), rel=1e-5, abs=1e-7)
+    changes = [
+        Variant(b, spec)
+        for b, specs in enumerate(problem.candidates.variants)
+        for spec in specs
+        if Variant(b, spec) not in own
+    ]
+    first = changes[0]
+    second = next(v for v in changes if v.block_index != first.block_index)
+    one = [first if v.block_index == first.block_index else v for v in own]
+    assert predict_in_context(scores, own, one, "kl") == pytest.approx(measured(one), rel=1e-5, abs=1e-7)
+    two = [second if v.block_index == second.block_index else v for v in one]
+    each = [
+        predict_in_context(scores, own, [c if v.block_index == c.block_index else v for v in own], "kl")
+        for c in (first, second)
+    ]
+    assert predict_in_context(scores, own, two, "kl") == pytest.approx(each[0] + each[1] - base)
+    with pytest.raises(SearchError, match="blocks"):
+        predict_in_context(scores, own, two[:-1], "kl")
+    # Cached: scoring again in the same child reads the records back.
+    again = pipeline.scores_in_context(name, own, wanted).variants
+    assert all(again[v].kl == scores[v].kl for v in wanted)
+
+
 @pytest.mark.slow
 def test_scores_in_context_under_two_gloo_processes_match_one(finished, tmp_path):
     """search.context_rounds under `torchrun --nproc-per-node 2` (scoring sharded with FSDP, the child too):
