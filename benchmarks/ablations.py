@@ -2,7 +2,8 @@
 
     python benchmarks/ablations.py              # the quick parent (seed 0), fine grid, four levels, 2 GKD seeds
     python benchmarks/ablations.py --parent deep --parent-seed 0   # the 20-block parent, the same work
-    python benchmarks/ablations.py --additivity # rerank / context rounds / trust region at 40%, 20-block parent
+    python benchmarks/ablations.py --additivity # rerank / context rounds / trust region at 40%, 20-block parent;
+                                                # predictors' rankings (random walks), short-GKD re-ranking
     python benchmarks/ablations.py --replicate  # the full replication (REPLICATE_HOURS; results/replicate/)
     python benchmarks/ablations.py --full       # the full demo parent
     python benchmarks/ablations.py --quick      # CI-sized smoke run (tiny tokens, two levels, 2 seeds)
@@ -582,6 +583,32 @@ class Bench:
         record["after_seeds"] = [done[seed] for seed in seeds]
         record["gkd"] = done[seeds[0]]["gkd"]
         return record
+
+    def short_gkd(self, arch: Arch, name: str, fraction: float) -> float:
+        """The child's KL on the scoring held-out after a short GKD (`fraction` of the run's token budget, at
+        least one optimiser step, the first GKD seed; cached on disk by `distill` and here): what a search could measure of each
+        candidate before choosing, to predict its KL after the full GKD."""
+        from puzzle.gkd import distill
+
+        record = self.measure(arch, "bld")
+        if fraction not in record.setdefault("short_gkd", {}):
+            child = self.child(arch, "bld")
+            settings = self.run.config.gkd
+            step = settings.batch_size * self.run.config.data.seq_len  # at least one optimiser step
+            if settings.token_budget is not None:
+                settings = dataclasses.replace(
+                    settings, token_budget=max(step, int(settings.token_budget * fraction))
+                )
+            if settings.steps is not None:
+                settings = dataclasses.replace(settings, steps=max(1, int(settings.steps * fraction)))
+            directory = self.run.layout.root / "ablations" / "gkd-short" / f"{name}-{fraction:g}"
+            result = distill(child, self.parent, self.run.data.train, self.held_out, settings, directory)
+            chunk = self.run.config.scoring.vocab_chunk
+            record["short_gkd"][fraction] = {
+                "kl": measured_kl(child.eval(), self.parent, self.held_out, chunk)["kl"],
+                "tokens": result.tokens,
+            }
+        return record["short_gkd"][fraction]["kl"]
 
     def predicted_speedup(self, spec: ModelSpec) -> float:
         """The cost model's decode step time of the parent over that of `spec` (the run's decode scenario)."""
@@ -1512,6 +1539,7 @@ def additivity(
     test_tokens: int = 8192,
     draws: int = 5,
     walks: int = 20,
+    short_gkd: float = 0.25,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """The search options (OPTIONS: `search.rerank`, `search.context_rounds`, both, and the trust region
@@ -1608,6 +1636,9 @@ def additivity(
         ),
         key=lambda r: (r["measured_kl"], r["predicted_kl"]),
     )
+    if short_gkd:
+        searched = [arch for arch in archs if origin[arch] == "search"]
+        figures["gkd_rerank"] = gkd_rerank(bench, searched, level, seeds, short_gkd, children.get("greedy"))
     greedy = figures.get("greedy", {})
     for name in options:
         mine = figures[name]
@@ -1626,6 +1657,52 @@ def additivity(
             "beats_greedy_every_seed": all(r["low"] > 1 for r in mine["greedy_ratio_after"]),
         }
     return {"level": level, "options": list(options), "gkd_seeds": gkd_seeds, "figures": figures}
+
+
+def gkd_rerank(
+    bench: Bench,
+    archs: list[Arch],
+    level: float,
+    seeds: Sequence[int],
+    fraction: float,
+    greedy: tuple[Arch | None, Any, Any] | None,
+) -> dict[str, Any]:
+    """Would a search that re-ranks its candidates by a short GKD pick better? Over the searches' children
+    (`archs`): each one's KL before GKD and after a short GKD (`fraction` of the tokens, on the scoring
+    held-out: what a search could measure), against the full GKD's test KL (mean over `seeds`). Spearman of
+    each against the full GKD's, and the child each would pick, as its full-GKD KL over the best child's and
+    over refilled greedy's (paired 95% per seed)."""
+    before = [bench.measure(arch, "bld")["scoring"]["kl"] for arch in archs]
+    short = [bench.short_gkd(arch, f"additivity-{level:.2f}-{i}", fraction) for i, arch in enumerate(archs)]
+    after = [
+        bench.distil(arch, "bld", f"additivity-{level:.2f}-search-{i}", seeds)["after_seeds"]
+        for i, arch in enumerate(archs)
+    ]
+    full = [statistics.mean(a["kl"] for a in seeds_after) for seeds_after in after]
+    best = min(full)
+    out: dict[str, Any] = {
+        "children": len(archs),
+        "fraction": fraction,
+        "tokens": {  # per child: the short GKD's and the full GKD's (first seed)
+            "short": [bench.measure(arch, "bld")["short_gkd"][fraction]["tokens"] for arch in archs],
+            "full": [seeds_after[0]["gkd"]["tokens"] for seeds_after in after],
+        },
+    }
+    for name, values in (("before", before), ("short_gkd", short)):
+        picked = min(range(len(archs)), key=lambda i: values[i])
+        entry: dict[str, Any] = {
+            "spearman": spearman(values, full) if len(archs) >= 3 else None,
+            "pick": full[picked] / best,
+            "blocks": [b.short_name() for b in archs[picked]],
+        }
+        if greedy is not None and greedy[0] is not None:
+            mine = after[picked]
+            theirs = bench.distil(greedy[0], "bld", f"additivity-{level:.2f}-greedy", seeds)["after_seeds"]
+            entry["greedy_ratio_after"] = [
+                paired_ratio(g["kl_batches"], m["kl_batches"]) for g, m in zip(theirs, mine)
+            ]
+        out[name] = entry
+    return out
 
 
 def rankings(
@@ -1705,6 +1782,25 @@ def rankings_table(rankings: dict[str, dict[str, Any]] | None) -> list[str]:
     return [*lines, ""]
 
 
+def gkd_rerank_text(study: dict[str, Any] | None) -> list[str]:
+    """`gkd_rerank`'s figures as Markdown lines."""
+    if not study:
+        return []
+    lines = [
+        f"Re-ranking the searches' {study['children']} children by their KL before GKD or after a short GKD "
+        f"({study['fraction']:g} of the tokens, on the scoring held-out), against their test KL after the full "
+        "GKD (mean of the seeds):",
+        "",
+        "| ranked by | Spearman with after GKD | pick's after GKD / best | refilled greedy / pick, after GKD, per seed (95%) |",
+        "|---|---:|---:|---|",
+    ]
+    for name, label in (("before", "KL before GKD"), ("short_gkd", "KL after the short GKD")):
+        r = study[name]
+        ratios = "; ".join(_ratio_text(x) for x in r.get("greedy_ratio_after", [])) or "-"
+        lines.append(f"| {label} | {_fmt(r['spearman'], 2)} | {r['pick']:.2f} | {ratios} |")
+    return [*lines, ""]
+
+
 def additivity_markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
     """The additivity figures as a short Markdown page."""
     f = result["figures"]
@@ -1719,6 +1815,7 @@ def additivity_markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
         f"distinct children at this level: **{_fmt(f['spearman_within'], 3)}** (goal >= 0.8). {meta['seconds']:.0f} s.",
         "",
         *rankings_table(f.get("rankings")),
+        *gkd_rerank_text(f.get("gkd_rerank")),
         "| search | active | predicted KL | measured KL | measured / predicted (goal <= 1.5) | test KL | "
         "after GKD, per seed | greedy / this after GKD, per seed (95%) |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",

@@ -409,6 +409,14 @@ def test_the_search_options_against_the_mip_and_refilled_greedy(fine):
     assert {"all", "search", "walk"} <= set(f["rankings"])
     assert f["rankings"]["all"]["children"] == f["children"]
     assert f["rankings"]["all"]["sum"]["spearman"] == pytest.approx(f["spearman_within"])
+    # The short-GKD re-ranking study: every searched child got a quarter of the GKD tokens, then the full GKD.
+    study = f["gkd_rerank"]
+    assert study["children"] == f["rankings"]["search"]["children"] and study["fraction"] == 0.25
+    for ranked_by in ("before", "short_gkd"):
+        assert study[ranked_by]["pick"] >= 1.0 and len(study[ranked_by]["greedy_ratio_after"]) == 1
+    tokens = study["tokens"]
+    # At least one optimiser step, never more than the full GKD (here the full GKD is one step).
+    assert all(0 < short <= full for short, full in zip(tokens["short"], tokens["full"], strict=True)), tokens
     assert f["rerank"]["measured_kl"] <= f["mip"]["measured_kl"] + 1e-9
     assert f["rerank"]["record"]["rerank"]["candidates"]
     assert f["context"]["record"]["context"]["rounds"]
