@@ -712,9 +712,12 @@ def test_predictions_around_a_child_are_exact_for_it_and_one_block_away(finished
     assert predict_in_context(scores, own, two, "kl") == pytest.approx(each[0] + each[1] - base)
     with pytest.raises(SearchError, match="blocks"):
         predict_in_context(scores, own, two[:-1], "kl")
-    # Cached: scoring again in the same child reads the records back.
+    # Cached: scoring again in the same child reads the records back and writes nothing.
+    folder = next((copied / "solutions" / "context" / name).glob("predict-*"))
+    written = {path: path.stat().st_mtime_ns for path in folder.rglob("*") if path.is_file()}
     again = pipeline.scores_in_context(name, own, wanted).variants
     assert all(again[v].kl == scores[v].kl for v in wanted)
+    assert {path: path.stat().st_mtime_ns for path in folder.rglob("*") if path.is_file()} == written
 
 
 @pytest.mark.slow
