@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -36,11 +37,25 @@ def gloo_rank(rank: int, world: int, port: int) -> Iterator[None]:
     assert dist.init_from_env() is True
     try:
         yield
+        # Both ranks leave together: a rank that tears gloo down while its peer still has messages in flight
+        # can abort the peer ("terminate called without an active exception"). A failed body skips it (the
+        # spawn then stops the other rank).
+        torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
+
+
+def _run_then_exit(rank: int, worker: Callable[..., None], *args: object) -> None:
+    """`worker(rank, *args)`, then the process ends at once with status 0: no interpreter teardown, where
+    gloo's and FSDP's C++ objects were seen to abort a rank that had finished its work (an exception still
+    reaches `mp.spawn` as a failure)."""
+    worker(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_ranks(worker: Callable[..., None], *args: object, world: int = 2) -> None:
     """`worker(rank, world, port, *args)` in `world` fresh processes, waited for; a rank that fails fails the
     caller. `worker` must be importable by name (a module-level function of a test module or helper)."""
-    mp.spawn(worker, args=(world, free_port(), *args), nprocs=world, join=True)
+    mp.spawn(_run_then_exit, args=(worker, world, free_port(), *args), nprocs=world, join=True)
