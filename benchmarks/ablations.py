@@ -298,15 +298,21 @@ class Problem:
                         continue
                     added = cost[row] - cost[here]
                     swaps.append((-math.inf if added <= 0 else -gain / added, b, int(row - table.offsets[b])))
-            if not swaps:
-                return current
             swaps.sort()
-            trials = np.array([current] * len(swaps))
-            trials[np.arange(len(swaps)), [b for _, b, _ in swaps]] = [v for _, _, v in swaps]
-            fits = np.flatnonzero(self.feasible(trials))
-            if not len(fits):
+            upgraded = self._first_fit(current, [(b, v) for _, b, v in swaps])
+            if upgraded is None:
                 return current
-            current = trials[fits[0]].tolist()
+            current = upgraded
+
+    def _first_fit(self, current: list[int], swaps: Sequence[tuple[int, int]]) -> list[int] | None:
+        """`current` with the first of `swaps` ((block, variant), in order) whose architecture still meets the
+        limits and rules; None when none does (or there are none)."""
+        if not swaps:
+            return None
+        trials = np.array([current] * len(swaps))
+        trials[np.arange(len(swaps)), [b for b, _ in swaps]] = [v for _, v in swaps]
+        fits = np.flatnonzero(self.feasible(trials))
+        return trials[fits[0]].tolist() if len(fits) else None
 
     def random(
         self, seed: int, draws: int = 20_000, rounds: int = 100, band: float = RANDOM_BAND
@@ -360,16 +366,10 @@ class Problem:
                 for v in rows[b]
                 if cost[table.offsets[b] + v] > cost[table.offsets[b] + current[b]]
             ]
-            if not swaps:
-                break
-            order = rng.permutation(len(swaps))
-            trials = np.array([current] * len(swaps))
-            trials[np.arange(len(swaps)), [swaps[i][0] for i in order]] = [swaps[i][1] for i in order]
-            fits = np.flatnonzero(self.feasible(trials))
-            if not len(fits):
-                break
-            current = trials[fits[0]].tolist()
-        return _arch(current, self.candidates)
+            upgraded = self._first_fit(current, [swaps[i] for i in rng.permutation(len(swaps))])
+            if upgraded is None:
+                return _arch(current, self.candidates)
+            current = upgraded
 
     def homogeneous(self, noop: bool = True) -> tuple[Arch | None, int]:
         """The least predicted KL among one-shape-per-kind architectures that meet the budget, and how many
@@ -584,10 +584,11 @@ class Bench:
         record["gkd"] = done[seeds[0]]["gkd"]
         return record
 
-    def short_gkd(self, arch: Arch, name: str, fraction: float) -> float:
-        """The child's KL on the scoring held-out after a short GKD (`fraction` of the run's token budget, at
-        least one optimiser step, the first GKD seed; cached on disk by `distill` and here): what a search could measure of each
-        candidate before choosing, to predict its KL after the full GKD."""
+    def short_gkd(self, arch: Arch, name: str, fraction: float) -> dict[str, Any]:
+        """{"kl", "tokens"}: the child's KL on the scoring held-out after a short GKD, and the tokens it trained
+        on (`fraction` of the run's token budget, at least one optimiser step, the first GKD seed; cached on
+        disk by `distill` and here): what a search could measure of each candidate before choosing, to predict
+        its KL after the full GKD."""
         from puzzle.gkd import distill
 
         record = self.measure(arch, "bld")
@@ -608,7 +609,7 @@ class Bench:
                 "kl": measured_kl(child.eval(), self.parent, self.held_out, chunk)["kl"],
                 "tokens": result.tokens,
             }
-        return record["short_gkd"][fraction]["kl"]
+        return record["short_gkd"][fraction]
 
     def predicted_speedup(self, spec: ModelSpec) -> float:
         """The cost model's decode step time of the parent over that of `spec` (the run's decode scenario)."""
@@ -1673,7 +1674,8 @@ def gkd_rerank(
     each against the full GKD's, and the child each would pick, as its full-GKD KL over the best child's and
     over refilled greedy's (paired 95% per seed)."""
     before = [bench.measure(arch, "bld")["scoring"]["kl"] for arch in archs]
-    short = [bench.short_gkd(arch, f"additivity-{level:.2f}-{i}", fraction) for i, arch in enumerate(archs)]
+    shorts = [bench.short_gkd(arch, f"additivity-{level:.2f}-{i}", fraction) for i, arch in enumerate(archs)]
+    short = [record["kl"] for record in shorts]
     after = [
         bench.distil(arch, "bld", f"additivity-{level:.2f}-search-{i}", seeds)["after_seeds"]
         for i, arch in enumerate(archs)
@@ -1684,10 +1686,13 @@ def gkd_rerank(
         "children": len(archs),
         "fraction": fraction,
         "tokens": {  # per child: the short GKD's and the full GKD's (first seed)
-            "short": [bench.measure(arch, "bld")["short_gkd"][fraction]["tokens"] for arch in archs],
+            "short": [record["tokens"] for record in shorts],
             "full": [seeds_after[0]["gkd"]["tokens"] for seeds_after in after],
         },
     }
+    theirs = None
+    if greedy is not None and greedy[0] is not None:
+        theirs = bench.distil(greedy[0], "bld", f"additivity-{level:.2f}-greedy", seeds)["after_seeds"]
     for name, values in (("before", before), ("short_gkd", short)):
         picked = min(range(len(archs)), key=lambda i: values[i])
         entry: dict[str, Any] = {
@@ -1695,11 +1700,9 @@ def gkd_rerank(
             "pick": full[picked] / best,
             "blocks": [b.short_name() for b in archs[picked]],
         }
-        if greedy is not None and greedy[0] is not None:
-            mine = after[picked]
-            theirs = bench.distil(greedy[0], "bld", f"additivity-{level:.2f}-greedy", seeds)["after_seeds"]
+        if theirs is not None:
             entry["greedy_ratio_after"] = [
-                paired_ratio(g["kl_batches"], m["kl_batches"]) for g, m in zip(theirs, mine)
+                paired_ratio(g["kl_batches"], m["kl_batches"]) for g, m in zip(theirs, after[picked])
             ]
         out[name] = entry
     return out
