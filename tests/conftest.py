@@ -1,9 +1,13 @@
-"""Test-session settings: one torch thread per test process.
+"""Test-session settings: one torch thread per test process, and per process a test starts.
 
 The suite runs as `pytest -n 2` on 2-core machines; two workers with several threads each would
-oversubscribe the cores, and tiny models then run several times slower.
+oversubscribe the cores, and tiny models then run several times slower. The processes the tests start
+(`puzzle` commands, torchrun ranks, the demo) inherit OMP_NUM_THREADS=1 for the same reason: each would
+otherwise start one OpenMP thread per core, whose spin-waits, beside the two workers and any other job on
+the machine, made a quick demo run past its 600 s timeout under load (the cause, not the timeout, is fixed).
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -11,6 +15,7 @@ import pytest
 import torch
 
 torch.set_num_threads(1)
+os.environ["OMP_NUM_THREADS"] = "1"  # inherited by every process a test starts
 
 
 @pytest.fixture(scope="module")

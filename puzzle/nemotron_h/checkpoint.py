@@ -345,6 +345,9 @@ def save_pretrained(
     )
     if weight_formats is None:  # the blocks' own formats (an assembled child's), if any
         weight_formats = module_weight_formats(model.spec)
+    written_plain = _quantized_blocks_written_plain(model, weight_formats or {})
+    if written_plain:  # the values those blocks multiply by, so a plain load computes as the model does
+        weights = functools.partial(_effective_weights, weights, written_plain)
     if weight_formats:  # {}: every block as it is (e.g. bf16 for llama.cpp), no quantization_config
         quant_plan = quantized.plan(model, weight_formats)  # refusals before anything is written
         options["quantization_config"] = quantized.quantization_config(quant_plan)
@@ -355,6 +358,34 @@ def save_pretrained(
     if _sharded(model):  # every rank gathers, rank 0 writes
         return _save_sharded(model, path, weights, options)
     return _save(model, path, weights, **options)
+
+
+def _quantized_blocks_written_plain(model: HybridLM, weight_formats: Mapping[str, str]) -> list[nn.Module]:
+    """The mixers whose spec quantizes them (an assembled child's fp8 / nvfp4 blocks) but which
+    `weight_formats` writes unquantized (e.g. {} for llama.cpp)."""
+    from puzzle.quant_blocks import block_formats
+
+    exported = block_formats(weight_formats, len(model.layers))
+    return [
+        model.layers[index].mixer
+        for index, fmt in spec_weight_formats(model.spec).items()
+        if exported.get(index, "bf16") == "bf16"
+    ]
+
+
+def _effective_weights(
+    weights: Callable[[Path | None], list[str]], mixers: list[nn.Module], directory: Path | None
+) -> list[str]:
+    """`weights(directory)` with `mixers`' covered weights fake-quantized in their spec's format: the values
+    their forward multiplies by. A baked child holds fake_quantize(master), and its forward quantizes that
+    once more; fake quantization is idempotent only up to an ulp of nvfp4's global scale (recomputed from
+    the baked amax), so writing the baked values would leave a plain load an ulp off the model."""
+    from puzzle.blocks.formats import fake_quantized
+
+    with contextlib.ExitStack() as stack:
+        for mixer in mixers:
+            stack.enter_context(fake_quantized(mixer))
+        return weights(directory)
 
 
 def _sharded(model: nn.Module) -> bool:
