@@ -28,7 +28,7 @@ from puzzle.config import load_config
 from puzzle.cost.analytic import model_params
 from puzzle.cost.hardware import HardwareProfile
 from puzzle.model import HybridLM
-from puzzle.plan import parent_bytes, plan_config, plan_run, scoring_wave_size
+from puzzle.plan import parent_bytes, plan_config, plan_run, run_hardware, scoring_wave_size
 from puzzle.presets import nemotron3_super
 from puzzle.run import Run
 from puzzle.spec import AttentionSpec, MambaSpec, ModelSpec, MoESpec, Variant
@@ -161,6 +161,29 @@ def test_puzzle_plan_reads_only_config_json(tmp_path, capsys):
     assert "2 x h100-80gb" in out and "does not fit" not in out
     assert sorted(p.name for p in (tmp_path / "parent").iterdir()) == ["config.json"]
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_nxname_hardware_is_n_ranks_of_one_gpu_each(capsys):
+    """`--hardware 8xb200` (as `puzzle costs` names a server) plans 8 ranks of one B200 each, as `--gpus 8
+    --hardware b200` does, not one rank with the memory of 8; another --gpus is an error naming the form."""
+    path = str(ROOT / "examples" / "configs" / "nemotron3_super.yaml")
+    assert main(["plan", path, "--gpus", "8", "--hardware", "b200", "--json"]) == 0
+    expected = json.loads(capsys.readouterr().out)
+    for argv in (["--hardware", "8xb200"], ["--hardware", "8xb200", "--gpus", "8"]):
+        assert main(["plan", path, *argv, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out) == expected
+    assert main(["plan", path, "--hardware", "8xb200"]) == 0
+    assert "hardware: 8 x b200 (167.6 GiB each" in capsys.readouterr().out
+    assert main(["plan", path, "--hardware", "8xb200", "--gpus", "4"]) == 2
+    assert capsys.readouterr().err == (
+        "puzzle plan: error: --hardware 8xb200 is 8 GPUs (ranks) of b200, but --gpus says 4: give --gpus N "
+        "--hardware b200\n"
+    )
+    # A serving profile NxNAME in the config: each rank of the plan (and of `puzzle run`'s check) is one NAME.
+    config = load_config(path)
+    serving = dataclasses.replace(config, hardware=dataclasses.replace(config.hardware, profile="8xb200"))
+    assert plan_config(serving, 8).to_dict() == plan_config(config, 8, "b200").to_dict()
+    assert run_hardware(serving).memory_bytes == run_hardware(config).memory_bytes  # b200 both, on the CPU
 
 
 def test_puzzle_plan_exits_2_naming_the_stage_for_a_huge_parent(tmp_path, capsys):
