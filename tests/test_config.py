@@ -333,6 +333,31 @@ def test_a_value_error_names_the_file_line_and_key(tmp_path):
     assert caught.value.key == "bld.lr" and caught.value.line == line
 
 
+def test_a_search_space_error_names_the_keys_own_line(tmp_path, parent_dir):
+    """A typo (or a bad value) deep in the search space is reported at its own line, inline in the config
+    or in a space file, not at the line of `space:`."""
+    text = BASE_YAML.replace(
+        "space:\n  kinds:\n    mlp:\n      width_fraction:", "space:\n  kinds:\n    mlp:\n      widht:"
+    )
+    assert "      widht:" in text
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    line = text.splitlines().index("      widht:") + 1
+    assert str(caught.value).startswith(f"{path}, line {line}: space.kinds.mlp: unknown key(s) ['widht']")
+    assert caught.value.key == "space"
+    bad_value = text.replace("      widht:\n      - 0.5", "      width_fraction:\n      - 0.5\n      - 2")
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, bad_value))
+    assert str(caught.value).startswith(f"{path}, line {line + 2}: space.kinds.mlp.width_fraction[1] must be")
+    space = tmp_path / "space.yaml"
+    space.write_text("rounding: 8\nkinds:\n  mlp:\n    width_fraction: [0.5]\n    rounding: 4\n    nope: 1\n")
+    data = disk_config(tmp_path, parent_dir, space=str(space))
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, yaml.safe_dump(data)), check_paths=True)
+    assert str(caught.value).startswith(f"{space}, line 6: space.kinds.mlp: unknown key(s) ['nope']")
+
+
 def test_unreadable_files(tmp_path):
     cases = {
         "empty.yaml": b"",
@@ -381,8 +406,8 @@ def test_a_space_file_is_relative_to_the_config_file_and_checked(tmp_path, paren
     (tmp_path / "sub" / "space.yaml").write_text("kinds:\n  mlp: {widht: [64]}\n")
     with pytest.raises(ConfigError) as caught:
         load_config(tmp_path / "sub" / "run.yaml", check_paths=True)
-    assert f"space: {tmp_path / 'sub' / 'space.yaml'}: space.kinds.mlp: unknown key(s) ['widht']" in str(
-        caught.value
+    assert str(caught.value).startswith(
+        f"{tmp_path / 'sub' / 'space.yaml'}, line 2: space.kinds.mlp: unknown key(s) ['widht']"
     )
 
 
