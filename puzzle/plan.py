@@ -881,15 +881,32 @@ def scoring_wave_size_for(
 
 
 def device_memory_bytes() -> tuple[int, str]:
-    """(bytes, what) of the memory one rank computes in: this process's CUDA device, else the host's RAM."""
+    """(bytes, what) of the memory one rank computes in: this process's CUDA device, else its share of the
+    host's RAM (the node's ranks, `shard.node_size`, share it on a CPU run)."""
     import os
 
     import torch
 
+    from puzzle.shard import node_size
+
     if torch.cuda.is_available():
         device = torch.cuda.get_device_properties(torch.cuda.current_device())
         return int(device.total_memory), f"{device.name} memory"
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    ranks = max(1, node_size())
+    return host // ranks, "host memory" if ranks == 1 else f"host memory / {ranks} ranks"
+
+
+def scoring_memory(config: Any) -> tuple[int, str]:
+    """(bytes, what) that a run's automatic scoring wave is sized against, per rank: with CUDA, the GPU's
+    (`run_hardware`); on the CPU, this machine's memory (`device_memory_bytes`), not the configured profile's
+    GPU, which `puzzle run`'s plan check stands in for the GPUs a CPU run is planned for."""
+    import torch
+
+    if torch.cuda.is_available():
+        profile = run_hardware(config)
+        return profile.memory_bytes, profile.name
+    return device_memory_bytes()
 
 
 def _resolve_auto_wave(ctx: _Context, limit: float) -> tuple[_Context, str | None]:

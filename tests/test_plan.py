@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -298,3 +299,24 @@ def test_an_explicit_variants_per_wave_is_honoured_by_the_plan_and_the_run(tmp_p
     data["scoring"]["variants_per_wave"] = "auto"
     auto = Run.from_config(write_config(tmp_path / "auto.yaml", data))
     assert auto._scoring_settings(parent, variants).variants_per_wave == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU run's memory")
+def test_auto_variants_per_wave_of_a_cpu_run_fits_this_machines_memory(tmp_path, caplog, monkeypatch):
+    """On the CPU the automatic wave is sized against this machine's memory (its share per rank of the node),
+    not the GPU of the configured profile (an H100 by default), which only stands in for `puzzle run`'s plan
+    check."""
+    data = make_inputs(tmp_path)
+    data["scoring"]["variants_per_wave"] = "auto"
+    config = load_config(write_config(tmp_path / "run.yaml", data))
+    parent = HybridLM(RUN_SPEC)
+    variants = [v for listed in config.search_space().all_variants(RUN_SPEC).values() for v in listed]
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for ranks in (1, 2):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+        caplog.clear()
+        with caplog.at_level("INFO", logger="puzzle.run"):
+            Run(config.run_dir, config)._scoring_settings(parent, variants)
+        where = "host memory" if ranks == 1 else f"host memory / {ranks} ranks"
+        per_rank = f"{config.hardware.memory_fraction:g} x {host // ranks / 2**30:.1f} GiB per rank"
+        assert f"({per_rank}, 1 rank(s)) of {where}" in caplog.text, caplog.text
