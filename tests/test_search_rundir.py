@@ -206,6 +206,14 @@ def test_infeasible_budget_exits_2_with_the_best_reachable_value(run, capsys):
     )
     code, _, err = _cli(["search", str(run), *SCENARIO_ARGS, "--budget", "throughput[long]>=5x"], capsys)
     assert code == 2 and "(seconds[long]<=0.2x is --budget 'throughput[long]>=5x')" in err
+    assert "did you mean" not in err  # factors both: nothing to suggest
+    # The `x` left out: at most 0.3 parameters; the last line says what was likely meant.
+    code, _, err = _cli(["search", str(run), "--budget", "active_params<=0.3"], capsys)
+    parent = f"{model_active_params(SPEC):,}"
+    assert code == 2 and err.splitlines()[-1] == (
+        f"puzzle search: budget 'active_params<=0.3' bounds the parameters used per token at 0.3 (the parent's: "
+        f"{parent}); did you mean active_params<=0.3x?"
+    )
 
 
 @pytest.mark.parametrize(

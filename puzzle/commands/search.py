@@ -519,7 +519,7 @@ def _run_dir(args: argparse.Namespace) -> int:
     # Late: the run's files are read through puzzle.bld / puzzle.score, which import torch.
     from puzzle.commands.costs import load_target
     from puzzle.layout import RunLayout
-    from puzzle.search.budget import parse_budget
+    from puzzle.search.budget import factor_hints, parse_budget
     from puzzle.search.run_dir import METRICS, run_problem
 
     layout = RunLayout(Path(args.run_dir))
@@ -579,6 +579,8 @@ def _run_dir(args: argparse.Namespace) -> int:
                 f"puzzle search: ({error.budget} is --budget {problem.sources[error.budget]!r})",
                 file=sys.stderr,
             )
+        for hint in factor_hints(budgets, problem.candidates.parent, cost_model):
+            print(f"puzzle search: {hint}", file=sys.stderr)
         return EXIT_INFEASIBLE
     except ValueError as error:  # SearchError, RunDirError, ArtifactError, SpecError: an unusable run
         print(f"puzzle search: error: {error}", file=sys.stderr)
