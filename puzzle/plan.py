@@ -360,7 +360,7 @@ def _importance(ctx: _Context) -> StagePlan:
         tokens,
         tokens * forward_flops_per_token(ctx.spec, ctx.seq_len, logits=False),
         memory,
-        notes=["each rank runs its rows of a batch under FSDP2 (issue 22 section 1)"],
+        notes=["each rank runs its rows of a batch under FSDP2"],
     )
 
 
@@ -710,15 +710,27 @@ def plan_run(
 def plan_config(
     config: Any, gpus: int, hardware: str | HardwareProfile | None = None, **options: Any
 ) -> Plan:
-    """`plan_run` for a loaded RunConfig, reading only the parent's config.json (no weight)."""
+    """`plan_run` for a loaded RunConfig, reading only the parent's config.json (no weight). `hardware`
+    (default: the config's hardware.profile) is each rank's GPU: of an `NxNAME` name, NAME (`plan_hardware`)."""
     from puzzle import nemotron_h
-    from puzzle.cost.hardware import get_hardware
 
     path = config.parent.path
     checkpoint = nemotron_h.read_config(path)
     spec = nemotron_h.spec_from_config(checkpoint, str(path / nemotron_h.CONFIG_NAME))
-    profile = get_hardware(hardware if hardware is not None else config.hardware.profile)
+    _, profile = plan_hardware(hardware if hardware is not None else config.hardware.profile, gpus)
     return plan_run(config, spec, gpus, profile, checkpoint=checkpoint, **options)
+
+
+def plan_hardware(name: str | HardwareProfile, gpus: int | None = None) -> tuple[int, HardwareProfile]:
+    """(ranks, one rank's GPU) of hardware `name` for a plan: `NxNAME` (8xb200, as `puzzle costs` writes a
+    server) is N ranks of one NAME each, not one rank with N GPUs' memory; `gpus`, when given, is the
+    number of ranks (default: N, else 1). A profile passes through as one rank's."""
+    from puzzle.cost.hardware import get_hardware, split_gpus
+
+    if isinstance(name, HardwareProfile):
+        return gpus or 1, name
+    count, single = split_gpus(name)
+    return gpus or count, get_hardware(single)
 
 
 def world_from_env() -> int:
@@ -740,12 +752,12 @@ def run_hardware(config: Any) -> HardwareProfile:
 
     import torch
 
-    from puzzle.cost.hardware import DEFAULT_HARDWARE, get_hardware, hardware_key
+    from puzzle.cost.hardware import DEFAULT_HARDWARE, hardware_key
 
     name = config.hardware.profile
     if not isinstance(name, HardwareProfile) and hardware_key(name) == "this-machine":
         name = DEFAULT_HARDWARE
-    profile = get_hardware(name)
+    _, profile = plan_hardware(name)  # one rank's GPU: b200 of a serving profile 8xb200
     if torch.cuda.is_available():
         device = torch.cuda.get_device_properties(torch.cuda.current_device())
         profile = dataclasses.replace(profile, name=device.name, memory_bytes=int(device.total_memory))
@@ -869,15 +881,32 @@ def scoring_wave_size_for(
 
 
 def device_memory_bytes() -> tuple[int, str]:
-    """(bytes, what) of the memory one rank computes in: this process's CUDA device, else the host's RAM."""
+    """(bytes, what) of the memory one rank computes in: this process's CUDA device, else its share of the
+    host's RAM (the node's ranks, `shard.node_size`, share it on a CPU run)."""
     import os
 
     import torch
 
+    from puzzle.shard import node_size
+
     if torch.cuda.is_available():
         device = torch.cuda.get_device_properties(torch.cuda.current_device())
         return int(device.total_memory), f"{device.name} memory"
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "host memory"
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    ranks = max(1, node_size())
+    return host // ranks, "host memory" if ranks == 1 else f"host memory / {ranks} ranks"
+
+
+def scoring_memory(config: Any) -> tuple[int, str]:
+    """(bytes, what) that a run's automatic scoring wave is sized against, per rank: with CUDA, the GPU's
+    (`run_hardware`); on the CPU, this machine's memory (`device_memory_bytes`), not the configured profile's
+    GPU, which `puzzle run`'s plan check stands in for the GPUs a CPU run is planned for."""
+    import torch
+
+    if torch.cuda.is_available():
+        profile = run_hardware(config)
+        return profile.memory_bytes, profile.name
+    return device_memory_bytes()
 
 
 def _resolve_auto_wave(ctx: _Context, limit: float) -> tuple[_Context, str | None]:

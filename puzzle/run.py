@@ -84,7 +84,7 @@ from puzzle.gkd import load_distilled
 from puzzle.layout import STAGES, RunDirError, RunLayout
 from puzzle.library import Library, read_library
 from puzzle.model import HybridLM
-from puzzle.plan import run_hardware, scoring_wave_size
+from puzzle.plan import scoring_memory, scoring_wave_size
 from puzzle.prune.importance import ModelImportance, importance_for, load_importance
 from puzzle.score import Scores, load_scores, score_variants
 from puzzle.search import search, search_k
@@ -537,9 +537,10 @@ class Run:
         note = f" (resumed from a checkpoint: {', '.join(resumed)})" if resumed else ""
         _log.info("%s%s: done%s", self._round_label(), name, note)
         _log.info("%s: peak resident memory %.1f MiB", name, _peak_rss_mib())  # benchmarks/bench_scale.py
-        _log.info(  # whole tensors gathered from shards, held at once (tests/test_shard_memory.py)
-            "%s: peak gathered parameter elements %d", name, gathers.COUNTER.peak
-        )
+        if gathers.COUNTER.peak or dist.world_size() > 1:  # 0 says nothing in one unsharded process
+            _log.info(  # whole tensors gathered from shards, held at once (tests/test_shard_memory.py)
+                "%s: peak gathered parameter elements %d", name, gathers.COUNTER.peak
+            )
         self._results[name] = outputs
         return outputs
 
@@ -737,25 +738,25 @@ class Run:
 
     def _scoring_settings(self, parent: HybridLM, variants: list[Variant]) -> ScoreSettings:
         """The run's scoring settings, `variants_per_wave: auto` resolved from the plan (`puzzle.plan.
-        scoring_wave_size`: the most variants whose planned peak per rank fits `run_hardware`'s memory, the
-        CUDA device's or else the hardware profile's, times hardware.memory_fraction), logged with why."""
+        scoring_wave_size`: the most variants whose planned peak per rank fits `scoring_memory`, the CUDA
+        device's or else this machine's share, times hardware.memory_fraction), logged with why."""
         settings = self.config.scoring
         if settings.variants_per_wave != "auto":
             return settings
         by_block: dict[int, list[Variant]] = {}
         for variant in variants:
             by_block.setdefault(variant.block_index, []).append(variant)
-        hardware = run_hardware(self.config)
+        memory, where = scoring_memory(self.config)  # on the CPU: this machine's, not a GPU profile's
         found = scoring_wave_size(
             self.config,
             parent.spec,
             dist.world_size(),
-            hardware.memory_bytes,
+            memory,
             variants=by_block,
             checkpoint=nemotron_h.read_config(self.config.parent.path),
         )
         size = int(dist.broadcast_object(found.size))  # every rank runs the same waves (collectives)
-        _log.info("scores: variants_per_wave auto -> %d: %s of %s", size, found.reason, hardware.name)
+        _log.info("scores: variants_per_wave auto -> %d: %s of %s", size, found.reason, where)
         return dataclasses.replace(settings, variants_per_wave=size)
 
     def _mixer_fingerprints(self, library: Library) -> dict[Variant, str]:

@@ -80,7 +80,13 @@ from puzzle.spec import (
 
 
 class SpaceError(SpecError):
-    """A search space that is malformed, or that asks a parent block for a shape it cannot take."""
+    """A search space that is malformed, or that asks a parent block for a shape it cannot take. `key`: the
+    path of the offending key when the message does not start with it (an unknown key's own path), so that
+    a config error can name that key's line."""
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        super().__init__(message)
+        self.key = key
 
 
 # Derived from `puzzle.axes.PRUNING_AXES` (the one axis table): per kind name, the axes the space offers,
@@ -119,7 +125,9 @@ def _check_keys(where: str, data: Any, allowed: Sequence[str]) -> Mapping[str, A
         raise SpaceError(f"{where} must be a mapping with keys {list(allowed)}, found {type(data).__name__}")
     unknown = [key for key in data if key not in allowed]
     if unknown:
-        raise SpaceError(f"{where}: unknown key(s) {unknown}; valid keys here: {list(allowed)}")
+        raise SpaceError(
+            f"{where}: unknown key(s) {unknown}; valid keys here: {list(allowed)}", f"{where}.{unknown[0]}"
+        )
     return data
 
 

@@ -137,7 +137,7 @@ def _write_run_config(root: Path) -> None:
     (root / "data" / "corpus.txt").write_text("a document\n\nanother document\n")
     (root / "run-config.yaml").write_text(
         "run_dir: run\nparent: {path: parent}\ndata: {sources: [data/corpus.txt], seq_len: 8}\n"
-        "space: {kinds: {mlp: {width_fraction: [0.5]}}}\nsearch: {budgets: ['params<=0.9x']}\n"
+        "space: {kinds: {mlp: {width_fraction: [0.5]}}}\nsearch: {budgets: ['params<=0.95x']}\n"
     )
 
 

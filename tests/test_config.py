@@ -333,6 +333,31 @@ def test_a_value_error_names_the_file_line_and_key(tmp_path):
     assert caught.value.key == "bld.lr" and caught.value.line == line
 
 
+def test_a_search_space_error_names_the_keys_own_line(tmp_path, parent_dir):
+    """A typo (or a bad value) deep in the search space is reported at its own line, inline in the config
+    or in a space file, not at the line of `space:`."""
+    text = BASE_YAML.replace(
+        "space:\n  kinds:\n    mlp:\n      width_fraction:", "space:\n  kinds:\n    mlp:\n      widht:"
+    )
+    assert "      widht:" in text
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    line = text.splitlines().index("      widht:") + 1
+    assert str(caught.value).startswith(f"{path}, line {line}: space.kinds.mlp: unknown key(s) ['widht']")
+    assert caught.value.key == "space"
+    bad_value = text.replace("      widht:\n      - 0.5", "      width_fraction:\n      - 0.5\n      - 2")
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, bad_value))
+    assert str(caught.value).startswith(f"{path}, line {line + 2}: space.kinds.mlp.width_fraction[1] must be")
+    space = tmp_path / "space.yaml"
+    space.write_text("rounding: 8\nkinds:\n  mlp:\n    width_fraction: [0.5]\n    rounding: 4\n    nope: 1\n")
+    data = disk_config(tmp_path, parent_dir, space=str(space))
+    with pytest.raises(ConfigError) as caught:
+        load_config(write(tmp_path, yaml.safe_dump(data)), check_paths=True)
+    assert str(caught.value).startswith(f"{space}, line 6: space.kinds.mlp: unknown key(s) ['nope']")
+
+
 def test_unreadable_files(tmp_path):
     cases = {
         "empty.yaml": b"",
@@ -381,8 +406,8 @@ def test_a_space_file_is_relative_to_the_config_file_and_checked(tmp_path, paren
     (tmp_path / "sub" / "space.yaml").write_text("kinds:\n  mlp: {widht: [64]}\n")
     with pytest.raises(ConfigError) as caught:
         load_config(tmp_path / "sub" / "run.yaml", check_paths=True)
-    assert f"space: {tmp_path / 'sub' / 'space.yaml'}: space.kinds.mlp: unknown key(s) ['widht']" in str(
-        caught.value
+    assert str(caught.value).startswith(
+        f"{tmp_path / 'sub' / 'space.yaml'}, line 2: space.kinds.mlp: unknown key(s) ['widht']"
     )
 
 
@@ -507,12 +532,15 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+FEASIBLE = {"budgets": ["params<=0.95x"]}  # met by a child of the tiny parent (the MLP at half width)
+
+
 def test_config_check_prints_the_resolved_config(tmp_path, parent_dir, capsys):
-    path = write(tmp_path, yaml.safe_dump(disk_config(tmp_path, parent_dir)))
+    path = write(tmp_path, yaml.safe_dump(disk_config(tmp_path, parent_dir, search=FEASIBLE)))
     code, out, err = run_cli(["config", "check", str(path)], capsys)
     assert code == 0, err
     assert load_config_data(yaml.safe_load(out)) == load_config(path)
-    assert err == f"{path}: valid (paths checked)\n"
+    assert err == f"{path}: valid (paths and budgets checked, the plan fits)\n"
     code, out, _ = run_cli(["config", "check", str(path), "--json"], capsys)
     assert code == 0 and json.loads(out) == load_config(path).to_dict()
 
@@ -568,6 +596,38 @@ def _bad_input(tmp_path: Path, parent: Path, case: str) -> tuple[dict, str]:
         config,
         f"run_dir: its token cache {data / 'run' / 'tokens'} would be or lie inside {data}, an input",
     )
+
+
+@pytest.mark.parametrize(
+    ("budget", "expected"),
+    [
+        # The `x` left out: at most 0.75 parameters, which no architecture meets; the line says what was meant.
+        (
+            "active_params<=0.75",
+            "infeasible: budget active_params<=0.75 (total <= 0.75) cannot be met on its own: the best this "
+            "library reaches is 44268 (active_params<=0.75: best reachable 44268); budget 'active_params<=0.75' "
+            "bounds the parameters used per token at 0.75 (the parent's: 48,364); did you mean "
+            "active_params<=0.75x?",
+        ),
+        # Below the space's smallest child (44268 active parameters): no hint, the budget is a factor already.
+        (
+            "active_params<=0.05x",
+            "infeasible: budget active_params<=0.05x (total <= 2418.2) cannot be met on its own: the best this "
+            "library reaches is 44268 (active_params<=0.05x: best reachable 44268)",
+        ),
+    ],
+)
+def test_config_check_and_run_refuse_an_unmeetable_budget_alike(
+    tmp_path, parent_dir, capsys, budget, expected
+):
+    """`config check` makes the checks `puzzle run` makes before its first stage: a budget that no architecture
+    of the space meets is refused by both, with the same line, before anything is written."""
+    data = disk_config(tmp_path, parent_dir, search={"budgets": [budget]})
+    path = write(tmp_path, yaml.safe_dump(data))
+    for command in ("config check", "run"):
+        code, out, err = run_cli([*command.split(), str(path)], capsys)
+        assert (code, out, err) == (2, "", f"puzzle {command}: {expected}\n")
+    assert not Path(data["run_dir"]).exists()
 
 
 @pytest.mark.parametrize("case", ["truncated", "empty", "unwritable", "inside-data", "truncated-data"])

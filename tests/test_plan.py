@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,7 +29,7 @@ from puzzle.config import load_config
 from puzzle.cost.analytic import model_params
 from puzzle.cost.hardware import HardwareProfile
 from puzzle.model import HybridLM
-from puzzle.plan import parent_bytes, plan_config, plan_run, scoring_wave_size
+from puzzle.plan import parent_bytes, plan_config, plan_run, run_hardware, scoring_wave_size
 from puzzle.presets import nemotron3_super
 from puzzle.run import Run
 from puzzle.spec import AttentionSpec, MambaSpec, ModelSpec, MoESpec, Variant
@@ -163,6 +164,29 @@ def test_puzzle_plan_reads_only_config_json(tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # nothing written
 
 
+def test_nxname_hardware_is_n_ranks_of_one_gpu_each(capsys):
+    """`--hardware 8xb200` (as `puzzle costs` names a server) plans 8 ranks of one B200 each, as `--gpus 8
+    --hardware b200` does, not one rank with the memory of 8; another --gpus is an error naming the form."""
+    path = str(ROOT / "examples" / "configs" / "nemotron3_super.yaml")
+    assert main(["plan", path, "--gpus", "8", "--hardware", "b200", "--json"]) == 0
+    expected = json.loads(capsys.readouterr().out)
+    for argv in (["--hardware", "8xb200"], ["--hardware", "8xb200", "--gpus", "8"]):
+        assert main(["plan", path, *argv, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out) == expected
+    assert main(["plan", path, "--hardware", "8xb200"]) == 0
+    assert "hardware: 8 x b200 (167.6 GiB each" in capsys.readouterr().out
+    assert main(["plan", path, "--hardware", "8xb200", "--gpus", "4"]) == 2
+    assert capsys.readouterr().err == (
+        "puzzle plan: error: --hardware 8xb200 is 8 GPUs (ranks) of b200, but --gpus says 4: give --gpus N "
+        "--hardware b200\n"
+    )
+    # A serving profile NxNAME in the config: each rank of the plan (and of `puzzle run`'s check) is one NAME.
+    config = load_config(path)
+    serving = dataclasses.replace(config, hardware=dataclasses.replace(config.hardware, profile="8xb200"))
+    assert plan_config(serving, 8).to_dict() == plan_config(config, 8, "b200").to_dict()
+    assert run_hardware(serving).memory_bytes == run_hardware(config).memory_bytes  # b200 both, on the CPU
+
+
 def test_puzzle_plan_exits_2_naming_the_stage_for_a_huge_parent(tmp_path, capsys):
     data = config_dict(tmp_path)
     data["parent"] = {"path": str(SUPER_PARENT), "dtype": "bfloat16"}
@@ -275,3 +299,24 @@ def test_an_explicit_variants_per_wave_is_honoured_by_the_plan_and_the_run(tmp_p
     data["scoring"]["variants_per_wave"] = "auto"
     auto = Run.from_config(write_config(tmp_path / "auto.yaml", data))
     assert auto._scoring_settings(parent, variants).variants_per_wave == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU run's memory")
+def test_auto_variants_per_wave_of_a_cpu_run_fits_this_machines_memory(tmp_path, caplog, monkeypatch):
+    """On the CPU the automatic wave is sized against this machine's memory (its share per rank of the node),
+    not the GPU of the configured profile (an H100 by default), which only stands in for `puzzle run`'s plan
+    check."""
+    data = make_inputs(tmp_path)
+    data["scoring"]["variants_per_wave"] = "auto"
+    config = load_config(write_config(tmp_path / "run.yaml", data))
+    parent = HybridLM(RUN_SPEC)
+    variants = [v for listed in config.search_space().all_variants(RUN_SPEC).values() for v in listed]
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for ranks in (1, 2):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+        caplog.clear()
+        with caplog.at_level("INFO", logger="puzzle.run"):
+            Run(config.run_dir, config)._scoring_settings(parent, variants)
+        where = "host memory" if ranks == 1 else f"host memory / {ranks} ranks"
+        per_rank = f"{config.hardware.memory_fraction:g} x {host // ranks / 2**30:.1f} GiB per rank"
+        assert f"({per_rank}, 1 rank(s)) of {where}" in caplog.text, caplog.text

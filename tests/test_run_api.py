@@ -185,3 +185,11 @@ def test_a_run_is_built_from_a_config_or_its_pieces_not_both(root, tmp_path):
     assert run.config.bld.token_budget == config_dict(root)["bld"]["token_budget"]
     with pytest.raises(TypeError, match="not both"):
         Run(tmp_path / "run", run.config, budgets=[BUDGET])
+
+
+def test_the_log_names_gathered_elements_only_where_there_are_some(cli_run):
+    """One unsharded process gathers nothing: its log has each stage's peak resident memory, and no line
+    "peak gathered parameter elements 0" after every stage (sharded runs log it: tests/test_shard_memory.py)."""
+    log = (cli_run / "logs" / "rank0.log").read_text()
+    assert log.count(": peak resident memory ") >= 7
+    assert "peak gathered parameter elements" not in log

@@ -206,6 +206,14 @@ def test_infeasible_budget_exits_2_with_the_best_reachable_value(run, capsys):
     )
     code, _, err = _cli(["search", str(run), *SCENARIO_ARGS, "--budget", "throughput[long]>=5x"], capsys)
     assert code == 2 and "(seconds[long]<=0.2x is --budget 'throughput[long]>=5x')" in err
+    assert "did you mean" not in err  # factors both: nothing to suggest
+    # The `x` left out: at most 0.3 parameters; the last line says what was likely meant.
+    code, _, err = _cli(["search", str(run), "--budget", "active_params<=0.3"], capsys)
+    parent = f"{model_active_params(SPEC):,}"
+    assert code == 2 and err.splitlines()[-1] == (
+        f"puzzle search: budget 'active_params<=0.3' bounds the parameters used per token at 0.3 (the parent's: "
+        f"{parent}); did you mean active_params<=0.3x?"
+    )
 
 
 @pytest.mark.parametrize(
@@ -289,7 +297,7 @@ def test_bad_command_lines_exit_2(run, capsys, argv, message):
 
 
 def test_another_parent_is_an_error_naming_the_block(run, capsys):
-    code, out, err = _cli(["search", str(run), "--parent", "tiny-hybrid"], capsys)
+    code, out, err = _cli(["search", str(run), "--parent", "tiny-hybrid", "--budget", "params<=1x"], capsys)
     assert code == 1 and out == "" and "Traceback" not in err
     assert f"{run / 'library'} was built from another parent: BLD recorded block 0 variant" in err
     assert f"this parent's block 0 is {tiny_hybrid().blocks[0].short_name()}" in err
@@ -404,6 +412,10 @@ def test_search_of_a_run_directory_is_the_runs_own_solution(run, tmp_path, capsy
     code, out, err = _cli(["search", str(root), *budgets, "--json"], capsys)
     assert code == 0, err
     _same_answer(json.loads(out), solution)
+    # Without --budget: the run's own budgets, as every other setting (not the parent, unconstrained).
+    code, out, err = _cli(["search", str(root), "--json"], capsys)
+    assert code == 0 and f"puzzle search: note: the run's budgets: {', '.join(search['budgets'])}\n" in err
+    _same_answer(json.loads(out), solution)
     # A flag overrides the one setting it names; the rest is still the run's.
     expected = search_run(root, search["budgets"], note=lambda _: None, **override)
     code, out, err = _cli(["search", str(root), *budgets, *flag, "--json"], capsys)
@@ -411,6 +423,22 @@ def test_search_of_a_run_directory_is_the_runs_own_solution(run, tmp_path, capsy
     answer = json.loads(out)
     assert answer["choices"] == expected.names and answer["objective"] == pytest.approx(expected.objective)
     assert answer["choices"] != solution["choices"]  # the override made a difference
+
+
+def test_without_budget_a_sweep_or_no_saved_config_is_an_error(run, tmp_path, capsys):
+    """Which of a sweep's budget lists is meant is the user's to say; a run without a saved config has no
+    budgets to take. Both exit 2 naming what to give, never an unconstrained search returning the parent."""
+    code, out, err = _cli(["search", str(run), "--json"], capsys)
+    assert (code, out) == (2, "") and err == (
+        f"puzzle search: error: no --budget given, and {run} has no saved run config to take the run's "
+        "budgets from; give --budget KEY<=VALUE (e.g. --budget 'active_params<=0.7x')\n"
+    )
+    root = _saved_run(run, tmp_path / "run", {}, {"sweep": "active_params<=0.7x,0.5x"})
+    code, out, err = _cli(["search", str(root), "--json"], capsys)
+    assert (code, out) == (2, "") and err == (
+        "puzzle search: error: no --budget given, and the run searched 2 budget lists (active_params<=0.7x; "
+        "active_params<=0.5x); choose one with --budget, e.g. --budget 'active_params<=0.7x'\n"
+    )
 
 
 def test_this_machine_is_the_runs_stored_calibration(run, tmp_path, capsys):

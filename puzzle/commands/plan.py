@@ -1,4 +1,5 @@
-"""`puzzle plan CONFIG [--gpus N] [--hardware NAME]`: what each stage of a run will cost, before it runs.
+"""`puzzle plan CONFIG [--gpus N] [--hardware NAME]`: what each stage of a run will cost, before it runs
+(`--hardware NxNAME`: N ranks of NAME).
 
 Reads the run config and the parent's config.json only (no weight, no data): see puzzle/plan.py.
 """
@@ -29,11 +30,18 @@ def register(subparsers: Any) -> None:
         "figure when a stage does not fit the hardware's memory x memory_fraction.",
     )
     parser.add_argument("config", metavar="CONFIG", help="the run config, a YAML file")
-    parser.add_argument("--gpus", type=positive_int, default=1, help="ranks (GPUs) the run uses (default 1)")
+    parser.add_argument(
+        "--gpus",
+        type=positive_int,
+        default=None,
+        help="ranks (GPUs) the run uses (default: N of an NxNAME hardware, else 1)",
+    )
     parser.add_argument(
         "--hardware",
         default=None,
-        help="GPU profile (h100-80gb, h200-141gb, b200, a100-80gb; default: the config's hardware.profile)",
+        help="each rank's GPU (h100-80gb, h200-141gb, b200, a100-80gb; default: the config's "
+        "hardware.profile); NxNAME (8xb200, as `puzzle costs` writes a server) is N ranks of NAME, as "
+        "--gpus N --hardware NAME",
     )
     parser.add_argument(
         "--memory-fraction",
@@ -61,7 +69,8 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """`puzzle plan`: the plan on stdout; exit 2 for a config error or a stage that does not fit."""
     from puzzle.config import ConfigError, load_config
-    from puzzle.plan import DEFAULT_EFFICIENCY, plan_config
+    from puzzle.cost.hardware import split_gpus
+    from puzzle.plan import DEFAULT_EFFICIENCY, plan_config, plan_hardware
     from puzzle.spec import SpecError
 
     try:
@@ -74,10 +83,18 @@ def run(args: argparse.Namespace) -> int:
             config, parent=dataclasses.replace(config.parent, path=Path(args.parent).absolute())
         )
     try:
+        gpus, hardware = plan_hardware(args.hardware or config.hardware.profile, args.gpus)
+        if args.hardware is not None and args.gpus is not None:
+            count, single = split_gpus(args.hardware)
+            if count > 1 and count != args.gpus:
+                raise SpecError(
+                    f"--hardware {args.hardware} is {count} GPUs (ranks) of {single}, but --gpus says "
+                    f"{args.gpus}: give --gpus N --hardware {single}"
+                )
         plan = plan_config(
             config,
-            args.gpus,
-            args.hardware,
+            gpus,
+            hardware,
             memory_fraction=args.memory_fraction,
             efficiency=args.efficiency or DEFAULT_EFFICIENCY,
         )

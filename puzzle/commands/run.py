@@ -93,26 +93,17 @@ def run(args: argparse.Namespace) -> int:
 
     # Late: torch and the stages.
     from puzzle import dist
-    from puzzle.plan import run_misfits
-    from puzzle.run import Run, RunError
+    from puzzle.preflight import preflight
+    from puzzle.run import RunError
     from puzzle.search.types import InfeasibleError
 
-    pipeline = Run(config.run_dir, config)
-    try:
-        pipeline.check_run_dir()  # before the logs: a folder of the user's files is refused untouched
-        pipeline.check_budgets(config.validate_paths())
-        # `puzzle plan`'s check: every stage fits the memory per rank (puzzle/plan.py).
-        misfits = [] if args.no_plan_check else run_misfits(config)
-    except RunError as error:
-        print(f"puzzle run: error: {error}", file=sys.stderr)
+    # Before the logs, as `puzzle config check`: the run directory, the budgets, `puzzle plan`'s memory check.
+    checked = preflight(config, plan_check=not args.no_plan_check)
+    for line in checked.problems:
+        print(f"puzzle run: {line}", file=sys.stderr)
+    if checked.problems:
         return EXIT_BAD_INPUT
-    except InfeasibleError as error:
-        print(f"puzzle run: infeasible: {error}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    if misfits:
-        for line in misfits:
-            print(f"puzzle run: does not fit: {line} (see `puzzle plan`)", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    pipeline = checked.run
     started = dist.init_from_env()
     try:
         with logging_to(pipeline.layout.logs, dist.rank(), args.quiet) as log_file:

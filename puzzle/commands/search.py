@@ -104,7 +104,11 @@ def register(subparsers: Any) -> None:
         "--maximize", action="store_true", help="maximise the objective (accuracy-like scores)"
     )
     parser.add_argument(
-        "--budget", action="append", default=[], metavar="KEY<=VALUE", help="a budget (repeatable)"
+        "--budget",
+        action="append",
+        default=[],
+        metavar="KEY<=VALUE",
+        help="a budget (repeatable); with RUN_DIR, default: the run's own (its config's budgets)",
     )
     parser.add_argument(
         "--fixed",
@@ -426,6 +430,30 @@ def _run_config(layout: Any) -> Any:
     return load_config(path) if path.is_file() else None
 
 
+def _run_budgets(layout: Any, config: Any) -> list[str]:
+    """Without --budget: the budgets the run's solutions stage searched with (its config's, for the round of
+    RUN_DIR), as every other setting not given. BudgetError when there is no saved config, or when the run
+    solved several budget lists (a sweep): which one is meant is the user's to say."""
+    if config is None:
+        raise BudgetError(
+            f"no --budget given, and {layout.root} has no saved run config to take the run's budgets from; "
+            "give --budget KEY<=VALUE (e.g. --budget 'active_params<=0.7x')"
+        )
+    try:
+        number = json.loads(layout.manifest.read_text()).get("round", 1)
+    except (OSError, ValueError, AttributeError):
+        number = 1  # no manifest (yet): the run's first round
+    index = number - 1 if isinstance(number, int) and 1 <= number <= config.rounds.count else 0
+    solves = config.round_budgets(index)
+    if len(solves) != 1:
+        listed = "; ".join(", ".join(solve) for solve in solves)
+        raise BudgetError(
+            f"no --budget given, and the run searched {len(solves)} budget lists ({listed}); choose one with "
+            f"--budget, e.g. --budget {solves[0][0]!r}"
+        )
+    return solves[0]
+
+
 def _with_dtypes(scenario: Any, args: argparse.Namespace) -> Any:
     """A run scenario with the dtypes given on the command line (--recipe, --kv-dtype, --ssm-dtype)."""
     given = {"recipe": args.recipe, "kv_dtype": args.kv_dtype, "ssm_dtype": args.ssm_dtype}
@@ -491,12 +519,13 @@ def _run_dir(args: argparse.Namespace) -> int:
     # Late: the run's files are read through puzzle.bld / puzzle.score, which import torch.
     from puzzle.commands.costs import load_target
     from puzzle.layout import RunLayout
-    from puzzle.search.budget import parse_budget
+    from puzzle.search.budget import factor_hints, parse_budget
     from puzzle.search.run_dir import METRICS, run_problem
 
     layout = RunLayout(Path(args.run_dir))
     try:
-        found = _run_search(args, _run_config(layout))
+        config = _run_config(layout)
+        found = _run_search(args, config)
         if found.objective not in METRICS:
             raise BudgetError(
                 f"--objective {found.objective!r} is not a recorded metric; choose one of {', '.join(METRICS)}"
@@ -504,7 +533,8 @@ def _run_dir(args: argparse.Namespace) -> int:
         bad_same = sorted(set(found.same_attributes) - {"state_size", "top_k", "kind"})
         if bad_same:
             raise BudgetError(f"--same {bad_same[0]!r}: a run's variants have state_size, top_k and kind")
-        budgets = [parse_budget(text, found.cost_model) for text in args.budget]
+        texts = args.budget or _run_budgets(layout, config)
+        budgets = [parse_budget(text, found.cost_model) for text in texts]
         out = Path(args.out) if args.out is not None else None
         if out is not None and (out.is_dir() or not out.name):
             raise BudgetError(f"--out {args.out!r} is a directory; name the file to write")
@@ -513,6 +543,8 @@ def _run_dir(args: argparse.Namespace) -> int:
     except ValueError as error:  # BudgetError, SpecError, CheckpointError, ConfigError
         print(f"puzzle search: error: {error}", file=sys.stderr)
         return EXIT_INFEASIBLE  # 2: bad input, as argparse's usage errors
+    if not args.budget:
+        print(f"puzzle search: note: the run's budgets: {', '.join(texts)}", file=sys.stderr)
     objective = found.objective
     try:
         # The hardware as the run prices it: "this-machine" is the run's stored calibration.
@@ -547,6 +579,8 @@ def _run_dir(args: argparse.Namespace) -> int:
                 f"puzzle search: ({error.budget} is --budget {problem.sources[error.budget]!r})",
                 file=sys.stderr,
             )
+        for hint in factor_hints(budgets, problem.candidates.parent, cost_model):
+            print(f"puzzle search: {hint}", file=sys.stderr)
         return EXIT_INFEASIBLE
     except ValueError as error:  # SearchError, RunDirError, ArtifactError, SpecError: an unusable run
         print(f"puzzle search: error: {error}", file=sys.stderr)

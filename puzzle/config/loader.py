@@ -31,10 +31,18 @@ T = TypeVar("T")
 
 class ConfigError(ValueError):
     """A config that cannot be used. `key`: the offending key's path (`bld.lr`, `search.budgets[1]`; empty
-    for the whole file); `file` and `line`: where it was read, when known."""
+    for the whole file); `file` and `line`: where it was read, when known; `at`: the path whose line to
+    report when it lies deeper than `key` (a key inside an inline search space: `space.kinds.moe.topk`)."""
 
-    def __init__(self, message: str, key: str = "", file: str | Path | None = None, line: int | None = None):
-        self.message, self.key, self.file, self.line = message, key, file, line
+    def __init__(
+        self,
+        message: str,
+        key: str = "",
+        file: str | Path | None = None,
+        line: int | None = None,
+        at: str | None = None,
+    ):
+        self.message, self.key, self.file, self.line, self.at = message, key, file, line, at
         super().__init__(self._text())
 
     def _text(self) -> str:
@@ -63,7 +71,8 @@ class ConfigError(ValueError):
         message = self.message
         if self.key and self._names_key():
             message = key + message[len(self.key) :]
-        return ConfigError(message, key, self.file, self.line)
+        at = None if self.at is None else ConfigError("", self.at).within(prefix).key
+        return ConfigError(message, key, self.file, self.line, at)
 
 
 def doc(text: str) -> dict[str, str]:
@@ -285,7 +294,7 @@ def _convert(tp: Any, value: Any, key: str, base_dir: Path | None) -> Any:
         try:
             return tp.from_dict(value, key or tp.__name__)
         except ValueError as error:  # its own messages start with the key's path
-            raise ConfigError(str(error), key) from None
+            raise ConfigError(str(error), key, at=error_key(error, key)) from None
     if dataclasses.is_dataclass(tp):
         return _load_dataclass(tp, value, key, base_dir)
     raise TypeError(f"the config loader cannot read type {tp!r} (at {key or 'the top level'})")
@@ -453,6 +462,18 @@ def read_yaml(path: str | Path) -> tuple[Any, dict[str, int]]:
     lines: dict[str, int] = {}
     _key_lines(node, "", lines)
     return data, lines
+
+
+def error_key(error: Exception, key: str) -> str:
+    """The path of the key that an error of a class loading itself from `key` (`SearchSpace.from_dict`) is
+    about, for its line: the error's own `key` (an unknown key's path: `space.kinds.moe.topk`), else the path
+    its message starts with (`space.kinds.moe.top_k[2] must be ...`) when it lies under `key`, else `key`."""
+    own = getattr(error, "key", None)
+    if isinstance(own, str) and own:
+        return own
+    match = re.match(r"[\w.\[\]]+", str(error))
+    path = match.group(0).rstrip(".") if match else ""
+    return path if path.startswith((f"{key}.", f"{key}[")) else key
 
 
 def line_of(key: str, lines: Mapping[str, int]) -> int | None:

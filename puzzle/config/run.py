@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Literal
 
 import yaml
 
-from puzzle.config.loader import ConfigError, doc, from_data, line_of, read_yaml, to_dict
+from puzzle.config.loader import ConfigError, doc, error_key, from_data, line_of, read_yaml, to_dict
 from puzzle.presets import SPACE_PRESETS, get_space_preset
 from puzzle.search import budget
 from puzzle.search.budget import CostModel, DeploymentLimit
@@ -430,10 +430,13 @@ class RunConfig:
                 "an existing file",
                 "space",
             )
+        # Read as the config is (duplicate keys refused), so that an error names the space file's own line.
+        data, lines = read_yaml(path)
         try:
-            return SearchSpace.from_yaml(path)
-        except ValueError as error:
-            raise ConfigError(str(error), "space") from None
+            return SearchSpace.from_dict({} if data is None else data)
+        except ValueError as error:  # its messages name the key's path under `space`
+            at = error_key(error, "space").removeprefix("space").lstrip(".")
+            raise ConfigError(str(error), file=path, line=line_of(at, lines)) from None
 
     def round_limits(self, round_index: int = 0) -> list[list[DeploymentLimit]]:
         """The budgets of round `round_index` as the search takes them (`puzzle.search.budget.DeploymentLimit`,
@@ -611,7 +614,7 @@ def load_config(path: str | Path, *, check_paths: bool = False) -> RunConfig:
     except ConfigError as error:
         if error.file is not None:
             raise
-        raise ConfigError(error.message, error.key, path, line_of(error.key, lines)) from None
+        raise ConfigError(error.message, error.key, path, line_of(error.at or error.key, lines)) from None
     return config
 
 

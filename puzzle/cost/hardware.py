@@ -287,6 +287,16 @@ def hardware_key(name: str) -> str:
     return key
 
 
+def split_gpus(name: str) -> tuple[int, str]:
+    """(N, the one GPU's canonical name) of hardware `name`: "8xb200" -> (8, "b200"), "h100" -> (1, "h100-80gb").
+
+    Where each rank holds one GPU (`puzzle plan`, `puzzle run`'s plan check), `NxNAME` is N ranks of NAME,
+    not one rank with N GPUs' memory. SpecError for a name `get_hardware` does not know."""
+    key = hardware_key(name)
+    match = _MULTI.fullmatch(key)
+    return (int(match.group(1)), match.group(2)) if match else (1, key)
+
+
 CALIBRATION_FORMAT = 1
 
 

@@ -752,3 +752,27 @@ def choices_to_spec(
         norm_eps=parent.norm_eps,
         tie_embeddings=parent.tie_embeddings,
     )
+
+
+# Keys that count parameters or bytes: a bare bound below 1 of them cannot be meant, a factor (`0.75x`) can.
+_SIZE_KEYS = ("params", "active_params", "weight_bytes", "memory_bytes")
+
+
+def factor_hints(limits: Sequence[DeploymentLimit], parent: ModelSpec, cost_model: CostModel) -> list[str]:
+    """A "did you mean 0.75x?" line for each budget whose bare value looks like a forgotten `x`: a count of
+    parameters or bytes below 1 and orders of magnitude below the parent's (`active_params<=0.75`, which
+    asks for at most 0 parameters, where 0.75x was meant). Priced by `cost_model` from the spec alone."""
+    hints = []
+    pricing = cost_model_pricing(parent, cost_model)
+    for limit in limits:
+        value = limit.value
+        if limit.key not in _SIZE_KEYS or isinstance(value, Relative) or not 0 < value < 1:
+            continue
+        row = BUDGET_ROWS[limit.key]
+        total = min(row.parent_total(pricing, term) for term in limit.terms(cost_model))
+        if value < total * 1e-3:
+            hints.append(
+                f"budget {limit.text!r} bounds the {row.meaning} at {value:g} (the parent's: {total:,.0f}); "
+                f"did you mean {limit.name}{row.side}{value:g}x?"
+            )
+    return hints
