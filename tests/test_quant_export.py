@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -293,6 +294,60 @@ def test_other_quantized_checkpoints_are_refused(exported, tmp_path):
     (foreign / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match="puzzle reads back compressed-tensors fp8"):
         puzzle.load(foreign)
+
+
+# ------------------------------------------------------------------------------------------- puzzle costs
+
+
+def _costs(capsys, target: Path) -> dict:
+    from puzzle.cli import main
+
+    code = main(["costs", str(target), "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return {key: value for key, value in json.loads(captured.out).items() if key != "target"}
+
+
+def test_costs_of_a_quantized_export_are_those_of_its_spec_with_formats(exported, capsys, tmp_path):
+    """`puzzle costs EXPORT` (and of its config.json) counts each block's weights in the format they are
+    stored in: the figures of the model spec JSON with the same per-block formats, not bf16's."""
+    _, path = exported
+    blocks = list(SPEC.blocks)
+    for key, fmt in FORMATS.items():
+        index = int(key.split(".")[2])
+        blocks[index] = dataclasses.replace(blocks[index], weight_format=fmt)
+    spec_file = tmp_path / "child.spec.json"
+    spec_file.write_text(dataclasses.replace(SPEC, blocks=tuple(blocks)).to_json())
+    want = _costs(capsys, spec_file)
+    assert want["weight_formats"] == {k.split(".")[2]: f for k, f in FORMATS.items() if f != "bf16"}
+    assert _costs(capsys, path) == want
+    assert _costs(capsys, path / "config.json") == want
+    plain = tmp_path / "plain.spec.json"
+    plain.write_text(SPEC.to_json())
+    assert want["weight_bytes"] < 0.6 * _costs(capsys, plain)["weight_bytes"]
+
+
+def test_costs_of_quantized_configs_without_weights_or_of_another_tool(exported, capsys, tmp_path):
+    """A compressed-tensors config.json without its weights cannot say its blocks' formats: a clear error,
+    not bf16 figures. Another tool's quantized checkpoint (ModelOpt) is costed by its architecture, as before."""
+    from puzzle.cli import main
+
+    _, path = exported
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "config.json").write_text((path / "config.json").read_text())
+    for target in (alone, alone / "config.json"):
+        assert main(["costs", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert "describes a quantized checkpoint, whose blocks' formats are read from its weight files" in err
+        assert "has no safetensors weights" in err
+    config = _config(path)
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4"}
+    (alone / "config.json").write_text(json.dumps(config))
+    plain = tmp_path / "plain.spec.json"
+    plain.write_text(SPEC.to_json())
+    got = _costs(capsys, alone)
+    assert got["weight_formats"] == {} and got["weight_bytes"] == _costs(capsys, plain)["weight_bytes"]
 
 
 # ------------------------------------------------------------------------------------------- refusals
