@@ -23,7 +23,7 @@ from puzzle.nemotron_h.checkpoint import convert_checkpoint, save_pretrained
 from puzzle.nemotron_h.vllm_quant_replay import VllmQuantError, resolve
 from puzzle.quant import QuantError, nvfp4_global_scale
 from puzzle.quant_blocks import fake_quantize_mixer_
-from puzzle.spec import AttentionSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, weight_formats
+from puzzle.spec import AttentionSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, NoOpSpec, weight_formats
 
 pytest.importorskip(
     "compressed_tensors"
@@ -366,3 +366,40 @@ def test_plan_refusals(tmp_path):
     save_pretrained(
         odd, tmp_path / "odd", weight_formats={"backbone.layers.0.mixer": "fp8"}
     )  # fp8 has no blocks
+
+
+@pytest.mark.parametrize(
+    ("formats", "message"),
+    [
+        (  # a no-op block has nothing to quantize: exporting it plain would hide a wrong block index
+            {"backbone.layers.1.mixer": "fp8"},
+            r"^weight format 'fp8' for block 1 \(backbone\.layers\.1\.mixer, a noop block\): it has no matmul "
+            r"weights to store in fp8; name a block with weights or give it 'bf16'$",
+        ),
+        (
+            {0: "nvfp4"},
+            r"^weight format key 0 \(int\): expected a string 'backbone\.layers\.0\.mixer' \(or "
+            r"'backbone\.layers\.I', or either without 'backbone\.'\) with I a block index below 2$",
+        ),
+        (
+            ["layers.0"],
+            r"^weight formats: expected a mapping \{'backbone\.layers\.I\.mixer': format\}, found list",
+        ),
+        ({"layers.0": 8}, r"^weight format of 'layers\.0': unknown weight format 8; choose one of"),
+    ],
+)
+def test_export_refuses_weight_formats_it_cannot_apply(tmp_path, formats, message):
+    """One-line errors naming the key or block, before anything is written."""
+    model = HybridLM(ModelSpec(vocab_size=64, hidden_size=32, blocks=(MLPSpec(width=32), NoOpSpec())))
+    with pytest.raises(QuantError, match=message):
+        export(model, tmp_path / "child", weight_formats=formats)
+    assert not (tmp_path / "child").exists()
+
+
+def test_only_bf16_blocks_write_no_quantization_config(tmp_path):
+    """Formats that quantize nothing ('bf16', also for a no-op block) give a plain checkpoint, not an empty
+    compressed-tensors config."""
+    model = HybridLM(ModelSpec(vocab_size=64, hidden_size=32, blocks=(MLPSpec(width=32), NoOpSpec())))
+    path = export(model, tmp_path / "child", weight_formats={"layers.0": "bf16", "layers.1": "bf16"})
+    assert "quantization_config" not in _config(path)
+    assert {dtype for dtype, _ in _header(path).values()} == {"F32"}

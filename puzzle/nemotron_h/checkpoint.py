@@ -359,8 +359,9 @@ def save_pretrained(
     )
     if weight_formats is None:  # the blocks' own formats (an assembled child's), if any
         weight_formats = module_weight_formats(model.spec)
-    if weight_formats:  # {}: every block as it is (e.g. bf16 for llama.cpp), no quantization_config
-        quant_plan = quantized.plan(model, weight_formats)  # refusals before anything is written
+    # {} or only bf16 blocks: every block as it is (e.g. bf16 for llama.cpp), no quantization_config
+    quant_plan = quantized.plan(model, weight_formats) if weight_formats else None  # refusals before writing
+    if quant_plan is not None and quant_plan.weights:
         options["quantization_config"] = quantized.quantization_config(quant_plan)
         weights = functools.partial(
             quantized.stream_quantized, model, max_shard_bytes=max_shard_bytes, quant_plan=quant_plan

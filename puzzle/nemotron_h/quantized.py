@@ -81,7 +81,8 @@ def plan(model: HybridLM, formats: Mapping[str, str]) -> QuantPlan:
     """The plan for `model` and a mapping {module-name prefix: format} (`puzzle.quant_blocks.block_formats`).
 
     Refuses (QuantError), before anything is written, an nvfp4 weight whose input dimension is not a
-    multiple of 16. A format for a block with no matmul weight (a no-op block) quantizes nothing.
+    multiple of 16 and fp8 or nvfp4 for a block with no matmul weight (a no-op block), which would quantize
+    nothing ("bf16", keeping it as it is, is accepted).
     """
     spec = model.spec
     blocks = block_formats(formats, spec.num_blocks)
@@ -92,6 +93,12 @@ def plan(model: HybridLM, formats: Mapping[str, str]) -> QuantPlan:
             continue
         prefix = f"{_BACKBONE}layers.{index}.mixer."
         names = quantized_weights(spec.blocks[index], spec.hidden_size)
+        if not names:  # silently exporting it unquantized would hide a mistaken block index
+            block = spec.blocks[index]
+            raise QuantError(
+                f"weight format {fmt!r} for block {index} ({_BACKBONE}layers.{index}.mixer, a {block.kind} "
+                f"block): it has no matmul weights to store in {fmt}; name a block with weights or give it 'bf16'"
+            )
         for name in names:
             weights[prefix + name] = fmt
         for group in NVFP4_SHARED_SCALE:
