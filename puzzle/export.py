@@ -23,6 +23,7 @@ from puzzle.nemotron_h.checkpoint import EXPORT_RECORD, module_weight_formats, s
 from puzzle.nemotron_h.config import CheckpointError, config_from_spec
 from puzzle.nemotron_h.engines import SERVING_ENGINES, engine_problems, engine_support
 from puzzle.nemotron_h.weights import DEFAULT_MAX_SHARD_BYTES
+from puzzle.quant_blocks import block_formats
 from puzzle.search.types import Solution
 
 FORMATS = ("auto", "nemotron_h", "nemotron_h_puzzle", "engine")
@@ -133,6 +134,8 @@ def export(
         measured = child.assembly.measured
     if weight_formats is None:  # an assembled child's blocks carry their formats
         weight_formats = module_weight_formats(child.spec)
+    else:  # its keys and formats checked before the record copies them (save_pretrained plans the rest)
+        block_formats(weight_formats, child.spec.num_blocks)
     record = export_record(child, config, parent or child.source_path, solution, measured)
     if run_info is not None:
         record["run"] = dict(run_info)

@@ -115,11 +115,22 @@ def block_formats(formats: Mapping[str, str], num_blocks: int) -> dict[int, str]
 
     A key names one block's mixer: `backbone.layers.I.mixer` (the hub name), `backbone.layers.I`, or the
     same without `backbone.`. Blocks not named keep their dtype ("bf16" is a valid, explicit choice too).
-    Unknown formats, keys that name no block (or a part of a mixer: its tensors are quantized together,
-    see the module docstring), and a block given twice are refused.
+    Unknown formats, keys that are not strings or name no block (or a part of a mixer: its tensors are
+    quantized together, see the module docstring), and a block given twice are refused.
     """
+    if not isinstance(formats, Mapping):
+        raise QuantError(
+            f"weight formats: expected a mapping {{'backbone.layers.I.mixer': format}}, found "
+            f"{type(formats).__name__} {formats!r}"
+        )
     out: dict[int, str] = {}
     for key, fmt in formats.items():
+        if not isinstance(key, str):  # e.g. a bare block index: say which spelling is wanted
+            raise QuantError(
+                f"weight format key {key!r} ({type(key).__name__}): expected a string "
+                f"'backbone.layers.{key}.mixer' (or 'backbone.layers.I', or either without 'backbone.') "
+                f"with I a block index below {num_blocks}"
+            )
         rest = key.removeprefix("backbone.").removesuffix(".mixer")
         index = rest.removeprefix("layers.")
         if not rest.startswith("layers.") or not index.isdigit() or int(index) >= num_blocks:

@@ -270,3 +270,45 @@ def test_super_shaped_child_on_meta_round_trips_its_block_configs(tmp_path):
     assert (mtp_moe["moe_intermediate_size"], mtp_moe["num_experts_per_tok"]) == (2688, 22)
     with pytest.raises(CheckpointError, match="meta device"):
         export(child, tmp_path / "child")
+
+
+def test_the_tokenizer_of_a_puzzle_export_loads_quietly_without_remote_code(tmp_path):
+    """`AutoTokenizer.from_pretrained(export, trust_remote_code=False)`, as the README recommends, reads
+    config.json too and cannot build a nemotron_h_puzzle config without its code: it reads the entry the export
+    writes for it instead of warning that the model type is not its own. The model itself still loads (puzzle,
+    transformers with remote code) and the entry is not carried twice through a reload and re-export."""
+    import logging
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from puzzle.demo.corpus import write_tokenizer
+
+    parent_dir = save_parent(
+        HybridLM(ModelSpec(vocab_size=258, hidden_size=16, blocks=(MLPSpec(8),))), tmp_path / "p"
+    )
+    write_tokenizer(parent_dir)
+    child = HybridLM(ModelSpec(vocab_size=258, hidden_size=16, blocks=(MLPSpec(width=8), MLPSpec(width=12))))
+    out = export(child, tmp_path / "child", parent_dir=parent_dir, format="nemotron_h_puzzle")
+    assert json.loads((out / "config.json").read_text())["model_type"] == "nemotron_h_puzzle"
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    library_logger = logging.getLogger("transformers")  # every transformers module logs below it
+    level = library_logger.level
+    library_logger.addHandler(handler)
+    library_logger.setLevel(logging.WARNING)  # whatever an earlier test set: the warning would be emitted
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(out, trust_remote_code=False)
+    finally:
+        library_logger.removeHandler(handler)
+        library_logger.setLevel(level)
+    assert [record.getMessage() for record in records] == []
+    assert tokenizer("ab")["input_ids"] == AutoTokenizer.from_pretrained(parent_dir)("ab")["input_ids"]
+
+    assert type(AutoConfig.from_pretrained(out, trust_remote_code=True)).__name__ == "NemotronHPuzzleConfig"
+    reloaded = puzzle.load(out)
+    assert reloaded.spec == child.spec
+    config = json.loads((out / "config.json").read_text())
+    again = json.loads((export(reloaded, tmp_path / "again") / "config.json").read_text())
+    assert again == config

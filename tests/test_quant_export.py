@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from puzzle.nemotron_h.checkpoint import convert_checkpoint, save_pretrained
 from puzzle.nemotron_h.vllm_quant_replay import VllmQuantError, resolve
 from puzzle.quant import QuantError, nvfp4_global_scale
 from puzzle.quant_blocks import fake_quantize_mixer_
-from puzzle.spec import AttentionSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, weight_formats
+from puzzle.spec import AttentionSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, NoOpSpec, weight_formats
 
 pytest.importorskip(
     "compressed_tensors"
@@ -295,6 +296,60 @@ def test_other_quantized_checkpoints_are_refused(exported, tmp_path):
         puzzle.load(foreign)
 
 
+# ------------------------------------------------------------------------------------------- puzzle costs
+
+
+def _costs(capsys, target: Path) -> dict:
+    from puzzle.cli import main
+
+    code = main(["costs", str(target), "--json"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    return {key: value for key, value in json.loads(captured.out).items() if key != "target"}
+
+
+def test_costs_of_a_quantized_export_are_those_of_its_spec_with_formats(exported, capsys, tmp_path):
+    """`puzzle costs EXPORT` (and of its config.json) counts each block's weights in the format they are
+    stored in: the figures of the model spec JSON with the same per-block formats, not bf16's."""
+    _, path = exported
+    blocks = list(SPEC.blocks)
+    for key, fmt in FORMATS.items():
+        index = int(key.split(".")[2])
+        blocks[index] = dataclasses.replace(blocks[index], weight_format=fmt)
+    spec_file = tmp_path / "child.spec.json"
+    spec_file.write_text(dataclasses.replace(SPEC, blocks=tuple(blocks)).to_json())
+    want = _costs(capsys, spec_file)
+    assert want["weight_formats"] == {k.split(".")[2]: f for k, f in FORMATS.items() if f != "bf16"}
+    assert _costs(capsys, path) == want
+    assert _costs(capsys, path / "config.json") == want
+    plain = tmp_path / "plain.spec.json"
+    plain.write_text(SPEC.to_json())
+    assert want["weight_bytes"] < 0.6 * _costs(capsys, plain)["weight_bytes"]
+
+
+def test_costs_of_quantized_configs_without_weights_or_of_another_tool(exported, capsys, tmp_path):
+    """A compressed-tensors config.json without its weights cannot say its blocks' formats: a clear error,
+    not bf16 figures. Another tool's quantized checkpoint (ModelOpt) is costed by its architecture, as before."""
+    from puzzle.cli import main
+
+    _, path = exported
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "config.json").write_text((path / "config.json").read_text())
+    for target in (alone, alone / "config.json"):
+        assert main(["costs", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert "describes a quantized checkpoint, whose blocks' formats are read from its weight files" in err
+        assert "has no safetensors weights" in err
+    config = _config(path)
+    config["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4"}
+    (alone / "config.json").write_text(json.dumps(config))
+    plain = tmp_path / "plain.spec.json"
+    plain.write_text(SPEC.to_json())
+    got = _costs(capsys, alone)
+    assert got["weight_formats"] == {} and got["weight_bytes"] == _costs(capsys, plain)["weight_bytes"]
+
+
 # ------------------------------------------------------------------------------------------- refusals
 
 
@@ -311,3 +366,40 @@ def test_plan_refusals(tmp_path):
     save_pretrained(
         odd, tmp_path / "odd", weight_formats={"backbone.layers.0.mixer": "fp8"}
     )  # fp8 has no blocks
+
+
+@pytest.mark.parametrize(
+    ("formats", "message"),
+    [
+        (  # a no-op block has nothing to quantize: exporting it plain would hide a wrong block index
+            {"backbone.layers.1.mixer": "fp8"},
+            r"^weight format 'fp8' for block 1 \(backbone\.layers\.1\.mixer, a noop block\): it has no matmul "
+            r"weights to store in fp8; name a block with weights or give it 'bf16'$",
+        ),
+        (
+            {0: "nvfp4"},
+            r"^weight format key 0 \(int\): expected a string 'backbone\.layers\.0\.mixer' \(or "
+            r"'backbone\.layers\.I', or either without 'backbone\.'\) with I a block index below 2$",
+        ),
+        (
+            ["layers.0"],
+            r"^weight formats: expected a mapping \{'backbone\.layers\.I\.mixer': format\}, found list",
+        ),
+        ({"layers.0": 8}, r"^weight format of 'layers\.0': unknown weight format 8; choose one of"),
+    ],
+)
+def test_export_refuses_weight_formats_it_cannot_apply(tmp_path, formats, message):
+    """One-line errors naming the key or block, before anything is written."""
+    model = HybridLM(ModelSpec(vocab_size=64, hidden_size=32, blocks=(MLPSpec(width=32), NoOpSpec())))
+    with pytest.raises(QuantError, match=message):
+        export(model, tmp_path / "child", weight_formats=formats)
+    assert not (tmp_path / "child").exists()
+
+
+def test_only_bf16_blocks_write_no_quantization_config(tmp_path):
+    """Formats that quantize nothing ('bf16', also for a no-op block) give a plain checkpoint, not an empty
+    compressed-tensors config."""
+    model = HybridLM(ModelSpec(vocab_size=64, hidden_size=32, blocks=(MLPSpec(width=32), NoOpSpec())))
+    path = export(model, tmp_path / "child", weight_formats={"layers.0": "bf16", "layers.1": "bf16"})
+    assert "quantization_config" not in _config(path)
+    assert {dtype for dtype, _ in _header(path).values()} == {"F32"}

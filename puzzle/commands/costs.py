@@ -3,7 +3,9 @@
 TARGET is a preset name (`puzzle costs nemotron3-super`), a checkpoint directory, a config.json
 file (nemotron_h, or nemotron_h_puzzle with per-block `block_configs`), or a puzzle model spec JSON
 (`ModelSpec.to_json`, e.g. an assembled child's `child.spec`, per-block weight formats included: a block in
-fp8 or nvfp4 has its matmul weights counted in that format, whatever --recipe says for them).
+fp8 or nvfp4 has its matmul weights counted in that format, whatever --recipe says for them). A quantized
+export of puzzle's (compressed-tensors `quantization_config`) is read as `puzzle.load` reads it: each block
+in the format its weights are stored in, from the weight files' headers beside config.json.
 
 With `--user-speed TOKENS_PER_S`, also per scenario (`--scenario`, default the seed's two workloads,
 8k in / 64k out and 50k in / 2k out): the largest batch whose predicted per-user decode speed stays at or
@@ -137,20 +139,41 @@ def load_target(target: str) -> tuple[ModelSpec, str]:
 
     path = Path(target)
     if path.is_dir():
-        return nemotron_h.spec_from_config(
-            nemotron_h.read_config(path), str(path / nemotron_h.CONFIG_NAME)
-        ), f"checkpoint {path}"
+        return _checkpoint_spec(path, nemotron_h.read_config(path), str(path / nemotron_h.CONFIG_NAME)), (
+            f"checkpoint {path}"
+        )
     if path.is_file():
         spec = _model_spec_file(path)
         if spec is not None:
             return spec, f"model spec {path}"
         config = nemotron_h.read_config_file(path)
-        return nemotron_h.spec_from_config(config, str(path)), f"config {path}"
+        return _checkpoint_spec(path.parent, config, str(path)), f"config {path}"
     if path.exists():  # a device, a fifo...
         raise SpecError(f"{target} is neither a config.json file nor a checkpoint directory")
     if path.suffix == ".json" or "/" in target:
         raise SpecError(f"{target} does not exist")
     return get_preset(target), f"preset {target}"
+
+
+def _checkpoint_spec(directory: Path, config: dict[str, Any], where: str) -> ModelSpec:
+    """The spec of a checkpoint's `config` (read from `where`, its weights in `directory`). A quantized export
+    of puzzle's (compressed-tensors) gets each block's stored weight format as `puzzle.load` reads it, from
+    the weight files' headers, so its weights are counted in the formats they are served in."""
+    from puzzle import nemotron_h
+
+    if config.get("quantization_config"):
+        from puzzle.nemotron_h import quantized  # late: torch, for a quantized checkpoint only
+
+        if quantized.quant_method(config) == quantized.QUANT_METHOD:
+            try:
+                return nemotron_h.stored_spec(directory, config)
+            except nemotron_h.CheckpointError as error:
+                raise nemotron_h.CheckpointError(
+                    f"{where} describes a quantized checkpoint, whose blocks' formats are read from its "
+                    f"weight files beside it: {error}"
+                ) from None
+        # Another tool's quantization (e.g. ModelOpt): its architecture alone, weights counted per --recipe.
+    return nemotron_h.spec_from_config(config, where)
 
 
 def _model_spec_file(path: Path) -> ModelSpec | None:

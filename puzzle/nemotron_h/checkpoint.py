@@ -156,8 +156,7 @@ def load(
         handles = {file: stack.enter_context(open_safetensors(file)) for file in weight_files(path)}
         sources, extras, prefix = map_checkpoint(handles)
         if quantized_formats is not None:  # puzzle's compressed-tensors export: weights read back dequantized
-            sources = quantized.dequantizing_sources(sources, str(path))
-            spec = quantized.spec_with_formats(spec, sources)
+            sources, spec = quantized.read_back(sources, spec, str(path))
         with torch.device("meta"):
             model = HybridLM(spec)
         # Hub names: the routed experts of each MoE block one by one, as checkpoints store them.
@@ -216,6 +215,21 @@ def load(
     model.source_config = dict(config)
     model.source_path = path.resolve()
     return model.eval()
+
+
+def stored_spec(path: str | Path, config: Mapping[str, Any] | None = None) -> ModelSpec:
+    """The spec `load(path)` builds, from config.json (`config`: already read) and, for a quantized export of
+    puzzle's, the weight files' headers (no tensor is read): its blocks carry the formats their weights are
+    stored in (`quantized.read_back`). CheckpointError for another tool's quantized checkpoint, as `load`."""
+    path = Path(path)
+    config = read_config(path) if config is None else config
+    where = str(path / CONFIG_NAME)
+    spec = spec_from_config(config, where=where)
+    if quantized.read_formats(config, where) is None:
+        return spec
+    with contextlib.ExitStack() as stack:
+        handles = {file: stack.enter_context(open_safetensors(file)) for file in weight_files(path)}
+        return quantized.read_back(map_checkpoint(handles)[0], spec, str(path))[1]
 
 
 # -------------------------------------------------------------------------------------------------- save
@@ -348,8 +362,9 @@ def save_pretrained(
     written_plain = _quantized_blocks_written_plain(model, weight_formats or {})
     if written_plain:  # the values those blocks multiply by, so a plain load computes as the model does
         weights = functools.partial(_effective_weights, weights, written_plain)
-    if weight_formats:  # {}: every block as it is (e.g. bf16 for llama.cpp), no quantization_config
-        quant_plan = quantized.plan(model, weight_formats)  # refusals before anything is written
+    # {} or only bf16 blocks: every block as it is (e.g. bf16 for llama.cpp), no quantization_config
+    quant_plan = quantized.plan(model, weight_formats) if weight_formats else None  # refusals before writing
+    if quant_plan is not None and quant_plan.weights:
         options["quantization_config"] = quantized.quantization_config(quant_plan)
         weights = functools.partial(
             quantized.stream_quantized, model, max_shard_bytes=max_shard_bytes, quant_plan=quant_plan

@@ -299,6 +299,17 @@ _KIND_NAMES = {
     for name in (spec_type.kind, *table.names, spec_type.pattern_char)
 }
 
+# transformers' AutoTokenizer reads config.json before the tokenizer's files. Without trust_remote_code it
+# cannot build a nemotron_h_puzzle config and falls back to its base config class, which warns that the
+# checkpoint's model type is not its own ("") unless an entry of config.json is a dict of that model type: it
+# then reads that entry instead, quietly. A nemotron_h_puzzle config carries this one for that reading alone
+# (the tokenizer needs no model code: tokenizer_config.json names its class); everything else ignores it.
+TOKENIZER_READER_KEY = "tokenizer_reader_config"
+TOKENIZER_READER_CONFIG = {
+    "model_type": "",
+    "note": "read by transformers' AutoTokenizer without trust_remote_code instead of this model's config",
+}
+
 # Keys a saved config.json gets from the spec; anything else is carried over from the loaded config.
 _OWNED_KEYS = (
     set(CONFIG_ALIASES)
@@ -320,6 +331,7 @@ _OWNED_KEYS = (
         "dtype",
         "torch_dtype",
         "quantization_config",  # describes the stored weights: written by the save that quantizes, never carried
+        TOKENIZER_READER_KEY,
     }
 )
 
@@ -679,6 +691,7 @@ def config_from_spec(
         return dict(sorted(config.items()))
     config["model_type"] = "nemotron_h_puzzle"
     config["architectures"] = ["NemotronHPuzzleForCausalLM"]
+    config[TOKENIZER_READER_KEY] = dict(TOKENIZER_READER_CONFIG)
     entries = _entries([*spec.blocks, *mtp], config)
     config["block_configs"] = entries[: spec.num_blocks]
     if mtp:

@@ -81,7 +81,8 @@ def plan(model: HybridLM, formats: Mapping[str, str]) -> QuantPlan:
     """The plan for `model` and a mapping {module-name prefix: format} (`puzzle.quant_blocks.block_formats`).
 
     Refuses (QuantError), before anything is written, an nvfp4 weight whose input dimension is not a
-    multiple of 16. A format for a block with no matmul weight (a no-op block) quantizes nothing.
+    multiple of 16 and fp8 or nvfp4 for a block with no matmul weight (a no-op block), which would quantize
+    nothing ("bf16", keeping it as it is, is accepted).
     """
     spec = model.spec
     blocks = block_formats(formats, spec.num_blocks)
@@ -92,6 +93,12 @@ def plan(model: HybridLM, formats: Mapping[str, str]) -> QuantPlan:
             continue
         prefix = f"{_BACKBONE}layers.{index}.mixer."
         names = quantized_weights(spec.blocks[index], spec.hidden_size)
+        if not names:  # silently exporting it unquantized would hide a mistaken block index
+            block = spec.blocks[index]
+            raise QuantError(
+                f"weight format {fmt!r} for block {index} ({_BACKBONE}layers.{index}.mixer, a {block.kind} "
+                f"block): it has no matmul weights to store in {fmt}; name a block with weights or give it 'bf16'"
+            )
         for name in names:
             weights[prefix + name] = fmt
         for group in NVFP4_SHARED_SCALE:
@@ -298,10 +305,9 @@ def _check_scheme(group: str, scheme: Mapping[str, Any], where: str) -> str:
 def read_formats(config: Mapping[str, Any], where: str) -> set[str] | None:
     """None for an unquantized config.json; the formats of a compressed-tensors one puzzle can read back;
     CheckpointError for any other quantized checkpoint (e.g. NVIDIA's ModelOpt releases)."""
-    quantization = config.get("quantization_config")
-    if not quantization:
+    method = quant_method(config)
+    if method is None:
         return None
-    method = quantization.get("quant_method", "unknown") if isinstance(quantization, Mapping) else "unknown"
     if method != QUANT_METHOD:
         raise CheckpointError(
             f"{where} describes a quantized checkpoint (quantization_config, quant_method {method!r}); puzzle "
@@ -309,8 +315,17 @@ def read_formats(config: Mapping[str, Any], where: str) -> set[str] | None:
             "BF16 release. Its architecture alone can still be read with puzzle.nemotron_h.spec_from_config "
             "(e.g. `puzzle costs`)."
         )
-    groups = quantization.get("config_groups") or {}
+    groups = config["quantization_config"].get("config_groups") or {}
     return {_check_scheme(name, scheme, where) for name, scheme in groups.items()}
+
+
+def quant_method(config: Mapping[str, Any]) -> str | None:
+    """The `quant_method` of config.json's `quantization_config` (QUANT_METHOD for puzzle's exports; "unknown"
+    when it names none), None for an unquantized checkpoint."""
+    quantization = config.get("quantization_config")
+    if not quantization:
+        return None
+    return quantization.get("quant_method", "unknown") if isinstance(quantization, Mapping) else "unknown"
 
 
 def dequantizing_sources(sources: Mapping[str, TensorSource], where: str) -> dict[str, TensorSource]:
@@ -370,6 +385,17 @@ def spec_with_formats(spec: ModelSpec, sources: Mapping[str, TensorSource]) -> M
     return dataclasses.replace(spec, blocks=tuple(blocks))
 
 
+def read_back(
+    sources: Mapping[str, TensorSource], spec: ModelSpec, where: str
+) -> tuple[dict[str, TensorSource], ModelSpec]:
+    """A compressed-tensors export's `map_checkpoint` sources and config spec as `load` reads them: each
+    quantized weight one `DequantizedSource` (`dequantizing_sources`), each block in the format its weights
+    are stored in (`spec_with_formats`). Shared by `load` and `puzzle costs` of a checkpoint directory, which
+    thereby count a block's weights in the format they are served in."""
+    sources = dequantizing_sources(sources, where)
+    return sources, spec_with_formats(spec, sources)
+
+
 def read_source(handles: Mapping[Path, Any], source: TensorSource) -> torch.Tensor:
     """A model tensor from its source: dequantized when stored quantized, else read as is."""
     if isinstance(source, DequantizedSource):
@@ -385,7 +411,9 @@ __all__ = [
     "dequantizing_sources",
     "plan",
     "quantization_config",
+    "quant_method",
     "quantized_entries",
+    "read_back",
     "read_formats",
     "read_source",
     "stream_quantized",
