@@ -359,9 +359,6 @@ def save_pretrained(
     )
     if weight_formats is None:  # the blocks' own formats (an assembled child's), if any
         weight_formats = module_weight_formats(model.spec)
-    written_plain = _quantized_blocks_written_plain(model, weight_formats or {})
-    if written_plain:  # the values those blocks multiply by, so a plain load computes as the model does
-        weights = functools.partial(_effective_weights, weights, written_plain)
     # {} or only bf16 blocks: every block as it is (e.g. bf16 for llama.cpp), no quantization_config
     quant_plan = quantized.plan(model, weight_formats) if weight_formats else None  # refusals before writing
     if quant_plan is not None and quant_plan.weights:
@@ -369,6 +366,9 @@ def save_pretrained(
         weights = functools.partial(
             quantized.stream_quantized, model, max_shard_bytes=max_shard_bytes, quant_plan=quant_plan
         )
+    written_plain = _quantized_blocks_written_plain(model, weight_formats or {})
+    if written_plain:  # the values those blocks multiply by, so a plain load computes as the model does
+        weights = functools.partial(_effective_weights, weights, written_plain)
 
     if _sharded(model):  # every rank gathers, rank 0 writes
         return _save_sharded(model, path, weights, options)
