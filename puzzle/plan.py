@@ -14,7 +14,8 @@ The estimates, and why (docs/SCALE.md shows them on Nemotron-3 Nano and Super):
   hardware's dense bf16 peak x `efficiency`): an assumed model-FLOPs utilisation, printed with the plan.
 - Memory per rank = sharded parent parameters (parent dtype) + the largest unit all-gathered for its forward
   + what the stage trains (parameters, gradients and both AdamW moments, all in the training dtype as
-  torch's AdamW keeps them, sharded) + activations at the configured batch share and sequence length
+  torch's AdamW keeps them, sharded) + activations of the sequences a rank runs at once (its rows of each
+  batch in BLD, its micro-batch in GKD, whole batches, shared out round-robin, in the forward-only stages)
   (`puzzle.cost.kinds` activation elements per token, saved for the backward where a stage trains) + the
   logits chunk (`puzzle.logits`: fp32 `[tokens, vocab_chunk]` tensors, never `[tokens, V]`).
 - A child is not known before the search: assembly, GKD and export are planned with a child of the loosest
