@@ -1,4 +1,4 @@
-"""The statistics and the fine search space behind benchmarks/ablations.py (issue 24, sections 3 and 4).
+"""The statistics and the fine search space behind benchmarks/ablations.py (its replication's comparisons).
 
 Pure functions over numbers and specs, so that each is tested on its own (tests/test_ablations.py):
 

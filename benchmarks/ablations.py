@@ -1218,7 +1218,7 @@ def crossovers(data: dict[str, Any], other: str = "homogeneous", draws: int = 20
 
 
 def analysis(data: dict[str, Any]) -> dict[str, Any]:
-    """The comparisons of issue 24, section 3 and 4, from the rows: equal size (active and total parameters),
+    """The replication's comparisons, from the rows: equal size (active and total parameters),
     paired ratios per GKD seed, the crossover against uniform pruning."""
     out = {
         "equal_size": equal_size(data),
@@ -1544,7 +1544,7 @@ def additivity(
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """The search options (OPTIONS: `search.rerank`, `search.context_rounds`, both, and the trust region
-    `context_changes`) at `level` against the plain MIP and the refilled greedy (issue 24, section 1). Each
+    `context_changes`) at `level` against the plain MIP and the refilled greedy (the 40% study). Each
     option runs the pipeline's solutions stage over `run`'s scores (`config`: the run's config data; the
     earlier stages reused); every child is measured on the scoring held-out (prediction) and the test split
     (report), and distilled once per GKD seed. The goals: within-level Spearman of predicted vs measured KL >= 0.8, the

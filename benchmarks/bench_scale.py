@@ -6,8 +6,8 @@ Writes benchmarks/results/bench_scale.json and prints a table (stage x ranks: me
 
 The parent is NemotronH-shaped (Nemotron-3's `MEM*E` rhythm: Mamba-2, MoE, attention; random fp32
 weights, only memory matters), built and saved here with `puzzle.nemotron_h.save_pretrained`; the data is
-random tokens. One config runs every stage with `shard: fsdp` for BLD, scoring and GKD (importance has no
-such setting: it needs the whole parent on every rank) and tiny step and token counts. Each world size is
+random tokens. One config runs every stage with `shard: fsdp` for BLD, scoring and GKD (and importance,
+sharded by default) and tiny step and token counts. Each world size is
 `python -m torch.distributed.run --standalone --nproc-per-node N -m puzzle run CONFIG` on the CPU (gloo,
 one torch thread per rank) in a fresh run directory.
 
@@ -21,7 +21,7 @@ are reported raw and above the baseline; the goals and the plan are compared on 
 
 The prediction is `puzzle.plan.plan_config(config, N)`: each stage's peak per rank; since the measured
 figure is cumulative it is compared with the running maximum of the predicted peaks up to that stage.
-Goals (issue 22 section 5): peak per rank at 2 ranks <= 0.6x, at 4 ranks <= 0.35x the peak at 1 rank;
+Goals: peak per rank at 2 ranks <= 0.6x, at 4 ranks <= 0.35x the peak at 1 rank;
 the plan's peak per rank within 25% of the measured one at each world size.
 """
 

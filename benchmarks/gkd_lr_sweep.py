@@ -1,4 +1,4 @@
-"""A small GKD learning-rate sweep on a finished demo run (issue 24 section 2): each child of the run distilled
+"""A small GKD learning-rate sweep on a finished demo run: each child of the run distilled
 again at each learning rate, everything else as the demo configures it; the held-out KL at every evaluation,
 the best one and the step `keep_best` keeps.
 

@@ -301,7 +301,7 @@ def _formats(formats: Sequence[str]) -> str:
 
 
 def verdicts(data: dict[str, Any]) -> list[str]:
-    """Plain sentences on the issue's goal (the joint search best at every level, beyond the GKD-seed noise)."""
+    """Plain sentences on the goal (the joint search best at every level, beyond the GKD-seed noise)."""
     lines = []
     ratios = data["comparison"]["ratios"]
     for level, methods in ratios.items():
@@ -417,7 +417,7 @@ def markdown(data: dict[str, Any], others: Sequence[Path] = ()) -> str:
         "weights (about 1 MiB), so the decode step, and with it the batch at a fixed "
         "speed, is set by the attention and SSM state: weight formats barely move it (1.00x) and removing "
         "the attention block moves it by orders of magnitude. At Super's size the weights are ~64 GB per "
-        "replica and formats move throughput (`puzzle costs --user-speed`, issue 25 section 6).",
+        "replica and formats move throughput (`puzzle costs --user-speed`).",
         "",
     ]
     return "\n".join(lines)

@@ -356,8 +356,8 @@ BENCHES = [
     Bench(
         "scale",
         "bench_scale.py",
-        # 399 MiB fp32: at 4 ranks about 9 GiB together, what a 24 GiB machine holds beside other jobs; the
-        # issue's >= 1 GB parent (`--hidden 1024 --blocks 32 --vocab 32768`) needs ~25 GiB at 4 ranks.
+        # 399 MiB fp32: at 4 ranks about 9 GiB together, what a 24 GiB machine holds beside other jobs; a
+        # >= 1 GB parent (`--hidden 1024 --blocks 32 --vocab 32768`) needs ~25 GiB at 4 ranks.
         shlex.split("--hidden 768 --blocks 15 --vocab 32768"),
         shlex.split("--hidden 256 --blocks 5 --vocab 4096 --ranks 1 2"),
         scale_rows,

@@ -14,11 +14,12 @@ The estimates, and why (docs/SCALE.md shows them on Nemotron-3 Nano and Super):
   hardware's dense bf16 peak x `efficiency`): an assumed model-FLOPs utilisation, printed with the plan.
 - Memory per rank = sharded parent parameters (parent dtype) + the largest unit all-gathered for its forward
   + what the stage trains (parameters, gradients and both AdamW moments, all in the training dtype as
-  torch's AdamW keeps them, sharded) + activations at the configured batch share and sequence length
+  torch's AdamW keeps them, sharded) + activations of the sequences a rank runs at once (its rows of each
+  batch in BLD, its micro-batch in GKD, whole batches, shared out round-robin, in the forward-only stages)
   (`puzzle.cost.kinds` activation elements per token, saved for the backward where a stage trains) + the
   logits chunk (`puzzle.logits`: fp32 `[tokens, vocab_chunk]` tensors, never `[tokens, V]`).
-- A child is not known before the search: assembly, GKD and export are planned with the parent as the
-  child, an upper bound (a child never has more parameters than its parent in these spaces).
+- A child is not known before the search: assembly, GKD and export are planned with a child of the loosest
+  `params` budget's share of the parent (the parent itself without one), an upper bound for its weights.
 """
 
 from __future__ import annotations
@@ -346,7 +347,8 @@ def _importance(ctx: _Context) -> StagePlan:
     settings, H = ctx.config.importance, ctx.spec.hidden_size
     batches = max(1, math.ceil(settings.tokens / (settings.batch_size * ctx.seq_len)))
     tokens = batches * settings.batch_size * ctx.seq_len
-    local = rows_per_rank(settings.batch_size, ctx.world) * ctx.seq_len
+    # Data-parallel by whole batches (`puzzle.prune.importance`: a round-robin share per rank), sharded or not.
+    local = settings.batch_size * ctx.seq_len
     parent = ctx.parent()
     memory = {
         "parent shard": parent.sharded,
@@ -360,7 +362,7 @@ def _importance(ctx: _Context) -> StagePlan:
         tokens,
         tokens * forward_flops_per_token(ctx.spec, ctx.seq_len, logits=False),
         memory,
-        notes=["each rank runs its rows of a batch under FSDP2"],
+        notes=["each rank runs whole calibration batches, its round-robin share of them"],
     )
 
 
@@ -436,8 +438,8 @@ def _scores(ctx: _Context) -> StagePlan:
     size = settings.variants_per_wave or max(1, len(variants))
     waves = [variants[i : i + size] for i in range(0, len(variants), size)]
     batch = ctx.config.data.eval_batch_size
-    # Sharded units run every batch on every rank (its rows); replicated ones take whole batches per rank.
-    local = (rows_per_rank(batch, ctx.world) if world > 1 else batch) * ctx.seq_len
+    # Whole batches per rank, a round-robin share of them, sharded or not (`puzzle.score`).
+    local = batch * ctx.seq_len
     parent = ctx.parent(settings.shard)
     p = ctx.dtype_bytes
 
@@ -512,7 +514,9 @@ def _solutions(ctx: _Context) -> StagePlan:
 def _assemble(ctx: _Context) -> StagePlan:
     spec, H = ctx.spec, ctx.spec.hidden_size
     solutions = _solves(ctx)
-    local = rows_per_rank(ctx.config.data.eval_batch_size, ctx.world) * ctx.seq_len
+    # The measured KL runs whole held-out batches: every batch on every rank when sharded
+    # (`puzzle.compare.compare_models`), a round-robin share of them otherwise.
+    local = ctx.config.data.eval_batch_size * ctx.seq_len
     parent, child = ctx.parent(), ctx.child_fraction
     memory = {
         "parent shard": parent.sharded,
@@ -630,14 +634,20 @@ def _export(ctx: _Context) -> StagePlan:
     parent = ctx.parent()
     return StagePlan(
         "export",
-        f"{solutions} checkpoint(s) written unit by unit",
+        f"{solutions} checkpoint(s) written tensor by tensor",
         None,
         0.0,
-        {"child shard": child * parent.sharded, "gathered unit": parent.largest_unit},
+        {
+            "parent shard": parent.sharded,
+            "child shard": child * parent.sharded,
+            "gathered unit": parent.largest_unit,
+        },
         disk=solutions * child * parent.whole,
         notes=[
             _child_note(child),
-            "today export gathers the whole child on rank 0 (issue 22 section 4 streams it)",
+            "the child is assembled again from the parent and the library, its distilled weights loaded into "
+            "its shards, then streamed out one tensor at a time: every rank gathers each tensor in turn and "
+            "rank 0 writes it (no rank holds the whole child)",
         ],
     )
 

@@ -36,8 +36,9 @@ scoring's saved variants and GKD's checkpoints live in their directories, and th
 them through their own manifests (`puzzle.artifacts`), as they do when called without a Run.
 
 Distributed (torchrun): importance, BLD, scoring, measured KL and GKD run on every rank and shard their
-work; the search and the export run on rank 0 while the others wait at a barrier (the scoring passes of
-`search.context_rounds` run on every rank, between rank 0's solves). Round r >= 2 of an
+work; the search runs on rank 0 while the others wait at a barrier (the scoring passes of
+`search.context_rounds` run on every rank, between rank 0's solves); the export of a sharded child runs on
+every rank, which gather each tensor in turn for rank 0 to write (a whole child: rank 0 alone). Round r >= 2 of an
 iterative run (`rounds.count`) is a `Run` of its own in `round-{r}/`, whose parent is the previous round's
 exported distilled child (`Run.all` chains them).
 """
@@ -442,8 +443,8 @@ class Run:
         `mode`: the FSDP mode of the stage that asks ("fsdp" or "none", its settings' `shard`). Where it
         shards (`puzzle.shard.active`: "fsdp" and more than one rank) the parent is loaded sharded from the
         files, as `puzzle.shard.shard_parent` shards it, and no rank ever holds all of it; the stage's own
-        `shard_parent` then leaves it as it is. Otherwise (one rank, "none", and the stages that need the
-        whole parent: the fingerprint, importance, assembly) every rank loads all of it.
+        `shard_parent` then leaves it as it is. Otherwise (one rank, or "none") every rank loads all of it.
+        Assembly and the measured KL take the parent as it was last loaded; the fingerprint reads the files.
         """
         dtype = None if self.config.parent.dtype == "auto" else self.config.parent.dtype
         sharded = shard.active(mode)

@@ -4,6 +4,7 @@ that reuses every stage, the real `puzzle demo --quick` from the command line, a
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -138,6 +139,10 @@ def test_puzzle_demo_quick_from_the_command_line(tmp_path):
     done = _cli("--quick", "--quiet", "--out", str(out), "--cache", str(cache), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "| parent |" in done.stdout and "active_params<=0.5x" in done.stdout
+    # Its last line is its own wall time, the figure README's Quickstart quotes.
+    assert re.fullmatch(
+        r"puzzle demo: done in \d+ s wall time on \d+ CPU core\(s\)", done.stdout.splitlines()[-1]
+    )
     assert (out / DEMO_FILE).is_file() and (out / "report" / "report.md").is_file()
     assert sorted(p.name for p in (out / "exports").iterdir()) == [
         "active_params-le-0.5x",

@@ -320,3 +320,16 @@ def test_auto_variants_per_wave_of_a_cpu_run_fits_this_machines_memory(tmp_path,
         where = "host memory" if ranks == 1 else f"host memory / {ranks} ranks"
         per_rank = f"{config.hardware.memory_fraction:g} x {host // ranks / 2**30:.1f} GiB per rank"
         assert f"({per_rank}, 1 rank(s)) of {where}" in caplog.text, caplog.text
+
+
+def test_forward_stages_plan_whole_batches_per_rank_and_export_holds_the_parent():
+    """Importance and scoring run whole batches per rank (a round-robin share, `puzzle.dist.shard`) and the
+    measured KL every held-out batch whole on every sharded rank: their activations do not shrink with the
+    ranks. Export assembles the child again from the parent it holds, so it counts the parent's shard too."""
+    config = load_config(ROOT / "examples" / "configs" / "nemotron3_super.yaml")
+    one, eight = ({s.name: s for s in plan_config(config, n, "b200").stages} for n in (1, 8))
+    for stage in ("importance", "scores", "assemble"):
+        assert eight[stage].memory["block activations"] == one[stage].memory["block activations"], stage
+    assert eight["assemble"].memory["logits chunks"] == one["assemble"].memory["logits chunks"]
+    assert eight["export"].memory["parent shard"] == eight["importance"].memory["parent shard"]
+    assert "streamed out one tensor at a time" in " ".join(eight["export"].notes)

@@ -11,7 +11,7 @@ What each engine reads:
   dt clamp, and (conservatively) one attention shape, since its hybrid KV cache pages one shape and we
   could not check several.
 - llama.cpp (its NemotronHPuzzleModel converter, PR ggml-org/llama.cpp#25444, and `src/models/nemotron-h.cpp`,
-  as read for issue 23 in the llama.cpp vendored by llama-cpp-python 0.3.36): the block pattern from
+  as read in the llama.cpp vendored by llama-cpp-python 0.3.36): the block pattern from
   block_configs, width and top-k from each MoE entry; everything else from the globals: one Mamba shape,
   one attention shape, one expert count, shared expert (always present), latent size (it writes
   `add_moe_latent_size` unconditionally: a MoE without latent projection crashes it), routing settings
