@@ -24,6 +24,7 @@ import io
 import json
 import math
 import re
+import shutil
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +38,16 @@ from puzzle.cost.analytic import (
     model_weight_bytes,
     state_bytes_per_request,
 )
-from puzzle.files import atomic_write_bytes
+from puzzle.files import (
+    atomic_write_bytes,
+    foreign_entries,
+    make_staging_dir,
+    move_files_beside,
+    path_problem,
+    refusal_to_overwrite,
+    remove_stale_staging,
+    swap_directory_into_place,
+)
 from puzzle.layout import CHILDREN_DIR, EXPORTS_DIR, RunDirError, RunLayout
 from puzzle.spec import (
     AttentionSpec,
@@ -51,6 +61,10 @@ from puzzle.spec import (
 )
 
 REPORT_FILE = "report.md"
+# report.md's first two lines: the marker proves a report.md is this module's (`is_earlier_report`), so a
+# later report may replace it; a report.md of the user's is never replaced without an explicit overwrite.
+REPORT_MARKER = "<!-- written by `puzzle report`: a report.md without this line is never replaced -->"
+REPORT_TITLE = "# Puzzle report: "
 PLOT_HINT = "plots need matplotlib: pip install 'puzzle-nas[plot]'"
 # The context of the KV + SSM state row of the cost table when the run names no scenario.
 STATE_CONTEXT = 4096
@@ -626,11 +640,14 @@ def _rounds(report: _Report, layout: RunLayout, out: Path) -> None:
 # ------------------------------------------------------------------------------------------------- API
 
 
-def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+def write_report(run_dir: str | Path, out_dir: str | Path | None = None, overwrite: bool = False) -> Path:
     """Write the report of the run in `run_dir` to `out_dir` (default RUN_DIR/report); returns report.md.
 
-    RunDirError naming the path when the run has no parent.json or no finished library, or when `out_dir`
-    holds files other than an earlier report's (*.md, *.png).
+    The report is built in a staging directory beside `out_dir` and swapped in whole, replacing an earlier
+    report (`is_own_report_entry`). RunDirError naming the path when the run has no parent.json or no
+    finished library, when `out_dir` is a file, or when it holds anything but an earlier report (the
+    user's files: nothing is written) unless `overwrite`, which writes the report's files beside them
+    (each replaced atomically; files of the same names are replaced, no other is touched).
     """
     from puzzle.library import read_library  # late: torch
 
@@ -638,22 +655,59 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     library_dir = layout.require_library()
     parent = layout.read_parent()
     library = read_library(library_dir)
-    out = Path(out_dir) if out_dir is not None else layout.report
-    if out.is_dir():  # a new directory or an earlier report, never e.g. a checkpoint's directory
-        foreign = sorted(
-            p.name
-            for p in out.iterdir()
-            if not (re.fullmatch(r"round-\d+", p.name) and p.is_dir())  # later rounds' reports
-            and (p.is_dir() or p.suffix not in (".md", ".png"))
+    out = (Path(out_dir) if out_dir is not None else layout.report).absolute()
+    problem = path_problem(out, "report directory")
+    if problem is not None:
+        raise RunDirError(problem)
+    remove_stale_staging(out)  # what a killed report left beside it
+    foreign = foreign_entries(out, own_report_entries(out))
+    if foreign and not overwrite:
+        raise RunDirError(
+            f"{refusal_to_overwrite(out, foreign, 'an earlier report')}; choose a new or empty directory, "
+            "or overwrite (--overwrite) to write the report's files beside them (nothing was written)"
         )
+    staging = make_staging_dir(out)
+    try:
+        _write_into(staging, layout, parent, library)
         if foreign:
-            raise RunDirError(
-                f"refusing to write the report into {out}: it holds files a report does not write "
-                f"({', '.join(foreign[:5])}); choose a new or empty directory"
-            )
-    out.mkdir(parents=True, exist_ok=True)
+            move_files_beside(staging, out)
+        else:
+            swap_directory_into_place(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out / REPORT_FILE
+
+
+def is_earlier_report(path: Path) -> bool:
+    """Whether `path` is a report.md this module wrote: it carries REPORT_MARKER, or (a report written
+    before the marker) starts with the report's title."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return False  # unreadable: never ours to replace
+    return REPORT_MARKER in text or text.startswith(REPORT_TITLE)
+
+
+def own_report_entries(out: Path) -> Callable[[Path], bool]:
+    """The entries of `out` a report may replace (`puzzle.files.foreign_entries`): all of an earlier
+    report's (report.md, its PNGs and later rounds' folders) when `out` holds one, none otherwise."""
+    earlier = (out / REPORT_FILE).is_file() and is_earlier_report(out / REPORT_FILE)
+
+    def own(entry: Path) -> bool:
+        if not earlier or entry.is_symlink():
+            return False
+        if entry.is_dir():
+            return re.fullmatch(r"round-\d+", entry.name) is not None
+        return entry.name == REPORT_FILE or entry.suffix == ".png"
+
+    return own
+
+
+def _write_into(out: Path, layout: RunLayout, parent: ModelSpec, library: Any) -> None:
+    """The report's files, written into the (new, empty) directory `out`."""
     report = _Report(out)
-    report.add(f"# Puzzle report: {layout.root.name}", "")
+    report.add(REPORT_MARKER, f"{REPORT_TITLE}{layout.root.name}", "")
     report.add(
         f"Parent: {parent.num_blocks} blocks, hidden size {parent.hidden_size}, "
         f"{_format(model_params(parent))} parameters ({_format(model_active_params(parent))} active).",
@@ -674,4 +728,4 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     _gkd(report, layout, list(solutions))
     _measured(report, layout)
     _rounds(report, layout, out)
-    return atomic_write_bytes(out / "report.md", "\n".join(report.lines).encode())
+    atomic_write_bytes(out / REPORT_FILE, "\n".join(report.lines).encode())
