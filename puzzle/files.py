@@ -234,7 +234,10 @@ def path_problem(path: Path, option: str) -> str | None:
     except OSError as error:
         found = "in it" if existing == path else f"in {existing}, the folder that would hold it,"
         reason = error.strerror or str(error)
-        return f"{option} {path}: expected a directory this user can write in, but creating a folder {found} failed: {reason}"
+        return (
+            f"{option} {path}: expected a directory this user can write in, but creating a folder {found} "
+            f"failed: {reason}"
+        )
     return None
 
 

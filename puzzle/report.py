@@ -13,7 +13,9 @@ of an iterative run (round-{r}/) get a report of their own in OUT/round-{r}, lin
 
 Plots need matplotlib (the optional `plot` extra); each is drawn on its own `Figure` with the Agg canvas,
 so the caller's pyplot state and backend are never touched. Without matplotlib the tables are written
-and the report says how to get the plots. Nothing but RUN_DIR/report (or `out_dir`) is written, and
+and the report says how to get the plots. Nothing but RUN_DIR/report (or `out_dir`: built in a staging
+directory beside it and swapped in whole; a directory holding anything but an earlier report is refused
+unless `overwrite`) is written, and
 RUN_DIR/hardware.json when the run prices on "this-machine" and has no stored calibration yet (measured
 once, then read back: the report's figures are the search's and do not change between reports).
 """
@@ -750,16 +752,11 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, overwri
     parent = layout.read_parent()
     library = read_library(library_dir)
     out = (Path(out_dir) if out_dir is not None else layout.report).absolute()
-    problem = path_problem(out, "report directory")
+    problem = report_dir_problem(out, overwrite)
     if problem is not None:
         raise RunDirError(problem)
     remove_stale_staging(out)  # what a killed report left beside it
     foreign = foreign_entries(out, own_report_entries(out))
-    if foreign and not overwrite:
-        raise RunDirError(
-            f"{refusal_to_overwrite(out, foreign, 'an earlier report')}; choose a new or empty directory, "
-            "or overwrite (--overwrite) to write the report's files beside them (nothing was written)"
-        )
     staging = make_staging_dir(out)
     try:
         _write_into(staging, layout, parent, library)
@@ -771,6 +768,24 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, overwri
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out / REPORT_FILE
+
+
+def report_dir_problem(
+    out: Path,
+    overwrite: bool = False,
+    remedy: str = "choose a new or empty directory, or overwrite (--overwrite) to write the report's files "
+    "beside them",
+) -> str | None:
+    """Why a report cannot be written into `out`, or None: it is a file or lies where nothing can be
+    created (`puzzle.files.path_problem`), or it holds anything but an earlier report and not `overwrite`
+    (`remedy`: what the user can do then). Checked by `write_report` and, before any stage runs, by `puzzle demo` for DIR/report."""
+    problem = path_problem(out, "report directory")
+    if problem is not None:
+        return problem
+    foreign = foreign_entries(out, own_report_entries(out))
+    if foreign and not overwrite:
+        return f"{refusal_to_overwrite(out, foreign, 'an earlier report')}; {remedy} (nothing was written)"
+    return None
 
 
 def is_earlier_report(path: Path) -> bool:

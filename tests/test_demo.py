@@ -185,3 +185,21 @@ def test_a_cache_nothing_can_be_created_in_is_refused_before_anything_is_written
     assert refused.returncode == 2 and err.count("\n") == 1, err
     assert "--cache /proc/nope" in err and "expected a directory" in err and "Errno" not in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_report_folder_of_the_users_in_dir_is_refused_before_any_stage(tmp_path):
+    """DIR/report holding the user's report.md: the demo would replace it at its end; refused up front (the
+    dry run too), nothing written."""
+    mine = tmp_path / "run" / "report"
+    mine.mkdir(parents=True)
+    (mine / "report.md").write_text("mine\n")
+    for argv in (["--dry-run"], []):
+        refused = _cli("--quick", "--quiet", *argv, "--out", "run", "--cache", "cache", cwd=tmp_path)
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+        assert "report.md" in refused.stderr and str(mine) in refused.stderr
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+        "run",
+        "run/report",
+        "run/report/report.md",
+    ]
+    assert (mine / "report.md").read_text() == "mine\n"

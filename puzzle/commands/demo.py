@@ -63,6 +63,12 @@ def _check_directory(path: Path, option: str, *, run_dir: bool) -> str | None:
             RunLayout(path).check_usable()
         except RunDirError as error:
             return f"{option}: {error}"
+        from puzzle.report import report_dir_problem  # DIR/report: the demo's report goes there, at the end
+
+        report = report_dir_problem(
+            RunLayout(path).report.absolute(), remedy="move them elsewhere, or choose another --out"
+        )
+        return None if report is None else f"{option}: {report}"
     return problem
 
 
