@@ -97,8 +97,10 @@ def run_command(args: argparse.Namespace) -> int:
             sys.stdout.flush()  # what the command printed before failing
         except OSError:  # the failure may be stdout itself (`> /dev/full`): don't fail again at exit
             _silence_stdout()
-        if isinstance(error, OSError):  # the system's message names the file: enough to act on
-            print(f"{name}: error: {error}", file=sys.stderr)
+        if isinstance(error, OSError):  # the system's reason and the file it names: enough to act on
+            from puzzle.files import describe_os_error
+
+            print(f"{name}: error: {describe_os_error(error)}", file=sys.stderr)
         else:
             print(f"{name}: unexpected error: {type(error).__name__}: {error}", file=sys.stderr)
             print(f"{name}: rerun with {DEBUG_ENV}=1 to see the traceback", file=sys.stderr)

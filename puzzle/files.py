@@ -212,3 +212,75 @@ def card_owner(directory: str | Path) -> str | None:
         return "puzzle" if CARD_MARKER in path.read_text(errors="replace") else "user"
     except OSError:
         return "user"  # unreadable: never ours to replace
+
+
+# ---------------------------------------------------------------------------- outputs the user named
+
+
+def path_problem(path: Path, option: str) -> str | None:
+    """Why directory `path` (named by the user as `option`) cannot be created or written, or None.
+
+    Checked before any work: `path` or the nearest existing folder above it must be a directory this
+    process can create entries in. That is proved by creating (and at once removing) an empty hidden
+    folder there, since permission bits do not tell (root passes `os.access` on /proc, a read-only mount
+    passes it too). The answer names the path, what was expected and what was found.
+    """
+    existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"lies under the file {existing}"
+        return f"{option} {path} {where}: expected a directory"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".puzzle-probe-", dir=existing))
+    except OSError as error:
+        found = "in it" if existing == path else f"in {existing}, the folder that would hold it,"
+        reason = error.strerror or str(error)
+        return (
+            f"{option} {path}: expected a directory this user can write in, but creating a folder {found} "
+            f"failed: {reason}"
+        )
+    return None
+
+
+def describe_os_error(error: OSError) -> str:
+    """An OSError as one sentence naming its path(s): "X: No space left on device" rather than
+    Python's "[Errno 28] No space left on device: 'X'"."""
+    reason = error.strerror or str(error)
+    if error.filename is None:
+        return reason
+    target = f"{error.filename}" + (f" -> {error.filename2}" if error.filename2 is not None else "")
+    return f"{target}: {reason}"
+
+
+def foreign_entries(directory: Path, is_own: Callable[[Path], bool]) -> list[str]:
+    """The names of the entries of `directory` that `is_own` does not claim, sorted; none for a missing one.
+
+    The one rule every command that writes into a directory the user named applies (a checkpoint save,
+    an export, `puzzle convert`, `puzzle report`, a run directory): whatever a command cannot prove is its
+    own output is the user's, and is never replaced without an explicit overwrite.
+    """
+    if not directory.is_dir():
+        return []
+    return sorted(entry.name for entry in directory.iterdir() if not is_own(entry))
+
+
+def refusal_to_overwrite(target: Path, foreign: list[str], what: str) -> str:
+    """The first half of the refusal to write into `target`, which holds `foreign` (`foreign_entries`), none
+    of them `what` (e.g. "checkpoint files"): the caller adds what its user can do about it."""
+    shown = ", ".join(foreign[:5]) + (f" (and {len(foreign) - 5} more)" if len(foreign) > 5 else "")
+    return f"refusing to write into {target}: it holds files that are not {what} ({shown})"
+
+
+def move_files_beside(staging: Path, target: Path) -> None:
+    """Move each entry of `staging` into the existing `target` (files one atomic rename each, folders
+    swapped in whole by `swap_directory_into_place`), leaving `target`'s other entries alone; then remove
+    `staging`. For an explicit overwrite of a directory that holds files of the user's."""
+    for entry in sorted(staging.iterdir()):
+        if entry.name == OWNER_MARKER:
+            continue
+        if entry.is_dir():
+            if (target / entry.name).is_file():  # the overwrite the user asked for
+                (target / entry.name).unlink()
+            swap_directory_into_place(entry, target / entry.name)
+        else:
+            os.replace(entry, target / entry.name)
+    shutil.rmtree(staging)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from puzzle.files import atomic_write_bytes
+from puzzle.files import atomic_write_bytes, foreign_entries
 from puzzle.spec import ModelSpec
 
 if TYPE_CHECKING:
@@ -149,12 +149,13 @@ class RunLayout:
             raise RunDirError(f"run directory {root} is a file: expected a directory")
         if self.manifest.is_file():
             return
-        foreign = sorted(
-            entry.name
-            for entry in root.iterdir()
-            if entry.name not in _OWN_ENTRIES
-            and not entry.name.startswith(("round-", "."))
-            and not (entry.is_file() and entry.suffix in (".yaml", ".yml"))
+        foreign = foreign_entries(
+            root,
+            lambda entry: (
+                entry.name in _OWN_ENTRIES
+                or entry.name.startswith(("round-", "."))
+                or (entry.is_file() and entry.suffix in (".yaml", ".yml"))
+            ),
         )
         if foreign:
             shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")

@@ -13,7 +13,9 @@ of an iterative run (round-{r}/) get a report of their own in OUT/round-{r}, lin
 
 Plots need matplotlib (the optional `plot` extra); each is drawn on its own `Figure` with the Agg canvas,
 so the caller's pyplot state and backend are never touched. Without matplotlib the tables are written
-and the report says how to get the plots. Nothing but RUN_DIR/report (or `out_dir`) is written, and
+and the report says how to get the plots. Nothing but RUN_DIR/report (or `out_dir`: built in a staging
+directory beside it and swapped in whole; a directory holding anything but an earlier report is refused
+unless `overwrite`) is written, and
 RUN_DIR/hardware.json when the run prices on "this-machine" and has no stored calibration yet (measured
 once, then read back: the report's figures are the search's and do not change between reports).
 """
@@ -24,6 +26,7 @@ import io
 import json
 import math
 import re
+import shutil
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,7 +40,16 @@ from puzzle.cost.analytic import (
     model_weight_bytes,
     state_bytes_per_request,
 )
-from puzzle.files import atomic_write_bytes
+from puzzle.files import (
+    atomic_write_bytes,
+    foreign_entries,
+    make_staging_dir,
+    move_files_beside,
+    path_problem,
+    refusal_to_overwrite,
+    remove_stale_staging,
+    swap_directory_into_place,
+)
 from puzzle.layout import CHILDREN_DIR, EXPORTS_DIR, RunDirError, RunLayout
 from puzzle.spec import (
     AttentionSpec,
@@ -51,6 +63,10 @@ from puzzle.spec import (
 )
 
 REPORT_FILE = "report.md"
+# report.md's first two lines: the marker proves a report.md is this module's (`is_earlier_report`), so a
+# later report may replace it; a report.md of the user's is never replaced without an explicit overwrite.
+REPORT_MARKER = "<!-- written by `puzzle report`: a report.md without this line is never replaced -->"
+REPORT_TITLE = "# Puzzle report: "
 PLOT_HINT = "plots need matplotlib: pip install 'puzzle-nas[plot]'"
 # The context of the KV + SSM state row of the cost table when the run names no scenario.
 STATE_CONTEXT = 4096
@@ -133,21 +149,54 @@ class _Report:
 
 
 def _format(value: Any) -> str:
+    """A table cell: numbers as `readable_number` writes them, booleans as yes / no, None as "-"."""
     if value is None:
         return "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if value.is_integer() and abs(value) >= 1000:  # byte and parameter counts
-            return f"{int(value):,}"
-        if abs(value) >= 1000:
-            return f"{value:,.0f}"
-        return f"{value:.4g}"
-    if isinstance(value, int):
-        return f"{value:,}"
+    if isinstance(value, (int, float)):
+        return readable_number(value)
     return str(value)
+
+
+# Below this a number is shown as "≈0": positional notation has no room for its digits.
+_TINY = 1e-12
+
+
+def readable_number(value: float) -> str:
+    """`value` as a reader takes it in at a glance, never in scientific notation: counts and other values of
+    1,000 or more with thousands separators and no decimals (1,029,360), smaller ones to 4 significant
+    digits (383.4, 0.04212, 0.00008107), trailing zeros dropped."""
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer() and abs(value) >= 1000):
+        return f"{int(value):,}"
+    if not math.isfinite(value):
+        return str(value)  # nan, inf, -inf
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    if value == 0:
+        return "0"
+    if abs(value) < _TINY:
+        return "≈0"
+    decimals = max(0, 3 - math.floor(math.log10(abs(value))))
+    text = f"{value:.{decimals}f}"
+    if abs(float(text)) >= 1000:  # 999.99 rounds up to four digits
+        return f"{float(text):,.0f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+# The bound of a budget text: `weight_bytes[bf16]<=1.02936e+06`, `active_params<=0.75x`.
+_BOUND = re.compile(r"(<=|>=|<|>|=)(-?\d+(?:\.\d*)?(?:[eE][+-]?\d+)?)(x?)$")
+
+
+def readable_budget(text: str) -> str:
+    """A budget text with its bound written by `readable_number` (`weight_bytes[bf16]<=1,029,360` for
+    `...<=1.02936e+06`); any other text as it is."""
+    found = _BOUND.search(text)
+    if found is None:
+        return text
+    number = float(found.group(2))
+    shown = readable_number(int(number) if number.is_integer() else number)
+    return f"{text[: found.start()]}{found.group(1)}{shown}{found.group(3)}"
 
 
 def _file_name(text: str) -> str:
@@ -245,9 +294,9 @@ def _frontier(report: _Report, layout: RunLayout, solutions: dict[str, dict[str,
     for key, entry in keys.items():
         parent_value, points = entry["parent"], entry["points"]
         rows = [
-            [p["budget"], p["total"], p["objective"], p["on_frontier"]]
+            [readable_budget(p["budget"]), p["total"], p["objective"], p["on_frontier"]]
             if p["total"] is not None
-            else [p["budget"], None, "infeasible", False]
+            else [readable_budget(p["budget"]), None, "infeasible", False]
             for p in points
         ]
         report.add(f"### KL against `{key}`", "")
@@ -343,16 +392,27 @@ def _scenario_metrics(layout: RunLayout, hardware: Any) -> list[tuple[str, Calla
     `user_speed`, also the throughput at the largest batch keeping that speed per user."""
     if hardware is None:
         return []
-    from puzzle.cost import max_batch_at_speed, model_throughput
+    from puzzle.cost import max_batch_at_speed, model_performance, model_throughput
 
     device = layout.hardware(hardware.profile)
-    metrics = [
-        (
-            f"throughput {name} (tokens/s, {hardware.profile})",
-            lambda spec, scenario=scenario: model_throughput(spec, scenario, device),
-        )
-        for name, scenario in hardware.scenarios.items()
-    ]
+    metrics = []
+    for name, scenario in hardware.scenarios.items():
+        # Two speeds that differ by the prefill: the batch's generated tokens over the whole request
+        # (the prompt's prefill included: what a search budget on throughput[S] bounds), and one request's
+        # decode speed, 1 / decode step (what `puzzle demo` measures and predicts as "decode tok/s").
+        metrics += [
+            (
+                f"throughput {name} (generated tokens/s of the batch, prefill of the "
+                f"{scenario.prompt_tokens}-token prompts included, {hardware.profile})",
+                lambda spec, scenario=scenario: model_throughput(spec, scenario, device),
+            ),
+            (
+                f"decode speed {name} (tokens/s per request, decode steps only, {hardware.profile})",
+                lambda spec, scenario=scenario: (
+                    model_performance(spec, scenario, device).per_user_tokens_per_s
+                ),
+            ),
+        ]
     metrics += [
         (
             f"throughput {name} at {scenario.user_speed:g} tokens/s/user (tokens/s, {hardware.profile})",
@@ -562,12 +622,36 @@ def _gkd(report: _Report, layout: RunLayout, names: list[str]) -> None:
         report.save(figure, f"gkd_{_file_name(name)}.png", f"GKD of {name}")
 
 
+def _kl_after_gkd(layout: RunLayout, name: str, record: dict[str, Any]) -> Any:
+    """Child `name`'s KL to the parent after GKD as the run recorded it: the export record's GKD evaluation
+    of the weights kept (`run.distill.kept_eval`, what `puzzle run` exports), else the kept step's
+    evaluation in children/NAME/history.json; None when neither is recorded."""
+    distill = (record.get("run") or {}).get("distill") if isinstance(record.get("run"), dict) else None
+    if isinstance(distill, dict) and isinstance(distill.get("kept_eval"), dict):
+        return distill["kept_eval"].get("kl")
+    path = layout.child(name) / "history.json"
+    if not path.is_file():
+        return None
+    history = _read_json(path)
+    if not isinstance(history, dict):
+        return None
+    evals = [e for e in history.get("eval") or [] if isinstance(e, dict)]
+    kept = history.get("kept_step")
+    chosen = [e for e in evals if e.get("step") == kept] if kept is not None else evals[-1:]
+    return chosen[0].get("kl") if chosen else None
+
+
+# What the weights of an export are, from the source its record names (`run.source`).
+_EXPORTED = {"distill": "after GKD", "assemble": "before GKD"}
+
+
 def _measured(report: _Report, layout: RunLayout) -> None:
     report.add("## Measured vs predicted KL", "")
     rows = []
     current = _current(layout)
     for path in sorted((layout.root / EXPORTS_DIR).glob("*/puzzle.json")):
-        if not _is_current(path.parent.name, current):
+        name = path.parent.name
+        if not _is_current(name, current):
             continue
         record = _read_json(path)
         measured = record.get("measured") or {}
@@ -576,11 +660,33 @@ def _measured(report: _Report, layout: RunLayout) -> None:
             predicted = (record.get("predicted") or {}).get("kl")
         if predicted is None and isinstance(record.get("search"), dict):
             predicted = record["search"].get("objective")
-        rows.append([path.parent.name, predicted, measured.get("kl"), measured.get("tokens")])
+        run = record.get("run") if isinstance(record.get("run"), dict) else {}
+        exported = _EXPORTED.get(run.get("source"), "-")
+        after = _kl_after_gkd(layout, name, record)
+        rows.append([name, predicted, measured.get("kl"), after, exported, measured.get("tokens")])
     if not rows:
         report.add(f"_Skipped: no {EXPORTS_DIR}/NAME/puzzle.json._", "")
         return
-    report.add(*_table(["export", "predicted KL", "measured KL", "tokens"], rows))
+    report.add(
+        "KL (nats/token) of each exported child to the parent on the run's held-out tokens: predicted by the "
+        "search (the sum of its blocks' replace-one-block KL), measured on the assembled child before global "
+        "distillation (what the prediction estimates), and after GKD (the evaluation of the weights GKD kept). "
+        '"exported weights" says which of the two the export holds (`puzzle run` exports the distilled ones).',
+        "",
+    )
+    report.add(
+        *_table(
+            [
+                "export",
+                "predicted KL",
+                "measured KL before GKD",
+                "measured KL after GKD",
+                "exported weights",
+                "tokens",
+            ],
+            rows,
+        )
+    )
     points = [r for r in rows if isinstance(r[1], (int, float)) and isinstance(r[2], (int, float))]
     if report.figure is None:
         report.plot_note()
@@ -589,9 +695,12 @@ def _measured(report: _Report, layout: RunLayout) -> None:
         return
     figure = report.figure(figsize=(5, 4.5))
     axis = figure.subplots()
-    axis.scatter([p[1] for p in points], [p[2] for p in points])
-    top = max(max(p[1], p[2]) for p in points) * 1.1 or 1.0
-    for name, x, y, _ in points:  # labels towards the middle, so that none runs off the plot
+    axis.scatter([p[1] for p in points], [p[2] for p in points], label="before GKD (assembled)")
+    distilled = [p for p in points if isinstance(p[3], (int, float))]
+    if distilled:
+        axis.scatter([p[1] for p in distilled], [p[3] for p in distilled], marker="v", label="after GKD")
+    top = max(max(p[1], p[2], p[3] if isinstance(p[3], (int, float)) else 0.0) for p in points) * 1.1 or 1.0
+    for name, x, y, *_ in points:  # labels towards the middle, so that none runs off the plot
         right = x > top / 2
         axis.annotate(
             name,
@@ -604,6 +713,7 @@ def _measured(report: _Report, layout: RunLayout) -> None:
     axis.plot([0, top], [0, top], ":", color="grey")
     axis.set_xlabel("predicted KL (sum of replace-one-block)")
     axis.set_ylabel("measured KL")
+    axis.legend(fontsize=SMALL_FONT)
     report.save(figure, "kl_measured.png", "measured vs predicted KL")
 
 
@@ -626,11 +736,14 @@ def _rounds(report: _Report, layout: RunLayout, out: Path) -> None:
 # ------------------------------------------------------------------------------------------------- API
 
 
-def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path:
+def write_report(run_dir: str | Path, out_dir: str | Path | None = None, overwrite: bool = False) -> Path:
     """Write the report of the run in `run_dir` to `out_dir` (default RUN_DIR/report); returns report.md.
 
-    RunDirError naming the path when the run has no parent.json or no finished library, or when `out_dir`
-    holds files other than an earlier report's (*.md, *.png).
+    The report is built in a staging directory beside `out_dir` and swapped in whole, replacing an earlier
+    report (`is_own_report_entry`). RunDirError naming the path when the run has no parent.json or no
+    finished library, when `out_dir` is a file, or when it holds anything but an earlier report (the
+    user's files: nothing is written) unless `overwrite`, which writes the report's files beside them
+    (each replaced atomically; files of the same names are replaced, no other is touched).
     """
     from puzzle.library import read_library  # late: torch
 
@@ -638,22 +751,72 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     library_dir = layout.require_library()
     parent = layout.read_parent()
     library = read_library(library_dir)
-    out = Path(out_dir) if out_dir is not None else layout.report
-    if out.is_dir():  # a new directory or an earlier report, never e.g. a checkpoint's directory
-        foreign = sorted(
-            p.name
-            for p in out.iterdir()
-            if not (re.fullmatch(r"round-\d+", p.name) and p.is_dir())  # later rounds' reports
-            and (p.is_dir() or p.suffix not in (".md", ".png"))
-        )
+    out = (Path(out_dir) if out_dir is not None else layout.report).absolute()
+    problem = report_dir_problem(out, overwrite)
+    if problem is not None:
+        raise RunDirError(problem)
+    remove_stale_staging(out)  # what a killed report left beside it
+    foreign = foreign_entries(out, own_report_entries(out))
+    staging = make_staging_dir(out)
+    try:
+        _write_into(staging, layout, parent, library)
         if foreign:
-            raise RunDirError(
-                f"refusing to write the report into {out}: it holds files a report does not write "
-                f"({', '.join(foreign[:5])}); choose a new or empty directory"
-            )
-    out.mkdir(parents=True, exist_ok=True)
+            move_files_beside(staging, out)
+        else:
+            swap_directory_into_place(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out / REPORT_FILE
+
+
+def report_dir_problem(
+    out: Path,
+    overwrite: bool = False,
+    remedy: str = "choose a new or empty directory, or overwrite (--overwrite) to write the report's files "
+    "beside them",
+) -> str | None:
+    """Why a report cannot be written into `out`, or None: it is a file or lies where nothing can be
+    created (`puzzle.files.path_problem`), or it holds anything but an earlier report and not `overwrite`
+    (`remedy`: what the user can do then). Checked by `write_report` and, before any stage runs, by `puzzle demo` for DIR/report."""
+    problem = path_problem(out, "report directory")
+    if problem is not None:
+        return problem
+    foreign = foreign_entries(out, own_report_entries(out))
+    if foreign and not overwrite:
+        return f"{refusal_to_overwrite(out, foreign, 'an earlier report')}; {remedy} (nothing was written)"
+    return None
+
+
+def is_earlier_report(path: Path) -> bool:
+    """Whether `path` is a report.md this module wrote: it carries REPORT_MARKER, or (a report written
+    before the marker) starts with the report's title."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return False  # unreadable: never ours to replace
+    return REPORT_MARKER in text or text.startswith(REPORT_TITLE)
+
+
+def own_report_entries(out: Path) -> Callable[[Path], bool]:
+    """The entries of `out` a report may replace (`puzzle.files.foreign_entries`): all of an earlier
+    report's (report.md, its PNGs and later rounds' folders) when `out` holds one, none otherwise."""
+    earlier = (out / REPORT_FILE).is_file() and is_earlier_report(out / REPORT_FILE)
+
+    def own(entry: Path) -> bool:
+        if not earlier or entry.is_symlink():
+            return False
+        if entry.is_dir():
+            return re.fullmatch(r"round-\d+", entry.name) is not None
+        return entry.name == REPORT_FILE or entry.suffix == ".png"
+
+    return own
+
+
+def _write_into(out: Path, layout: RunLayout, parent: ModelSpec, library: Any) -> None:
+    """The report's files, written into the (new, empty) directory `out`."""
     report = _Report(out)
-    report.add(f"# Puzzle report: {layout.root.name}", "")
+    report.add(REPORT_MARKER, f"{REPORT_TITLE}{layout.root.name}", "")
     report.add(
         f"Parent: {parent.num_blocks} blocks, hidden size {parent.hidden_size}, "
         f"{_format(model_params(parent))} parameters ({_format(model_active_params(parent))} active).",
@@ -674,4 +837,4 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> Path
     _gkd(report, layout, list(solutions))
     _measured(report, layout)
     _rounds(report, layout, out)
-    return atomic_write_bytes(out / "report.md", "\n".join(report.lines).encode())
+    atomic_write_bytes(out / REPORT_FILE, "\n".join(report.lines).encode())

@@ -157,3 +157,20 @@ def test_parse_size():
     for bad in ("", "GB", "5XB", "-1GB", "0"):
         with pytest.raises(ValueError):
             parse_size(bad)
+
+
+@pytest.mark.parametrize("where", ["a-file", "a-file/below", "/proc/nope"])
+def test_a_destination_that_cannot_be_a_directory_is_one_sentence(fused, tmp_path, capsys, where):
+    """DST a file, under a file, or where no folder can be created (/proc, even for root): exit 2 before SRC
+    is loaded, one line naming DST and what was expected, no `[Errno N]`."""
+    if where.startswith("/proc") and not Path("/proc").is_dir():
+        pytest.skip("needs /proc")
+    _, source = fused
+    (tmp_path / "a-file").write_text("the user's\n")
+    target = Path(where) if where.startswith("/") else tmp_path / where
+    assert main(["convert", str(source), str(target)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.count("\n") == 1 and str(target) in err and "expected a directory" in err and "Errno" not in err
+    )
+    assert (tmp_path / "a-file").read_text() == "the user's\n"

@@ -176,3 +176,35 @@ def test_dry_run_writes_nothing_and_bad_directories_are_refused(tmp_path):
     for bad in ("a-file", "a-file/out"):
         refused = _cli("--quick", "--out", bad, cwd=tmp_path)
         assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc")
+@pytest.mark.parametrize("dry_run", [True, False])
+def test_a_cache_nothing_can_be_created_in_is_refused_before_anything_is_written(tmp_path, dry_run):
+    """--cache /proc/nope (no folder can be made in /proc, even by root, whom permission bits let through):
+    one sentence naming it and what was expected, exit 2, and DIR (its logs/ included) never created; the
+    dry run makes the same check."""
+    argv = ["--dry-run"] if dry_run else []
+    refused = _cli("--quick", "--quiet", *argv, "--out", "run", "--cache", "/proc/nope", cwd=tmp_path)
+    err = refused.stderr
+    assert refused.returncode == 2 and err.count("\n") == 1, err
+    assert "--cache /proc/nope" in err and "expected a directory" in err and "Errno" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_report_folder_of_the_users_in_dir_is_refused_before_any_stage(tmp_path):
+    """DIR/report holding the user's report.md: the demo would replace it at its end; refused up front (the
+    dry run too), nothing written."""
+    mine = tmp_path / "run" / "report"
+    mine.mkdir(parents=True)
+    (mine / "report.md").write_text("mine\n")
+    for argv in (["--dry-run"], []):
+        refused = _cli("--quick", "--quiet", *argv, "--out", "run", "--cache", "cache", cwd=tmp_path)
+        assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+        assert "report.md" in refused.stderr and str(mine) in refused.stderr
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == [
+        "run",
+        "run/report",
+        "run/report/report.md",
+    ]
+    assert (mine / "report.md").read_text() == "mine\n"

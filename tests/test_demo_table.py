@@ -55,3 +55,21 @@ def test_a_child_without_a_token_mixer_is_noted_and_one_with_is_not():
     assert len(notes) == 1
     assert notes[0].startswith("Note: bigram: it keeps no Mamba or attention block, so nothing in it mixes")
     assert "Note: " not in render_table([PARENT, KEPT], RECORD, QUICK, 30.0, quick=True)
+
+
+def test_numbers_are_readable_and_the_decode_figure_is_explained():
+    """Thousands separators, a budget's bound without scientific notation, and the predicted decode speed
+    tied to the report's row of the same figure (its throughput row also counts the prefill)."""
+    import dataclasses
+
+    fast = dataclasses.replace(
+        KEPT,
+        budget="weight_bytes[bf16]<=1.02936e+06",
+        measured_tokens_per_s=1821.97,
+        predicted_tokens_per_s=1200.7,
+    )
+    text = render_table([PARENT, fast], RECORD, QUICK, 30.0, quick=True)
+    row = next(line for line in text.splitlines() if line.startswith("| kept |"))
+    assert "weight_bytes[bf16]<=1,029,360" in row and "| 1,822 | 1,201 |" in row
+    assert "e+06" not in text
+    assert '"decode speed" row' in text and "prefill" in text

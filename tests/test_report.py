@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -23,7 +24,7 @@ from puzzle.export import export
 from puzzle.files import atomic_write_bytes
 from puzzle.gkd import GKDSettings, distill
 from puzzle.layout import RunDirError, RunLayout
-from puzzle.report import PLOT_HINT, _format, write_report
+from puzzle.report import PLOT_HINT, _format, readable_budget, write_report
 from puzzle.search.run_dir import CostModel, frontier_budgets, frontier_sweep, run_problem, search_run
 
 NAME = "small"
@@ -92,7 +93,11 @@ def test_report_has_every_section_and_valid_plots(run_dir, capsys):
     ):
         assert heading in text, heading
     assert "Skipped" not in text and "skipped" not in text
-    assert "| throughput chat (tokens/s, h100-80gb) |" in text
+    assert (
+        "| throughput chat (generated tokens/s of the batch, prefill of the 16-token prompts included, "
+        "h100-80gb) |" in text
+    )
+    assert "| decode speed chat (tokens/s per request, decode steps only, h100-80gb) |" in text
     # A scenario with a per-user speed also gets the throughput at the largest batch keeping it.
     assert "| throughput fast at 20000 tokens/s/user (tokens/s, h100-80gb) |" in text
     assert PLOT_HINT not in text
@@ -136,7 +141,7 @@ def test_the_frontier_is_drawn_from_the_run_s_sweep_without_solving(run_dir, tmp
     text = write_report(copied, tmp_path / "out").read_text()
     for key, entry in swept["keys"].items():
         assert f"### KL against `{key}`" in text
-        assert all(point["budget"] in text for point in entry["points"])
+        assert all(readable_budget(point["budget"]) in text for point in entry["points"])
     (copied / "frontier.json").unlink()
     text = write_report(copied, tmp_path / "out2").read_text()
     assert f"_Skipped: no frontier in {copied / 'frontier.json'}" in text
@@ -352,8 +357,18 @@ def test_this_machine_figures_are_the_runs_stored_calibration(run_dir, tmp_path,
     profile = profile_from_json(json.loads(stored), str(layout.calibration))
     parent = layout.read_parent()
     assert first[0].startswith(
-        f"| throughput chat (tokens/s, this-machine) | {_format(model_throughput(parent, chat, profile))} |"
+        f"| throughput chat (generated tokens/s of the batch, prefill of the 16-token prompts included, "
+        f"this-machine) | {_format(model_throughput(parent, chat, profile))} |"
     )
+    # One request's decode speed, 1 / decode step: the figure demo.md predicts (`puzzle.demo.pipeline`),
+    # beside the batch's throughput, which also counts the prompt's prefill.
+    step = model_performance(parent, chat, profile).decode_step_s
+    speed = next(
+        line
+        for line in (tmp_path / "first" / "report.md").read_text().splitlines()
+        if line.startswith("| decode speed chat ")
+    )
+    assert speed.split(" | ")[1] == _format(1 / step)
     assert _throughput_rows(write_report(run, tmp_path / "second")) == first
     assert layout.calibration.read_bytes() == stored
     argv = ["search", str(run), "--budget", "throughput[chat]>=1x", "--json"]
@@ -369,5 +384,108 @@ def test_this_machine_figures_are_the_runs_stored_calibration(run_dir, tmp_path,
     layout.calibration.write_text(json.dumps(profile_to_json(made)))
     rows = _throughput_rows(write_report(run, tmp_path / "third"))
     assert rows[0].startswith(
-        f"| throughput chat (tokens/s, this-machine) | {_format(model_throughput(parent, chat, made))} |"
+        f"| throughput chat (generated tokens/s of the batch, prefill of the 16-token prompts included, "
+        f"this-machine) | {_format(model_throughput(parent, chat, made))} |"
     )
+
+
+# ------------------------------------------------------------------ outputs: the user's files, errors
+
+
+def _entries(folder: Path) -> dict[str, bytes]:
+    """Every file under `folder` (and beside it: a staging leftover would show) with its bytes."""
+    return {
+        str(p.relative_to(folder.parent)): p.read_bytes()
+        for p in sorted(folder.parent.rglob("*"))
+        if p.is_file()
+    }
+
+
+def test_a_report_md_of_the_users_is_never_replaced_without_overwrite(run_dir, tmp_path, capsys):
+    """`--out DIR` holding the user's report.md: refused in one line, nothing written; with --overwrite the
+    report's files are written beside the user's other files, which stay as they were."""
+    mine = tmp_path / "area" / "userrep"
+    mine.mkdir(parents=True)
+    (mine / "report.md").write_text("mine\n")
+    (mine / "notes.txt").write_text("keep\n")
+    before = _entries(mine)
+    assert main(["report", str(run_dir), "--out", str(mine)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "report.md" in err and "--overwrite" in err and str(mine) in err
+    assert _entries(mine) == before
+    assert main(["report", str(run_dir), "--out", str(mine), "--overwrite"]) == 0
+    capsys.readouterr()
+    assert (mine / "notes.txt").read_text() == "keep\n"
+    assert "## BLD losses" in (mine / "report.md").read_text() and (mine / "bld.png").is_file()
+    assert sorted(p.name for p in mine.parent.iterdir()) == ["userrep"]  # no staging left beside it
+
+
+def test_a_report_replaces_an_earlier_report_whole(run_dir, tmp_path):
+    """A report re-run into its own directory (marked report.md) replaces it whole, stale plots included;
+    a report.md written before the marker (the report's title first) is recognised as a report too."""
+    out = tmp_path / "rep"
+    write_report(run_dir, out)
+    (out / "frontier_gone.png").write_bytes(b"stale plot of an earlier report")
+    write_report(run_dir, out)
+    assert not (out / "frontier_gone.png").exists() and (out / "bld.png").is_file()
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    (legacy / "report.md").write_text("# Puzzle report: run\n\nwritten by an earlier version\n")
+    (legacy / "costs.png").write_bytes(b"old")
+    write_report(run_dir, legacy)
+    assert "## BLD losses" in (legacy / "report.md").read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["legacy", "rep"]
+
+
+@pytest.mark.parametrize("where", ["a-file", "a-file/below", "/proc/nope"])
+def test_an_out_that_cannot_be_a_directory_is_one_sentence(run_dir, tmp_path, capsys, where):
+    """A file, a path under a file, a folder nothing can be created in (/proc, even for root): exit 2, one
+    line naming the path and what was expected, no `[Errno N]`, nothing written."""
+    if where.startswith("/proc") and not Path("/proc").is_dir():
+        pytest.skip("needs /proc")
+    (tmp_path / "a-file").write_text("the user's\n")
+    out = Path(where) if where.startswith("/") else tmp_path / where
+    before = _entries(tmp_path / "a-file")
+    assert main(["report", str(run_dir), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(out) in err and "expected a directory" in err, err
+    assert "Errno" not in err
+    assert _entries(tmp_path / "a-file") == before
+
+
+def test_measured_kl_shows_before_and_after_gkd(run_dir, tmp_path):
+    """The KL table gives each export its KL before GKD (the assembled child's, puzzle.json `measured`) and
+    after GKD (the kept evaluation: the export record's when the run recorded one, else history.json's),
+    labelled, and says which weights the export holds."""
+    copied = tmp_path / "run"
+    shutil.copytree(run_dir, copied, ignore=shutil.ignore_patterns("report"))
+    record = json.loads((copied / "exports" / NAME / "puzzle.json").read_text())
+    history = json.loads((copied / "children" / NAME / "history.json").read_text())
+    kept = next(e for e in history["eval"] if e["step"] == history["kept_step"])
+    assert kept["kl"] != record["measured"]["kl"]
+
+    def row(text: str) -> list[str]:
+        section = text.split("## Measured vs predicted KL")[1]
+        assert "| measured KL before GKD | measured KL after GKD | exported weights |" in section
+        return next(line for line in section.splitlines() if line.startswith(f"| {NAME} ")).split(" | ")
+
+    cells = row(write_report(copied, tmp_path / "a").read_text())
+    assert cells[2:5] == [_format(record["measured"]["kl"]), _format(kept["kl"]), "-"]
+    # As `puzzle run` records its export: the GKD evaluation of the weights it exports.
+    record["run"] = {"source": "distill", "distill": {"kept_step": 7, "kept_eval": {"kl": 0.0109}}}
+    (copied / "exports" / NAME / "puzzle.json").write_text(json.dumps(record))
+    cells = row(write_report(copied, tmp_path / "b").read_text())
+    assert cells[2:5] == [_format(record["measured"]["kl"]), "0.0109", "after GKD"]
+
+
+def test_numbers_in_tables_are_never_in_scientific_notation(run_dir, tmp_path):
+    from puzzle.report import readable_number
+
+    assert _format(8.107e-05) == "0.00008107" and _format(1.02936e06) == "1,029,360"
+    assert _format(383.44) == "383.4" and _format(999.99) == "1,000" and _format(0.04212) == "0.04212"
+    assert readable_budget("weight_bytes[bf16]<=1.02936e+06") == "weight_bytes[bf16]<=1,029,360"
+    assert readable_budget("active_params<=0.75x") == "active_params<=0.75x"
+    assert readable_number(-2.5e-07) == "-0.00000025"
+    text = write_report(run_dir, tmp_path / "out").read_text()
+    cells = [cell for line in text.splitlines() if line.startswith("|") for cell in line.split("|")]
+    assert not [cell for cell in cells if re.search(r"\d[eE][+-]\d", cell)]

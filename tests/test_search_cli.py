@@ -492,3 +492,25 @@ print(json.dumps({{"code": code, "torch": "torch" in sys.modules, "backend": mat
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report == {"code": 0, "torch": False, "backend": "svg", "pyplot": False}
     assert (tmp_path / "front.png").stat().st_size > 1000
+
+
+def test_frontier_never_replaces_files_of_the_users(capsys, library_file, tmp_path):
+    """--frontier PREFIX where PREFIX.csv is the user's: refused before solving, kept; a second sweep replaces
+    the first's files; --overwrite replaces the user's as asked."""
+    path, _ = library_file
+    (tmp_path / "front.csv").write_text("the user's table\n")
+    argv = [
+        "--library",
+        str(path),
+        "--sweep",
+        "stats.memory_mib=0.6x,0.8x",
+        "--frontier",
+        str(tmp_path / "front"),
+    ]
+    code, out, err = _run(capsys, *argv)
+    assert code != 0 and out == "" and "front.csv" in err and "--overwrite" in err, err
+    assert (tmp_path / "front.csv").read_text() == "the user's table\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["block_library.json", "front.csv"]
+    assert _run(capsys, *argv, "--overwrite")[0] == 0
+    assert (tmp_path / "front.csv").read_text().startswith("budget,status,")
+    assert _run(capsys, *argv)[0] == 0  # the earlier sweep's files: replaced

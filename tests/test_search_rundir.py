@@ -485,3 +485,20 @@ def test_an_unwritable_out_prints_the_answer_and_exits_2(run, tmp_path, capsys):
     assert f"cannot write --out {out}" in err and "Traceback" not in err
     code, printed, err = _cli([*argv[:-1], "--out", str(out)], capsys)  # the table, too
     assert code == 2 and "kl = " in printed and f"cannot write --out {out}" in err
+
+
+def test_out_never_replaces_a_file_of_the_users(run, tmp_path, capsys):
+    """--out naming the user's file: refused before solving (exit 2, one line), the file kept; an answer an
+    earlier search wrote is replaced; --overwrite replaces the user's file as asked."""
+    mine = tmp_path / "notes.json"
+    mine.write_text('{"mine": true}\n')
+    argv = ["search", str(run), "--budget", "active_params<=0.7x", "--json", "--out", str(mine)]
+    code, out, err = _cli(argv, capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert str(mine) in err and "--overwrite" in err
+    assert mine.read_text() == '{"mine": true}\n'
+    code, out, _ = _cli([*argv, "--overwrite"], capsys)
+    assert code == 0 and json.loads(mine.read_text()) == json.loads(out)
+    mine.write_text(json.dumps({**json.loads(out), "objective": -1}))  # an earlier answer: replaced
+    code, out, _ = _cli(argv, capsys)
+    assert code == 0 and json.loads(mine.read_text()) == json.loads(out)

@@ -80,6 +80,7 @@ def register(subparsers: Any) -> None:
 
 def run_convert(args: argparse.Namespace) -> int:
     """`puzzle convert`: DST's path on stdout, or one error line and exit code 2 for bad input."""
+    from puzzle.files import path_problem
     from puzzle.nemotron_h.checkpoint import convert_checkpoint, foreign_entries, refusal_to_overwrite
     from puzzle.nemotron_h.config import CheckpointError
 
@@ -95,6 +96,10 @@ def run_convert(args: argparse.Namespace) -> int:
             "choose a directory outside the source checkpoint",
             file=sys.stderr,
         )
+        return EXIT_BAD_INPUT
+    problem = path_problem(target, "DST")  # a file, or a folder nothing can be created in: before loading
+    if problem is not None:
+        print(f"puzzle convert: error: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
     foreign = [] if args.overwrite else foreign_entries(target)
     if foreign:  # before loading SRC (minutes for a large parent), in the command line's terms

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -55,17 +54,10 @@ def register(subparsers: Any) -> None:
 
 def _check_directory(path: Path, option: str, *, run_dir: bool) -> str | None:
     """Why `path` cannot be written as `option`, or None. A run directory must be new, empty or a run."""
-    for existing in (path, *path.parents):
-        if existing.exists():
-            break
-    else:
-        existing = Path(".")
-    if existing.exists() and not existing.is_dir():
-        where = "is a file" if existing == path else f"lies under the file {existing}"
-        return f"{option} {path} {where}: expected a directory"
-    if not os.access(existing, os.W_OK | os.X_OK):
-        return f"{option} {path}: {existing} is not writable"
-    if run_dir:
+    from puzzle.files import path_problem  # the check `puzzle report` makes of its --out too
+
+    problem = path_problem(path, option)
+    if problem is None and run_dir:
         # The same rule as `puzzle run` (one place decides what a run may write into); torch-free.
         from puzzle.layout import RunDirError, RunLayout
 
@@ -73,7 +65,13 @@ def _check_directory(path: Path, option: str, *, run_dir: bool) -> str | None:
             RunLayout(path).check_usable()
         except RunDirError as error:
             return f"{option}: {error}"
-    return None
+        from puzzle.report import report_dir_problem  # DIR/report: the demo's report goes there, at the end
+
+        report = report_dir_problem(
+            RunLayout(path).report.absolute(), remedy="move them elsewhere, or choose another --out"
+        )
+        return None if report is None else f"{option}: {report}"
+    return problem
 
 
 def demo(args: argparse.Namespace) -> int:

@@ -20,7 +20,18 @@ def register(subparsers: Any) -> None:
         "the run lacks are skipped with a note; plots need matplotlib (pip install 'puzzle-nas[plot]').",
     )
     parser.add_argument("run", metavar="RUN", help="the run directory")
-    parser.add_argument("--out", metavar="DIR", help="where to write the report (default RUN/report)")
+    parser.add_argument(
+        "--out",
+        metavar="DIR",
+        help="where to write the report (default RUN/report): a new or empty directory, or an earlier "
+        "report's, which is replaced whole",
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="DIR may hold other files: write the report's files beside them (files of the same names, "
+        "report.md and the PNGs, are replaced; no other file is touched)",
+    )
     parser.set_defaults(func=run_report)
 
 
@@ -37,7 +48,7 @@ def run_report(args: argparse.Namespace) -> int:
         )
         return EXIT_BAD_INPUT
     try:
-        path = write_report(args.run, args.out)
+        path = write_report(args.run, args.out, overwrite=args.overwrite)
     except (RunDirError, SearchError, BudgetError) as error:
         print(f"puzzle report: error: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT

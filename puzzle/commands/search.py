@@ -15,7 +15,7 @@ from typing import Any
 
 from puzzle.commands import fraction, non_negative_int, parse_number, positive_int
 from puzzle.search import InfeasibleError, Rules, SearchError, Solution, SolverOptions, search_k
-from puzzle.search.frontier import frontier_prefix, parse_sweep, sweep, write_frontier
+from puzzle.search.frontier import frontier_prefix, is_search_output, parse_sweep, sweep, write_frontier
 from puzzle.search.library import load_library
 from puzzle.search.limits import BudgetError, merge_limits, parse_limit
 from puzzle.search.types import SOLVERS
@@ -180,6 +180,12 @@ def register(subparsers: Any) -> None:
         "proven gap, (objective - best bound) / |objective|, is at most this",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="let --out FILE or --frontier PREFIX replace files that an earlier search did not write "
+        "(without it they are refused before solving)",
+    )
     run_dir = parser.add_argument_group(
         "with RUN_DIR: the cost model, as `puzzle costs` counts; each setting not given is the run's own "
         "(RUN_DIR/run.resolved.yaml, or config.yaml in older runs), as are --objective, --keep-block, "
@@ -367,7 +373,7 @@ def run(args: argparse.Namespace) -> int:
         limits = merge_limits(parse_limit(text) for text in args.budget)
         swept = parse_sweep(args.sweep) if args.sweep is not None else None
         # Where the frontier goes is settled before solving, so a bad path loses no solve.
-        frontier = frontier_prefix(args.frontier) if args.frontier else None
+        frontier = frontier_prefix(args.frontier, args.overwrite) if args.frontier else None
         keys = [limit.key for limit in limits] + ([swept[0]] if swept else [])
         table = load_library(args.library, args.objective, keys, args.maximize, args.same, _fixed(args.fixed))
         rules = Rules(same_attributes=tuple(args.same), keep_blocks=tuple(args.keep_block))
@@ -538,6 +544,11 @@ def _run_dir(args: argparse.Namespace) -> int:
         out = Path(args.out) if args.out is not None else None
         if out is not None and (out.is_dir() or not out.name):
             raise BudgetError(f"--out {args.out!r} is a directory; name the file to write")
+        if out is not None and out.exists() and not args.overwrite and not is_search_output(out):
+            raise BudgetError(
+                f"refusing to replace --out {out}: it is not an answer `puzzle search` wrote; name a new "
+                "file, or add --overwrite to replace it"
+            )
         parent = load_target(args.parent) if args.parent is not None else None
         parent = parent[0] if parent is not None else None
     except ValueError as error:  # BudgetError, SpecError, CheckpointError, ConfigError

@@ -347,6 +347,8 @@ def render_table(
     rows: list[ModelRow], record: dict[str, Any], size: DemoSize, seconds: float, quick: bool
 ) -> str:
     """The Markdown of demo.md: the table of parent vs children, then the chosen architecture per block."""
+    from puzzle.report import readable_budget  # numbers as the report's tables write them
+
     parent = rows[0]
     nan = float("nan")
     # Two held-out losses of the parent, on different windows of the same held-out files: its trainer's
@@ -366,7 +368,9 @@ def render_table(
         f"held-out files as the parent's figure above, other windows: hence another loss); decode tokens/s "
         f"at batch 1 after a {size.decode_prompt}-token "
         f"prompt, one thread, measured here (median of {size.decode_repeats}) and predicted by the cost model "
-        f"calibrated on this machine. Whole demo: {seconds:.0f} s.",
+        f'calibrated on this machine: 1 / its decode step, the "decode speed" row of the report\'s costs '
+        f"(the report's \"throughput\" row is lower: it also counts the prompt's prefill). "
+        f"Whole demo: {seconds:.0f} s.",
         "",
         "| model | budget | params | active params | weights (fp32) | KL predicted | KL assembled | KL after GKD "
         "| LM loss (run's held-out) | top-1 agreement | decode tok/s measured | predicted "
@@ -379,11 +383,11 @@ def render_table(
         speedup = row.measured_tokens_per_s / parent.measured_tokens_per_s
         predicted_speedup = row.predicted_tokens_per_s / parent.predicted_tokens_per_s
         lines.append(
-            f"| {row.name} | {row.budget} | {row.params:,} ({row.params / parent.params:.0%}) "
+            f"| {row.name} | {readable_budget(row.budget)} | {row.params:,} ({row.params / parent.params:.0%}) "
             f"| {row.active_params:,} ({row.active_params / parent.active_params:.0%}) "
             f"| {row.weight_bytes / 2**20:.2f} MiB | {predicted} | {before} | {row.kl:.4f} | {row.lm_loss:.3f} "
             f"| {row.top1:.1%} "
-            f"| {row.measured_tokens_per_s:.0f} | {row.predicted_tokens_per_s:.0f} "
+            f"| {row.measured_tokens_per_s:,.0f} | {row.predicted_tokens_per_s:,.0f} "
             f"| {speedup:.2f}x / {predicted_speedup:.2f}x |"
         )
     lines += ["", "Chosen architecture per block (the parent's where unchanged):", ""]

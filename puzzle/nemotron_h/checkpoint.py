@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from puzzle import dist
+from puzzle import dist, files
 from puzzle.files import (
     CARD_FILE,
     OWNER_MARKER,
@@ -268,21 +268,16 @@ def is_checkpoint_file(name: str) -> bool:
 def foreign_entries(directory: Path) -> list[str]:
     """Entries of `directory` a checkpoint save would not write: other files and every subdirectory (what
     makes `save_pretrained` refuse it without `overwrite`); none for a missing directory."""
-    if not directory.is_dir():
-        return []
     ours = {CARD_FILE} if card_owner(directory) == "puzzle" else set()  # the model card of an earlier export
-    return sorted(
-        entry.name
-        for entry in directory.iterdir()
-        if entry.is_dir() or not (is_checkpoint_file(entry.name) or entry.name in ours)
+    return files.foreign_entries(
+        directory, lambda entry: not entry.is_dir() and (is_checkpoint_file(entry.name) or entry.name in ours)
     )
 
 
 def refusal_to_overwrite(target: Path, foreign: list[str]) -> str:
     """The first half of the refusal to save into `target`, which holds `foreign` (`foreign_entries`): the
     caller adds what its user can do about it (a keyword argument, a command-line flag)."""
-    shown = ", ".join(foreign[:5]) + (f" (and {len(foreign) - 5} more)" if len(foreign) > 5 else "")
-    return f"refusing to write into {target}: it holds files that are not checkpoint files ({shown})"
+    return files.refusal_to_overwrite(target, foreign, "checkpoint files")
 
 
 def module_weight_formats(spec: ModelSpec) -> dict[str, str] | None:

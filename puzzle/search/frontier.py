@@ -42,11 +42,12 @@ def parse_sweep(text: str) -> tuple[str, str, list[Value]]:
     raise BudgetError(f"cannot read sweep {text!r}: expected KEY=v1,v2,... (values absolute or like 0.6x)")
 
 
-def frontier_prefix(text: str | Path) -> Path:
+def frontier_prefix(text: str | Path, overwrite: bool = False) -> Path:
     """Where `write_frontier` writes: `text` itself as a prefix (`out/front` -> out/front.csv ...), or,
     when `text` ends with a path separator or names an existing folder, `frontier` inside that folder.
     The folder is created now and must be writable (SearchError naming it otherwise), so that a sweep
-    never runs to the end and then fails to save."""
+    never runs to the end and then fails to save. A PREFIX.csv, .json or .png already there that an
+    earlier sweep did not write (`is_search_output`) is the user's: SearchError unless `overwrite`."""
     raw = str(text)
     prefix = Path(raw)
     if raw.endswith(("/", os.sep)) or prefix.is_dir():
@@ -58,7 +59,39 @@ def frontier_prefix(text: str | Path) -> Path:
         raise SearchError(f"cannot create the frontier folder {folder}: {error.strerror or error}") from None
     if not os.access(folder, os.W_OK | os.X_OK):
         raise SearchError(f"cannot write the frontier into {folder}: permission denied")
+    earlier = is_search_output(Path(f"{prefix}.json"))  # its PNG is recognised by it
+    files = [Path(f"{prefix}.{suffix}") for suffix in ("csv", "json", "png")]
+    users = [
+        path.name
+        for path in files
+        if path.exists() and not (is_search_output(path) or (path.suffix == ".png" and earlier))
+    ]
+    if users and not overwrite:
+        raise SearchError(
+            f"refusing to replace {', '.join(users)} in {folder}: not a frontier an earlier sweep wrote; "
+            "choose another --frontier PREFIX, or add --overwrite to replace them"
+        )
     return prefix
+
+
+def is_search_output(path: Path) -> bool:
+    """Whether `path` is a file `puzzle search` wrote, which a later search may replace: the JSON of an
+    answer (a solution, or a list of them: --out) or of a sweep (PREFIX.json), or a sweep's PREFIX.csv.
+    Anything else (unreadable, another format) is the user's."""
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return False
+    if path.suffix == ".csv":
+        return text.startswith("budget,status,")
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return False
+    items = data if isinstance(data, list) else [data]
+    return bool(items) and all(
+        isinstance(item, dict) and ("choices" in item or item.get("status") == "infeasible") for item in items
+    )
 
 
 def sweep(
