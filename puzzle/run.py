@@ -44,6 +44,7 @@ exported distilled child (`Run.all` chains them).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -62,11 +63,15 @@ import torch
 # Every stage this module drives, imported here and only here (a name that moves moves in one place).
 from puzzle import dist, gathers, hostmem, nemotron_h, shard
 from puzzle.artifacts import (
+    DamagedOutputError,
     checkpoint_hashes,
+    damaged_files,
+    file_digest,
     fingerprint_file,
     fingerprint_json,
     fingerprint_model,
     loaded_fingerprint,
+    manifest_damage,
     read_hash_cache,
     write_hash_cache,
 )
@@ -547,7 +552,21 @@ class Run:
         return f"round {self.round_number}: " if self.config.rounds.count > 1 else ""
 
     def _present(self, name: str, outputs: dict[str, Any]) -> bool:
-        """Whether the recorded outputs of record `name` (a stage or STAGE/SOLUTION) are on disk, unchanged."""
+        """Whether the recorded outputs of record `name` (a stage or STAGE/SOLUTION) are on disk, unchanged;
+        why not is logged."""
+        reason = self._damage(name, outputs)
+        if reason is not None:
+            _log.info("%s%s: not reused: %s", self._round_label(), name, reason)
+        return reason is None
+
+    def _damage(self, name: str, outputs: dict[str, Any]) -> str | None:
+        """Why the recorded outputs of record `name` are not as written (the first damaged file), or None.
+
+        A stage's manifest is compared by content hash, then its outputs are checked against it
+        (`puzzle.artifacts.manifest_damage`: a stat per file while its stat key is the one recorded when it
+        was written, a re-hash when it changed); an export's files likewise against the digests its record
+        holds (records made before them: its config.json must exist). Solutions and the frontier are small
+        files, compared by content hash."""
         stage = name.split("/", 1)[0]
         directories = {
             "importance": self.layout.importance,
@@ -555,20 +574,37 @@ class Run:
             "scores": self.layout.scores,
         }
         if stage in directories:
-            path = directories[stage] / f"{stage}.manifest.json"
-            return path.is_file() and fingerprint_file(path) == outputs["manifest"]
+            return self._manifest_damage(directories[stage] / f"{stage}.manifest.json", outputs["manifest"])
         for entry_name, entry in outputs.items():
             if stage in ("solutions", "frontier"):
                 path = self.layout.root / entry["file"]
                 if not path.is_file() or fingerprint_file(path) != entry["fingerprint"]:
-                    return False
+                    return f"{path} is missing or was changed"
             elif stage == "distill":
                 path = self.layout.child(entry_name) / "gkd.manifest.json"
-                if not path.is_file() or fingerprint_file(path) != entry["manifest"]:
-                    return False
-            elif stage == "export" and not (self.layout.root / entry["path"] / "config.json").is_file():
-                return False
-        return True
+                reason = self._manifest_damage(path, entry["manifest"])
+                if reason is not None:
+                    return reason
+            elif stage == "export":
+                reason = self._export_damage(entry)
+                if reason is not None:
+                    return reason
+        return None
+
+    @staticmethod
+    def _manifest_damage(path: Path, fingerprint: str) -> str | None:
+        if not path.is_file() or fingerprint_file(path) != fingerprint:
+            return f"{path} is missing or was changed"
+        return manifest_damage(path)
+
+    def _export_damage(self, entry: Mapping[str, Any]) -> str | None:
+        """Why an export record's checkpoint is not as written (`_write_export` recorded its files), or None."""
+        folder = self.layout.root / entry["path"]
+        files = entry.get("files")
+        if files is None:  # recorded before its files' digests were
+            return None if (folder / "config.json").is_file() else f"{folder / 'config.json'} is missing"
+        damaged = damaged_files(folder, dict.fromkeys(files), files)
+        return next(iter(damaged.values()), None)
 
     def record(self, stage: str) -> dict[str, Any]:
         """The manifest layer: the recorded outputs of `stage` (one of `STAGES`) for what the run config asks,
@@ -665,23 +701,39 @@ class Run:
         def compute() -> dict[str, Any]:
             parent = self.parent(self.config.bld.shard)
             split, batch = self.data.train, self.config.data.batch_size
-            library = build_library(
-                parent,
-                self._variants(parent),
-                lambda: split.batches(batch, self.config.seed, rank=0, world=1),
-                self.held_out_batches(),
-                load_importance(self.layout.importance),
-                self.config.bld,
-                self.layout.library,
-                data_fingerprint=fingerprint_json([split.fingerprint(), batch, self.config.seed]),
-                parent_fp=self.parent_fingerprint(),
-            )
+            with self._repair_command(self.layout.library):
+                library = self._build_library(parent, split, batch)
             self._resumed["library"] = [
                 f"wave {number + 1} from step {step}" for number, step in library.resumed.items()
             ]
             return {"manifest": self._manifest_fp(self.layout.library, "library")}
 
         return self._stage("library", inputs, compute)
+
+    def _build_library(self, parent: HybridLM, split: Any, batch: int) -> Library:
+        return build_library(
+            parent,
+            self._variants(parent),
+            lambda: split.batches(batch, self.config.seed, rank=0, world=1),
+            self.held_out_batches(),
+            load_importance(self.layout.importance),
+            self.config.bld,
+            self.layout.library,
+            data_fingerprint=fingerprint_json([split.fingerprint(), batch, self.config.seed]),
+            parent_fp=self.parent_fingerprint(),
+        )
+
+    @contextlib.contextmanager
+    def _repair_command(self, folder: Path) -> Iterator[None]:
+        """A damaged output that its stage cannot redo in part (`DamagedOutputError`) as a RunError (`puzzle
+        run` exits 2) of one line: the file, and the command that redoes the stage (its folder removed,
+        the run resumed from this run's saved config)."""
+        try:
+            yield
+        except DamagedOutputError as error:
+            root = self.layout.root.parent if self.round_number > 1 else self.layout.root
+            config = root / self.layout.config.name
+            raise RunError(f"{error}; to redo it: rm -r {folder} && puzzle run {config}") from None
 
     def _record_scores(self) -> dict[str, Any]:
         self._check_budgets_up_front()
@@ -1337,7 +1389,31 @@ class Run:
             run_info=self._card_info(name, source),
         )
         root = self.layout.root
-        return {"path": str(written.relative_to(root)) if written.is_relative_to(root) else str(written)}
+        entry: dict[str, Any] = {
+            "path": str(written.relative_to(root)) if written.is_relative_to(root) else str(written)
+        }
+        if dist.is_main():  # rank 0 wrote the files; its record is the one kept (`_stage` broadcasts it)
+            # Each file's digest and stat key, hashed as written: the reuse check is then a stat per file.
+            entry["files"] = {
+                str(path.relative_to(written)): file_digest(path)
+                for path in sorted(written.rglob("*"))
+                if path.is_file()
+            }
+        return entry
+
+    def _intact_export(
+        self, before: Mapping[str, Any] | None, name: str, made_from: str
+    ) -> dict[str, Any] | None:
+        """The finished export record `before`'s entry of child `name` when it was exported from the same
+        distilled child (`made_from`: its GKD manifest's fingerprint) and its files are as written: the
+        export stage then redoes only the other children's exports (e.g. a damaged one)."""
+        if before is None or before.get("status") not in DONE or name not in before.get("outputs", {}):
+            return None
+        entry = before["outputs"][name]
+        if before.get("inputs", {}).get("distill", {}).get(name) != made_from or "files" not in entry:
+            return None
+        reason = dist.broadcast_object(self._export_damage(entry) if dist.is_main() else None)
+        return entry if reason is None else None
 
     def _budgets_of(self, name: str) -> list[str]:
         """The budget texts solution `name` was found under (its search record's)."""
@@ -1349,10 +1425,15 @@ class Run:
     def _record_export(self) -> dict[str, Any]:
         upstream = self.record("distill")
         inputs = {"distill": {name: entry["manifest"] for name, entry in upstream.items()}}
+        before = dist.broadcast_object(self.manifest()["stages"].get("export"))
 
         def compute() -> dict[str, Any]:
             outputs: dict[str, Any] = {}
             for name in upstream:  # one child at a time
+                kept = self._intact_export(before, name, inputs["distill"][name])
+                if kept is not None:
+                    outputs[name] = kept
+                    continue
                 outputs.update(self._export_one(name, "distill", self.layout.export(name)))
             return outputs
 
