@@ -527,9 +527,10 @@ class Artifact:
                 if manifest.inputs.get(key) != inputs.get(key)
             )
             return f"{self.manifest_path} was made from other inputs: {', '.join(changed)} differ"
-        damaged = self.damaged_outputs(manifest)
-        if damaged:
-            return f"output {next(iter(damaged.values()))} (listed in {self.manifest_path})"
+        for output, reason in self.damaged_outputs(manifest).items():
+            if not (self.directory / output).is_file():
+                return f"output {self.directory / output} listed in {self.manifest_path} is missing"
+            return f"output {reason} (listed in {self.manifest_path})"
         return None
 
     def damaged_outputs(self, manifest: Manifest | None = None) -> dict[str, str]:
