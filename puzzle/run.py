@@ -27,7 +27,13 @@ by this invocation, `reused` when found finished), the content hash of its input
 their fingerprints. The inputs are the config sections the stage reads, the fingerprints of the upstream
 records it reads and the call's own arguments (budgets, an export path). A record that is finished, of
 the same input hash, with its outputs unchanged on disk, is reused; anything else runs (and the record is
-rewritten). So a change reaches exactly the stages downstream of it (a new budget re-solves; the library
+rewritten). Unchanged on disk means every file a stage wrote: its manifest by content hash and the files
+it lists by the sha256 and stat key recorded as they were written (`puzzle.artifacts.manifest_damage`; an
+export's files in its record), so a truncated, deleted or replaced file is found for the cost of a stat
+per untouched file. A damaged record is redone only in its damaged part: the stage functions reuse what
+is intact (BLD retrains only the variants whose files are damaged, GKD only the damaged children, the
+export stage re-exports only the damaged exports); a damaged library.json, which no part can be redone
+from, is a RunError naming it and the command that redoes the library. So a change reaches exactly the stages downstream of it (a new budget re-solves; the library
 and scores, which do not read the budget, are reused). Objects given to a call are known by the record
 they came from: a Solution by the fingerprint of its saved JSON, a model by the run.assemble / run.distill
 call of this Run that returned it (its weights are not read: a model changed since is not recognised as

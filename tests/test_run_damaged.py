@@ -125,3 +125,16 @@ def test_a_damaged_library_record_exits_2_naming_it_and_the_repair(finished, tmp
     shutil.rmtree(run_dir / "library")  # the repair it names
     assert main(["run", str(run_dir / "run.resolved.yaml"), "--quiet"]) == 0
     assert _statuses(run_dir)["library"] == "done", time.perf_counter() - started
+
+
+def test_a_damaged_distilled_child_is_distilled_again(finished, tmp_path):
+    run_dir, config = _copy(finished, tmp_path)
+    (child,) = (run_dir / "children").iterdir()
+    _damage(child / "student.safetensors", "replace")
+    assert _run(config) == 0
+    load_file(child / "student.safetensors")
+    statuses = _statuses(run_dir)
+    assert statuses["distill"] == "done"
+    assert all(statuses[stage] == "reused" for stage in ("importance", "library", "scores", "assemble"))
+    log = (run_dir / "logs" / "rank0.log").read_text()
+    assert "distill: not reused" in log and "has other bytes than were written" in log
