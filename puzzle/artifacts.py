@@ -450,6 +450,26 @@ def manifest_damage(path: str | Path) -> str | None:
     return next(iter(damaged.values()), None)
 
 
+def manifest_fingerprint(path: str | Path) -> str:
+    """What a manifest says about its stage's output, as a sha256: how `puzzle.Run` keys the stages
+    downstream of it. A manifest with digests: its content less the time it was written and the files' stat
+    keys, so a stage redone into the same bytes (a damaged file repaired) keeps its fingerprint and nothing
+    downstream is redone. One without digests (written before them): `fingerprint_file`, as recorded then."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = None
+    if not isinstance(data, dict) or not isinstance(data.get("digests"), dict):
+        return fingerprint_file(path)
+    content = {key: value for key, value in data.items() if key != "created"}
+    content["digests"] = {
+        name: entry.get("sha256") if isinstance(entry, dict) else entry
+        for name, entry in data["digests"].items()
+    }
+    return fingerprint_json(content)
+
+
 class DamagedOutputError(ArtifactError):
     """A finished output whose damaged file cannot be redone on its own; `path` names the file."""
 

@@ -78,6 +78,7 @@ from puzzle.artifacts import (
     fingerprint_model,
     loaded_fingerprint,
     manifest_damage,
+    manifest_fingerprint,
     read_hash_cache,
     write_hash_cache,
 )
@@ -599,7 +600,7 @@ class Run:
 
     @staticmethod
     def _manifest_damage(path: Path, fingerprint: str) -> str | None:
-        if not path.is_file() or fingerprint_file(path) != fingerprint:
+        if not path.is_file() or manifest_fingerprint(path) != fingerprint:
             return f"{path} is missing or was changed"
         return manifest_damage(path)
 
@@ -684,7 +685,7 @@ class Run:
 
     @staticmethod
     def _manifest_fp(directory: Path, stage: str) -> str:
-        return fingerprint_file(directory / f"{stage}.manifest.json")
+        return manifest_fingerprint(directory / f"{stage}.manifest.json")
 
     def _variants(self, parent: HybridLM) -> dict[int, list[Variant]]:
         return self.config.search_space().all_variants(parent.spec, load_importance(self.layout.importance))

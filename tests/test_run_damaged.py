@@ -138,3 +138,14 @@ def test_a_damaged_distilled_child_is_distilled_again(finished, tmp_path):
     assert all(statuses[stage] == "reused" for stage in ("importance", "library", "scores", "assemble"))
     log = (run_dir / "logs" / "rank0.log").read_text()
     assert "distill: not reused" in log and "has other bytes than were written" in log
+
+
+def test_damaged_importance_is_recomputed_and_nothing_downstream_is_redone(finished, tmp_path):
+    run_dir, config = _copy(finished, tmp_path)
+    (scores,) = [p for p in (run_dir / "importance").iterdir() if not p.name.endswith(".manifest.json")][:1]
+    _damage(scores, "replace")
+    assert _run(config) == 0
+    statuses = _statuses(run_dir)
+    # Recomputed into the same bytes: its manifest's fingerprint is unchanged, so the library is reused.
+    assert statuses["importance"] == "done"
+    assert all(status == "reused" for stage, status in statuses.items() if stage != "importance")
