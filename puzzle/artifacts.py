@@ -411,42 +411,66 @@ def file_damage(path: Path, size: int | None, digest: Mapping[str, Any] | None) 
     """Why file `path` is not the one recorded (a sentence), or None when it is. `size`: the recorded size
     (None: take the digest's key's); `digest`: a `file_digest` recorded when it was written (None: an older
     record, checked by size only). A file whose stat key is the recorded one is trusted without a read."""
+    return _check_file(path, size, digest)
+
+
+def _check_file(
+    path: Path,
+    size: int | None,
+    digest: Mapping[str, Any] | None,
+    cache: dict[str, Any] | None = None,
+) -> str | None:
+    """`file_damage`, with `cache` ({resolved path: {"key", "sha256"}}, see `damaged_files`) consulted
+    before a file whose stat key changed is hashed again, and told what an intact re-hashed file's key is."""
     if not path.is_file():
         return f"{path} is missing"
-    key = _file_key(path)
+    key = _file_key(path)  # before the read: a write racing the hash changes the key again
     if size is None and digest is not None:
         size = digest["key"].get("size")
     if size is not None and key["size"] != size:
         return f"{path} has {key['size']} bytes, {size} were written"
     if digest is None or digest["key"] == key:
         return None
+    known = None if cache is None else cache.get(str(path.resolve()))
+    if known is not None and known.get("key") == key and known.get("sha256") == digest["sha256"]:
+        return None
     if fingerprint_file(path) != digest["sha256"]:
         return f"{path} has other bytes than were written (same size, another sha256)"
+    if cache is not None:
+        cache[str(path.resolve())] = {"key": key, "sha256": digest["sha256"]}
     return None
 
 
 def damaged_files(
-    directory: Path, sizes: Mapping[str, int | None], digests: Mapping[str, Any]
+    directory: Path,
+    sizes: Mapping[str, int | None],
+    digests: Mapping[str, Any],
+    cache: dict[str, Any] | None = None,
 ) -> dict[str, str]:
-    """{file: why} of the files `sizes` lists (relative to `directory`) that are damaged (`file_damage`)."""
+    """{file: why} of the files `sizes` lists (relative to `directory`) that are damaged (`file_damage`).
+
+    `cache`: {resolved path: {"key", "sha256"}} of files hashed again since they were written (their stat
+    key changed: copied, or touched, with the same bytes); consulted and filled, so that the caller can keep
+    it (`puzzle.Run` keeps RUN_DIR/outputs_hash.json, as the parent's content hashes are kept) and the next
+    check of such a file is a stat again, the manifests themselves never rewritten by a check."""
     found = {}
     for name, size in sizes.items():
-        reason = file_damage(directory / name, size, digests.get(name))
+        reason = _check_file(directory / name, size, digests.get(name), cache)
         if reason is not None:
             found[name] = reason
     return found
 
 
-def manifest_damage(path: str | Path) -> str | None:
+def manifest_damage(path: str | Path, cache: dict[str, Any] | None = None) -> str | None:
     """Why the outputs of the manifest at `path` are not as written (the first damaged file; `file_damage`),
-    or why the manifest itself is unusable; None when all is well. For `puzzle.Run`'s reuse check, which
-    knows a stage's manifest by its path only."""
+    or why the manifest itself is unusable; None when all is well (`cache`: see `damaged_files`). For
+    `puzzle.Run`'s reuse check, which knows a stage's manifest by its path only."""
     path = Path(path)
     try:
         manifest = Manifest.from_dict(json.loads(path.read_text()), str(path))
     except (OSError, ValueError) as error:
         return f"unusable manifest {path}: {error}"
-    damaged = damaged_files(path.parent, manifest.outputs, manifest.digests)
+    damaged = damaged_files(path.parent, manifest.outputs, manifest.digests, cache)
     return next(iter(damaged.values()), None)
 
 

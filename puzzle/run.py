@@ -121,6 +121,8 @@ MANIFEST_FORMAT = 1
 # (earlier versions) hold `fingerprint_model` of the loaded parent.
 PARENT_SCHEME = "checkpoint-files-1"
 DONE = ("done", "reused")
+# RUN_DIR's record of output files hashed again since written (`Run._hashes`), beside parent_hash.json.
+OUTPUTS_HASH_FILE = "outputs_hash.json"
 
 _log = logging.getLogger(__name__)
 
@@ -250,6 +252,7 @@ class Run:
         self._parent_scheme: str | None = None
         self._parent_hashes: dict[str, Any] | None = None  # the content-hash cache to write (rank 0)
         self._parent: HybridLM | None = None  # the one loaded parent of this process (`parent()`)
+        self._output_hashes: dict[str, Any] | None = None  # `_hashes`
         self._mixer_fps: tuple[str, dict[Variant, str]] | None = None  # (library manifest hash, per variant)
         self._parent_mode = (
             "none"  # how it is laid out: "none" (whole), "fsdp" or "hsdp" (sharded from the files)
@@ -561,7 +564,10 @@ class Run:
     def _present(self, name: str, outputs: dict[str, Any]) -> bool:
         """Whether the recorded outputs of record `name` (a stage or STAGE/SOLUTION) are on disk, unchanged;
         why not is logged."""
+        known = len(self._hashes())
         reason = self._damage(name, outputs)
+        if len(self._hashes()) != known and dist.is_main():  # files re-hashed: their keys kept for next time
+            write_hash_cache(self.layout.root / OUTPUTS_HASH_FILE, {"files": self._hashes()})
         if reason is not None:
             _log.info("%s%s: not reused: %s", self._round_label(), name, reason)
         return reason is None
@@ -598,11 +604,10 @@ class Run:
                     return reason
         return None
 
-    @staticmethod
-    def _manifest_damage(path: Path, fingerprint: str) -> str | None:
+    def _manifest_damage(self, path: Path, fingerprint: str) -> str | None:
         if not path.is_file() or manifest_fingerprint(path) != fingerprint:
             return f"{path} is missing or was changed"
-        return manifest_damage(path)
+        return manifest_damage(path, self._hashes())
 
     def _export_damage(self, entry: Mapping[str, Any]) -> str | None:
         """Why an export record's checkpoint is not as written (`_write_export` recorded its files), or None."""
@@ -610,8 +615,16 @@ class Run:
         files = entry.get("files")
         if files is None:  # recorded before its files' digests were
             return None if (folder / "config.json").is_file() else f"{folder / 'config.json'} is missing"
-        damaged = damaged_files(folder, dict.fromkeys(files), files)
+        damaged = damaged_files(folder, dict.fromkeys(files), files, self._hashes())
         return next(iter(damaged.values()), None)
+
+    def _hashes(self) -> dict[str, Any]:
+        """{resolved path: {"key", "sha256"}} of output files hashed again since written (`damaged_files`),
+        from RUN_DIR/outputs_hash.json; `_present` writes it back when a check added to it."""
+        if self._output_hashes is None:
+            cached = read_hash_cache(self.layout.root / OUTPUTS_HASH_FILE)
+            self._output_hashes = dict(cached["files"]) if cached is not None else {}
+        return self._output_hashes
 
     def record(self, stage: str) -> dict[str, Any]:
         """The manifest layer: the recorded outputs of `stage` (one of `STAGES`) for what the run config asks,

@@ -16,6 +16,8 @@ from puzzle.artifacts import (
     MANIFEST_SUFFIX,
     Artifact,
     ArtifactError,
+    _file_key,
+    damaged_files,
     fingerprint_file,
     fingerprint_json,
     fingerprint_model,
@@ -313,6 +315,13 @@ def test_outputs_replaced_with_other_bytes_of_the_same_size_are_damaged(tmp_path
     assert artifact.damaged_if_current({**INPUTS, "seed": "1"}) is None  # another run's: not a repair
     scores.write_bytes(good)  # the same bytes again (a new stat key): hashed, found intact
     assert artifact.load_if_current(INPUTS) == manifest and artifact.damaged_if_current(INPUTS) == {}
+    # A cache of re-hashed files ({resolved path: key, sha256}) is filled, then trusted for that key only.
+    cache: dict = {}
+    assert damaged_files(tmp_path, manifest.outputs, manifest.digests, cache) == {}
+    assert cache == {str(scores.resolve()): {"key": _file_key(scores), "sha256": fingerprint_file(scores)}}
+    cache[str(scores.resolve())]["sha256"] = "0" * 64  # a stale entry is not believed: hashed again
+    assert damaged_files(tmp_path, manifest.outputs, manifest.digests, cache) == {}
+    assert cache[str(scores.resolve())]["sha256"] == fingerprint_file(scores)
 
 
 def test_a_partial_rewrite_keeps_the_intact_outputs_untouched(tmp_path):

@@ -16,6 +16,7 @@ import torch
 from run_helpers import config_dict, make_inputs, write_config
 from safetensors.torch import load_file
 
+from puzzle.artifacts import _file_key
 from puzzle.cli import main
 
 
@@ -108,6 +109,12 @@ def test_damaged_scores_are_rescored(finished, tmp_path):
     assert {path: _state(path) for path in library} == library
     statuses = _statuses(run_dir)
     assert statuses["library"] == "reused" and statuses["scores"] == "done"
+    # The copy's files were hashed again once (new inodes), their keys kept: the next check is a stat.
+    digests = json.loads((run_dir / "library" / "library.manifest.json").read_text())["digests"]
+    known = json.loads((run_dir / "outputs_hash.json").read_text())["files"]
+    for name, entry in digests.items():
+        path = (run_dir / "library" / name).resolve()
+        assert known[str(path)] == {"key": _file_key(path), "sha256": entry["sha256"]}
 
 
 def test_a_damaged_library_record_exits_2_naming_it_and_the_repair(finished, tmp_path, capsys):
