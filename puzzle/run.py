@@ -80,6 +80,7 @@ from puzzle.artifacts import (
     manifest_damage,
     manifest_fingerprint,
     read_hash_cache,
+    safetensors_header,
     write_hash_cache,
 )
 from puzzle.assemble import assemble as assemble_child
@@ -155,6 +156,23 @@ def _write_if_changed(path: Path, content: bytes) -> None:
     """Write `path` atomically unless it already holds `content` (a rerun leaves finished files alone)."""
     if not (path.is_file() and path.read_bytes() == content):
         atomic_write_bytes(path, content)
+
+
+def _truncated(path: Path) -> str | None:
+    """Why safetensors file `path` is not whole (a header that does not parse, or a size other than its
+    header's tensors end at), or None: the check of export files recorded before their digests were."""
+    try:
+        header = safetensors_header(path)
+        entries = json.loads(header)
+        end = max((e["data_offsets"][1] for k, e in entries.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"{path} is not a whole safetensors file ({error})"
+    size = path.stat().st_size
+    return (
+        None
+        if size == 8 + len(header) + end
+        else f"{path} has {size} bytes, its header says {8 + len(header) + end}"
+    )
 
 
 def _on_main(work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -613,8 +631,10 @@ class Run:
         """Why an export record's checkpoint is not as written (`_write_export` recorded its files), or None."""
         folder = self.layout.root / entry["path"]
         files = entry.get("files")
-        if files is None:  # recorded before its files' digests were
-            return None if (folder / "config.json").is_file() else f"{folder / 'config.json'} is missing"
+        if files is None:  # recorded before its files' digests were: their presence and whole weight files
+            if not (folder / "config.json").is_file():
+                return f"{folder / 'config.json'} is missing"
+            return next(filter(None, map(_truncated, sorted(folder.glob("*.safetensors")))), None)
         damaged = damaged_files(folder, dict.fromkeys(files), files, self._hashes())
         return next(iter(damaged.values()), None)
 

@@ -156,3 +156,17 @@ def test_damaged_importance_is_recomputed_and_nothing_downstream_is_redone(finis
     # Recomputed into the same bytes: its manifest's fingerprint is unchanged, so the library is reused.
     assert statuses["importance"] == "done"
     assert all(status == "reused" for stage, status in statuses.items() if stage != "importance")
+
+
+def test_an_export_recorded_before_digests_is_checked_for_whole_weight_files(finished, tmp_path):
+    run_dir, config = _copy(finished, tmp_path)
+    manifest = json.loads((run_dir / "run.json").read_text())
+    for entry in manifest["stages"]["export"]["outputs"].values():
+        del entry["files"]  # as recorded before export files had digests
+    (run_dir / "run.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    assert _run(config) == 0 and set(_statuses(run_dir).values()) == {"reused"}  # not redone for that alone
+    (export,) = (run_dir / "exports").iterdir()
+    _damage(export / "model.safetensors", "truncate")
+    assert _run(config) == 0
+    load_file(export / "model.safetensors")
+    assert _statuses(run_dir)["export"] == "done"
