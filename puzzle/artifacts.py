@@ -4,17 +4,25 @@ A stage (importance, library, scores, search, distillation) writes its files thr
 output file atomically (`puzzle.files.atomic_write`), then the manifest `<name>.manifest.json` last, so a
 manifest on disk always describes complete files. The manifest records the format version of the stage's
 files, what produced them (puzzle version and stage name), a fingerprint of every input (the parent, the
-calibration tokens, the settings) and the output files with their sizes. A stage asks
+calibration tokens, the settings) and the output files with their sizes, and per file the sha256 of the
+bytes written and its stat key (`_file_key`: size, mtime, ctime, inode, device). A stage asks
 `load_if_current(inputs)` before working: the saved output is reused only when the manifest is readable,
 its format version equals the stage's and every input fingerprint matches exactly (same names, same
 values); otherwise it gets None and the reason is logged (`logging`, logger "puzzle.artifacts").
 
-Decisions: a missing, unreadable or foreign manifest, or a listed output file that is missing or has
-another size, makes `load_if_current` answer None (the stage recomputes and overwrites: a stage output is
+Decisions: a missing, unreadable or foreign manifest, or a listed output file that is damaged
+(`damaged_outputs`: missing, another size, or other bytes than were written), makes `load_if_current`
+answer None (the stage recomputes and overwrites: a stage output is
 reproducible from its inputs, and a half-written or damaged one is worth nothing); reading an artifact
 explicitly (`read_manifest`, `load_tensors`, `load_json`) instead raises an error naming the file.
 `write` deletes the old manifest before touching any output, so a crash in the middle leaves no manifest
 that describes half-replaced files.
+
+The damage check costs a stat per file while files are as written: a file whose stat key is the recorded
+one is trusted (any write changes its ctime, see `_file_key`); one whose key changed (rewritten, or the
+directory copied) is hashed again and compared. Manifests written before digests were recorded list sizes
+only: their files are checked by size (a same-size replacement goes unnoticed there), never recomputed
+for that alone.
 
 Under torch.distributed every rank makes the same calls with the same inputs (checked: unequal inputs
 are an error naming the ranks and keys): rank 0 alone reads the manifest and broadcasts its decision, so
@@ -330,9 +338,11 @@ class Manifest:
     puzzle_version: str = __version__
     created: str = ""
     info: dict[str, Any] = field(default_factory=dict)
+    # output -> {"sha256": digest of the bytes written, "key": their `_file_key`}; empty in older manifests.
+    digests: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "manifest": MANIFEST_VERSION,
             "stage": self.stage,
             "format": self.format,
@@ -342,6 +352,9 @@ class Manifest:
             "outputs": dict(self.outputs),
             "info": self.info,
         }
+        if self.digests:
+            data["digests"] = dict(self.digests)
+        return data
 
     @classmethod
     def from_dict(cls, data: Any, source: str) -> Manifest:
@@ -363,6 +376,9 @@ class Manifest:
             raise ArtifactError(f"{source}: 'inputs' should map names to fingerprint strings")
         if not all(isinstance(v, int) and not isinstance(v, bool) for v in data["outputs"].values()):
             raise ArtifactError(f"{source}: 'outputs' should map file names to sizes in bytes")
+        digests = data.get("digests", {})
+        if not isinstance(digests, dict) or not all(_is_digest(v) for v in digests.values()):
+            raise ArtifactError(f"{source}: 'digests' should map file names to {{'sha256', 'key'}} objects")
         return cls(
             stage=data["stage"],
             format=data["format"],
@@ -371,7 +387,119 @@ class Manifest:
             puzzle_version=str(data["producer"].get("puzzle", "unknown")),
             created=data["created"],
             info=data["info"],
+            digests=dict(digests),
         )
+
+
+def _is_digest(value: Any) -> bool:
+    return (
+        isinstance(value, dict)
+        and isinstance(value.get("sha256"), str)
+        and isinstance(value.get("key"), dict)
+    )
+
+
+def file_digest(path: str | Path) -> dict[str, Any]:
+    """{"sha256", "key"} of a file just written: its bytes' digest and its stat key (`_file_key`), taken
+    before the read, so a write racing the hash changes the key and the file is hashed again when checked."""
+    path = Path(path)
+    key = _file_key(path)
+    return {"sha256": fingerprint_file(path), "key": key}
+
+
+def file_damage(path: Path, size: int | None, digest: Mapping[str, Any] | None) -> str | None:
+    """Why file `path` is not the one recorded (a sentence), or None when it is. `size`: the recorded size
+    (None: take the digest's key's); `digest`: a `file_digest` recorded when it was written (None: an older
+    record, checked by size only). A file whose stat key is the recorded one is trusted without a read."""
+    return _check_file(path, size, digest)
+
+
+def _check_file(
+    path: Path,
+    size: int | None,
+    digest: Mapping[str, Any] | None,
+    cache: dict[str, Any] | None = None,
+) -> str | None:
+    """`file_damage`, with `cache` ({resolved path: {"key", "sha256"}}, see `damaged_files`) consulted
+    before a file whose stat key changed is hashed again, and told what an intact re-hashed file's key is."""
+    if not path.is_file():
+        return f"{path} is missing"
+    key = _file_key(path)  # before the read: a write racing the hash changes the key again
+    if size is None and digest is not None:
+        size = digest["key"].get("size")
+    if size is not None and key["size"] != size:
+        return f"{path} has {key['size']} bytes, {size} were written"
+    if digest is None or digest["key"] == key:
+        return None
+    known = None if cache is None else cache.get(str(path.resolve()))
+    if known is not None and known.get("key") == key and known.get("sha256") == digest["sha256"]:
+        return None
+    if fingerprint_file(path) != digest["sha256"]:
+        return f"{path} has other bytes than were written (same size, another sha256)"
+    if cache is not None:
+        cache[str(path.resolve())] = {"key": key, "sha256": digest["sha256"]}
+    return None
+
+
+def damaged_files(
+    directory: Path,
+    sizes: Mapping[str, int | None],
+    digests: Mapping[str, Any],
+    cache: dict[str, Any] | None = None,
+) -> dict[str, str]:
+    """{file: why} of the files `sizes` lists (relative to `directory`) that are damaged (`file_damage`).
+
+    `cache`: {resolved path: {"key", "sha256"}} of files hashed again since they were written (their stat
+    key changed: copied, or touched, with the same bytes); consulted and filled, so that the caller can keep
+    it (`puzzle.Run` keeps RUN_DIR/outputs_hash.json, as the parent's content hashes are kept) and the next
+    check of such a file is a stat again, the manifests themselves never rewritten by a check."""
+    found = {}
+    for name, size in sizes.items():
+        reason = _check_file(directory / name, size, digests.get(name), cache)
+        if reason is not None:
+            found[name] = reason
+    return found
+
+
+def manifest_damage(path: str | Path, cache: dict[str, Any] | None = None) -> str | None:
+    """Why the outputs of the manifest at `path` are not as written (the first damaged file; `file_damage`),
+    or why the manifest itself is unusable; None when all is well (`cache`: see `damaged_files`). For
+    `puzzle.Run`'s reuse check, which knows a stage's manifest by its path only."""
+    path = Path(path)
+    try:
+        manifest = Manifest.from_dict(json.loads(path.read_text()), str(path))
+    except (OSError, ValueError) as error:
+        return f"unusable manifest {path}: {error}"
+    damaged = damaged_files(path.parent, manifest.outputs, manifest.digests, cache)
+    return next(iter(damaged.values()), None)
+
+
+def manifest_fingerprint(path: str | Path) -> str:
+    """What a manifest says about its stage's output, as a sha256: how `puzzle.Run` keys the stages
+    downstream of it. A manifest with digests: its content less the time it was written and the files' stat
+    keys, so a stage redone into the same bytes (a damaged file repaired) keeps its fingerprint and nothing
+    downstream is redone. One without digests (written before them): `fingerprint_file`, as recorded then."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = None
+    if not isinstance(data, dict) or not isinstance(data.get("digests"), dict):
+        return fingerprint_file(path)
+    content = {key: value for key, value in data.items() if key != "created"}
+    content["digests"] = {
+        name: entry.get("sha256") if isinstance(entry, dict) else entry
+        for name, entry in data["digests"].items()
+    }
+    return fingerprint_json(content)
+
+
+class DamagedOutputError(ArtifactError):
+    """A finished output whose damaged file cannot be redone on its own; `path` names the file."""
+
+    def __init__(self, message: str, path: Path) -> None:
+        super().__init__(message)
+        self.path = path
 
 
 def _check_output_name(name: str) -> None:
@@ -443,13 +571,32 @@ class Artifact:
                 if manifest.inputs.get(key) != inputs.get(key)
             )
             return f"{self.manifest_path} was made from other inputs: {', '.join(changed)} differ"
-        for output, size in manifest.outputs.items():
-            path = self.directory / output
-            if not path.is_file():
-                return f"output {path} listed in {self.manifest_path} is missing"
-            if path.stat().st_size != size:
-                return f"output {path} has {path.stat().st_size} bytes, the manifest says {size}"
+        for output, reason in self.damaged_outputs(manifest).items():
+            if not (self.directory / output).is_file():
+                return f"output {self.directory / output} listed in {self.manifest_path} is missing"
+            return f"output {reason} (listed in {self.manifest_path})"
         return None
+
+    def damaged_outputs(self, manifest: Manifest | None = None) -> dict[str, str]:
+        """{output: why} of the outputs `manifest` (default: the one on disk) lists that are missing, of
+        another size or of other bytes than were written (`file_damage`); empty when all are intact."""
+        manifest = self.read_manifest() if manifest is None else manifest
+        return damaged_files(self.directory, manifest.outputs, manifest.digests)
+
+    def damaged_if_current(self, inputs: Mapping[str, str]) -> dict[str, str] | None:
+        """{output: why} of the damaged outputs of a manifest made from exactly `inputs` (empty: none is
+        damaged); None when there is no usable manifest of those inputs. What a stage that can redo part
+        of its output asks after `load_if_current` said no. Collective: rank 0 decides."""
+        inputs = dict(inputs)
+        decision = None
+        if dist.is_main():
+            try:
+                manifest = self.read_manifest()
+            except (FileNotFoundError, ArtifactError):
+                manifest = None
+            if manifest is not None and manifest.inputs == inputs:
+                decision = self.damaged_outputs(manifest)
+        return dist.broadcast_object(decision)
 
     def load_if_current(self, inputs: Mapping[str, str]) -> Manifest | None:
         """The saved manifest if it may be reused for `inputs` (exact match, see the module docstring), else None.
@@ -475,27 +622,45 @@ class Artifact:
         inputs: Mapping[str, str],
         outputs: Mapping[str, Callable[[str], None]],
         info: Mapping[str, Any] | None = None,
+        keep: Iterable[str] = (),
     ) -> Manifest:
-        """Write the stage's output: `outputs` maps a file name to a writer called with a temporary path.
+        """Write the stage's output: `outputs` maps a file name to a writer called with a temporary path;
+        `keep` names outputs already in place, left untouched (a stage that redid part of its output):
+        their digests are the old manifest's while their stat keys are unchanged.
 
         Rank 0 removes the old manifest, writes every output atomically, then the manifest; the other ranks
         wait, then read that manifest (an ArtifactError if it is missing or was made from other inputs, e.g.
         rank 0 failed). Collective under torch.distributed; returns the manifest on every rank.
         """
         inputs = dict(inputs)
-        for output in outputs:
+        keep = list(keep)
+        for output in [*outputs, *keep]:
             _check_output_name(output)
         info = dict(info or {})
         json.dumps(info)  # fail on every rank, before anything is written, if info is not JSON
         with dist.main_process_first():
             if dist.is_main():
+                try:
+                    old = self.read_manifest().digests if keep else {}
+                except (FileNotFoundError, ArtifactError):
+                    old = {}
                 self.manifest_path.unlink(missing_ok=True)
-                sizes = {}
+                sizes, digests = {}, {}
+                for output in keep:
+                    path = self.directory / output
+                    recorded = old.get(output)
+                    current = recorded is not None and recorded["key"] == _file_key(path)
+                    digests[output] = recorded if current else file_digest(path)
                 for output, writer in outputs.items():
-                    path = atomic_write(self.directory / output, writer)
-                    sizes[output] = path.stat().st_size
+                    # Hashed as written: the read is cheap beside making the file, and makes the reuse
+                    # check of every later run a stat while the file is untouched.
+                    digests[output] = file_digest(atomic_write(self.directory / output, writer))
+                for output in [*keep, *outputs]:
+                    sizes[output] = digests[output]["key"]["size"]
                 created = datetime.now(timezone.utc).isoformat(timespec="seconds")
-                manifest = Manifest(self.name, self.format, inputs, sizes, created=created, info=info)
+                manifest = Manifest(
+                    self.name, self.format, inputs, sizes, created=created, info=info, digests=digests
+                )
                 # The manifest goes last: its presence means the outputs it lists are complete.
                 atomic_write(self.manifest_path, json_writer(manifest.to_dict()))
                 return manifest

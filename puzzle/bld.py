@@ -74,6 +74,7 @@ from puzzle import dist, shard
 from puzzle.artifacts import (
     Artifact,
     ArtifactError,
+    DamagedOutputError,
     fingerprint_json,
     fingerprint_model,
     fingerprint_tensors,
@@ -585,6 +586,21 @@ def build_library(
     artifact = Artifact(directory, ARTIFACT_NAME, FORMAT_VERSION)
     if artifact.load_if_current(inputs) is not None:
         return read_library(directory)
+    # A finished library of these inputs with damaged files: only the variants whose files are damaged
+    # are trained again; the others' results and files are kept as they are.
+    kept = _intact_results(artifact, inputs)
+    wave_inputs = inputs
+    if kept is not None:
+        statuses = {v: "kept" if v in kept.results else s for v, s in statuses.items()}
+        redo = sorted((v for v, s in statuses.items() if s == "trained"), key=_order)
+        _log.info(
+            "BLD: %d damaged variant file(s) in %s; training only %s again",
+            len(redo),
+            directory,
+            ", ".join(f"{v.id} of block {v.block_index}" for v in redo),
+        )
+        # Checkpoints of this repair are its own: its waves are not the full plan's.
+        wave_inputs = {**inputs, "repair": fingerprint_json([variant_key(v) for v in redo])}
 
     init = default_init(parent, importance) if init is None else init
     parent.requires_grad_(False)
@@ -603,11 +619,11 @@ def build_library(
     plan = plan_waves(sizes, settings.memory_limit_bytes)
     _log_plan(plan, sizes, settings)
     if dist.is_main():
-        _clear_foreign_checkpoints(directory, inputs)
+        _clear_foreign_checkpoints(directory, wave_inputs)
     dist.barrier()
 
-    results: dict[Variant, VariantResult] = {}
-    fixed = [v for v in all_variants if statuses[v] != "trained"]
+    results: dict[Variant, VariantResult] = {} if kept is None else dict(kept.results)
+    fixed = [v for v in all_variants if statuses[v] not in ("trained", "kept")]
     if fixed:  # measured, not trained: the parent copy (~0) and the no-op (1)
         torch.manual_seed(settings.seed)
         mixers = {v: init(v) for v in fixed}
@@ -618,7 +634,7 @@ def build_library(
 
     resumed: dict[int, int] = {}
     for number, members in enumerate(plan):
-        done = _finished_wave(directory, number, inputs)
+        done = _finished_wave(directory, number, wave_inputs)
         if done is None:
             done, resumed[number] = _run_wave(
                 parent,
@@ -629,7 +645,7 @@ def build_library(
                 held_out,
                 settings,
                 directory,
-                inputs,
+                wave_inputs,
                 init,
                 device,
                 max_steps,
@@ -639,19 +655,40 @@ def build_library(
 
     ordered = {v: results[v] for v in sorted(results, key=_order)}
     resumed = {number: step for number, step in resumed.items() if step is not None}
-    library = Library(directory, parent_fp, ordered, plan, resumed)
+    # A repaired library keeps the plan that trained it first (the repair's waves are recorded in the log).
+    library = Library(directory, parent_fp, ordered, plan if kept is None else kept.plan, resumed)
     finished = _checkpoint_dir(directory) / "done"
+    kept_files = [] if kept is None else [r.file for r in kept.results.values() if r.file is not None]
     outputs = {
         r.file: (lambda path, src=finished / r.file: shutil.copyfile(src, path))
         for r in ordered.values()
-        if r.file is not None
+        if r.file is not None and r.file not in kept_files
     }
     outputs[LIBRARY_FILE] = json_writer(library_json(library, settings.to_dict()))
     summary = {s: sum(r.status == s for r in ordered.values()) for s in STATUSES}
-    artifact.write(inputs, outputs, {"variants": len(ordered), **summary})
+    artifact.write(inputs, outputs, {"variants": len(ordered), **summary}, keep=kept_files)
     if dist.is_main():
         shutil.rmtree(_checkpoint_dir(directory), ignore_errors=True)
     dist.barrier()
+    return library
+
+
+def _intact_results(artifact: Artifact, inputs: Mapping[str, str]) -> Library | None:
+    """The finished library of `inputs` in the artifact's directory, less the trained variants whose files
+    are damaged (their results dropped: they are to be trained again); None when there is no such library
+    or nothing in it is damaged. A damaged library.json cannot be repaired in part (the variants' results
+    are in it): DamagedOutputError naming it. Collective: every rank gets rank 0's answer."""
+    damaged = artifact.damaged_if_current(inputs)
+    if not damaged:
+        return None
+    if LIBRARY_FILE in damaged:
+        raise DamagedOutputError(
+            f"{damaged[LIBRARY_FILE]}: the library's record of its variants is damaged, so its variant files "
+            "cannot be told apart from one another; the library must be trained again",
+            artifact.path(LIBRARY_FILE),
+        )
+    library = dist.broadcast_object(read_library(artifact.directory) if dist.is_main() else None)
+    library.results = {v: r for v, r in library.results.items() if r.file not in damaged}
     return library
 
 

@@ -27,7 +27,13 @@ by this invocation, `reused` when found finished), the content hash of its input
 their fingerprints. The inputs are the config sections the stage reads, the fingerprints of the upstream
 records it reads and the call's own arguments (budgets, an export path). A record that is finished, of
 the same input hash, with its outputs unchanged on disk, is reused; anything else runs (and the record is
-rewritten). So a change reaches exactly the stages downstream of it (a new budget re-solves; the library
+rewritten). Unchanged on disk means every file a stage wrote: its manifest by content hash and the files
+it lists by the sha256 and stat key recorded as they were written (`puzzle.artifacts.manifest_damage`; an
+export's files in its record), so a truncated, deleted or replaced file is found for the cost of a stat
+per untouched file. A damaged record is redone only in its damaged part: the stage functions reuse what
+is intact (BLD retrains only the variants whose files are damaged, GKD only the damaged children, the
+export stage re-exports only the damaged exports); a damaged library.json, which no part can be redone
+from, is a RunError naming it and the command that redoes the library. So a change reaches exactly the stages downstream of it (a new budget re-solves; the library
 and scores, which do not read the budget, are reused). Objects given to a call are known by the record
 they came from: a Solution by the fingerprint of its saved JSON, a model by the run.assemble / run.distill
 call of this Run that returned it (its weights are not read: a model changed since is not recognised as
@@ -45,6 +51,7 @@ exported distilled child (`Run.all` chains them).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -63,12 +70,18 @@ import torch
 # Every stage this module drives, imported here and only here (a name that moves moves in one place).
 from puzzle import dist, gathers, hostmem, nemotron_h, shard
 from puzzle.artifacts import (
+    DamagedOutputError,
     checkpoint_hashes,
+    damaged_files,
+    file_digest,
     fingerprint_file,
     fingerprint_json,
     fingerprint_model,
     loaded_fingerprint,
+    manifest_damage,
+    manifest_fingerprint,
     read_hash_cache,
+    safetensors_header,
     write_hash_cache,
 )
 from puzzle.assemble import assemble as assemble_child
@@ -110,6 +123,8 @@ MANIFEST_FORMAT = 1
 # (earlier versions) hold `fingerprint_model` of the loaded parent.
 PARENT_SCHEME = "checkpoint-files-1"
 DONE = ("done", "reused")
+# RUN_DIR's record of output files hashed again since written (`Run._hashes`), beside parent_hash.json.
+OUTPUTS_HASH_FILE = "outputs_hash.json"
 
 _log = logging.getLogger(__name__)
 
@@ -142,6 +157,23 @@ def _write_if_changed(path: Path, content: bytes) -> None:
     """Write `path` atomically unless it already holds `content` (a rerun leaves finished files alone)."""
     if not (path.is_file() and path.read_bytes() == content):
         atomic_write_bytes(path, content)
+
+
+def _truncated(path: Path) -> str | None:
+    """Why safetensors file `path` is not whole (a header that does not parse, or a size other than its
+    header's tensors end at), or None: the check of export files recorded before their digests were."""
+    try:
+        header = safetensors_header(path)
+        entries = json.loads(header)
+        end = max((e["data_offsets"][1] for k, e in entries.items() if k != "__metadata__"), default=0)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        return f"{path} is not a whole safetensors file ({error})"
+    size = path.stat().st_size
+    return (
+        None
+        if size == 8 + len(header) + end
+        else f"{path} has {size} bytes, its header says {8 + len(header) + end}"
+    )
 
 
 def _on_main(work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -239,6 +271,7 @@ class Run:
         self._parent_scheme: str | None = None
         self._parent_hashes: dict[str, Any] | None = None  # the content-hash cache to write (rank 0)
         self._parent: HybridLM | None = None  # the one loaded parent of this process (`parent()`)
+        self._output_hashes: dict[str, Any] | None = None  # `_hashes`
         self._mixer_fps: tuple[str, dict[Variant, str]] | None = None  # (library manifest hash, per variant)
         self._parent_mode = (
             "none"  # how it is laid out: "none" (whole), "fsdp" or "hsdp" (sharded from the files)
@@ -549,7 +582,24 @@ class Run:
         return f"round {self.round_number}: " if self.config.rounds.count > 1 else ""
 
     def _present(self, name: str, outputs: dict[str, Any]) -> bool:
-        """Whether the recorded outputs of record `name` (a stage or STAGE/SOLUTION) are on disk, unchanged."""
+        """Whether the recorded outputs of record `name` (a stage or STAGE/SOLUTION) are on disk, unchanged;
+        why not is logged."""
+        known = len(self._hashes())
+        reason = self._damage(name, outputs)
+        if len(self._hashes()) != known and dist.is_main():  # files re-hashed: their keys kept for next time
+            write_hash_cache(self.layout.root / OUTPUTS_HASH_FILE, {"files": self._hashes()})
+        if reason is not None:
+            _log.info("%s%s: not reused: %s", self._round_label(), name, reason)
+        return reason is None
+
+    def _damage(self, name: str, outputs: dict[str, Any]) -> str | None:
+        """Why the recorded outputs of record `name` are not as written (the first damaged file), or None.
+
+        A stage's manifest is compared by content hash, then its outputs are checked against it
+        (`puzzle.artifacts.manifest_damage`: a stat per file while its stat key is the one recorded when it
+        was written, a re-hash when it changed); an export's files likewise against the digests its record
+        holds (records made before them: its config.json must exist). Solutions and the frontier are small
+        files, compared by content hash."""
         stage = name.split("/", 1)[0]
         directories = {
             "importance": self.layout.importance,
@@ -557,20 +607,46 @@ class Run:
             "scores": self.layout.scores,
         }
         if stage in directories:
-            path = directories[stage] / f"{stage}.manifest.json"
-            return path.is_file() and fingerprint_file(path) == outputs["manifest"]
+            return self._manifest_damage(directories[stage] / f"{stage}.manifest.json", outputs["manifest"])
         for entry_name, entry in outputs.items():
             if stage in ("solutions", "frontier"):
                 path = self.layout.root / entry["file"]
                 if not path.is_file() or fingerprint_file(path) != entry["fingerprint"]:
-                    return False
+                    return f"{path} is missing or was changed"
             elif stage == "distill":
                 path = self.layout.child(entry_name) / "gkd.manifest.json"
-                if not path.is_file() or fingerprint_file(path) != entry["manifest"]:
-                    return False
-            elif stage == "export" and not (self.layout.root / entry["path"] / "config.json").is_file():
-                return False
-        return True
+                reason = self._manifest_damage(path, entry["manifest"])
+                if reason is not None:
+                    return reason
+            elif stage == "export":
+                reason = self._export_damage(entry)
+                if reason is not None:
+                    return reason
+        return None
+
+    def _manifest_damage(self, path: Path, fingerprint: str) -> str | None:
+        if not path.is_file() or manifest_fingerprint(path) != fingerprint:
+            return f"{path} is missing or was changed"
+        return manifest_damage(path, self._hashes())
+
+    def _export_damage(self, entry: Mapping[str, Any]) -> str | None:
+        """Why an export record's checkpoint is not as written (`_write_export` recorded its files), or None."""
+        folder = self.layout.root / entry["path"]
+        files = entry.get("files")
+        if files is None:  # recorded before its files' digests were: their presence and whole weight files
+            if not (folder / "config.json").is_file():
+                return f"{folder / 'config.json'} is missing"
+            return next(filter(None, map(_truncated, sorted(folder.glob("*.safetensors")))), None)
+        damaged = damaged_files(folder, dict.fromkeys(files), files, self._hashes())
+        return next(iter(damaged.values()), None)
+
+    def _hashes(self) -> dict[str, Any]:
+        """{resolved path: {"key", "sha256"}} of output files hashed again since written (`damaged_files`),
+        from RUN_DIR/outputs_hash.json; `_present` writes it back when a check added to it."""
+        if self._output_hashes is None:
+            cached = read_hash_cache(self.layout.root / OUTPUTS_HASH_FILE)
+            self._output_hashes = dict(cached["files"]) if cached is not None else {}
+        return self._output_hashes
 
     def record(self, stage: str) -> dict[str, Any]:
         """The manifest layer: the recorded outputs of `stage` (one of `STAGES`) for what the run config asks,
@@ -644,7 +720,7 @@ class Run:
 
     @staticmethod
     def _manifest_fp(directory: Path, stage: str) -> str:
-        return fingerprint_file(directory / f"{stage}.manifest.json")
+        return manifest_fingerprint(directory / f"{stage}.manifest.json")
 
     def _variants(self, parent: HybridLM) -> dict[int, list[Variant]]:
         return self.config.search_space().all_variants(parent.spec, load_importance(self.layout.importance))
@@ -667,23 +743,39 @@ class Run:
         def compute() -> dict[str, Any]:
             parent = self.parent(self.config.bld.shard)
             split, batch = self.data.train, self.config.data.batch_size
-            library = build_library(
-                parent,
-                self._variants(parent),
-                lambda: split.batches(batch, self.config.seed, rank=0, world=1),
-                self.held_out_batches(),
-                load_importance(self.layout.importance),
-                self.config.bld,
-                self.layout.library,
-                data_fingerprint=fingerprint_json([split.fingerprint(), batch, self.config.seed]),
-                parent_fp=self.parent_fingerprint(),
-            )
+            with self._repair_command(self.layout.library):
+                library = self._build_library(parent, split, batch)
             self._resumed["library"] = [
                 f"wave {number + 1} from step {step}" for number, step in library.resumed.items()
             ]
             return {"manifest": self._manifest_fp(self.layout.library, "library")}
 
         return self._stage("library", inputs, compute)
+
+    def _build_library(self, parent: HybridLM, split: Any, batch: int) -> Library:
+        return build_library(
+            parent,
+            self._variants(parent),
+            lambda: split.batches(batch, self.config.seed, rank=0, world=1),
+            self.held_out_batches(),
+            load_importance(self.layout.importance),
+            self.config.bld,
+            self.layout.library,
+            data_fingerprint=fingerprint_json([split.fingerprint(), batch, self.config.seed]),
+            parent_fp=self.parent_fingerprint(),
+        )
+
+    @contextlib.contextmanager
+    def _repair_command(self, folder: Path) -> Iterator[None]:
+        """A damaged output that its stage cannot redo in part (`DamagedOutputError`) as a RunError (`puzzle
+        run` exits 2) of one line: the file, and the command that redoes the stage (its folder removed,
+        the run resumed from this run's saved config)."""
+        try:
+            yield
+        except DamagedOutputError as error:
+            root = self.layout.root.parent if self.round_number > 1 else self.layout.root
+            config = root / self.layout.config.name
+            raise RunError(f"{error}; to redo it: rm -r {folder} && puzzle run {config}") from None
 
     def _record_scores(self) -> dict[str, Any]:
         self._check_budgets_up_front()
@@ -1339,7 +1431,31 @@ class Run:
             run_info=self._card_info(name, source),
         )
         root = self.layout.root
-        return {"path": str(written.relative_to(root)) if written.is_relative_to(root) else str(written)}
+        entry: dict[str, Any] = {
+            "path": str(written.relative_to(root)) if written.is_relative_to(root) else str(written)
+        }
+        if dist.is_main():  # rank 0 wrote the files; its record is the one kept (`_stage` broadcasts it)
+            # Each file's digest and stat key, hashed as written: the reuse check is then a stat per file.
+            entry["files"] = {
+                str(path.relative_to(written)): file_digest(path)
+                for path in sorted(written.rglob("*"))
+                if path.is_file()
+            }
+        return entry
+
+    def _intact_export(
+        self, before: Mapping[str, Any] | None, name: str, made_from: str
+    ) -> dict[str, Any] | None:
+        """The finished export record `before`'s entry of child `name` when it was exported from the same
+        distilled child (`made_from`: its GKD manifest's fingerprint) and its files are as written: the
+        export stage then redoes only the other children's exports (e.g. a damaged one)."""
+        if before is None or before.get("status") not in DONE or name not in before.get("outputs", {}):
+            return None
+        entry = before["outputs"][name]
+        if before.get("inputs", {}).get("distill", {}).get(name) != made_from or "files" not in entry:
+            return None
+        reason = dist.broadcast_object(self._export_damage(entry) if dist.is_main() else None)
+        return entry if reason is None else None
 
     def _budgets_of(self, name: str) -> list[str]:
         """The budget texts solution `name` was found under (its search record's)."""
@@ -1351,10 +1467,15 @@ class Run:
     def _record_export(self) -> dict[str, Any]:
         upstream = self.record("distill")
         inputs = {"distill": {name: entry["manifest"] for name, entry in upstream.items()}}
+        before = dist.broadcast_object(self.manifest()["stages"].get("export"))
 
         def compute() -> dict[str, Any]:
             outputs: dict[str, Any] = {}
             for name in upstream:  # one child at a time
+                kept = self._intact_export(before, name, inputs["distill"][name])
+                if kept is not None:
+                    outputs[name] = kept
+                    continue
                 outputs.update(self._export_one(name, "distill", self.layout.export(name)))
             return outputs
 

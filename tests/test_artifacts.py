@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,8 @@ from puzzle.artifacts import (
     MANIFEST_SUFFIX,
     Artifact,
     ArtifactError,
+    _file_key,
+    damaged_files,
     fingerprint_file,
     fingerprint_json,
     fingerprint_model,
@@ -291,3 +294,60 @@ def test_two_gloo_ranks_rank_zero_writes_and_the_other_reads_it(tmp_path):
     assert manifests[0] == manifests[1] and manifests[0]["inputs"] == INPUTS
     assert [json.loads((tmp_path / f"rank{r}.who").read_text()) for r in (0, 1)] == [{"written_by": 0}] * 2
     assert Artifact(tmp_path / "run", "stage", 3).load_if_current(INPUTS) is not None
+
+
+def test_outputs_replaced_with_other_bytes_of_the_same_size_are_damaged(tmp_path):
+    artifact = Artifact(tmp_path, "stage", 3)
+    manifest = _write(artifact)
+    scores = tmp_path / "scores.safetensors"
+    assert set(manifest.digests) == {"scores.safetensors", "sub/summary.json"}
+    assert manifest.digests["scores.safetensors"]["sha256"] == fingerprint_file(scores)
+    good = scores.read_bytes()
+    stat = scores.stat()
+    scores.write_bytes(good[:-1] + bytes([good[-1] ^ 1]))  # same size, one bit flipped
+    os.utime(scores, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # even with its mtime put back
+    assert artifact.damaged_outputs() == {
+        "scores.safetensors": f"{scores} has other bytes than were written (same size, another sha256)"
+    }
+    assert artifact.load_if_current(INPUTS) is None and artifact.damaged_if_current(INPUTS) == {
+        "scores.safetensors": artifact.damaged_outputs()["scores.safetensors"]
+    }
+    assert artifact.damaged_if_current({**INPUTS, "seed": "1"}) is None  # another run's: not a repair
+    scores.write_bytes(good)  # the same bytes again (a new stat key): hashed, found intact
+    assert artifact.load_if_current(INPUTS) == manifest and artifact.damaged_if_current(INPUTS) == {}
+    # A cache of re-hashed files ({resolved path: key, sha256}) is filled, then trusted for that key only.
+    cache: dict = {}
+    assert damaged_files(tmp_path, manifest.outputs, manifest.digests, cache) == {}
+    assert cache == {str(scores.resolve()): {"key": _file_key(scores), "sha256": fingerprint_file(scores)}}
+    cache[str(scores.resolve())]["sha256"] = "0" * 64  # a stale entry is not believed: hashed again
+    assert damaged_files(tmp_path, manifest.outputs, manifest.digests, cache) == {}
+    assert cache[str(scores.resolve())]["sha256"] == fingerprint_file(scores)
+
+
+def test_a_partial_rewrite_keeps_the_intact_outputs_untouched(tmp_path):
+    artifact = Artifact(tmp_path, "stage", 3)
+    first = _write(artifact)
+    kept = tmp_path / "scores.safetensors"
+    before = kept.stat()
+    again = artifact.write(INPUTS, {"sub/summary.json": json_writer({"n": 2})}, keep=["scores.safetensors"])
+    after = kept.stat()
+    assert (after.st_ino, after.st_mtime_ns, after.st_ctime_ns) == (
+        before.st_ino,
+        before.st_mtime_ns,
+        before.st_ctime_ns,
+    )
+    assert again.digests["scores.safetensors"] == first.digests["scores.safetensors"]
+    assert again.outputs["scores.safetensors"] == first.outputs["scores.safetensors"]
+    assert artifact.load_json("sub/summary.json") == {"n": 2} and artifact.load_if_current(INPUTS) == again
+
+
+def test_a_manifest_without_digests_is_checked_by_size_and_still_reused(tmp_path):
+    artifact = Artifact(tmp_path, "stage", 3)
+    _write(artifact)
+    data = json.loads(artifact.manifest_path.read_text())
+    del data["digests"]  # as written before digests were recorded
+    artifact.manifest_path.write_text(json.dumps(data))
+    assert artifact.load_if_current(INPUTS) is not None and artifact.read_manifest().digests == {}
+    scores = tmp_path / "scores.safetensors"
+    scores.write_bytes(scores.read_bytes()[:-3])
+    assert "scores.safetensors has" in artifact.why_not_current(INPUTS)

@@ -159,6 +159,7 @@ def test_a_library_written_with_the_old_file_names_still_loads(one_wave, setup, 
     shutil.copytree(output, old)
     data = json.loads((old / LIBRARY_FILE).read_text())
     manifest = json.loads((old / "library.manifest.json").read_text())
+    del manifest["digests"]  # written before manifests recorded their outputs' digests
     for entry in data["variants"]:
         if entry["file"] is not None:
             legacy = f"block{entry['block_index']}/{entry['id']}.safetensors"
