@@ -38,8 +38,7 @@ from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mi
 from transformers.utils import logging as hf_logging
 
 from puzzle.blocks.mamba import MambaMixer
-from puzzle.blocks.moe import MoEMixer
-from puzzle.nemotron_h.weights import bank_state
+from puzzle.blocks.moe import MoEMixer, bank_state
 from puzzle.spec import MambaSpec, MoESpec
 
 RESULTS = Path(__file__).parent / "results" / "bench_blocks.json"

@@ -19,8 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
+from puzzle.blocks.moe import module_hub_state
 from puzzle.blocks.tensors import TensorInfo
-from puzzle.nemotron_h.weights import module_hub_state
 from puzzle.quant import WEIGHT_FORMATS, QuantError, fake_quantize, nvfp4_global_scale
 from puzzle.spec import BlockSpec
 

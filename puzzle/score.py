@@ -645,8 +645,8 @@ def _wave_size(
     first = next(iter(read_batches()), None)
     if not pending or first is None:
         return max(1, len(pending))
+    from puzzle.cost.hardware import DEFAULT_MEMORY_FRACTION
     from puzzle.plan import device_memory_bytes, scoring_wave_size_for
-    from puzzle.search.budget import DEFAULT_MEMORY_FRACTION
 
     memory, what = device_memory_bytes()
     found = scoring_wave_size_for(

@@ -17,8 +17,7 @@ from puzzle.blocks import BLOCK_TYPES, build_block
 from puzzle.blocks import moe as moe_module
 from puzzle.blocks.attention import AttentionMixer, KVCache, apply_rope
 from puzzle.blocks.mlp import LinearMixer, MLPMixer, NoOpMixer
-from puzzle.blocks.moe import ExpertBank, MoEMixer
-from puzzle.nemotron_h.weights import allocate_banks, bank_state, module_hub_state
+from puzzle.blocks.moe import ExpertBank, MoEMixer, allocate_banks, bank_state, module_hub_state
 from puzzle.spec import (
     BLOCK_SPEC_TYPES,
     AttentionSpec,

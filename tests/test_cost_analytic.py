@@ -7,6 +7,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from puzzle.blocks import build_block
+from puzzle.blocks.moe import module_hub_state
 from puzzle.cost.analytic import (
     ROLES,
     QuantRecipe,
@@ -26,7 +27,6 @@ from puzzle.cost.analytic import (
     tensor_bytes,
 )
 from puzzle.cost.kinds import BLOCK_COSTS, BlockCost, block_cost, routed_expert_params
-from puzzle.nemotron_h.weights import module_hub_state
 from puzzle.presets import nemotron3_super, tiny_hybrid
 from puzzle.spec import (
     BLOCK_SPEC_TYPES,

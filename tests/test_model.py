@@ -10,8 +10,8 @@ from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNorm
 
 from puzzle import nemotron_h
 from puzzle.blocks import build_block
+from puzzle.blocks.moe import module_hub_state
 from puzzle.model import Block, HybridLM, RMSNorm, parameter_counts
-from puzzle.nemotron_h.weights import module_hub_state
 from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, NoOpSpec, SpecError
 
 # Published configs (see shared/reference/nemotron-architectures.md) and their derived parameter totals.

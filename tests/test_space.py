@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from puzzle.artifacts import fingerprint_json
+from puzzle.blocks.moe import module_hub_state
 from puzzle.model import HybridLM
-from puzzle.nemotron_h.weights import module_hub_state
 from puzzle.presets import get_space_preset, nemotron3_nano, nemotron3_super, puzzle_75b_a9b_like, tiny_hybrid
 from puzzle.prune import collect_importance, init_child
 from puzzle.space import KIND_AXES, SearchSpace, SpaceError

@@ -136,7 +136,7 @@ def test_a_quantized_mixer_runs_fake_quantized_weights_with_straight_through_gra
     """Forward of an nvfp4 MoE (routed experts one tensor each, down transposed, shared expert) and an fp8
     MLP equals the bf16-spec mixer with those hub weights fake-quantized by hand; the master weights get
     the hand-quantized weights' gradients (straight through) and are left unchanged; Block.step too."""
-    from puzzle.nemotron_h.weights import module_hub_state
+    from puzzle.blocks.moe import module_hub_state
 
     torch.manual_seed(0)
     for spec, fmt in ((MoESpec(4, 2, 16, shared_width=16), "nvfp4"), (MLPSpec(width=32), "fp8")):

@@ -434,7 +434,7 @@ class MoEMixer(nn.Module):
     """out = fc2(sum_k w_k * expert_k(fc1(x))) + shared(x); fc1/fc2 only when latent, shared only when width > 0.
 
     Parameters: gate.{weight, e_score_correction_bias}, experts.{up, down} (the `ExpertBank`; the hub's
-    experts.{j}.{up_proj, down_proj}.weight through `puzzle.nemotron_h.weights.module_hub_state`), fc1_latent_proj.weight [L, H],
+    experts.{j}.{up_proj, down_proj}.weight through `module_hub_state`), fc1_latent_proj.weight [L, H],
     fc2_latent_proj.weight [H, L], shared_experts.{up_proj, down_proj}.weight.
     Stateless: `init_cache` returns None and `step` is `forward`. `norm_eps` is unused.
     """
@@ -496,3 +496,62 @@ class MoEMixer(nn.Module):
     def step(self, x: torch.Tensor, cache: None = None) -> torch.Tensor:
         """x: [b, 1, H] -> [b, 1, H]."""
         return self.forward(x)
+
+
+# ---------------------------------------------------------------------- expert banks <-> hub per-expert tensors
+# The hub (and every NemotronH checkpoint) stores each routed expert as `experts.{j}.up_proj.weight` [w_j, D]
+# and `experts.{j}.down_proj.weight` [D, w_j]; the model keeps them in one `ExpertBank` per block. These
+# live with the bank (not with the checkpoint reader) so that the quantizer's block view and the
+# checkpoint code, which both need the hub layout, import it from below.
+
+
+def expert_banks(module: nn.Module) -> dict[str, ExpertBank]:
+    """Every ExpertBank in `module`, by its state-dict prefix ("" for `module` itself, else "name.")."""
+    return {f"{name}." if name else "": m for name, m in module.named_modules() if isinstance(m, ExpertBank)}
+
+
+def module_hub_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """`module.state_dict()` with each bank's `up` / `down` replaced, in place, by the hub's per-expert tensors.
+
+    Keys `{prefix}{j}.up_proj.weight` [w_j, D] and `{prefix}{j}.down_proj.weight` [D, w_j] (expert by expert,
+    up then down), detached views of the bank (the down views are transposed: `.contiguous()` to write them).
+    Works on the meta device, for names and shapes.
+    """
+    banks = expert_banks(module)
+    up_keys = {prefix + "up": bank for prefix, bank in banks.items()}
+    down_keys = {prefix + "down" for prefix in banks}
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in module.state_dict().items():
+        if key in up_keys:
+            prefix = key.removesuffix("up")
+            with torch.no_grad():
+                out.update({prefix + name: view.detach() for name, view in up_keys[key].hub_views().items()})
+        elif key not in down_keys:
+            out[key] = tensor
+    return out
+
+
+def allocate_banks(
+    module: nn.Module, dtype: torch.dtype, device: torch.device | str
+) -> dict[str, torch.Tensor]:
+    """Give every bank of `module` new, uninitialised `up` / `down` (e.g. in place of meta tensors) and return
+    the hub's per-expert tensors by `module_hub_state` name: writable views into them, for a loader to `copy_` into."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, bank in expert_banks(module).items():
+        for name in ("up", "down"):
+            old = bank._parameters[name]
+            bank._views = None
+            bank._parameters[name] = nn.Parameter(
+                torch.empty(old.shape, dtype=dtype, device=device), requires_grad=old.requires_grad
+            )
+        with torch.no_grad():
+            out.update({prefix + name: view.detach() for name, view in bank.hub_views().items()})
+    return out
+
+
+def bank_state(up: list[torch.Tensor], down: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The bank tensors {"up", "down"} [sum w_j, D] of experts given in the hub layout.
+
+    up[j] [w_j, D] (up_proj.weight), down[j] [D, w_j] (down_proj.weight); the inverse of `ExpertBank.hub_views`.
+    """
+    return {"up": torch.cat(up), "down": torch.cat([d.T for d in down])}

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from puzzle import dist, files
+from puzzle.blocks.moe import allocate_banks, module_hub_state
 from puzzle.files import (
     CARD_FILE,
     OWNER_MARKER,
@@ -48,10 +49,8 @@ from puzzle.nemotron_h.weights import (
     SAFETENSORS_DTYPES,
     SHARD_FILE,
     SINGLE_FILE,
-    allocate_banks,
     disk_name,
     map_checkpoint,
-    module_hub_state,
     open_safetensors,
     weight_files,
 )

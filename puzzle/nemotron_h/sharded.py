@@ -32,11 +32,11 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from puzzle import dist, shard
+from puzzle.blocks.moe import expert_banks
 from puzzle.model import HybridLM
 from puzzle.nemotron_h.config import CheckpointError
 from puzzle.nemotron_h.weights import (
     TensorSource,
-    _banks,
     map_checkpoint,
     open_safetensors,
     weight_files,
@@ -116,7 +116,7 @@ def _bank_rows(
 
 def _fill(model: HybridLM, handles: Mapping[Path, Any], sources: Mapping[str, TensorSource]) -> None:
     """Copy into every parameter and buffer of `model` (uninitialised, local parts) its rows from the files."""
-    banks = _banks(model)
+    banks = expert_banks(model)
     seen: set[int] = set()
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         if id(tensor) in seen:  # a tied lm_head is the embeddings' parameter

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from puzzle import gathers
+from puzzle.blocks.moe import expert_banks
 from puzzle.nemotron_h.config import CheckpointError
 from puzzle.nemotron_h.weights import (
     INDEX_FILE,
@@ -35,7 +36,6 @@ from puzzle.nemotron_h.weights import (
     SINGLE_FILE,
     LazyTensor,
     TensorSource,
-    _banks,
     disk_name,
     map_checkpoint,
     model_key,
@@ -232,8 +232,8 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def model_entries(model: nn.Module, extras: Mapping[str, torch.Tensor | LazyTensor]) -> list[Entry]:
     """The hub tensors `hub_state` gives for `model` (names, dtypes, shapes; in its order), from metadata only:
     a sharded parameter's global shape, each bank's experts one by one."""
-    banks = {prefix + "up": bank for prefix, bank in _banks(model).items()}
-    downs = {prefix + "down" for prefix in _banks(model)}
+    banks = {prefix + "up": bank for prefix, bank in expert_banks(model).items()}
+    downs = {prefix + "down" for prefix in expert_banks(model)}
     out: list[Entry] = []
     for key, tensor in model.state_dict().items():
         if key in banks:
@@ -297,7 +297,7 @@ def model_units(
     """One unit per state-dict tensor of `model` (a bank's `up` and `down` each give their experts), then
     the extra tensors. The same units in the same order on every rank (the gathers are collectives)."""
     banks = {}
-    for prefix, bank in _banks(model).items():
+    for prefix, bank in expert_banks(model).items():
         banks[prefix + "up"] = banks[prefix + "down"] = bank
     for key, tensor in model.state_dict().items():
         if key in banks:

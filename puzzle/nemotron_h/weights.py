@@ -4,9 +4,9 @@ Reading accepts weights under `backbone.` or `model.`, per-expert or fused 3-D e
 `embeddings` or `embedding`, one file, an index with shards, or a folder of safetensors files.
 Tensors are described from the file headers (`map_checkpoint`) and read one at a time from the
 memory-mapped files. Writing produces the hub layout: `backbone.` prefix, per-expert keys,
-`lm_head.weight`, shards of at most `max_shard_bytes` with an index. The MoE layout lives here too: a
-block's routed experts are one `ExpertBank` in the model and one tensor pair per expert on disk
-(`module_hub_state`, `allocate_banks`).
+`lm_head.weight`, shards of at most `max_shard_bytes` with an index. A block's routed experts are one
+`ExpertBank` in the model and one tensor pair per expert on disk: that layout lives with the bank
+(`puzzle.blocks.moe.module_hub_state`, `allocate_banks`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
-from torch import nn
 
-from puzzle.blocks.moe import ExpertBank
+from puzzle.blocks.moe import module_hub_state
 from puzzle.nemotron_h.config import CheckpointError
 
 if TYPE_CHECKING:
@@ -285,63 +284,6 @@ def map_checkpoint(
                     )
                 sources[key_in_model] = source
     return sources, extras, prefix_seen
-
-
-# --------------------------------------------------------------------------------------- MoE expert banks
-# The hub (and every NemotronH checkpoint) stores each routed expert as `experts.{j}.up_proj.weight` [w_j, D]
-# and `experts.{j}.down_proj.weight` [D, w_j]; the model keeps them in one `ExpertBank` per block.
-
-
-def _banks(module: nn.Module) -> dict[str, ExpertBank]:
-    """Every ExpertBank in `module`, by its state-dict prefix ("" for `module` itself, else "name.")."""
-    return {f"{name}." if name else "": m for name, m in module.named_modules() if isinstance(m, ExpertBank)}
-
-
-def module_hub_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    """`module.state_dict()` with each bank's `up` / `down` replaced, in place, by the hub's per-expert tensors.
-
-    Keys `{prefix}{j}.up_proj.weight` [w_j, D] and `{prefix}{j}.down_proj.weight` [D, w_j] (expert by expert,
-    up then down), detached views of the bank (the down views are transposed: `.contiguous()` to write them).
-    Works on the meta device, for names and shapes.
-    """
-    banks = _banks(module)
-    up_keys = {prefix + "up": bank for prefix, bank in banks.items()}
-    down_keys = {prefix + "down" for prefix in banks}
-    out: dict[str, torch.Tensor] = {}
-    for key, tensor in module.state_dict().items():
-        if key in up_keys:
-            prefix = key.removesuffix("up")
-            with torch.no_grad():
-                out.update({prefix + name: view.detach() for name, view in up_keys[key].hub_views().items()})
-        elif key not in down_keys:
-            out[key] = tensor
-    return out
-
-
-def allocate_banks(
-    module: nn.Module, dtype: torch.dtype, device: torch.device | str
-) -> dict[str, torch.Tensor]:
-    """Give every bank of `module` new, uninitialised `up` / `down` (e.g. in place of meta tensors) and return
-    the hub's per-expert tensors by `module_hub_state` name: writable views into them, for a loader to `copy_` into."""
-    out: dict[str, torch.Tensor] = {}
-    for prefix, bank in _banks(module).items():
-        for name in ("up", "down"):
-            old = bank._parameters[name]
-            bank._views = None
-            bank._parameters[name] = nn.Parameter(
-                torch.empty(old.shape, dtype=dtype, device=device), requires_grad=old.requires_grad
-            )
-        with torch.no_grad():
-            out.update({prefix + name: view.detach() for name, view in bank.hub_views().items()})
-    return out
-
-
-def bank_state(up: list[torch.Tensor], down: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The bank tensors {"up", "down"} [sum w_j, D] of experts given in the hub layout.
-
-    up[j] [w_j, D] (up_proj.weight), down[j] [D, w_j] (down_proj.weight); the inverse of `ExpertBank.hub_views`.
-    """
-    return {"up": torch.cat(up), "down": torch.cat([d.T for d in down])}
 
 
 # --------------------------------------------------------------------------------------- writing files
