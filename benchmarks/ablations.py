@@ -88,10 +88,10 @@ from puzzle.demo.pipeline import FULL, QUICK, DemoSize, demo_config
 from puzzle.files import atomic_write_bytes
 from puzzle.library import Library, read_library
 from puzzle.presets.demo import demo_parent_spec, demo_quick_parent_spec, demo_spec
+from puzzle.problem import RunCandidates, RunProblem, run_candidates, run_problem
 from puzzle.run import Run
 from puzzle.search import InfeasibleError, search
 from puzzle.search.mip import feasible_choices, resolve_limits
-from puzzle.search.run_dir import RunCandidates, RunProblem, run_candidates, run_problem
 from puzzle.spec import BlockSpec, MambaSpec, ModelSpec, MoESpec, Variant
 
 HERE = Path(__file__).resolve().parent

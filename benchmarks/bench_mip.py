@@ -35,10 +35,10 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from puzzle.cost.limits import Limit, Relative
 from puzzle.search import SolverOptions, Table, search
 from puzzle.search.backend import REDUCED_MIP_HIGHS_OPTIONS
 from puzzle.search.library import load_library
-from puzzle.search.limits import Limit, Relative
 
 RESULTS = Path(__file__).parent / "results" / "bench_mip.json"
 KEYS = ("memory", "runtime", "params")

@@ -31,13 +31,13 @@ from transformers.utils import logging as hf_logging
 
 import puzzle
 from puzzle.cost.analytic import model_active_params, model_params
+from puzzle.cost.limits import Relative
 from puzzle.model import HybridLM
 from puzzle.nemotron_h import transformers_incompatibilities
 from puzzle.prune import importance_for, init_child
 from puzzle.score import score_variants
 from puzzle.search import search
 from puzzle.search.budget import Budget, choices_to_spec, deployment_problem
-from puzzle.search.limits import Relative
 from puzzle.spec import (
     AttentionSpec,
     BlockSpec,

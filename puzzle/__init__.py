@@ -13,7 +13,7 @@ _LAZY_EXPORTS = {
     "ScenarioTarget": "puzzle.search.budget",
     "deployment_problem": "puzzle.search.budget",
     "choices_to_spec": "puzzle.search.budget",
-    "Relative": "puzzle.search.limits",
+    "Relative": "puzzle.cost.limits",
     "Scenario": "puzzle.cost",
     "get_preset": "puzzle.presets",
     "SearchSpace": "puzzle.space",

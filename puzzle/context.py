@@ -9,7 +9,7 @@ child's own:
 
     score(i, v) = D(child with block i := v) - D(child)
 
-where D is the search objective's damage (`puzzle.search.run_dir._damage`: the KL by default). The child's
+where D is the search objective's damage (`puzzle.problem.objective_damage`: the KL by default). The child's
 own choice scores exactly 0 in every block, and the objective's constant is D(child): a solve on these
 scores predicts D(child) + sum_i score(i, v_i), exact for any architecture that differs from the child in
 at most one block, a first-order expansion around the child for the others. `puzzle.Run` repeats
@@ -25,9 +25,9 @@ from typing import Any
 
 import numpy as np
 
+from puzzle.cost.limits import Limit
+from puzzle.problem import RunCandidates, RunProblem, objective_damage
 from puzzle.score import Scores, VariantScore
-from puzzle.search.limits import Limit
-from puzzle.search.run_dir import RunCandidates, RunProblem, _damage
 from puzzle.search.types import SearchError, Solution
 from puzzle.spec import Variant
 
@@ -40,7 +40,7 @@ def child_variants(solution: Solution, candidates: RunCandidates) -> list[Varian
 def context_damage(scores: Scores, own: list[Variant], objective: str) -> float:
     """The child's own damage D(child) from scores in its context: the record of any own variant (all equal)."""
     record = scores[own[0]]
-    value = None if record.failed else _damage(objective, record)
+    value = None if record.failed else objective_damage(objective, record)
     if value is None:
         raise SearchError(
             f"the child itself has no {objective} score in context ({record.failed or 'none recorded'}): "
@@ -68,7 +68,7 @@ def context_candidates(
             record = scores.get(variant)
             if record is None:
                 raise SearchError(f"block {block} variant {variant.id} has no score in context")
-            value = None if record.failed else _damage(objective, record)
+            value = None if record.failed else objective_damage(objective, record)
             if value is None:
                 notes.append(
                     f"block {block} variant {variant.id}: scoring in context failed ({record.failed})"
@@ -103,7 +103,7 @@ def predict_in_context(
         if theirs == mine:
             continue
         record = scores.get(theirs)
-        value = None if record is None or record.failed else _damage(objective, record)
+        value = None if record is None or record.failed else objective_damage(objective, record)
         if value is None:
             reason = "none recorded" if record is None else record.failed or f"no {objective}"
             raise SearchError(

@@ -14,7 +14,7 @@
       solutions/         searches saved by the pipeline, {name}.json per budget (`puzzle search RUN_DIR`
                          writes only to --out)
       frontier.json      the Pareto frontier the solutions stage swept against each budget key of its
-                         solutions (`puzzle.search.run_dir.frontier_sweep`), drawn by the report
+                         solutions (`puzzle.problem.frontier_sweep`), drawn by the report
       children/{name}/   GKD of the assembled child of solution {name}: checkpoints, history.json, weights
       exports/{name}/    the exported checkpoint of solution {name} (config.json, safetensors, puzzle.json)
       report/            `puzzle report`: report.md and its PNG plots
@@ -194,7 +194,7 @@ class RunLayout:
 
     @property
     def frontier(self) -> Path:
-        """The solutions stage's frontier sweep (`puzzle.search.run_dir.frontier_sweep`), read by the report."""
+        """The solutions stage's frontier sweep (`puzzle.problem.frontier_sweep`), read by the report."""
         return self.root / FRONTIER_FILE
 
     @property

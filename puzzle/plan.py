@@ -32,7 +32,7 @@ from typing import Any
 from puzzle.cost.analytic import model_active_params, model_params, prefill_flops_per_token
 from puzzle.cost.hardware import HardwareProfile
 from puzzle.cost.kinds import block_cost
-from puzzle.search.limits import Relative
+from puzzle.cost.limits import Relative
 from puzzle.shard import shard_numel
 from puzzle.spec import BlockSpec, ModelSpec, NoOpSpec, Variant
 

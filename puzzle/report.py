@@ -5,7 +5,7 @@
 
 Sections, each skipped with a one-line note when its inputs are missing: the Pareto frontier of the
 summed predicted KL against each budget key of the run's solutions (swept by the run's solutions stage
-into frontier.json, `puzzle.search.run_dir.frontier_sweep`; the report solves nothing), a per-block map of each chosen architecture (parent row above
+into frontier.json, `puzzle.problem.frontier_sweep`; the report solves nothing), a per-block map of each chosen architecture (parent row above
 child row, coloured by kind, shaded by active parameters relative to the parent's block, as Figure 6 of
 the Puzzle paper), the cost breakdown parent vs child, the library's BLD losses, the GKD curves
 (children/{name}/history.json) and measured vs predicted KL (exports/{name}/puzzle.json). Rounds r >= 2

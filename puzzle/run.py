@@ -99,10 +99,7 @@ from puzzle.layout import STAGES, RunDirError, RunLayout
 from puzzle.library import Library, read_library
 from puzzle.model import HybridLM
 from puzzle.plan import scoring_memory, scoring_wave_size
-from puzzle.prune.importance import ModelImportance, importance_for, load_importance
-from puzzle.score import Scores, load_scores, score_variants
-from puzzle.search import search, search_k
-from puzzle.search.run_dir import (
+from puzzle.problem import (
     CostModel,
     RunCandidates,
     RunProblem,
@@ -110,6 +107,9 @@ from puzzle.search.run_dir import (
     frontier_sweep,
     run_problem,
 )
+from puzzle.prune.importance import ModelImportance, importance_for, load_importance
+from puzzle.score import Scores, load_scores, score_variants
+from puzzle.search import search, search_k
 from puzzle.search.types import Solution
 from puzzle.settings import ScoreSettings
 from puzzle.space import SearchSpace
@@ -975,7 +975,7 @@ class Run:
 
     def _sweep_frontier(self, solutions: Mapping[str, Any]) -> dict[str, Any]:
         """The Pareto frontier against the budget keys of the config's solutions -> frontier.json, so that
-        the report draws it without solving (`puzzle.search.run_dir.frontier_sweep`)."""
+        the report draws it without solving (`puzzle.problem.frontier_sweep`)."""
         cost_model = self.cost_model()
         problem = self._problem(frontier_budgets(cost_model), cost_model=cost_model)
         saved = {name: self._solution_json(name) for name in solutions}

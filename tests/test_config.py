@@ -32,13 +32,13 @@ from puzzle.config import (
     to_dict,
 )
 from puzzle.config.loader import type_hints
+from puzzle.cost.limits import Relative
 from puzzle.data import TokenData
 from puzzle.model import HybridLM
 from puzzle.presets import nemotron3_nano, tiny_hybrid
 from puzzle.presets.demo import demo_parent_spec
 from puzzle.search.budget import DeploymentLimit
 from puzzle.search.budget import parse_budget as search_parse_budget
-from puzzle.search.limits import Relative
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "configs"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from puzzle.context import best_round, context_candidates
+from puzzle.problem import RunCandidates
 from puzzle.score import VariantScore
-from puzzle.search.run_dir import RunCandidates
 from puzzle.search.types import SearchError
 from puzzle.spec import MLPSpec, ModelSpec, NoOpSpec, Variant
 

@@ -14,11 +14,11 @@ import pytest
 from puzzle.cli import main
 from puzzle.cost import Scenario, get_hardware, max_batch_at_speed, max_concurrent_requests, model_performance
 from puzzle.cost.hardware import hardware_key, multi_gpu
+from puzzle.cost.limits import BudgetError, Relative
 from puzzle.cost.roofline import BlockWork, all_reduce_seconds, decode_work
 from puzzle.presets import nemotron3_super, puzzle_75b_a9b_like, tiny_hybrid
 from puzzle.search import search
 from puzzle.search.budget import Budget, ScenarioTarget, choices_to_spec, deployment_problem, parse_scenario
-from puzzle.search.limits import BudgetError, Relative
 from puzzle.search.types import SearchError
 from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec, MLPSpec, MoESpec, NoOpSpec, SpecError
 

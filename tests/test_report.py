@@ -24,8 +24,8 @@ from puzzle.export import export
 from puzzle.files import atomic_write_bytes
 from puzzle.gkd import GKDSettings, distill
 from puzzle.layout import RunDirError, RunLayout
+from puzzle.problem import CostModel, frontier_budgets, frontier_sweep, run_problem, search_run
 from puzzle.report import PLOT_HINT, _format, readable_budget, write_report
-from puzzle.search.run_dir import CostModel, frontier_budgets, frontier_sweep, run_problem, search_run
 
 NAME = "small"
 

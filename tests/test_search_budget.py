@@ -16,7 +16,9 @@ from puzzle.cost import (
     model_performance,
     model_weight_bytes,
 )
+from puzzle.cost.limits import BudgetError, Relative
 from puzzle.presets.tiny import tiny_hybrid
+from puzzle.problem import RunCandidates, run_problem
 from puzzle.search import InfeasibleError, search
 from puzzle.search.budget import (
     BUDGET_KEYS,
@@ -28,8 +30,6 @@ from puzzle.search.budget import (
     deployment_problem,
     parse_budget,
 )
-from puzzle.search.limits import BudgetError, Relative
-from puzzle.search.run_dir import RunCandidates, run_problem
 from puzzle.spec import LinearSpec, MambaSpec, MLPSpec, MoESpec, NoOpSpec, SpecError
 
 HARDWARE = "h100"

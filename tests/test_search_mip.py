@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from puzzle.cost.limits import Limit, Relative, merge_limits, parse_limit, parse_value
 from puzzle.search import Choice, InfeasibleError, Rules, SearchError, SolverOptions, Table, search, search_k
-from puzzle.search.limits import Limit, Relative, merge_limits, parse_limit, parse_value
 from puzzle.search.mip import feasible_choices, resolve_limits
 
 COST_KEYS = ("memory", "runtime", "params")

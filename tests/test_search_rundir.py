@@ -32,9 +32,9 @@ from puzzle.cost.analytic import model_weight_bytes
 from puzzle.cost.hardware import HardwareProfile, profile_from_json, profile_to_json
 from puzzle.library import read_library
 from puzzle.presets import tiny_hybrid
+from puzzle.problem import CostModel, parse_scenario, run_problem, search_run
 from puzzle.run import Run
 from puzzle.score import SCORES_FILE, load_scores
-from puzzle.search.run_dir import CostModel, parse_scenario, run_problem, search_run
 from puzzle.spec import ModelSpec
 
 HARDWARE = "h100-80gb"

@@ -1,7 +1,7 @@
 """Sub-commands of the `puzzle` command line, one module each (see puzzle/cli.py), and the argument
 types they share, so that every number on the command line reads the same way.
 
-Numbers use the budget syntax of puzzle/search/limits.py: `1000000`, `1e6`, `1M`, `70G`, `2.5B` (= 2.5e9).
+Numbers use the budget syntax of puzzle/cost/limits.py: `1000000`, `1e6`, `1M`, `70G`, `2.5B` (= 2.5e9).
 A count (tokens, solutions) must come out whole: `1e6` is 1000000, `1.5` is an error.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from puzzle.search.limits import BudgetError, Relative, parse_value
+from puzzle.cost.limits import BudgetError, Relative, parse_value
 
 NUMBER_EXAMPLES = "such as 1000000, 1e6 or 1M"
 

@@ -37,9 +37,9 @@ def register(subparsers: Any) -> None:
 
 def run_report(args: argparse.Namespace) -> int:
     """`puzzle report`: the path of report.md on stdout, or one error line and exit code 2."""
+    from puzzle.cost.limits import BudgetError
     from puzzle.layout import RunDirError
     from puzzle.report import write_report
-    from puzzle.search.limits import BudgetError
     from puzzle.search.types import SearchError
 
     if not args.run or args.out == "":

@@ -1,5 +1,5 @@
 """`puzzle search`: solve the architecture MIP on a block library file (NVlabs Puzzle or puzzletron format), or
-on a run directory (`puzzle search RUN_DIR`: its library, scores and the cost model, `puzzle.search.run_dir`)."""
+on a run directory (`puzzle search RUN_DIR`: its library, scores and the cost model, `puzzle.problem`)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from puzzle.commands import fraction, non_negative_int, parse_number, positive_int
+from puzzle.cost.limits import BudgetError, merge_limits, parse_limit
 from puzzle.search import InfeasibleError, Rules, SearchError, Solution, SolverOptions, search_k
 from puzzle.search.frontier import frontier_prefix, is_search_output, parse_sweep, sweep, write_frontier
 from puzzle.search.library import load_library
-from puzzle.search.limits import BudgetError, merge_limits, parse_limit
 from puzzle.search.types import SOLVERS
 
 EXIT_INFEASIBLE = 2
@@ -525,8 +525,8 @@ def _run_dir(args: argparse.Namespace) -> int:
     # Late: the run's files are read through puzzle.bld / puzzle.score, which import torch.
     from puzzle.commands.costs import load_target
     from puzzle.layout import RunLayout
+    from puzzle.problem import METRICS, run_problem
     from puzzle.search.budget import factor_hints, parse_budget
-    from puzzle.search.run_dir import METRICS, run_problem
 
     layout = RunLayout(Path(args.run_dir))
     try:

@@ -24,11 +24,11 @@ from typing import Any, ClassVar, Literal
 import yaml
 
 from puzzle.config.loader import ConfigError, doc, error_key, from_data, line_of, read_yaml, to_dict
+from puzzle.cost.limits import BudgetError, Limit, Value
 from puzzle.presets import SPACE_PRESETS, get_space_preset
 from puzzle.search import budget
 from puzzle.search.budget import CostModel, DeploymentLimit
 from puzzle.search.frontier import parse_sweep
-from puzzle.search.limits import BudgetError, Limit, Value
 from puzzle.search.types import SolverOptions
 from puzzle.settings import BLDSettings, GKDSettings, ScoreSettings, check_shard_mode
 from puzzle.space import SearchSpace

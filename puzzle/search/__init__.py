@@ -2,18 +2,19 @@
 
     from puzzle.search import Table, Limit, Rules, SolverOptions, search, search_k
 
-Modules: `types` (Table, Choice, Rules, SolverOptions, Solution, errors), `limits` (budget syntax and
-`Limit`), `mip` (the rows and columns, dominance presolve), `exact` (`search` / `search_k`: LP bound,
-fixing, the MIP, the proven gap, infeasibility diagnosis), `heuristics` (diving, local search, probing),
-`backend` (HiGHS and CBC through PuLP), `budget` (deployment budgets: the cost model, one grammar and one
-row per key, priced through `puzzle.cost`), `library`
-(block library files measured elsewhere), `frontier` (budget sweeps and Pareto frontiers), `run_dir` (a run
-directory's library and scores under deployment budgets).
+Modules: `types` (Table, Choice, Rules, SolverOptions, Solution, errors), `mip` (the rows and columns,
+dominance presolve), `exact` (`search` / `search_k`: LP bound, fixing, the MIP, the proven gap,
+infeasibility diagnosis), `heuristics` (diving, local search, probing), `backend` (HiGHS and CBC through
+PuLP), `budget` (deployment budgets: the cost model, one grammar and one row per key, priced through
+`puzzle.cost`), `library` (block library files measured elsewhere), `frontier` (budget sweeps and Pareto
+frontiers). The budget syntax and `Limit` live in `puzzle.cost.limits`; a run directory's library and
+scores under deployment budgets in `puzzle.problem`, a stage above the search. The search imports only
+the specs, the costs and file helpers (tests/test_layers.py).
 """
 
 from puzzle._lazy import lazy_attributes as _lazy_attributes
+from puzzle.cost.limits import BudgetError, Limit, Relative, merge_limits, parse_limit, parse_value
 from puzzle.search.exact import search, search_k
-from puzzle.search.limits import BudgetError, Limit, Relative, merge_limits, parse_limit, parse_value
 from puzzle.search.types import Choice, InfeasibleError, Rules, SearchError, Solution, SolverOptions, Table
 
 # Names whose modules pull in the cost model or file handling load on first use, so that a library
@@ -30,11 +31,10 @@ _LAZY_EXPORTS = {
     "load_library": "puzzle.search.library",
     "sweep": "puzzle.search.frontier",
     "write_frontier": "puzzle.search.frontier",
-    "search_run": "puzzle.search.run_dir",
 }
 
 
-__getattr__, __dir__ = _lazy_attributes(__name__, _LAZY_EXPORTS)  # and submodules, e.g. `run_dir`
+__getattr__, __dir__ = _lazy_attributes(__name__, _LAZY_EXPORTS)  # and submodules, e.g. `budget`
 
 
 __all__ = [
@@ -62,7 +62,6 @@ __all__ = [
     "parse_value",
     "search",
     "search_k",
-    "search_run",
     "sweep",
     "write_frontier",
 ]

@@ -59,9 +59,9 @@ from puzzle.cost import (
 )
 from puzzle.cost.analytic import get_recipe
 from puzzle.cost.hardware import DEFAULT_HARDWARE, DEFAULT_MEMORY_FRACTION, HardwareProfile, hardware_key
+from puzzle.cost.limits import BudgetError, Limit, Relative, Value, parse_limit, parse_value
 from puzzle.cost.roofline import LatencyFn, RooflineLatency
 from puzzle.search.kinds import search_attributes
-from puzzle.search.limits import BudgetError, Limit, Relative, Value, parse_limit, parse_value
 from puzzle.search.types import Choice, Rules, SearchError, Table
 from puzzle.spec import BlockSpec, ModelSpec, SpecError
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from puzzle.cost.limits import Limit
 from puzzle.search import mckp
 from puzzle.search.backend import (
     REDUCED_MIP_HIGHS_OPTIONS,
@@ -38,7 +39,6 @@ from puzzle.search.backend import (
     solve_with_pulp,
 )
 from puzzle.search.heuristics import dive, improve, probe, rows_hold
-from puzzle.search.limits import Limit
 from puzzle.search.mip import Problem, build_problem, feasible_choices, resolve_limits, tolerance
 from puzzle.search.types import InfeasibleError, Rules, SearchError, Solution, SolverOptions, Table
 

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from puzzle.cost.limits import BudgetError, Limit, Value, merge_limits, parse_value
 from puzzle.search.exact import search
-from puzzle.search.limits import BudgetError, Limit, Value, merge_limits, parse_value
 from puzzle.search.types import InfeasibleError, Rules, SearchError, Solution, SolverOptions, Table
 
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from puzzle.cost.limits import Limit
 from puzzle.search.backend import Row, RowModel
-from puzzle.search.limits import Limit
 from puzzle.search.types import Rules, SearchError, Table
 
 

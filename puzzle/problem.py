@@ -1,6 +1,6 @@
 """Search a run directory: its library (BLD), its scores (replace-one-block) and the cost model make the table.
 
-    from puzzle.search.run_dir import CostModel, parse_scenario, search_run
+    from puzzle.problem import CostModel, parse_scenario, search_run
     chat = parse_scenario("chat:batch=8,prompt=1024,generated=256")
     solution = search_run("run", ["active_params<=0.6x", "throughput[chat]>=1.6x"],
                           cost_model=CostModel("h100-80gb", scenarios={"chat": chat}))
@@ -91,7 +91,7 @@ class RunCandidates:
     notes: list[str] = field(default_factory=list)  # variants left out, and why
 
 
-def _damage(metric: str, record: Any) -> float | None:
+def objective_damage(metric: str, record: Any) -> float | None:
     value = getattr(record, metric)
     if value is None:
         return None
@@ -149,7 +149,7 @@ def run_candidates(
         if record.failed is not None:
             notes.append(f"{where} left out: scoring failed ({record.failed})")
             continue
-        value = _damage(objective, record)
+        value = objective_damage(objective, record)
         if value is None:
             raise RunDirError(f"{scores_dir / SCORES_FILE}: {where} has no {objective} score")
         if own:
