@@ -106,7 +106,7 @@ from puzzle.resume import (
     read_checkpoint,
     write_checkpoint,
 )
-from puzzle.settings import BLDSettings
+from puzzle.settings import BLDSettings, learning_rate
 from puzzle.spec import BlockSpec, NoOpSpec, SpecError, Variant
 
 CHECKPOINT_DIR = "bld-checkpoints"
@@ -121,16 +121,6 @@ Batches = Callable[[], Iterable[torch.Tensor]] | Sequence[torch.Tensor]
 
 # ----------------------------------------------------------------------------------------------------------
 # Schedule and memory plan: pure functions.
-
-
-def learning_rate(settings: BLDSettings, tokens_seen: int) -> float:
-    """The learning rate of a step that starts after `tokens_seen` tokens: linear warm-up, then cosine."""
-    if tokens_seen < settings.warmup_tokens:
-        return settings.lr * (tokens_seen + 1) / settings.warmup_tokens
-    span = max(1, settings.token_budget - settings.warmup_tokens)
-    progress = min(1.0, (tokens_seen - settings.warmup_tokens) / span)
-    floor = settings.min_lr_ratio
-    return settings.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def variant_training_bytes(
@@ -197,16 +187,6 @@ def _order(variant: Variant) -> tuple[int, str]:
 # The parent pass shared by training and evaluation.
 
 
-def _rows(batch: torch.Tensor) -> torch.Tensor:
-    """This rank's rows of a global batch [B, T] (round-robin, as `dist.shard`)."""
-    if batch.ndim != 2:
-        raise ValueError(f"a token batch must be [batch, tokens], found shape {list(batch.shape)}")
-    world = dist.world_size()
-    if batch.shape[0] < world:
-        raise ValueError(f"a batch of {batch.shape[0]} rows cannot be split over {world} ranks")
-    return batch[dist.rank() :: world]
-
-
 def _parent_blocks(
     parent: HybridLM, ids: torch.Tensor, last: int
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
@@ -249,7 +229,9 @@ def _held_out_nmse(
     position = {v: n for n, v in enumerate(order)}
     device = parent.embeddings.weight.device
     # Sharded units all-gather in their forward, so every rank must run every batch (its rows of it).
-    batches = [_rows(b) for b in held_out] if shard.active(settings.shard) else list(dist.shard(held_out))
+    batches = (
+        [dist.local_rows(b) for b in held_out] if shard.active(settings.shard) else list(dist.shard(held_out))
+    )
     for batch in batches:
         for index, h, p in _parent_blocks(parent, batch, max(by_block)):
             if index not in by_block:
@@ -326,7 +308,7 @@ def _train_step(
     by_block = _by_block(active)
     device = parent.embeddings.weight.device
     losses: dict[Variant, torch.Tensor] = {}
-    for index, h, p in _parent_blocks(parent, _rows(batch), max(by_block)):
+    for index, h, p in _parent_blocks(parent, dist.local_rows(batch), max(by_block)):
         if index not in by_block:
             continue
         target = p.float()

@@ -103,6 +103,17 @@ def shard(items: Iterable[T], rank: int | None = None, world: int | None = None)
     return itertools.islice(items, rank, None, world)
 
 
+def local_rows(batch: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a global token batch [B, T] (round-robin, as `shard`): how BLD and GKD split a
+    batch over the ranks that train one sharded model together."""
+    if batch.ndim != 2:
+        raise ValueError(f"a token batch must be [batch, tokens], found shape {list(batch.shape)}")
+    world = world_size()
+    if batch.shape[0] < world:
+        raise ValueError(f"a batch of {batch.shape[0]} rows cannot be split over {world} ranks")
+    return batch[rank() :: world]
+
+
 def _comm_device(tensor: torch.Tensor) -> torch.device:
     """Where the backend can reduce `tensor`: the CPU for gloo, the current GPU for nccl."""
     backend = str(torch_dist.get_backend())

@@ -16,7 +16,7 @@ full-vocabulary fp32 log-probability table would be 4 N V bytes per model (2 GB 
 V = 131,072).
 
 Training: AdamW, linear warm-up then cosine decay to `min_lr_ratio * lr` over the run's tokens (BLD's
-schedule, `puzzle.bld.learning_rate`), gradient accumulation over micro-batches, global-norm clipping, bf16
+schedule, `puzzle.settings.learning_rate`), gradient accumulation over micro-batches, global-norm clipping, bf16
 autocast on CUDA (fp32 master weights by default). A held-out evaluation (KL to the parent, the student's
 and the parent's LM loss, top-1 agreement, cosine term) runs before the first step, every `eval_every`
 steps and at the end. The history of train steps and evaluations is returned and saved. The output is
@@ -86,7 +86,6 @@ from puzzle.artifacts import (
     fingerprint_tensors,
     json_writer,
 )
-from puzzle.bld import BLDSettings, _rows, learning_rate
 from puzzle.data import DataError, TokenSplit
 from puzzle.logits import (
     KL_SUM,
@@ -112,7 +111,7 @@ from puzzle.resume import (
     read_checkpoint,
     write_checkpoint,
 )
-from puzzle.settings import GKDSettings
+from puzzle.settings import BLDSettings, GKDSettings, learning_rate
 
 FORMAT_VERSION = 1
 ARTIFACT_NAME = "gkd"
@@ -426,7 +425,7 @@ class _Stream:
             if index < skip:  # replayed up to the checkpoint's position
                 continue
             self._check(batch, index)
-            yield _rows(batch), {"batches": index + 1}
+            yield dist.local_rows(batch), {"batches": index + 1}
 
 
 def _iterable(data: Sequence[torch.Tensor] | Callable[[], Iterable[torch.Tensor]]) -> Iterable[torch.Tensor]:
@@ -565,7 +564,9 @@ def _evaluate(
     distiller.eval()
     sums = torch.zeros(_NUM_SUMS, dtype=torch.float64, device=device)
     # Sharded units all-gather in their forward, so every rank must run every batch (its rows of it).
-    batches = [_rows(b) for b in held_out] if shard.active(settings.shard) else list(dist.shard(held_out))
+    batches = (
+        [dist.local_rows(b) for b in held_out] if shard.active(settings.shard) else list(dist.shard(held_out))
+    )
     for batch in batches:
         for ids in _micro(batch.to(device), micro):
             with _autocast(settings, device):

@@ -99,6 +99,16 @@ class BLDSettings:
         return {**dataclasses.asdict(self), "betas": list(self.betas)}
 
 
+def learning_rate(settings: BLDSettings, tokens_seen: int) -> float:
+    """BLD's (and GKD's) learning rate of a step that starts after `tokens_seen` tokens: linear warm-up, then cosine."""
+    if tokens_seen < settings.warmup_tokens:
+        return settings.lr * (tokens_seen + 1) / settings.warmup_tokens
+    span = max(1, settings.token_budget - settings.warmup_tokens)
+    progress = min(1.0, (tokens_seen - settings.warmup_tokens) / span)
+    floor = settings.min_lr_ratio
+    return settings.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
 @dataclass(frozen=True)
 class ScoreSettings:
     """How to score. `vocab_chunk`: lm_head rows per chunk (peak memory, see `puzzle.score.score_variants`).

@@ -1,0 +1,54 @@
+"""The package's layers: the search sits below the stages, and no module reaches into another's private names.
+
+The search (`puzzle/search/`) is a solver over tables of costs: it may import the specs, the cost model
+(costs, budget syntax) and the small file and progress helpers, never a stage (BLD, scoring, GKD, a run
+directory's files: those read the search, not the other way). A module's leading-underscore names are its
+own: another module that needs one names a public function instead, so that a stage's internals can change
+without reaching into the modules beside it.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from test_import_graph import PACKAGE, ROOT, import_graph
+
+SEARCH = PACKAGE / "search"
+# What the search may import besides itself: the specs, the cost model and three helpers without stages.
+SEARCH_MAY_IMPORT = ("spec.py", "cost/", "files.py", "progress.py", "_lazy.py")
+
+
+def _relative(path) -> str:
+    return path.relative_to(PACKAGE).as_posix()
+
+
+def test_the_search_imports_only_specs_costs_and_helpers():
+    graph = import_graph()
+    wrong = sorted(
+        f"{_relative(module)} -> {_relative(target)}"
+        for module, targets in graph.items()
+        if module.is_relative_to(SEARCH)
+        for target in targets
+        if not target.is_relative_to(SEARCH) and not _relative(target).startswith(SEARCH_MAY_IMPORT)
+    )
+    assert wrong == [], wrong
+    assert graph, "no module found: the graph is empty"
+
+
+def test_no_module_imports_another_modules_private_names():
+    found = []
+    for file in sorted(PACKAGE.rglob("*.py")):
+        if "remote" in file.parts:  # copied into exports; imports nothing of puzzle
+            continue
+        for node in ast.walk(ast.parse(file.read_text(), str(file))):
+            if (
+                isinstance(node, ast.ImportFrom)
+                and node.level == 0
+                and (node.module or "").startswith("puzzle")
+            ):
+                found += [
+                    f"{file.relative_to(ROOT)}: {node.module}.{alias.name}"
+                    for alias in node.names
+                    if alias.name.startswith("_") and not alias.name.startswith("__")
+                ]
+    assert found == [], found
