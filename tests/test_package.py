@@ -91,7 +91,7 @@ def test_submodules_are_attributes_of_their_packages() -> None:
         """
         import json, puzzle
         print(json.dumps([
-            "run_dir" in dir(puzzle.search), "tensors" in dir(puzzle.blocks), "remote" in dir(puzzle.nemotron_h),
+            "budget" in dir(puzzle.search), "tensors" in dir(puzzle.blocks), "remote" in dir(puzzle.nemotron_h),
             puzzle.cost.measure.__name__, puzzle.demo.pipeline.__name__,
         ]))
         """
