@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 
 import puzzle
 from puzzle import dist
+from puzzle.blocks.moe import expert_banks
 from puzzle.cli import main
 from puzzle.export import export
 from puzzle.model import HybridLM
@@ -194,7 +195,7 @@ def test_a_sharded_export_is_byte_identical_and_holds_one_tensor_at_a_time(tmp_p
     for name in want_exported:
         assert exported[name] == want_exported[name], name
     model_numel = sum(p.numel() for p in plain.parameters())
-    expert = max(max(bank.widths) * bank.up.shape[1] for bank in stream._banks(plain).values())
+    expert = max(max(bank.widths) * bank.up.shape[1] for bank in expert_banks(plain).values())
     figures = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
     for rank, figure in enumerate(figures):
         print(f"rank {rank}: at most {figure['peak']} elements held at once, model {model_numel}")

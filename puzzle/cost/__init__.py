@@ -4,35 +4,39 @@ Per-kind rules live in one table keyed by spec type, `puzzle.cost.kinds.BLOCK_CO
 """
 
 from puzzle._lazy import lazy_attributes as _lazy_attributes
-from puzzle.cost.analytic import (
-    QuantRecipe,
-    block_active_params,
-    block_params,
-    block_weight_bytes,
-    get_recipe,
-    kv_bytes_per_token,
-    model_active_params,
-    model_params,
-    model_weight_bytes,
-    state_bytes_per_request,
-    state_bytes_per_sequence,
-)
-from puzzle.cost.hardware import HardwareProfile, get_hardware
-from puzzle.cost.kinds import BLOCK_COSTS, BlockCost, block_cost
-from puzzle.cost.roofline import (
-    BlockLatency,
-    RooflineLatency,
-    Scenario,
-    SpeedPoint,
-    block_latency,
-    max_batch_at_speed,
-    max_concurrent_requests,
-    model_performance,
-    model_throughput,
-    time_to_first_token,
-)
 
-__getattr__, __dir__ = _lazy_attributes(__name__)  # submodules not imported above, e.g. `measure`
+# Named on first use: `puzzle.cost.limits` (the budget syntax a library search parses) must not pull in the
+# cost model and the spec types.
+_LAZY = {
+    "BLOCK_COSTS": "puzzle.cost.kinds",
+    "BlockCost": "puzzle.cost.kinds",
+    "BlockLatency": "puzzle.cost.roofline",
+    "HardwareProfile": "puzzle.cost.hardware",
+    "QuantRecipe": "puzzle.cost.analytic",
+    "RooflineLatency": "puzzle.cost.roofline",
+    "Scenario": "puzzle.cost.roofline",
+    "SpeedPoint": "puzzle.cost.roofline",
+    "block_active_params": "puzzle.cost.analytic",
+    "block_cost": "puzzle.cost.kinds",
+    "block_latency": "puzzle.cost.roofline",
+    "block_params": "puzzle.cost.analytic",
+    "block_weight_bytes": "puzzle.cost.analytic",
+    "get_hardware": "puzzle.cost.hardware",
+    "get_recipe": "puzzle.cost.analytic",
+    "kv_bytes_per_token": "puzzle.cost.analytic",
+    "max_batch_at_speed": "puzzle.cost.roofline",
+    "max_concurrent_requests": "puzzle.cost.roofline",
+    "model_active_params": "puzzle.cost.analytic",
+    "model_params": "puzzle.cost.analytic",
+    "model_performance": "puzzle.cost.roofline",
+    "model_throughput": "puzzle.cost.roofline",
+    "model_weight_bytes": "puzzle.cost.analytic",
+    "state_bytes_per_request": "puzzle.cost.analytic",
+    "state_bytes_per_sequence": "puzzle.cost.analytic",
+    "time_to_first_token": "puzzle.cost.roofline",
+}
+
+__getattr__, __dir__ = _lazy_attributes(__name__, _LAZY)  # and submodules, e.g. `measure`
 
 __all__ = [
     "BLOCK_COSTS",
