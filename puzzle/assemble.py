@@ -37,7 +37,7 @@ from puzzle.cost import model_active_params, model_params
 from puzzle.library import Library, read_library
 from puzzle.model import HybridLM
 from puzzle.nemotron_h.config import mtp_block_specs
-from puzzle.score import Scores
+from puzzle.scores import Scores
 from puzzle.search.types import Solution
 from puzzle.spec import (
     DEFAULT_WEIGHT_FORMAT,
@@ -299,7 +299,7 @@ def assemble(
     """The child of `solution`: library weights where it changes a block, the parent's elsewhere.
 
     `solution`: see `solution_variants`. `library`: a `Library` or its directory. `scores`: optional
-    replace-one-block scores (`puzzle.score.Scores`, or {Variant: KL}) recorded per block, the parent's
+    replace-one-block scores (`puzzle.scores.Scores`, or {Variant: KL}) recorded per block, the parent's
     own blocks at 0; their sum is the predicted KL when the solution is not a search `Solution`. `parent`: the model
     the library was built from (a fresh load: BLD shards the parent it trains on); with `check_parent`
     its fingerprint must be the library's: `parent_fp` when given (`puzzle.Run` passes the one it built the

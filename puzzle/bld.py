@@ -55,7 +55,6 @@ expert-bank layout) and ``library.json``; the checkpoints are then removed.
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import math
@@ -80,7 +79,6 @@ from puzzle.artifacts import (
     fingerprint_tensors,
     json_writer,
 )
-from puzzle.blocks import build_block
 from puzzle.blocks.moe import TopKRouter
 from puzzle.files import atomic_write
 from puzzle.library import (
@@ -96,6 +94,7 @@ from puzzle.library import (
     variant_key,
 )
 from puzzle.model import HybridLM
+from puzzle.plan import plan_waves, variant_training_bytes
 from puzzle.progress import progress_bar
 from puzzle.prune.importance import ModelImportance
 from puzzle.prune.init import init_child
@@ -107,76 +106,12 @@ from puzzle.resume import (
     write_checkpoint,
 )
 from puzzle.settings import BLDSettings, learning_rate
-from puzzle.spec import BlockSpec, NoOpSpec, SpecError, Variant
+from puzzle.spec import NoOpSpec, SpecError, Variant
 
 CHECKPOINT_DIR = "bld-checkpoints"
-# Saved activations per token of a variant's training step, in units of (input widths of its matrices x
-# dtype bytes); the backward keeps each matrix's input plus a few elementwise temporaries.
-_ACTIVATION_FACTOR = 2
-
 _log = logging.getLogger(__name__)
 
 Batches = Callable[[], Iterable[torch.Tensor]] | Sequence[torch.Tensor]
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Schedule and memory plan: pure functions.
-
-
-def variant_training_bytes(
-    variant: Variant, hidden_size: int, tokens_per_step: int, dtype: torch.dtype, world: int = 1
-) -> int:
-    """Estimated bytes one rank holds to train `variant`: params + grads + 2 AdamW moments (4 x params in
-    `dtype`, the largest FSDP shard of each parameter when sharded over `world` ranks, see
-    `puzzle.shard.shard_numel`) plus saved activations, `_ACTIVATION_FACTOR` x the input width of every matrix
-    per token.
-
-    `tokens_per_step`: tokens one process runs per step (its rows of the batch x sequence length). `world`:
-    the ranks the variant is sharded over (1 = unsharded, every rank holds it whole).
-    """
-    shapes, widths = _variant_shapes(variant.spec, hidden_size)
-    size = torch.empty((), dtype=dtype).element_size()
-    params = sum(shard.shard_numel(shape, world) for shape in shapes)
-    return 4 * params * size + _ACTIVATION_FACTOR * tokens_per_step * widths * size
-
-
-@functools.lru_cache(maxsize=256)
-def _variant_shapes(spec: BlockSpec, hidden_size: int) -> tuple[tuple[tuple[int, ...], ...], int]:
-    """(parameter shapes, summed input widths + hidden_size) of the mixer of `spec`, built once on meta."""
-    with torch.device("meta"):
-        mixer = build_block(spec, hidden_size)
-    widths = sum(p.shape[-1] for p in mixer.parameters() if p.ndim >= 2) + hidden_size
-    return tuple(tuple(p.shape) for p in mixer.parameters()), widths
-
-
-def plan_waves(sizes: Mapping[Variant, int], limit: int | None) -> list[list[Variant]]:
-    """Group variants into waves whose summed bytes fit `limit` (first fit, largest first); None = one wave.
-
-    Within a wave the variants are in (block, id) order; waves are ordered by their first block. A variant
-    larger than the limit alone is an error naming it.
-    """
-    if not sizes:
-        return []
-    if limit is None:
-        return [sorted(sizes, key=_order)]
-    waves: list[list[Variant]] = []
-    free: list[int] = []
-    for variant in sorted(sizes, key=lambda v: (-sizes[v], _order(v))):
-        need = sizes[variant]
-        if need > limit:
-            raise ValueError(
-                f"variant {variant.id} of block {variant.block_index} needs about {need} bytes to train, more "
-                f"than memory_limit_bytes={limit}: raise the limit or use smaller batches"
-            )
-        slot = next((w for w, room in enumerate(free) if room >= need), None)
-        if slot is None:
-            waves.append([])
-            free.append(limit)
-            slot = len(waves) - 1
-        waves[slot].append(variant)
-        free[slot] -= need
-    waves = [sorted(wave, key=_order) for wave in waves]
-    return sorted(waves, key=lambda wave: _order(wave[0]))
 
 
 def _order(variant: Variant) -> tuple[int, str]:

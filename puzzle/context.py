@@ -27,7 +27,7 @@ import numpy as np
 
 from puzzle.cost.limits import Limit
 from puzzle.problem import RunCandidates, RunProblem, objective_damage
-from puzzle.score import Scores, VariantScore
+from puzzle.scores import Scores, VariantScore
 from puzzle.search.types import SearchError, Solution
 from puzzle.spec import Variant
 

@@ -25,6 +25,7 @@ The estimates, and why (docs/SCALE.md shows them on Nemotron-3 Nano and Super):
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -49,6 +50,9 @@ FP32 = 4
 SCORE_LOGIT_BUFFERS = 4
 GKD_LOGIT_BUFFERS = 5
 STAGES = ("importance", "library", "scores", "solutions", "assemble", "distill", "export")
+# Saved activations per token of a BLD variant's training step, in units of (input widths of its matrices x
+# dtype bytes); the backward keeps each matrix's input plus a few elementwise temporaries.
+ACTIVATION_FACTOR = 2
 
 
 # ---------------------------------------------------------------------------------------------- shapes
@@ -68,6 +72,63 @@ def _mixer_shapes(spec: BlockSpec, hidden_size: int) -> tuple[tuple[tuple[int, .
     shapes = tuple(tuple(p.shape) for p in mixer.parameters())
     buffers = sum(b.numel() * FP32 for b in mixer.buffers())  # the router's fp32 correction bias
     return shapes, buffers
+
+
+# ------------------------------------------------------------------------------ BLD's waves (BLD asks here)
+
+
+def variant_training_bytes(
+    variant: Variant, hidden_size: int, tokens_per_step: int, dtype: Any, world: int = 1
+) -> int:
+    """Estimated bytes one rank holds to train `variant` in BLD: params + grads + 2 AdamW moments (4 x params
+    in `dtype`, a torch dtype, the largest FSDP shard of each parameter when sharded over `world` ranks, see
+    `puzzle.shard.shard_numel`) plus saved activations, `ACTIVATION_FACTOR` x the input width of every matrix
+    (and the block's input) per token.
+
+    `tokens_per_step`: tokens one process runs per step (its rows of the batch x sequence length). `world`:
+    the ranks the variant is sharded over (1 = unsharded, every rank holds it whole).
+    """
+    import torch
+
+    shapes, _ = _mixer_shapes(variant.spec, hidden_size)
+    widths = sum(shape[-1] for shape in shapes if len(shape) >= 2) + hidden_size
+    size = torch.empty((), dtype=dtype).element_size()
+    params = sum(shard_numel(shape, world) for shape in shapes)
+    return 4 * params * size + ACTIVATION_FACTOR * tokens_per_step * widths * size
+
+
+def plan_waves(sizes: Mapping[Variant, int], limit: int | None) -> list[list[Variant]]:
+    """Group variants into waves whose summed bytes fit `limit` (first fit, largest first); None = one wave.
+
+    Within a wave the variants are in (block, id) order; waves are ordered by their first block. A variant
+    larger than the limit alone is an error naming it.
+    """
+    if not sizes:
+        return []
+    if limit is None:
+        return [sorted(sizes, key=_block_order)]
+    waves: list[list[Variant]] = []
+    free: list[int] = []
+    for variant in sorted(sizes, key=lambda v: (-sizes[v], _block_order(v))):
+        need = sizes[variant]
+        if need > limit:
+            raise ValueError(
+                f"variant {variant.id} of block {variant.block_index} needs about {need} bytes to train, more "
+                f"than memory_limit_bytes={limit}: raise the limit or use smaller batches"
+            )
+        slot = next((w for w, room in enumerate(free) if room >= need), None)
+        if slot is None:
+            waves.append([])
+            free.append(limit)
+            slot = len(waves) - 1
+        waves[slot].append(variant)
+        free[slot] -= need
+    waves = [sorted(wave, key=_block_order) for wave in waves]
+    return sorted(waves, key=lambda wave: _block_order(wave[0]))
+
+
+def _block_order(variant: Variant) -> tuple[int, str]:
+    return variant.block_index, variant.id
 
 
 def mixer_params(spec: BlockSpec, hidden_size: int) -> int:
@@ -377,8 +438,6 @@ def _trained(ctx: _Context) -> list[Variant]:
 
 def _library(ctx: _Context, problems: list[str]) -> StagePlan:
     import torch
-
-    from puzzle.bld import plan_waves, variant_training_bytes
 
     settings, H = ctx.config.bld, ctx.spec.hidden_size
     world = ctx.world_of(settings.shard)

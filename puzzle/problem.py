@@ -105,7 +105,7 @@ def run_candidates(
     if objective not in METRICS:
         raise SearchError(f"unknown objective {objective!r}; recorded metrics: {', '.join(METRICS)}")
     from puzzle.library import read_library  # late: torch, which a library-file search never needs
-    from puzzle.score import SCORES_FILE, load_scores
+    from puzzle.scores import SCORES_FILE, load_scores
 
     parent = parent if parent is not None else layout.read_parent()
     library = read_library(layout.require_library())

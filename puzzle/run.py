@@ -108,7 +108,8 @@ from puzzle.problem import (
     run_problem,
 )
 from puzzle.prune.importance import ModelImportance, importance_for, load_importance
-from puzzle.score import Scores, load_scores, score_variants
+from puzzle.score import score_variants
+from puzzle.scores import Scores, load_scores
 from puzzle.search import search, search_k
 from puzzle.search.types import Solution
 from puzzle.settings import ScoreSettings

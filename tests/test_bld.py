@@ -30,15 +30,10 @@ from gloo_helpers import gloo_rank, spawn_ranks
 from safetensors.torch import load_file
 from torch.distributed.tensor import DTensor
 
-from puzzle.bld import (
-    CHECKPOINT_DIR,
-    build_library,
-    default_init,
-    plan_waves,
-    variant_training_bytes,
-)
+from puzzle.bld import CHECKPOINT_DIR, build_library, default_init
 from puzzle.layout import variant_file_stem
 from puzzle.library import LIBRARY_FILE, read_library, variant_file
+from puzzle.plan import plan_waves, variant_training_bytes
 from puzzle.spec import Variant
 
 HERE = Path(__file__).parent

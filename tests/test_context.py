@@ -7,7 +7,7 @@ import pytest
 
 from puzzle.context import best_round, context_candidates
 from puzzle.problem import RunCandidates
-from puzzle.score import VariantScore
+from puzzle.scores import VariantScore
 from puzzle.search.types import SearchError
 from puzzle.spec import MLPSpec, ModelSpec, NoOpSpec, Variant
 

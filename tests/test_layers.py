@@ -16,6 +16,9 @@ from test_import_graph import PACKAGE, ROOT, import_graph
 SEARCH = PACKAGE / "search"
 # What the search may import besides itself: the specs, the cost model and three helpers without stages.
 SEARCH_MAY_IMPORT = ("spec.py", "cost/", "files.py", "progress.py", "_lazy.py")
+# The training and scoring stages stand side by side: each asks the planner, the library and score files and
+# the helpers below them, never another stage, directly or through a module between.
+STAGES = ("bld.py", "score.py", "gkd.py", "assemble.py")
 
 
 def _relative(path) -> str:
@@ -33,6 +36,35 @@ def test_the_search_imports_only_specs_costs_and_helpers():
     )
     assert wrong == [], wrong
     assert graph, "no module found: the graph is empty"
+
+
+def _reach(graph, start):
+    """Every module `start` imports, directly or through others."""
+    seen, todo = set(), [start]
+    while todo:
+        for target in graph.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_the_stages_import_no_other_stage():
+    graph = import_graph()
+    stages = [PACKAGE / name for name in STAGES]
+    assert all(stage in graph for stage in stages), [s.name for s in stages if s not in graph]
+    wrong = sorted(
+        f"{stage.name} -> {other.name}"
+        for stage in stages
+        for other in stages
+        if other != stage and other in _reach(graph, stage)
+    )
+    assert wrong == [], wrong
+
+
+def test_the_reach_follows_imports_through_modules_between():
+    a, b, c = (PACKAGE / name for name in ("a.py", "b.py", "c.py"))
+    assert _reach({a: {b}, b: {c}, c: set()}, a) == {b, c}
 
 
 def test_no_module_imports_another_modules_private_names():

@@ -22,14 +22,20 @@ from torch.distributed.tensor import DTensor
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from puzzle import nemotron_h, shard
-from puzzle.bld import variant_training_bytes
 from puzzle.blocks import build_block
 from puzzle.cli import main
 from puzzle.config import load_config
 from puzzle.cost.analytic import model_params
 from puzzle.cost.hardware import HardwareProfile
 from puzzle.model import HybridLM
-from puzzle.plan import parent_bytes, plan_config, plan_run, run_hardware, scoring_wave_size
+from puzzle.plan import (
+    parent_bytes,
+    plan_config,
+    plan_run,
+    run_hardware,
+    scoring_wave_size,
+    variant_training_bytes,
+)
 from puzzle.presets import nemotron3_super
 from puzzle.run import Run
 from puzzle.spec import AttentionSpec, MambaSpec, ModelSpec, MoESpec, Variant

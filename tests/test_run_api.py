@@ -18,7 +18,7 @@ from puzzle.cli import main as puzzle_main
 from puzzle.model import HybridLM
 from puzzle.prune.importance import ModelImportance
 from puzzle.run import Run, RunError
-from puzzle.score import Scores
+from puzzle.scores import Scores
 from puzzle.search.types import Solution
 
 BUDGET = "active_params<=0.8x"

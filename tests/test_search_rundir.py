@@ -34,7 +34,7 @@ from puzzle.library import read_library
 from puzzle.presets import tiny_hybrid
 from puzzle.problem import CostModel, parse_scenario, run_problem, search_run
 from puzzle.run import Run
-from puzzle.score import SCORES_FILE, load_scores
+from puzzle.scores import SCORES_FILE, load_scores
 from puzzle.spec import ModelSpec
 
 HARDWARE = "h100-80gb"
