@@ -50,9 +50,9 @@ import torch
 from puzzle.cost.analytic import block_weight_bytes, model_active_params, model_weight_bytes
 from puzzle.cost.hardware import get_hardware
 from puzzle.cost.roofline import max_batch_at_speed, model_performance
+from puzzle.cost.serving import parse_scenario
 from puzzle.files import atomic_write_bytes
 from puzzle.problem import RunCandidates
-from puzzle.search.budget import parse_scenario
 from puzzle.spec import BlockSpec, ModelSpec, weight_format_of
 
 HERE = Path(__file__).resolve().parent

@@ -36,15 +36,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from puzzle.cost.serving import CostModel, parse_scenario
 from puzzle.layout import RunDirError, RunLayout
-from puzzle.search.budget import (  # the grammar and cost model live there; re-exported for callers
-    CostModel,
+from puzzle.search.budget import (
     DeploymentLimit,
     DeploymentProblem,
     Term,
     cost_model_pricing,
     parse_budget,
-    parse_scenario,
     priced_table,
 )
 from puzzle.search.exact import search

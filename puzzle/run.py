@@ -90,6 +90,7 @@ from puzzle.bld import build_library
 from puzzle.blocks import build_block
 from puzzle.config import RunConfig, dump_config, load_config, load_config_data, to_dict
 from puzzle.cost.hardware import profile_to_json
+from puzzle.cost.serving import CostModel
 from puzzle.data import TokenData, tokenizer_files
 from puzzle.export import export as export_checkpoint
 from puzzle.files import atomic_write_bytes
@@ -100,7 +101,6 @@ from puzzle.library import Library, read_library
 from puzzle.model import HybridLM
 from puzzle.plan import scoring_memory, scoring_wave_size
 from puzzle.problem import (
-    CostModel,
     RunCandidates,
     RunProblem,
     frontier_budgets,

@@ -16,9 +16,10 @@ from puzzle.cost import Scenario, get_hardware, max_batch_at_speed, max_concurre
 from puzzle.cost.hardware import hardware_key, multi_gpu
 from puzzle.cost.limits import BudgetError, Relative
 from puzzle.cost.roofline import BlockWork, all_reduce_seconds, decode_work
+from puzzle.cost.serving import parse_scenario
 from puzzle.presets import nemotron3_super, puzzle_75b_a9b_like, tiny_hybrid
 from puzzle.search import search
-from puzzle.search.budget import Budget, ScenarioTarget, choices_to_spec, deployment_problem, parse_scenario
+from puzzle.search.budget import Budget, ScenarioTarget, choices_to_spec, deployment_problem
 from puzzle.search.types import SearchError
 from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec, MLPSpec, MoESpec, NoOpSpec, SpecError
 

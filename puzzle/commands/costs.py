@@ -379,7 +379,7 @@ def positive_float(text: str) -> float:
 
 def speed_scenarios(texts: list[str] | None, args: argparse.Namespace) -> list[Scenario]:
     """The --scenario workloads (the defaults when none), in the command's recipe and state dtypes."""
-    from puzzle.search.budget import parse_scenario  # late: the search package is not needed otherwise
+    from puzzle.cost.serving import parse_scenario  # late: only a --scenario needs it
 
     defaults = {
         "batch_size": 1,  # the batch is what --user-speed searches

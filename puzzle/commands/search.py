@@ -470,7 +470,7 @@ def _with_dtypes(scenario: Any, args: argparse.Namespace) -> Any:
 class _RunSearch:
     """What `puzzle search RUN_DIR` searches with: each option given, else the run config's, else the default."""
 
-    cost_model: Any  # puzzle.search.budget.CostModel, its profile still a name
+    cost_model: Any  # puzzle.cost.serving.CostModel, its profile still a name
     objective: str
     keep_blocks: tuple[Any, ...]
     same_attributes: tuple[str, ...]
@@ -485,7 +485,7 @@ def _run_search(args: argparse.Namespace, config: Any) -> _RunSearch:
     what a search of its directory starts from; an option overrides the one setting it names."""
     from puzzle.config.run import SearchConfig
     from puzzle.cost.hardware import hardware_key
-    from puzzle.search.budget import CostModel, parse_scenario
+    from puzzle.cost.serving import CostModel, parse_scenario
 
     hardware = config.hardware if config is not None else CostModel()
     settings = config.search if config is not None else SearchConfig()

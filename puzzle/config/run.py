@@ -4,7 +4,7 @@
 `RunConfig.validate_paths()` checks what it names on disk (the parent's config.json and weights, the
 tokenizer, the data, the space file) without loading a weight. Sections reuse the stages' own settings
 where they exist (`puzzle.bld.BLDSettings`, `puzzle.gkd.GKDSettings`, `puzzle.score.ScoreSettings`, `puzzle.search.SolverOptions`,
-`puzzle.cost.Scenario`, and the search's cost model `puzzle.search.budget.CostModel` as the `hardware`
+`puzzle.cost.Scenario`, and the search's cost model `puzzle.cost.serving.CostModel` as the `hardware`
 section). Budgets are texts in the syntax of `puzzle search RUN_DIR` over deployment keys (`BUDGET_KEYS`:
 `active_params<=0.6x`, `throughput[chat]>=1.5x`), read here once by the search's own parser into
 `DeploymentLimit`s, which the search takes as they are (`RunConfig.round_limits`; the texts:
@@ -25,9 +25,10 @@ import yaml
 
 from puzzle.config.loader import ConfigError, doc, error_key, from_data, line_of, read_yaml, to_dict
 from puzzle.cost.limits import BudgetError, Limit, Value
+from puzzle.cost.serving import CostModel
 from puzzle.presets import SPACE_PRESETS, get_space_preset
 from puzzle.search import budget
-from puzzle.search.budget import CostModel, DeploymentLimit
+from puzzle.search.budget import DeploymentLimit
 from puzzle.search.frontier import parse_sweep
 from puzzle.search.types import SolverOptions
 from puzzle.settings import BLDSettings, GKDSettings, ScoreSettings, check_shard_mode

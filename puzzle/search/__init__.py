@@ -5,9 +5,10 @@
 Modules: `types` (Table, Choice, Rules, SolverOptions, Solution, errors), `mip` (the rows and columns,
 dominance presolve), `exact` (`search` / `search_k`: LP bound, fixing, the MIP, the proven gap,
 infeasibility diagnosis), `heuristics` (diving, local search, probing), `backend` (HiGHS and CBC through
-PuLP), `budget` (deployment budgets: the cost model, one grammar and one row per key, priced through
-`puzzle.cost`), `library` (block library files measured elsewhere), `frontier` (budget sweeps and Pareto
-frontiers). The budget syntax and `Limit` live in `puzzle.cost.limits`; a run directory's library and
+PuLP), `budget` (deployment budgets: one grammar and one row per key, priced through `puzzle.cost`),
+`library` (block library files measured elsewhere), `frontier` (budget sweeps and Pareto frontiers). The
+budget syntax and `Limit` live in `puzzle.cost.limits`, the cost model and scenario grammar in
+`puzzle.cost.serving`; a run directory's library and
 scores under deployment budgets in `puzzle.problem`, a stage above the search. The search imports only
 the specs, the costs and file helpers (tests/test_layers.py).
 """
@@ -21,7 +22,7 @@ from puzzle.search.types import Choice, InfeasibleError, Rules, SearchError, Sol
 # search (`puzzle search --library`) imports only what it runs.
 _LAZY_EXPORTS = {
     "Budget": "puzzle.search.budget",
-    "CostModel": "puzzle.search.budget",
+    "CostModel": "puzzle.cost.serving",
     "DeploymentLimit": "puzzle.search.budget",
     "parse_budget": "puzzle.search.budget",
     "ScenarioTarget": "puzzle.search.budget",
