@@ -20,7 +20,9 @@ measured lowest (see `best_round`). `search.context_changes` bounds how many blo
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+import logging
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -30,6 +32,8 @@ from puzzle.problem import RunCandidates, RunProblem, objective_damage
 from puzzle.scores import Scores, VariantScore
 from puzzle.search.types import SearchError, Solution
 from puzzle.spec import Variant
+
+_log = logging.getLogger(__name__)
 
 
 def child_variants(solution: Solution, candidates: RunCandidates) -> list[Variant]:
@@ -138,3 +142,58 @@ def best_round(rounds: list[dict[str, Any]]) -> int:
     rounds never return a child that measured worse than the plain search's."""
     measured = [(entry["measured"], number) for number, entry in enumerate(rounds)]
     return min(measured)[1]
+
+
+def context_rounds(
+    name: str,
+    found: list[Solution],
+    candidates: RunCandidates,
+    settings: Any,
+    score_in_child: Callable[[int, list[Variant], list[Variant], str], Scores],
+    solve: Callable[[RunCandidates, list[Variant]], Solution],
+) -> tuple[list[Solution], dict[str, Any]]:
+    """(the solutions, the rounds' record) after `settings.context_rounds` rounds of scores in context on
+    the best of `found` (the search's solutions, best first). `settings`: the search settings (its
+    `context_rounds` and `objective`); `name`: the budget list's, for the log.
+
+    Round r scores every candidate in the child of round r - 1 (`score_in_child(r, the child's variants,
+    the variants to score, "round")`), solves on those scores (`solve(the rescored candidates, the child's
+    variants)`) and predicts D(child) + the sum; the rounds stop when the choice repeats (the previous
+    round's, or an earlier one's: a cycle). The kept architecture is the round whose child measured lowest
+    (`best_round`), with its predicted damage as its objective; the other solutions stay as the first
+    search found them (one equal to the kept one is dropped). The record: {"rounds": [{"choices",
+    "predicted", "measured", "sum"}, ...], "kept": the kept round, "objective"}.
+    """
+    solutions = [found[0]]
+    rounds: list[dict[str, Any]] = [{"choices": dict(found[0].names), "predicted": found[0].objective}]
+    wanted = [Variant(block, spec) for block, specs in enumerate(candidates.variants) for spec in specs]
+    for number in range(1, settings.context_rounds + 1):
+        own = child_variants(solutions[-1], candidates)
+        scores = score_in_child(number, own, wanted, "round")
+        rescored, base = context_candidates(candidates, scores.variants, own, settings.objective)
+        rounds[-1]["measured"] = base
+        solved = solve(rescored, own)
+        solution = dataclasses.replace(solved, objective=base + solved.objective)
+        rounds.append(
+            {"choices": dict(solution.names), "predicted": solution.objective, "sum": solved.objective}
+        )
+        solutions.append(solution)
+        _log.info(
+            "search %s, context round %d: child measured %.6g; re-solved, predicted %.6g",
+            name,
+            number,
+            base,
+            solution.objective,
+        )
+        earlier = [entry for entry in rounds[:-1] if entry["choices"] == rounds[-1]["choices"]]
+        if earlier:  # the choice repeats (the last child's, or a cycle): its child was measured before
+            rounds[-1]["measured"] = earlier[-1]["measured"]
+            break
+    if "measured" not in rounds[-1]:  # the last round's child, measured: its own variants alone
+        own = child_variants(solutions[-1], candidates)
+        scores = score_in_child(len(rounds) - 1, own, own[:1], "measured")
+        rounds[-1]["measured"] = context_damage(scores, own, settings.objective)
+    kept = best_round(rounds)
+    best = solutions[kept]
+    others = [solution for solution in found[1:] if solution.names != best.names]
+    return [best, *others], {"rounds": rounds, "kept": kept, "objective": settings.objective}

@@ -301,3 +301,37 @@ def frontier_sweep(
             ],
         }
     return {"objective": problem.table.objective_name, "keys": swept}
+
+
+def rerank_by_measurement(
+    name: str, found: list[dict[str, Any]], measure: Callable[[dict[str, Any]], Mapping[str, Any]]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """`found` (the MIP's candidates as solution JSONs, best predicted first) ordered by the KL to the
+    parent that `measure(candidate)` returns for each (`puzzle.assemble.measured_kl`'s record: "kl",
+    "predicted_kl", "lm_loss_delta", "top1"; ties keep the MIP's order), and the record of the choice:
+    {"chosen": the winner's MIP rank (1 = the MIP's best), "candidates": [{"candidate", "objective",
+    "predicted_kl", "measured_kl", "lm_loss_delta", "top1", "choices"}, ...] in MIP order}."""
+    candidates = []
+    for index, payload in enumerate(found):
+        measured = measure(payload)
+        candidates.append(
+            {
+                "candidate": index + 1,
+                "objective": payload["objective"],
+                "predicted_kl": measured["predicted_kl"],
+                "measured_kl": measured["kl"],
+                "lm_loss_delta": measured["lm_loss_delta"],
+                "top1": measured["top1"],
+                "choices": payload["choices"],
+            }
+        )
+        _log.info(
+            "search %s: candidate %d, predicted KL %s, measured KL %.6g",
+            name,
+            index + 1,
+            measured["predicted_kl"],
+            measured["kl"],
+        )
+    order = sorted(range(len(found)), key=lambda i: (candidates[i]["measured_kl"], i))
+    _log.info("search %s: re-ranking chose candidate %d of %d", name, order[0] + 1, len(found))
+    return [found[i] for i in order], {"chosen": order[0] + 1, "candidates": candidates}

@@ -89,6 +89,7 @@ from puzzle.assemble import measured_kl
 from puzzle.bld import build_library
 from puzzle.blocks import build_block
 from puzzle.config import RunConfig, dump_config, load_config, load_config_data, to_dict
+from puzzle.context import context_rounds, limit_changes
 from puzzle.cost.hardware import profile_to_json
 from puzzle.cost.serving import CostModel
 from puzzle.data import TokenData, tokenizer_files
@@ -105,6 +106,7 @@ from puzzle.problem import (
     RunProblem,
     frontier_budgets,
     frontier_sweep,
+    rerank_by_measurement,
     run_problem,
 )
 from puzzle.prune.importance import ModelImportance, importance_for, load_importance
@@ -1068,41 +1070,17 @@ class Run:
     def _rerank(
         self, name: str, found: list[dict[str, Any]]
     ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
-        """`found` (the MIP's candidates, best predicted first) ordered by KL to the parent measured on the
-        held-out tokens (ties keep the MIP's order), and the record of the choice: {"chosen": the winner's
-        MIP rank (1 = the MIP's best), "candidates": [{"candidate", "objective", "predicted_kl",
-        "measured_kl", "lm_loss_delta", "top1", "choices"}, ...] in MIP order}. With `search.rerank` <= 1
-        `found` as it is and None. Every rank calls it (the measurement is a collective)."""
+        """`found` (solution JSONs, best predicted first) re-ranked by the KL each child measures on the
+        held-out tokens (`puzzle.problem.rerank_by_measurement`), one candidate child in memory at a time;
+        as it is, and None, with `search.rerank` <= 1. Every rank calls it (the measurement is a collective)."""
         if self.config.search.rerank <= 1:
             return found, None
-        candidates = []
-        for index, payload in enumerate(found):
+
+        def measure(payload: dict[str, Any]) -> dict[str, Any]:
             child = self._child_of(payload)
-            measured = measured_kl(
-                child, self.parent(), self.held_out_batches(), self.config.scoring.vocab_chunk
-            )
-            del child  # one candidate child in memory at a time
-            candidates.append(
-                {
-                    "candidate": index + 1,
-                    "objective": payload["objective"],
-                    "predicted_kl": measured["predicted_kl"],
-                    "measured_kl": measured["kl"],
-                    "lm_loss_delta": measured["lm_loss_delta"],
-                    "top1": measured["top1"],
-                    "choices": payload["choices"],
-                }
-            )
-            _log.info(
-                "search %s: candidate %d, predicted KL %s, measured KL %.6g",
-                name,
-                index + 1,
-                measured["predicted_kl"],
-                measured["kl"],
-            )
-        order = sorted(range(len(found)), key=lambda i: (candidates[i]["measured_kl"], i))
-        _log.info("search %s: re-ranking chose candidate %d of %d", name, order[0] + 1, len(found))
-        return [found[i] for i in order], {"chosen": order[0] + 1, "candidates": candidates}
+            return measured_kl(child, self.parent(), self.held_out_batches(), self.config.scoring.vocab_chunk)
+
+        return rerank_by_measurement(name, found, measure)
 
     # -- scores in context (search.context_rounds; puzzle.context) ---------------------------------------
 
@@ -1114,66 +1092,24 @@ class Run:
         found: list[Solution],
     ) -> tuple[list[Solution], dict[str, Any] | None]:
         """(the solutions, the rounds' record) after `search.context_rounds` rounds of scores in context on
-        the best one (`puzzle.context`); (found, None) when off. Collective: every rank scores, rank 0 solves.
-
-        Round r scores every candidate in the child of round r - 1 (solutions/context/{name}/round-{r}/),
-        solves on those scores and predicts D(child) + the sum; the rounds stop when the choice repeats (the
-        previous round's, or an earlier one's: a cycle).
-        The kept architecture is the round whose child measured lowest (`puzzle.context.best_round`), with
-        its predicted damage as its objective; the other solutions (`search.solutions`) stay as the first
-        search found them (one equal to the kept one is dropped)."""
-        from puzzle.context import (
-            best_round,
-            child_variants,
-            context_candidates,
-            context_damage,
-            limit_changes,
-        )
-
+        the best one (`puzzle.context.context_rounds`); (found, None) when off. Collective: every rank
+        scores (solutions/context/{name}/round-{r}/), rank 0 solves."""
         settings = self.config.search
         if not settings.context_rounds or not found:
             return found, None
         parent = self.parent(self.config.scoring.shard)
         library = read_library(self.layout.library)
-        candidates = problem.candidates
-        solutions = [found[0]]
-        rounds: list[dict[str, Any]] = [{"choices": dict(found[0].names), "predicted": found[0].objective}]
-        for number in range(1, settings.context_rounds + 1):
-            own = child_variants(solutions[-1], candidates)
-            wanted = [
-                Variant(block, spec) for block, specs in enumerate(candidates.variants) for spec in specs
-            ]
-            scores = self._context_scores(name, number, parent, library, own, wanted)
-            rescored, base = context_candidates(candidates, scores.variants, own, settings.objective)
-            rounds[-1]["measured"] = base
-            round_problem = self._problem(budgets, candidates=rescored)
+
+        def score_in_child(number: int, own: list[Variant], wanted: list[Variant], what: str) -> Scores:
+            return self._context_scores(name, number, parent, library, own, wanted, what)
+
+        def solve(candidates: RunCandidates, own: list[Variant]) -> Solution:
+            round_problem = self._problem(budgets, candidates=candidates)
             if settings.context_changes:
                 limit_changes(round_problem, own, settings.context_changes)
-            solved = _search_on_main(round_problem, settings.solver)
-            solution = dataclasses.replace(solved, objective=base + solved.objective)
-            rounds.append(
-                {"choices": dict(solution.names), "predicted": solution.objective, "sum": solved.objective}
-            )
-            solutions.append(solution)
-            _log.info(
-                "search %s, context round %d: child measured %.6g; re-solved, predicted %.6g",
-                name,
-                number,
-                base,
-                solution.objective,
-            )
-            earlier = [entry for entry in rounds[:-1] if entry["choices"] == rounds[-1]["choices"]]
-            if earlier:  # the choice repeats (the last child's, or a cycle): its child was measured before
-                rounds[-1]["measured"] = earlier[-1]["measured"]
-                break
-        if "measured" not in rounds[-1]:  # the last round's child, measured: its own variants alone
-            own = child_variants(solutions[-1], candidates)
-            scores = self._context_scores(name, len(rounds) - 1, parent, library, own, own[:1], "measured")
-            rounds[-1]["measured"] = context_damage(scores, own, settings.objective)
-        kept = best_round(rounds)
-        best = solutions[kept]
-        others = [solution for solution in found[1:] if solution.names != best.names]
-        return [best, *others], {"rounds": rounds, "kept": kept, "objective": settings.objective}
+            return _search_on_main(round_problem, settings.solver)
+
+        return context_rounds(name, found, problem.candidates, settings, score_in_child, solve)
 
     def _context_scores(
         self,
