@@ -58,30 +58,25 @@ import json
 import logging
 import math
 import re
-import resource
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 # Every stage this module drives, imported here and only here (a name that moves moves in one place).
-from puzzle import dist, gathers, hostmem, nemotron_h, shard
+from puzzle import dist, hostmem, nemotron_h, shard
 from puzzle.artifacts import (
     DamagedOutputError,
     checkpoint_hashes,
-    damaged_files,
     file_digest,
     fingerprint_file,
     fingerprint_json,
     fingerprint_model,
     loaded_fingerprint,
-    manifest_damage,
     manifest_fingerprint,
     read_hash_cache,
-    safetensors_header,
     write_hash_cache,
 )
 from puzzle.assemble import assemble as assemble_child
@@ -98,6 +93,7 @@ from puzzle.files import atomic_write_bytes
 from puzzle.gkd import distill as distill_child
 from puzzle.gkd import load_distilled
 from puzzle.layout import STAGES, RunDirError, RunLayout
+from puzzle.ledger import DONE, Ledger, RunError, peak_rss_mib
 from puzzle.library import Library, read_library
 from puzzle.model import HybridLM
 from puzzle.plan import scoring_memory, scoring_wave_size
@@ -121,28 +117,11 @@ from puzzle.spec import BlockSpec, ModelSpec, Variant
 if TYPE_CHECKING:
     from puzzle.search.budget import DeploymentLimit
 
-MANIFEST_FORMAT = 1
 # run.json's parent record: how its fingerprint was made (`Run.parent_fingerprint`). Records without it
 # (earlier versions) hold `fingerprint_model` of the loaded parent.
 PARENT_SCHEME = "checkpoint-files-1"
-DONE = ("done", "reused")
-# RUN_DIR's record of output files hashed again since written (`Run._hashes`), beside parent_hash.json.
-OUTPUTS_HASH_FILE = "outputs_hash.json"
 
 _log = logging.getLogger(__name__)
-
-
-class RunError(ValueError):
-    """A run directory that cannot be used for this run (another parent, a malformed manifest)."""
-
-
-def _now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
-
-def _peak_rss_mib() -> float:
-    """This process's peak resident memory so far (ru_maxrss is in KiB on Linux; a running maximum)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def _slug(budgets: list[str]) -> str:
@@ -160,23 +139,6 @@ def _write_if_changed(path: Path, content: bytes) -> None:
     """Write `path` atomically unless it already holds `content` (a rerun leaves finished files alone)."""
     if not (path.is_file() and path.read_bytes() == content):
         atomic_write_bytes(path, content)
-
-
-def _truncated(path: Path) -> str | None:
-    """Why safetensors file `path` is not whole (a header that does not parse, or a size other than its
-    header's tensors end at), or None: the check of export files recorded before their digests were."""
-    try:
-        header = safetensors_header(path)
-        entries = json.loads(header)
-        end = max((e["data_offsets"][1] for k, e in entries.items() if k != "__metadata__"), default=0)
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        return f"{path} is not a whole safetensors file ({error})"
-    size = path.stat().st_size
-    return (
-        None
-        if size == 8 + len(header) + end
-        else f"{path} has {size} bytes, its header says {8 + len(header) + end}"
-    )
 
 
 def _on_main(work: Callable[[], dict[str, Any]]) -> dict[str, Any]:
@@ -270,11 +232,13 @@ class Run:
         self.layout = RunLayout(Path(run_dir).absolute())
         self.config = config
         self.round_number = round_number
+        # run.json and the reuse rule; the progress lines name the round in an iterative run.
+        label = f"round {round_number}: " if config.rounds.count > 1 else ""
+        self.ledger = Ledger(self.layout, label)
         self._parent_fp: str | None = None
         self._parent_scheme: str | None = None
         self._parent_hashes: dict[str, Any] | None = None  # the content-hash cache to write (rank 0)
         self._parent: HybridLM | None = None  # the one loaded parent of this process (`parent()`)
-        self._output_hashes: dict[str, Any] | None = None  # `_hashes`
         self._mixer_fps: tuple[str, dict[Variant, str]] | None = None  # (library manifest hash, per variant)
         self._parent_mode = (
             "none"  # how it is laid out: "none" (whole), "fsdp" or "hsdp" (sharded from the files)
@@ -332,25 +296,7 @@ class Run:
 
     def manifest(self) -> dict[str, Any]:
         """run.json as it is on disk (an empty manifest before the first stage)."""
-        path = self.layout.manifest
-        if not path.is_file():
-            return {"format": MANIFEST_FORMAT, "stages": {}}
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as error:
-            raise RunError(f"{path} is not a run manifest: {error}") from None
-        if not isinstance(data, dict) or data.get("format") != MANIFEST_FORMAT or "stages" not in data:
-            raise RunError(f"{path} is not a run manifest of format {MANIFEST_FORMAT}")
-        return data
-
-    def _write_manifest(self, data: dict[str, Any]) -> None:
-        if dist.is_main():
-            atomic_write_bytes(self.layout.manifest, (json.dumps(data, indent=2) + "\n").encode())
-
-    def _update(self, stage: str, record: dict[str, Any]) -> None:
-        data = self.manifest()
-        data["stages"][stage] = record
-        self._write_manifest(data)
+        return self.ledger.manifest()
 
     # -- setup ------------------------------------------------------------------------------------------
 
@@ -410,7 +356,7 @@ class Run:
             return
         # Before the parent loads: freed gathers and gradients go back to the system (puzzle.hostmem).
         hostmem.return_freed_memory()
-        _log.info("baseline: peak resident memory %.1f MiB (before the parent loads)", _peak_rss_mib())
+        _log.info("baseline: peak resident memory %.1f MiB (before the parent loads)", peak_rss_mib())
         self.check_run_dir()
         parent_dir = self.config.parent.path.resolve()
         root = self.layout.root.resolve()
@@ -445,7 +391,7 @@ class Run:
             if self._parent_scheme is not None:
                 data["parent"]["scheme"] = self._parent_scheme
             data["round"] = self.round_number
-            self._write_manifest(data)
+            self.ledger.write(data)
         dist.barrier()
         self._prepared = True
 
@@ -538,118 +484,13 @@ class Run:
     def _stage(
         self, name: str, inputs: dict[str, Any], compute: Callable[[], dict[str, Any]]
     ) -> dict[str, Any]:
-        """Record `name` (a stage, or STAGE/SOLUTION): reused when a finished record of the same inputs
-        exists and its outputs are unchanged, else `compute()` and record it; returns its outputs."""
+        """Record `name` (a stage, or STAGE/SOLUTION) through the ledger's reuse rule (`Ledger.run`), once the
+        run directory is prepared; its outputs, kept for `record`."""
         self._prepare()
-        key = fingerprint_json(inputs)
-        record = dist.broadcast_object(self.manifest()["stages"].get(name))
-        if (
-            record is not None
-            and record.get("status") in DONE
-            and record.get("inputs_hash") == key
-            and dist.broadcast_object(self._present(name, record["outputs"]))
-        ):
-            _log.info("%s%s: reused (inputs unchanged)", self._round_label(), name)
-            _log.info("%s: peak resident memory %.1f MiB", name, _peak_rss_mib())
-            self._update(name, {**record, "status": "reused", "checked": _now()})
-            dist.barrier()
-            self._results[name] = record["outputs"]
-            return record["outputs"]
-        _log.info("%s%s: running", self._round_label(), name)
-        shard.free_dropped_units()  # an earlier stage's sharded modules, dropped but not yet collected
-        gathers.COUNTER.reset_peak()
-        started = _now()
-        running = {"status": "running", "inputs_hash": key, "inputs": inputs, "started": started}
-        self._update(name, running)
-        try:
-            outputs = compute()
-        except BaseException as error:
-            self._update(name, {**running, "status": "failed", "error": f"{type(error).__name__}: {error}"})
-            raise
-        outputs = dist.broadcast_object(outputs)
-        shard.free_dropped_units()
-        self._update(name, {**running, "status": "done", "finished": _now(), "outputs": outputs})
-        dist.barrier()
-        resumed = self._resumed.pop(name.split("/", 1)[0], [])
-        note = f" (resumed from a checkpoint: {', '.join(resumed)})" if resumed else ""
-        _log.info("%s%s: done%s", self._round_label(), name, note)
-        _log.info("%s: peak resident memory %.1f MiB", name, _peak_rss_mib())  # benchmarks/bench_scale.py
-        if gathers.COUNTER.peak or dist.world_size() > 1:  # 0 says nothing in one unsharded process
-            _log.info(  # whole tensors gathered from shards, held at once (tests/test_shard_memory.py)
-                "%s: peak gathered parameter elements %d", name, gathers.COUNTER.peak
-            )
+        stage = name.split("/", 1)[0]
+        outputs = self.ledger.run(name, inputs, compute, resumed=lambda: self._resumed.pop(stage, []))
         self._results[name] = outputs
         return outputs
-
-    def _round_label(self) -> str:
-        return f"round {self.round_number}: " if self.config.rounds.count > 1 else ""
-
-    def _present(self, name: str, outputs: dict[str, Any]) -> bool:
-        """Whether the recorded outputs of record `name` (a stage or STAGE/SOLUTION) are on disk, unchanged;
-        why not is logged."""
-        known = len(self._hashes())
-        reason = self._damage(name, outputs)
-        if len(self._hashes()) != known and dist.is_main():  # files re-hashed: their keys kept for next time
-            write_hash_cache(self.layout.root / OUTPUTS_HASH_FILE, {"files": self._hashes()})
-        if reason is not None:
-            _log.info("%s%s: not reused: %s", self._round_label(), name, reason)
-        return reason is None
-
-    def _damage(self, name: str, outputs: dict[str, Any]) -> str | None:
-        """Why the recorded outputs of record `name` are not as written (the first damaged file), or None.
-
-        A stage's manifest is compared by content hash, then its outputs are checked against it
-        (`puzzle.artifacts.manifest_damage`: a stat per file while its stat key is the one recorded when it
-        was written, a re-hash when it changed); an export's files likewise against the digests its record
-        holds (records made before them: its config.json must exist). Solutions and the frontier are small
-        files, compared by content hash."""
-        stage = name.split("/", 1)[0]
-        directories = {
-            "importance": self.layout.importance,
-            "library": self.layout.library,
-            "scores": self.layout.scores,
-        }
-        if stage in directories:
-            return self._manifest_damage(directories[stage] / f"{stage}.manifest.json", outputs["manifest"])
-        for entry_name, entry in outputs.items():
-            if stage in ("solutions", "frontier"):
-                path = self.layout.root / entry["file"]
-                if not path.is_file() or fingerprint_file(path) != entry["fingerprint"]:
-                    return f"{path} is missing or was changed"
-            elif stage == "distill":
-                path = self.layout.child(entry_name) / "gkd.manifest.json"
-                reason = self._manifest_damage(path, entry["manifest"])
-                if reason is not None:
-                    return reason
-            elif stage == "export":
-                reason = self._export_damage(entry)
-                if reason is not None:
-                    return reason
-        return None
-
-    def _manifest_damage(self, path: Path, fingerprint: str) -> str | None:
-        if not path.is_file() or manifest_fingerprint(path) != fingerprint:
-            return f"{path} is missing or was changed"
-        return manifest_damage(path, self._hashes())
-
-    def _export_damage(self, entry: Mapping[str, Any]) -> str | None:
-        """Why an export record's checkpoint is not as written (`_write_export` recorded its files), or None."""
-        folder = self.layout.root / entry["path"]
-        files = entry.get("files")
-        if files is None:  # recorded before its files' digests were: their presence and whole weight files
-            if not (folder / "config.json").is_file():
-                return f"{folder / 'config.json'} is missing"
-            return next(filter(None, map(_truncated, sorted(folder.glob("*.safetensors")))), None)
-        damaged = damaged_files(folder, dict.fromkeys(files), files, self._hashes())
-        return next(iter(damaged.values()), None)
-
-    def _hashes(self) -> dict[str, Any]:
-        """{resolved path: {"key", "sha256"}} of output files hashed again since written (`damaged_files`),
-        from RUN_DIR/outputs_hash.json; `_present` writes it back when a check added to it."""
-        if self._output_hashes is None:
-            cached = read_hash_cache(self.layout.root / OUTPUTS_HASH_FILE)
-            self._output_hashes = dict(cached["files"]) if cached is not None else {}
-        return self._output_hashes
 
     def record(self, stage: str) -> dict[str, Any]:
         """The manifest layer: the recorded outputs of `stage` (one of `STAGES`) for what the run config asks,
@@ -1391,7 +1232,7 @@ class Run:
         entry = before["outputs"][name]
         if before.get("inputs", {}).get("distill", {}).get(name) != made_from or "files" not in entry:
             return None
-        reason = dist.broadcast_object(self._export_damage(entry) if dist.is_main() else None)
+        reason = dist.broadcast_object(self.ledger.export_damage(entry) if dist.is_main() else None)
         return entry if reason is None else None
 
     def _budgets_of(self, name: str) -> list[str]:

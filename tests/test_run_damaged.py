@@ -1,4 +1,4 @@
-"""A damaged output of a finished run is not reused (`puzzle run`, puzzle/run.py `Run._present`): a truncated,
+"""A damaged output of a finished run is not reused (`puzzle run`, `puzzle.ledger.Ledger.intact`): a truncated,
 deleted or replaced (same size, other bytes) file is found; only the damaged part is redone (one library
 variant retrained, the others' files untouched; one export re-exported; the scores rescored), and a file
 that cannot be redone in part (library.json) exits 2 naming it and the command that repairs it."""
