@@ -63,7 +63,7 @@ def export_record(
     child: HybridLM,
     config: Mapping[str, Any],
     parent_dir: Path | None,
-    solution: Solution | None,
+    solution: Solution | Mapping[str, Any] | None,
     measured: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
     """The content of `puzzle.json`: what the child is, where it came from, how it scores and who can serve it."""
@@ -76,7 +76,8 @@ def export_record(
     if parent_dir is not None:
         record["parent"]["path"] = str(parent_dir)
     if solution is not None:
-        record["search"] = solution.to_json()
+        # A saved solution (solutions/{name}.json) is recorded as it is: no search table is rebuilt for it.
+        record["search"] = solution.to_json() if isinstance(solution, Solution) else dict(solution)
     if measured is not None:
         record["measured"] = dict(measured)
     record["spec"] = child.spec.to_dict()
@@ -95,7 +96,7 @@ def export(
     path: str | Path,
     *,
     parent_dir: str | Path | None = None,
-    solution: Solution | None = None,
+    solution: Solution | Mapping[str, Any] | None = None,
     measured: Mapping[str, Any] | None = None,
     format: str = "auto",
     engines: Iterable[str] = SERVING_ENGINES,
@@ -109,7 +110,8 @@ def export(
     Files: config.json and safetensors weights (`puzzle.nemotron_h.save_pretrained`, atomic), the
     tokenizer and generation_config.json files of `parent_dir` (default: the directory the parent was
     loaded from), and `puzzle.json` (`export_record`: parent path and fingerprint, solution block by
-    block, predicted costs and KL, `measured` (e.g. `puzzle.assemble.measured_kl`, default the child's
+    block, predicted costs and KL, the search's `solution` (a `Solution`, or its saved JSON as `puzzle
+    search --json` and a run's solutions/{name}.json hold it, recorded as it is), `measured` (e.g. `puzzle.assemble.measured_kl`, default the child's
     `assembly.measured`), MTP handling, which engines can serve it). `format`: see the module docstring;
     `engines`: those `format="engine"` checks. Never writes into `parent_dir` or the parent's
     directory (CheckpointError); `overwrite` as in `save_pretrained`.

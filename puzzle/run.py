@@ -1198,12 +1198,11 @@ class Run:
         return info
 
     def _write_export(self, name: str, source: str, child: HybridLM, out: Path) -> dict[str, Any]:
-        solution = Solution.from_json(self._solution_json(name), self._problem(self._budgets_of(name)).table)
         written = export_checkpoint(
             child,
             out,
             parent_dir=self.config.parent.path,
-            solution=solution,
+            solution=self._solution_json(name),  # as saved: the search's table is not rebuilt to read it
             measured=self._assembled(name)["measured"],
             overwrite=True,
             run_info=self._card_info(name, source),
@@ -1234,13 +1233,6 @@ class Run:
             return None
         reason = dist.broadcast_object(self.ledger.export_damage(entry) if dist.is_main() else None)
         return entry if reason is None else None
-
-    def _budgets_of(self, name: str) -> list[str]:
-        """The budget texts solution `name` was found under (its search record's)."""
-        for record_name, record in self.manifest()["stages"].items():
-            if record_name.split("/", 1)[0] == "solutions" and name in record.get("outputs", {}):
-                return list(record["outputs"][name]["budgets"])
-        raise RunError(f"{self.layout.manifest}: no search record of solution {name!r}")
 
     def _record_export(self) -> dict[str, Any]:
         upstream = self.record("distill")

@@ -25,6 +25,7 @@ from puzzle.model import HybridLM
 from puzzle.nemotron_h import CheckpointError, config_from_spec, spec_from_config
 from puzzle.nemotron_h.engines import engine_problems
 from puzzle.presets import nemotron3_super, puzzle_75b_a9b_like
+from puzzle.search.types import Solution
 from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, Variant
 
 
@@ -112,6 +113,31 @@ def test_puzzle_child_exports_with_its_record_and_reloads_with_identical_logits(
     assert record["engines"]["vllm"] and record["engines"]["llama.cpp"]  # linear / no-op blocks
     assert ModelSpec.from_dict(record["spec"]) == child.spec
     assert _snapshot(parent_dir) == before
+
+
+def test_a_saved_solution_is_recorded_as_it_is(every_kind, tmp_path):
+    """`export(solution=...)` takes a Solution or its saved JSON (solutions/{name}.json): puzzle.json holds the
+    same search record either way, without a search table rebuilt to read the JSON."""
+    parent_dir, library = every_kind
+    parent = puzzle.load(parent_dir)
+    table = variants()
+    child = assemble({0: table[0][1], 2: table[2][0]}, library, parent)
+    solution = Solution(
+        choices=(1, 0, 0, 0, 0, 0),
+        names={f"block_{i}": "v" for i in range(6)},
+        objective=0.25,
+        totals={"params": 123.0},
+        status="optimal",
+        gap=0.0,
+        solver="highs",
+        seconds=0.5,
+    )
+    saved = json.loads(json.dumps(solution.to_json()))
+    records = []
+    for given, folder in ((solution, "typed"), (saved, "saved")):
+        out = export(child, tmp_path / folder, parent_dir=parent_dir, solution=given)
+        records.append(json.loads((out / "puzzle.json").read_text())["search"])
+    assert records[0] == records[1] == saved
 
 
 def test_the_card_of_an_assembled_child_shows_its_blocks_and_measured_kl(every_kind, tmp_path):
