@@ -1528,7 +1528,7 @@ OPTIONS["trust"] = {"context_rounds": 3, "context_changes": 2}
 
 def _solution_arch(run: Run, label: str, entry: dict[str, Any]) -> Arch:
     payload = json.loads((run.layout.root / entry["file"]).read_text())
-    return tuple(run._child_of(payload).spec.blocks)
+    return tuple(run.child_of(payload).spec.blocks)
 
 
 def additivity(
@@ -1568,7 +1568,7 @@ def additivity(
         )
         for candidate in (entry.get("rerank") or {}).get("candidates", []):
             payload = {"choices": candidate["choices"]}
-            ranked.append((candidate["predicted_kl"], tuple(staged._child_of(payload).spec.blocks)))
+            ranked.append((candidate["predicted_kl"], tuple(staged.child_of(payload).spec.blocks)))
     children["greedy"] = (problem.greedy(), None, None)
     children["greedy-norefill"] = (problem.greedy(refill=False), None, None)
     seeds = tuple(range(gkd_seeds))

@@ -11,7 +11,7 @@ sharded by default) and tiny step and token counts. Each world size is
 `python -m torch.distributed.run --standalone --nproc-per-node N -m puzzle run CONFIG` on the CPU (gloo,
 one torch thread per rank) in a fresh run directory.
 
-What is measured: `Run._stage` logs, to RUN_DIR/logs/rank{r}.log, `NAME: peak resident memory X MiB` when a
+What is measured: `RunContext.stage` logs, to RUN_DIR/logs/rank{r}.log, `NAME: peak resident memory X MiB` when a
 record finishes or is reused, and `baseline: peak resident memory X MiB` before the parent loads (after the
 imports and the process group). The figure is `ru_maxrss`, a running maximum over the process's life: a
 stage's figure is the peak of that stage *and every one before it*, so the stage that sets a rank's peak is

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
             settings = dataclasses.replace(run.config.gkd, lr=lr, seed=args.seed)
             started = time.perf_counter()
             result = distill(
-                run._child(name),
+                run.child(name),
                 run.parent(settings.shard),
                 run.data.train,
                 run.held_out_batches(),

@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         reranked = entry["rerank"]
         print(f"{name}: chose candidate {reranked['chosen']} of {len(reranked['candidates'])}")
         for candidate in reranked["candidates"]:
-            child = run._child_of(candidate)
+            child = run.child_of(candidate)
             again = measured_kl(child, run.parent(), fresh, run.config.scoring.vocab_chunk)["kl"]
             candidate["measured_kl_fresh"] = again
             mark = "*" if candidate["candidate"] == reranked["chosen"] else " "

@@ -40,7 +40,7 @@ from puzzle.spec import ModelSpec
 if TYPE_CHECKING:
     from puzzle.cost.hardware import HardwareProfile
 
-# The pipeline's stages in order (puzzle/run.py; `puzzle run --until`).
+# The pipeline's stages in order (puzzle/run/, one module each; `puzzle run --until`).
 STAGES = ("importance", "library", "scores", "solutions", "assemble", "distill", "export")
 CONFIG_FILE = "run.resolved.yaml"
 # Where runs before 0.1 saved their resolved config; read (never written) when CONFIG_FILE is missing.

@@ -1,5 +1,5 @@
-"""run.json, a run's ledger: one record per stage (or STAGE/SOLUTION) with its inputs' hash, its status and its
-outputs, and the one reuse rule (`Ledger.run`; puzzle/run.py's docstring states it).
+"""run.json, a run's ledger: one record per stage (or STAGE/SOLUTION) with its inputs' hash, its status and
+its outputs, and the one reuse rule (`Ledger.run`; `puzzle.run.api`'s docstring states it).
 
 A finished record of the same inputs is reused while its outputs are intact on disk (`Ledger.damage`: a
 stage's manifest by content hash and the files it lists by stat key, re-hashed when the key changed; an

@@ -38,6 +38,7 @@ from puzzle.plan import (
 )
 from puzzle.presets import nemotron3_super
 from puzzle.run import Run
+from puzzle.run.scores import scoring_settings
 from puzzle.spec import AttentionSpec, MambaSpec, ModelSpec, MoESpec, Variant
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -301,10 +302,10 @@ def test_an_explicit_variants_per_wave_is_honoured_by_the_plan_and_the_run(tmp_p
     run = Run.from_config(tmp_path / "run.yaml")
     parent = HybridLM(RUN_SPEC)
     variants = [v for listed in config.search_space().all_variants(RUN_SPEC).values() for v in listed]
-    assert run._scoring_settings(parent, variants).variants_per_wave == 3
+    assert scoring_settings(run, parent, variants).variants_per_wave == 3
     data["scoring"]["variants_per_wave"] = "auto"
     auto = Run.from_config(write_config(tmp_path / "auto.yaml", data))
-    assert auto._scoring_settings(parent, variants).variants_per_wave == 1
+    assert scoring_settings(auto, parent, variants).variants_per_wave == 1
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU run's memory")
@@ -322,7 +323,7 @@ def test_auto_variants_per_wave_of_a_cpu_run_fits_this_machines_memory(tmp_path,
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
         caplog.clear()
         with caplog.at_level("INFO", logger="puzzle.run"):
-            Run(config.run_dir, config)._scoring_settings(parent, variants)
+            scoring_settings(Run(config.run_dir, config), parent, variants)
         where = "host memory" if ranks == 1 else f"host memory / {ranks} ranks"
         per_rank = f"{config.hardware.memory_fraction:g} x {host // ranks / 2**30:.1f} GiB per rank"
         assert f"({per_rank}, 1 rank(s)) of {where}" in caplog.text, caplog.text

@@ -1,4 +1,4 @@
-"""The pipeline (`puzzle run`, puzzle/run.py) on a tiny config: end to end, reuse, invalidation by a new budget,
+"""The pipeline (`puzzle run`, puzzle/run/) on a tiny config: end to end, reuse, invalidation by a new budget,
 resume after SIGKILL in BLD and in scoring, 2 gloo processes, config errors (exit 2, nothing written)."""
 
 from __future__ import annotations
@@ -84,11 +84,11 @@ def test_end_to_end_exports_the_distilled_child(finished):
     saved = json.loads((run_dir / "solutions" / f"{name}.json").read_text())
     exported = puzzle.load(run_dir / "exports" / name)
     run = Run.from_config(config)
-    child = load_distilled(run_dir / "children" / name, run._child(name))
+    child = load_distilled(run_dir / "children" / name, run.child(name))
     ids = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(exported(ids).logits, child(ids).logits, rtol=0, atol=0)
-        assert not torch.equal(child(ids).logits, run._child(name)(ids).logits)  # GKD changed it
+        assert not torch.equal(child(ids).logits, run.child(name)(ids).logits)  # GKD changed it
     record = json.loads((run_dir / "exports" / name / "puzzle.json").read_text())
     assert record["measured"]["kl"] > 0 and record["search"]["choices"] == saved["choices"]
     manifest = json.loads((run_dir / "run.json").read_text())
@@ -592,7 +592,7 @@ def test_scores_in_context_rescore_the_child_and_keep_the_best_measured(finished
     assert measured["predicted_kl"] == pytest.approx(rounds[record["kept"]]["predicted"])
 
     pipeline = Run.from_config(config)
-    problem = pipeline._problem(["active_params<=0.8x"])
+    problem = pipeline.problem(["active_params<=0.8x"])
     first = Solution.from_json({**expected}, problem.table)
     own = child_variants(first, problem.candidates)
     scores = load_scores(copied / "solutions" / "context" / name / "round-1")
@@ -647,10 +647,10 @@ def test_a_trust_region_changes_at_most_k_blocks_and_predicts_one_change_exactly
 
     pipeline = Run.from_config(config)
     expected = json.loads((run_dir / "solutions" / f"{name}.json").read_text())
-    plain = pipeline._problem(["active_params<=0.8x"])
+    plain = pipeline.problem(["active_params<=0.8x"])
     own = child_variants(Solution.from_json(expected, plain.table), plain.candidates)
     for most in (1, 2):
-        problem = limit_changes(pipeline._problem(["active_params<=0.9x"]), own, most)
+        problem = limit_changes(pipeline.problem(["active_params<=0.9x"]), own, most)
         table, limits, rules = problem.table, problem.problem.limits, problem.problem.rules
         found = search(table, limits, rules)
         sizes = np.diff(table.offsets)
@@ -678,7 +678,7 @@ def test_predictions_around_a_child_are_exact_for_it_and_one_block_away(finished
     config = write_config(tmp_path / "run.yaml", config_dict(run_dir.parent, run_dir=str(copied)))
     pipeline = Run.from_config(config)
     name = "active_params-le-0.8x"
-    problem = pipeline._problem(["active_params<=0.8x"])
+    problem = pipeline.problem(["active_params<=0.8x"])
     expected = json.loads((run_dir / "solutions" / f"{name}.json").read_text())
     own = child_variants(Solution.from_json(expected, problem.table), problem.candidates)
     wanted = [Variant(b, spec) for b, specs in enumerate(problem.candidates.variants) for spec in specs]

@@ -4,6 +4,7 @@ are not called again), and the outputs are those of `puzzle run` on the same con
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import puzzle
 import puzzle.run
 from puzzle.bld import Library
 from puzzle.cli import main as puzzle_main
+from puzzle.layout import STAGES
 from puzzle.model import HybridLM
 from puzzle.prune.importance import ModelImportance
 from puzzle.run import Run, RunError
@@ -22,7 +24,15 @@ from puzzle.scores import Scores
 from puzzle.search.types import Solution
 
 BUDGET = "active_params<=0.8x"
-COUNTED = ("importance_for", "build_library", "score_variants", "search_k", "measured_kl", "distill_child")
+# The stage functions each stage module of puzzle.run calls, by the module that calls them.
+COUNTED = {
+    "importance_for": ("importance",),
+    "build_library": ("library",),
+    "score_variants": ("scores",),
+    "search_k": ("solutions",),
+    "measured_kl": ("solutions", "assemble"),
+    "distill_child": ("distill",),
+}
 
 
 @pytest.fixture(scope="module")
@@ -48,16 +58,18 @@ def _pieces(root: Path, run_dir: Path) -> Run:
 
 @pytest.fixture
 def calls(monkeypatch):
-    """How often each stage function is called through puzzle.run (the real functions, counted)."""
+    """How often each stage function is called by puzzle.run's stage modules (the real functions, counted)."""
     counts = dict.fromkeys(COUNTED, 0)
-    for name in COUNTED:
-        original = getattr(puzzle.run, name)
+    for name, stages in COUNTED.items():
+        for stage in stages:
+            module = importlib.import_module(f"puzzle.run.{stage}")
+            original = getattr(module, name)
 
-        def counted(*args, _name=name, _original=original, **kwargs):
-            counts[_name] += 1
-            return _original(*args, **kwargs)
+            def counted(*args, _name=name, _original=original, **kwargs):
+                counts[_name] += 1
+                return _original(*args, **kwargs)
 
-        monkeypatch.setattr(puzzle.run, name, counted)
+            monkeypatch.setattr(module, name, counted)
     return counts
 
 
@@ -193,3 +205,9 @@ def test_the_log_names_gathered_elements_only_where_there_are_some(cli_run):
     log = (cli_run / "logs" / "rank0.log").read_text()
     assert log.count(": peak resident memory ") >= 7
     assert "peak gathered parameter elements" not in log
+
+
+def test_every_stage_has_its_module_in_order():
+    """`Run.RECORDERS` names each stage's module of puzzle.run, in the order `puzzle run` runs them."""
+    assert tuple(Run.RECORDERS) == STAGES
+    assert [recorder.__module__ for recorder in Run.RECORDERS.values()] == [f"puzzle.run.{s}" for s in STAGES]

@@ -34,6 +34,7 @@ from puzzle.library import read_library
 from puzzle.presets import tiny_hybrid
 from puzzle.problem import CostModel, parse_scenario, run_problem, search_run
 from puzzle.run import Run
+from puzzle.run.solutions import solve_all
 from puzzle.scores import SCORES_FILE, load_scores
 from puzzle.spec import ModelSpec
 
@@ -405,7 +406,7 @@ def test_search_of_a_run_directory_is_the_runs_own_solution(run, tmp_path, capsy
     hardware, search, flag, override = RUN_SETTINGS[case]
     root = _saved_run(run, tmp_path / "run", hardware, search, config_file)
     config = load_config(root / config_file)
-    saved = Run(root, config)._solve()  # the run's solutions stage
+    saved = solve_all(Run(root, config))  # the run's solutions stage
     (name,) = saved
     solution = json.loads((root / saved[name]["file"]).read_text())
     budgets = [arg for text in search["budgets"] for arg in ("--budget", text)]

@@ -1,0 +1,88 @@
+"""The distill stage of a run: GKD of each assembled child against the parent (children/{name}/).
+
+`record(run)` declares the stage's inputs and its work, and records its outputs through the run's ledger
+(`RunContext.stage`); `puzzle.run.Run` gives the typed call.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from puzzle import dist
+from puzzle.artifacts import fingerprint_json
+from puzzle.config import to_dict
+from puzzle.gkd import distill as distill_child
+from puzzle.run.assemble import assembled
+from puzzle.run.context import RunContext, manifest_fp
+
+# The progress lines of every stage are the run's (`puzzle.run`): users filter on that logger.
+_log = logging.getLogger("puzzle.run")
+
+
+def distilled(run: RunContext, name: str) -> dict[str, Any]:
+    """Solution `name`'s distill record (GKD's steps, evaluations and manifest fingerprint): the stage's own
+    when `name` is one of the config's solutions, else a record distill/{name} of its own."""
+
+    def inputs() -> dict[str, Any]:
+        return {
+            "assemble": fingerprint_json({name: assembled(run, name)}),
+            "solutions": {name: run.solution_fp(name)},
+            **_inputs(run),
+        }
+
+    return run.per_solution("distill", name, inputs, lambda: _distill_one(run, name))
+
+
+def _inputs(run: RunContext) -> dict[str, Any]:
+    return {
+        "data": run.data.train.fingerprint(),
+        "held_out": run.held_out_key(),
+        "gkd": to_dict(run.config.gkd),
+        "world": dist.world_size(),
+    }
+
+
+def _distill_one(run: RunContext, name: str) -> dict[str, Any]:
+    teacher = run.parent(run.config.gkd.shard)  # first: the child is then sharded as the teacher is
+    result = distill_child(
+        run.child(name),
+        teacher,
+        run.data.train,
+        run.held_out_batches(),
+        run.config.gkd,
+        run.layout.child(name),
+        teacher_fp=run.parent_fingerprint(),
+    )
+    if result.resumed_from is not None:
+        run.resumed.setdefault("distill", []).append(f"{name} from step {result.resumed_from}")
+    _log.info(
+        "distill %s: KL %.6g -> %.6g (kept step %d of %d)",
+        name,
+        result.first_eval.get("kl", math.nan),
+        result.kept_eval.get("kl", math.nan),
+        result.kept_step,
+        result.steps,
+    )
+    return {
+        "steps": result.steps,
+        "tokens": result.tokens,
+        "first_eval": result.first_eval,
+        "last_eval": result.last_eval,
+        "kept_step": result.kept_step,  # the weights distilled: the best held-out KL's step
+        "kept_eval": result.kept_eval,
+        "manifest": manifest_fp(run.layout.child(name), "gkd"),
+    }
+
+
+def record(run: RunContext) -> dict[str, Any]:
+    """The distill stage's record: children/{name}/ (GKD of each assembled child) from the children and the
+    training tokens: {name: its steps, evaluations and manifest fingerprint}."""
+    upstream = run.record("assemble")
+    inputs = {
+        "assemble": fingerprint_json(upstream),
+        "solutions": {n: e["fingerprint"] for n, e in run.record("solutions").items()},
+        **_inputs(run),
+    }
+    return run.stage("distill", inputs, lambda: {name: _distill_one(run, name) for name in upstream})

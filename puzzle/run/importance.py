@@ -1,0 +1,58 @@
+"""The importance stage of a run: the parent's activation importance on calibration tokens (importance/).
+
+`record(run)` declares the stage's inputs and its work, and records its outputs through the run's ledger
+(`RunContext.stage`); `puzzle.run.Run` gives the typed call.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from puzzle import dist
+from puzzle.config import to_dict
+from puzzle.prune.importance import importance_for
+from puzzle.run.context import RunContext, manifest_fp
+
+# The progress lines of every stage are the run's (`puzzle.run`): users filter on that logger.
+_log = logging.getLogger("puzzle.run")
+
+
+def record(run: RunContext) -> dict[str, Any]:
+    """The importance stage's record: importance/ from the parent and the training tokens: {"manifest": its
+    fingerprint}."""
+    run.check_budgets_up_front()
+    settings = run.config.importance
+    inputs = {
+        "parent": run.parent_fingerprint(),
+        "data": run.data.train.fingerprint(),
+        "settings": to_dict(settings),
+        "seed": run.config.seed,
+    }
+
+    def compute() -> dict[str, Any]:
+        importance_for(
+            run.parent(settings.shard),  # every rank runs its own batches (on its shards under fsdp)
+            functools.partial(_calibration, run),
+            run.layout.importance,
+            linear_fit=settings.linear_fit,
+            linear_fit_every=settings.linear_fit_every,
+            parent_fp=run.parent_fingerprint(),
+        )
+        return {"manifest": manifest_fp(run.layout.importance, "importance")}
+
+    return run.stage("importance", inputs, compute)
+
+
+def _calibration(run: RunContext) -> Iterator[torch.Tensor]:
+    settings = run.config.importance
+    split = run.data.train
+    count = max(1, math.ceil(settings.tokens / (settings.batch_size * split.seq_len)))
+    stream = split.batches(settings.batch_size, run.config.seed, rank=0, world=1)
+    # On the model's device: collect_importance runs the batches as given.
+    return (batch.to(dist.device()) for _, batch in zip(range(count), stream))
