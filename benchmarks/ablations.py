@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
 import logging
 import math
@@ -80,6 +79,7 @@ import numpy as np
 import torch
 
 from puzzle.assemble import assemble, measured_kl
+from puzzle.baselines import RANDOM_BAND, Arch, Baselines, restrict, same_state, same_width
 from puzzle.bld import default_init
 from puzzle.config.run import load_config_data
 from puzzle.cost.analytic import model_active_params, model_params
@@ -90,9 +90,7 @@ from puzzle.library import Library, read_library
 from puzzle.presets.demo import demo_parent_spec, demo_quick_parent_spec, demo_spec
 from puzzle.problem import RunCandidates, RunProblem, run_candidates, run_problem
 from puzzle.run import Run
-from puzzle.search import InfeasibleError, search
-from puzzle.search.mip import feasible_choices, resolve_limits
-from puzzle.spec import BlockSpec, MambaSpec, ModelSpec, MoESpec, Variant
+from puzzle.spec import BlockSpec, ModelSpec, Variant
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -125,7 +123,6 @@ METHODS = (
     "no_width_axis",
 )
 GKD_METHODS = tuple(m for m in METHODS if m != "greedy-norefill")  # the weaker greedy: assembled only
-RANDOM_BAND = 0.05  # a random architecture uses at least (level - this) x the parent's active params
 # Every axis the ablations take away exists in this space (Mamba state, MoE expert width), besides heads,
 # top-k, expert count and no-op blocks.
 SPACE = {
@@ -148,9 +145,6 @@ SMOKE = DemoSize(
 # ----------------------------------------------------------------------------------------- architectures
 
 
-Arch = tuple[BlockSpec, ...]  # one spec per parent block
-
-
 @dataclass
 class Choice:
     """One method's architecture at one level (None: the method found none that meets the budget)."""
@@ -163,37 +157,9 @@ class Choice:
     note: str = ""
 
 
-def _arch(table_choices: Sequence[int], candidates: RunCandidates) -> Arch:
-    return tuple(candidates.variants[b][j] for b, j in enumerate(table_choices))
-
-
-def restrict(candidates: RunCandidates, keep: Callable[[BlockSpec, BlockSpec], bool]) -> RunCandidates:
-    """The candidates whose spec `keep(spec, parent block)` accepts (the parent's own block always stays)."""
-    variants, scores = [], []
-    for b, (specs, values) in enumerate(zip(candidates.variants, candidates.scores)):
-        kept = [
-            (s, v)
-            for j, (s, v) in enumerate(zip(specs, values))
-            if j == 0 or keep(s, candidates.parent.blocks[b])
-        ]
-        variants.append([s for s, _ in kept])
-        scores.append([v for _, v in kept])
-    return RunCandidates(candidates.parent, variants, scores, list(candidates.notes))
-
-
-def same_state(spec: BlockSpec, parent: BlockSpec) -> bool:
-    """A variant without the Mamba state axis: the parent's state size (or no state at all)."""
-    return not isinstance(spec, MambaSpec) or spec.state_size == getattr(parent, "state_size", None)
-
-
-def same_width(spec: BlockSpec, parent: BlockSpec) -> bool:
-    """A variant without the expert-width axis: the parent's expert width (or no experts at all)."""
-    return not isinstance(spec, MoESpec) or spec.expert_width == getattr(parent, "expert_width", None)
-
-
-class Problem:
+class Problem(Baselines):
     """One level's search problem over a set of candidates: the table, limits and rules of the run's search,
-    and vectorised feasibility for the baselines."""
+    and the baselines over it (`puzzle.baselines.Baselines`: greedy, random, random walk, uniform)."""
 
     def __init__(
         self,
@@ -206,9 +172,6 @@ class Problem:
     ) -> None:
         """`limit`: the budget's own text instead of `{budget}<={level}x` (an absolute one, for candidates
         without the parent's own block, whose relative totals would be another model's)."""
-        self.candidates = candidates
-        self.level = level
-        self.budget = budget  # the bounded column: active_params, params (total) or weight_bytes
         budgets = [limit or f"{budget}<={level}x"]
         if speedup is not None:  # predicted decode tokens/s at least `speedup` x the parent's
             budgets.append(f"throughput[decode]>={speedup}x")
@@ -219,187 +182,11 @@ class Problem:
             shared_state_size=run.config.search.shared_state_size,
             candidates=candidates,
         )
-        self.table = self.run_problem.table
-        self.limits = self.run_problem.problem.limits
-        self.rules = self.run_problem.problem.rules
-        self.resolved = resolve_limits(self.table, self.limits)
-
-    def mip(self) -> Arch | None:
-        try:
-            solution = search(self.table, self.limits, self.rules)
-        except InfeasibleError:
-            return None
-        return _arch(solution.choices, self.candidates)
-
-    def feasible(self, choices: np.ndarray) -> np.ndarray:
-        """Which rows of `choices` ([N, blocks] variant index per block) meet the limits and the rules."""
-        return feasible_choices(self.table, choices, self.resolved, self.rules)
-
-    def score(self, choices: Sequence[int]) -> float:
-        return float(self.table.score[self.table.offsets[:-1] + np.asarray(choices)].sum())
-
-    def greedy(self, refill: bool = True) -> Arch | None:
-        """Best of one greedy descent per shared state size (the rule holds at every step), each refilled
-        (`_refill`) unless `refill` is False: the descent stops at the first architecture that fits, well
-        under the budget, which makes a weak baseline."""
-        states = self.table.attrs.get("state_size", [])
-        values = sorted({v for v in states if v is not None}) or [None]
-        best: tuple[float, list[int]] | None = None
-        for state in values:
-            found = self._descend(state)
-            if found is not None and refill:
-                found = self._refill(found, self._allowed(state))
-            if found is not None and (best is None or self.score(found) < best[0]):
-                best = (self.score(found), found)
-        return None if best is None else _arch(best[1], self.candidates)
-
-    def _allowed(self, state: int | None) -> np.ndarray:
-        """Which rows of the table a descent with shared state size `state` may choose."""
-        states = self.table.attrs.get("state_size", [None] * self.table.num_variants)
-        return np.array([state is None or s is None or s == state for s in states])
-
-    def _descend(self, state: int | None) -> list[int] | None:
-        table, cost = self.table, self.table.cost(self.budget)
-        allowed = self._allowed(state)
-        current = []
-        for b in range(table.num_blocks):  # start from the least damaging allowed variant of each block
-            rows = np.arange(table.offsets[b], table.offsets[b + 1])
-            rows = rows[allowed[rows]]
-            current.append(int(rows[np.argmin(table.score[rows])] - table.offsets[b]))
-        while not self.feasible(np.array([current]))[0]:
-            best = None
-            for b in range(table.num_blocks):
-                here = table.offsets[b] + current[b]
-                for row in range(table.offsets[b], table.offsets[b + 1]):
-                    saved = cost[here] - cost[row]
-                    if not allowed[row] or saved <= 0:
-                        continue
-                    ratio = (table.score[row] - table.score[here]) / saved
-                    if best is None or ratio < best[0]:
-                        best = (ratio, b, int(row - table.offsets[b]))
-            if best is None:
-                return None
-            current[best[1]] = best[2]
-        return current
-
-    def _refill(self, current: list[int], allowed: np.ndarray) -> list[int]:
-        """`current` with blocks upgraded while the budget holds: each step takes the one-block swap that
-        lowers the predicted KL most per active parameter it adds (a swap that adds none first), among the
-        swaps whose architecture still meets the limits and rules; until no swap lowers it and fits."""
-        table, cost = self.table, self.table.cost(self.budget)
-        current = list(current)
-        while True:
-            swaps: list[tuple[float, int, int]] = []  # (-gain per parameter, block, variant)
-            for b in range(table.num_blocks):
-                here = table.offsets[b] + current[b]
-                for row in range(table.offsets[b], table.offsets[b + 1]):
-                    gain = table.score[here] - table.score[row]
-                    if not allowed[row] or gain <= 0:
-                        continue
-                    added = cost[row] - cost[here]
-                    swaps.append((-math.inf if added <= 0 else -gain / added, b, int(row - table.offsets[b])))
-            swaps.sort()
-            upgraded = self._first_fit(current, [(b, v) for _, b, v in swaps])
-            if upgraded is None:
-                return current
-            current = upgraded
-
-    def _first_fit(self, current: list[int], swaps: Sequence[tuple[int, int]]) -> list[int] | None:
-        """`current` with the first of `swaps` ((block, variant), in order) whose architecture still meets the
-        limits and rules; None when none does (or there are none)."""
-        if not swaps:
-            return None
-        trials = np.array([current] * len(swaps))
-        trials[np.arange(len(swaps)), [b for b, _ in swaps]] = [v for _, v in swaps]
-        fits = np.flatnonzero(self.feasible(trials))
-        return trials[fits[0]].tolist() if len(fits) else None
-
-    def random(
-        self, seed: int, draws: int = 20_000, rounds: int = 100, band: float = RANDOM_BAND
-    ) -> Arch | None:
-        """A uniform draw among the feasible architectures that use at least (level - `band`) of the
-        parent's active parameters (rejection sampling of the whole product): equal budget, not a far
-        smaller model, which a uniform draw over all feasible ones mostly is."""
-        rng = np.random.default_rng(seed)
-        sizes = np.diff(self.table.offsets)
-        cost = self.table.cost(self.budget)
-        floor = (self.level - band) * self.table.parent_total(self.budget) - self.table.fixed.get(
-            self.budget, 0.0
-        )
-        for _ in range(rounds):
-            choices = rng.integers(0, sizes[None, :], size=(draws, len(sizes)))
-            used = cost[self.table.offsets[:-1][None, :] + choices].sum(axis=1)
-            hits = np.flatnonzero(self.feasible(choices) & (used >= floor))
-            if len(hits):
-                return _arch(choices[hits[0]].tolist(), self.candidates)
-        return None
-
-    def random_walk(self, seed: int, steps: int = 10_000) -> Arch | None:
-        """A random architecture at the budget: from the parent (one shared state size drawn at random), random
-        one-block downgrades until it fits, then random one-block upgrades while it still fits. Unlike
-        `random`'s uniform draw, which rarely fits a deep parent at high compression, every walk ends just
-        under the budget, anywhere in the space: a ranking test for predictors that favours none of them."""
-        rng = np.random.default_rng(seed)
-        table, cost = self.table, self.table.cost(self.budget)
-        states = sorted({v for v in self.table.attrs.get("state_size", []) if v is not None}) or [None]
-        allowed = self._allowed(states[int(rng.integers(len(states)))])
-        rows = [
-            np.flatnonzero(allowed[table.offsets[b] : table.offsets[b + 1]]) for b in range(table.num_blocks)
-        ]
-        if any(not len(r) for r in rows):
-            return None
-        current = [int(r[0]) for r in rows]
-        for _ in range(steps):
-            if self.feasible(np.array([current]))[0]:
-                break
-            b = int(rng.integers(table.num_blocks))
-            here = cost[table.offsets[b] + current[b]]
-            cheaper = [int(v) for v in rows[b] if cost[table.offsets[b] + v] < here]
-            if cheaper:
-                current[b] = cheaper[int(rng.integers(len(cheaper)))]
-        else:
-            return None
-        while True:  # upgrades in random order, the first that still fits each time
-            swaps = [
-                (b, int(v))
-                for b in range(table.num_blocks)
-                for v in rows[b]
-                if cost[table.offsets[b] + v] > cost[table.offsets[b] + current[b]]
-            ]
-            upgraded = self._first_fit(current, [swaps[i] for i in rng.permutation(len(swaps))])
-            if upgraded is None:
-                return _arch(current, self.candidates)
-            current = upgraded
+        super().__init__(self.run_problem, budget, level)
 
     def homogeneous(self, noop: bool = True) -> tuple[Arch | None, int]:
-        """The least predicted KL among one-shape-per-kind architectures that meet the budget, and how many
-        such architectures there are; without `noop`, no kind is removed (width pruning only)."""
-        parent = self.candidates.parent
-        kinds: dict[str, list[int]] = {}
-        for b, block in enumerate(parent.blocks):
-            kinds.setdefault(block.kind, []).append(b)
-        shapes: dict[str, list[BlockSpec]] = {}
-        for kind, blocks in kinds.items():
-            common = [
-                s
-                for s in self.candidates.variants[blocks[0]]
-                if all(s in self.candidates.variants[b] for b in blocks)
-            ]
-            shapes[kind] = [s for s in common if noop or s.kind != "noop"]
-        best: tuple[float, list[int]] | None = None
-        count = 0
-        for combo in itertools.product(*shapes.values()):
-            by_kind = dict(zip(shapes, combo))
-            choices = [
-                self.candidates.variants[b].index(by_kind[block.kind])
-                for b, block in enumerate(parent.blocks)
-            ]
-            if not self.feasible(np.array([choices]))[0]:
-                continue
-            count += 1
-            if best is None or self.score(choices) < best[0]:
-                best = (self.score(choices), choices)
-        return (None if best is None else _arch(best[1], self.candidates)), count
+        """Uniform pruning (`Baselines.uniform`), under the name the pages and their JSON use."""
+        return self.uniform(noop)
 
 
 # ------------------------------------------------------------------------------------------ measurement

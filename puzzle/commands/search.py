@@ -9,7 +9,7 @@ import importlib
 import json
 import math
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -263,6 +263,14 @@ def register(subparsers: Any) -> None:
         "`puzzle run CONFIG --until solutions`",
     )
     run_dir.add_argument(
+        "--baselines",
+        action="store_true",
+        help="also print what the baselines choose at the same budgets, on the same scores (greedy "
+        "descent with and without refill, uniform pruning with and without no-op blocks, a random draw "
+        "and a random walk at the budget; puzzle.baselines), each with its predicted objective and "
+        'totals; with --json the answer becomes {"search": ..., "baselines": {name: ...}}',
+    )
+    run_dir.add_argument(
         "--out",
         default=None,
         metavar="FILE",
@@ -313,10 +321,14 @@ _RUN_DIR_ONLY = (
     "parent",
     "mixed_state_sizes",
     "rerank",
+    "baselines",
     "out",
 )
 _LIBRARY_ONLY = ("fixed", "maximize", "sweep", "frontier")
-_SWITCHES = ("maximize",)  # store_true options: False is their unset value (--no-mixed-state-sizes is set)
+_SWITCHES = (
+    "maximize",
+    "baselines",
+)  # store_true options: False is their unset value (--no-mixed-state-sizes is set)
 
 
 def _option(dest: str) -> str:
@@ -598,6 +610,9 @@ def _run_dir(args: argparse.Namespace) -> int:
         return 1
     payload = [s.to_json() for s in solutions]
     answer = payload[0] if args.solutions == 1 else payload
+    compared = _baselines(problem, solutions[0]) if args.baselines else None
+    if compared is not None:
+        answer = {"search": answer, "baselines": compared}
     # The answer is printed before --out is written, so that a file that cannot be written loses nothing.
     if args.json:
         print(json.dumps(answer, indent=2))
@@ -606,11 +621,57 @@ def _run_dir(args: argparse.Namespace) -> int:
             if len(solutions) > 1:
                 print(f"solution {index + 1}:")
             _print_solution(solution, objective, sys.stdout)
+        if compared is not None:
+            _print_baselines(compared, solutions[0], objective, sys.stdout)
     if len(solutions) < args.solutions:
         print(f"only {len(solutions)} architectures differ in >= {min_diff} blocks", file=sys.stderr)
     if out is not None:
         return _write_out(out, answer)
     return 0
+
+
+def _baselines(problem: Any, solution: Solution) -> dict[str, Any]:
+    """{baseline name: {"objective", "choices", "totals"} or None where it meets no architecture} of
+    `puzzle.baselines` on `problem`, each trading the first budget's cost column (the search's answer is
+    `solution`); totals are those of the budgets' own columns."""
+    from puzzle.baselines import Baselines
+
+    bounded = [limit.key for limit in problem.problem.limits if limit.upper is not None]
+    column = bounded[0] if bounded else next(iter(problem.table.costs))
+    found = Baselines(problem, budget=column).all(seed=0)
+    keys = list(dict.fromkeys(limit.key for limit in problem.problem.limits)) or [column]
+    compared: dict[str, Any] = {}
+    for name, arch in found.items():
+        if arch is None:
+            compared[name] = None
+            continue
+        choices = [problem.candidates.variants[b].index(spec) for b, spec in enumerate(arch)]
+        totals = problem.table.totals(choices)
+        compared[name] = {
+            "objective": float(problem.table.score[problem.table.offsets[:-1] + choices].sum()),
+            "choices": dict(
+                zip(
+                    problem.table.block_names,
+                    (problem.table.variant_names[b][j] for b, j in enumerate(choices)),
+                )
+            ),
+            "totals": {key: totals[key] for key in keys},
+        }
+    return compared
+
+
+def _print_baselines(compared: Mapping[str, Any], solution: Solution, objective: str, out: Any) -> None:
+    """The baselines' objectives beside the search's, and their budget totals, one line each."""
+    print(f"baselines at the same budgets ({objective}, predicted from the same scores):", file=out)
+    width = max(len(name) for name in compared)
+    print(f"  {'search':<{width}}  {solution.objective:.6g}", file=out)
+    for name, entry in compared.items():
+        if entry is None:
+            print(f"  {name:<{width}}  none meets the budgets", file=out)
+            continue
+        ratio = entry["objective"] / solution.objective if solution.objective > 0 else math.nan
+        totals = ", ".join(f"{key} = {value:.6g}" for key, value in entry["totals"].items())
+        print(f"  {name:<{width}}  {entry['objective']:.6g}  ({ratio:.2f}x the search's)  {totals}", file=out)
 
 
 def _write_out(out: Path, answer: Any) -> int:

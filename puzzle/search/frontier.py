@@ -76,7 +76,7 @@ def frontier_prefix(text: str | Path, overwrite: bool = False) -> Path:
 
 def is_search_output(path: Path) -> bool:
     """Whether `path` is a file `puzzle search` wrote, which a later search may replace: the JSON of an
-    answer (a solution, or a list of them: --out) or of a sweep (PREFIX.json), or a sweep's PREFIX.csv.
+    answer (a solution, or a list of them: --out; with --baselines inside {"search", "baselines"}) or of a sweep (PREFIX.json), or a sweep's PREFIX.csv.
     Anything else (unreadable, another format) is the user's."""
     try:
         text = path.read_text()
@@ -88,6 +88,11 @@ def is_search_output(path: Path) -> bool:
         data = json.loads(text)
     except ValueError:
         return False
+    if isinstance(data, dict) and set(data) == {
+        "search",
+        "baselines",
+    }:  # --baselines: the search's answer inside
+        data = data["search"]
     items = data if isinstance(data, list) else [data]
     return bool(items) and all(
         isinstance(item, dict) and ("choices" in item or item.get("status") == "infeasible") for item in items
