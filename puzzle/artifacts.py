@@ -37,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -49,6 +48,7 @@ from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor
 
 from puzzle import __version__, dist, gathers
+from puzzle.checkpoint_files import safetensors_header, weight_files
 from puzzle.files import atomic_write, atomic_write_bytes
 from puzzle.spec import BlockSpec, ModelSpec, block_to_dict
 
@@ -153,22 +153,6 @@ def _file_key(path: Path) -> dict[str, int]:
     }
 
 
-def safetensors_header(path: Path) -> bytes:
-    """The JSON header of a safetensors file (names, dtypes, shapes, data offsets, metadata), read from its
-    8-byte length and the header alone: no tensor data is read."""
-    from puzzle.nemotron_h.config import CheckpointError
-    from puzzle.nemotron_h.weights import MAX_HEADER_BYTES
-
-    with open(path, "rb") as handle:
-        size = os.fstat(handle.fileno()).st_size
-        length = int.from_bytes(handle.read(8), "little") if size >= 8 else -1
-        if not 0 <= length <= min(size - 8, MAX_HEADER_BYTES):
-            raise CheckpointError(
-                f"safetensors file {path} is truncated or corrupt: header length {length}, file size {size}"
-            )
-        return handle.read(length)
-
-
 def _hash_range(path: Path, offset: int, length: int, on_read: Callable[[int], None] | None) -> bytes:
     """sha256 of `length` bytes of `path` from `offset`, read 1 MiB at a time (`on_read(bytes)` per read)."""
     digest = hashlib.sha256()
@@ -226,8 +210,6 @@ def checkpoint_hashes(
     Collective under torch.distributed: rank 0 decides which files need hashing (its stat and cache),
     every rank hashes its share of them.
     """
-    from puzzle.nemotron_h.weights import weight_files
-
     folder = Path(folder)
     files = [folder / _CONFIG_FILE, *weight_files(folder)]
     if not files[0].is_file():

@@ -24,9 +24,9 @@ from puzzle.artifacts import (
     manifest_damage,
     manifest_fingerprint,
     read_hash_cache,
-    safetensors_header,
     write_hash_cache,
 )
+from puzzle.checkpoint_files import safetensors_header
 from puzzle.files import atomic_write_bytes
 from puzzle.layout import RunLayout
 

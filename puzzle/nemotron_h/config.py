@@ -27,6 +27,7 @@ from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from puzzle.checkpoint_files import CheckpointError
 from puzzle.spec import (
     BLOCK_SPEC_TYPES,
     AttentionSpec,
@@ -43,10 +44,6 @@ from puzzle.spec import (
 
 if TYPE_CHECKING:
     import torch
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be read as (or written as) a NemotronH model."""
 
 
 SUPPORTED_MODEL_TYPES = ("nemotron_h", "nemotron_h_puzzle")

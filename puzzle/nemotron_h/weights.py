@@ -25,13 +25,19 @@ import torch
 from safetensors import safe_open
 
 from puzzle.blocks.moe import module_hub_state
-from puzzle.nemotron_h.config import CheckpointError
+
+# The checkpoint's files, named here for the reader's callers (puzzle.checkpoint_files is their home).
+from puzzle.checkpoint_files import (  # noqa: F401
+    INDEX_FILE,
+    MAX_HEADER_BYTES,
+    SINGLE_FILE,
+    CheckpointError,
+    weight_files,
+)
 
 if TYPE_CHECKING:
     from puzzle.model import HybridLM
 
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
@@ -54,10 +60,6 @@ WEIGHT_DTYPES = ("BF16", "F16", "F32", "F64")
 
 
 # --------------------------------------------------------------------------------------- reading files
-
-
-# safetensors' own limit on the JSON header; a bigger length is a corrupt file, not a header to read.
-MAX_HEADER_BYTES = 100_000_000
 
 
 def check_safetensors_file(file: Path) -> None:
@@ -188,27 +190,6 @@ class TensorSource:
             f"({SAFETENSORS_DTYPES.get(self.dtype, 'unknown')}); expected a floating-point weight, one "
             f"of {', '.join(WEIGHT_DTYPES)}{hint}"
         )
-
-
-def weight_files(path: Path) -> list[Path]:
-    """The safetensors files of checkpoint `path`: from the index if there is one, else all of them."""
-    index = path / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise CheckpointError(f"{index} is not a valid safetensors index: {error}") from error
-        files = [path / name for name in dict.fromkeys(weight_map.values())]
-        for file in files:
-            if not file.is_file():
-                raise CheckpointError(f"{index} names {file.name}, which does not exist")
-        return files
-    if (path / SINGLE_FILE).is_file():
-        return [path / SINGLE_FILE]
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{path} has no safetensors weights ({SINGLE_FILE} or {INDEX_FILE})")
-    return files
 
 
 # ------------------------------------------------------------------------------ hub names <-> model keys
