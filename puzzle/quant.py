@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import torch
 
-WEIGHT_FORMATS: tuple[str, ...] = ("bf16", "fp8", "nvfp4")
+from puzzle.formats import NVFP4_BLOCK, WEIGHT_FORMATS
+
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FP4_MAX = 6.0  # largest E2M1 magnitude
-NVFP4_BLOCK = 16  # values sharing one E4M3 scale, along the input dimension
 # The 8 E2M1 magnitudes, indexed by their 3-bit code (exponent 2 bits, mantissa 1 bit).
 E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 

@@ -8,34 +8,22 @@ dtype: the serving recipes leave them unquantized, and vLLM builds the router an
 quantization config.
 
 Tensors a server fuses into one matmul must share what is per tensor in a format: vLLM fuses q/k/v into
-one `qkv_proj` and reads a single NVFP4 global scale for it (`NVFP4_SHARED_SCALE`), and fuses a block's
+one `qkv_proj` and reads a single NVFP4 global scale for it (`puzzle.formats.NVFP4_SHARED_SCALE`), and fuses a block's
 routed experts into one kernel that needs one scheme for all of them (`SAME_FORMAT`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
 from puzzle.blocks.moe import module_hub_state
 from puzzle.blocks.tensors import TensorInfo
-from puzzle.quant import WEIGHT_FORMATS, QuantError, fake_quantize, nvfp4_global_scale
+from puzzle.formats import WEIGHT_FORMATS, shared_scale_groups
+from puzzle.quant import QuantError, fake_quantize, nvfp4_global_scale
 from puzzle.spec import BlockSpec
-
-# Roles whose 2-D weights a weight format covers (see puzzle.blocks.tensors.ROLES).
-MATMUL_ROLES: tuple[str, ...] = (
-    "mamba_proj",
-    "attention_proj",
-    "routed_expert",
-    "shared_expert",
-    "latent_proj",
-    "mlp",
-    "linear",
-)
-# Mixer-relative weights served as one fused matmul that takes one NVFP4 global scale (vLLM's qkv_proj).
-NVFP4_SHARED_SCALE: tuple[tuple[str, ...], ...] = (("q_proj.weight", "k_proj.weight", "v_proj.weight"),)
 
 
 def mixer_tensors(spec: BlockSpec, hidden_size: int) -> list[TensorInfo]:
@@ -47,20 +35,7 @@ def mixer_tensors(spec: BlockSpec, hidden_size: int) -> list[TensorInfo]:
 
 def quantized_weights(spec: BlockSpec, hidden_size: int) -> list[str]:
     """Mixer-relative names of the weights a weight format covers (2-D, with a matmul role), in mixer order."""
-    return [t.name for t in mixer_tensors(spec, hidden_size) if t.role in MATMUL_ROLES and len(t.shape) == 2]
-
-
-def shared_scale_groups(names: Iterable[str]) -> list[tuple[str, ...]]:
-    """`names` split into the groups that share one NVFP4 global scale: q/k/v together, every other alone."""
-    names = list(names)
-    groups: list[tuple[str, ...]] = []
-    grouped: set[str] = set()
-    for group in NVFP4_SHARED_SCALE:
-        present = tuple(name for name in group if name in names)
-        if present:
-            groups.append(present)
-            grouped.update(present)
-    return groups + [(name,) for name in names if name not in grouped]
+    return [t.name for t in mixer_tensors(spec, hidden_size) if t.covered]
 
 
 def check_format(fmt: str, where: str) -> None:

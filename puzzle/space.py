@@ -36,7 +36,7 @@ parent's value (the Puzzle paper's two modes). Values are ordered largest first,
 rounding) removed, then the linear and no-op replacements. A kind absent from `kinds` keeps the parent's
 shape only. `weight_format` multiplies the shapes (linear replacement included): each shape in the parent's
 format (bf16) then in each other format listed, so a variant is a shape plus a format (`moe:e8:k2:w16:nvfp4`);
-which tensors a format covers is `puzzle.blocks.tensors.QUANTIZED_ROLES`. A shape whose covered weights
+which tensors a format covers is `puzzle.formats.QUANTIZED_ROLES`. A shape whose covered weights
 have an input dimension that is not a multiple of 16 has no nvfp4 variant (NVFP4's block of 16). An override replaces the kind space of its blocks (axes it does not list stay at the
 parent's value); a block may appear in one override only.
 
@@ -491,9 +491,8 @@ def _format_fits(spec: BlockSpec, fmt: str, hidden_size: int) -> bool:
     allocates in_features // 16 scales, `puzzle.quant` refuses a partial block); fp8 and bf16 fit any."""
     if fmt != "nvfp4":
         return True
-    from puzzle.blocks.tensors import QUANTIZED_ROLES
-    from puzzle.cost.formats import NVFP4_BLOCK
     from puzzle.cost.kinds import mixer_tensors
+    from puzzle.formats import NVFP4_BLOCK, QUANTIZED_ROLES
 
     covered = [t for t in mixer_tensors(spec, hidden_size) if t.role in QUANTIZED_ROLES]
     return all(t.shape[-1] % NVFP4_BLOCK == 0 for t in covered)

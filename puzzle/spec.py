@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TypeVar
 
+from puzzle.formats import DEFAULT_WEIGHT_FORMAT, WEIGHT_FORMATS
+
 
 class SpecError(ValueError):
     """An architecture description that cannot describe a real block or model."""
@@ -64,10 +66,7 @@ def _require_divisible(owner: str, name: str, value: int, divisor_name: str, div
         raise SpecError(f"{owner}.{name} ({value}) must be divisible by {divisor_name} ({divisor})")
 
 
-# Storage formats a block's matmul weights can take (the weight_format axis; `puzzle.quant` implements
-# them, `puzzle.cost` prices them). "bf16" is the parent's: the default, written nowhere (ids, JSON).
-WEIGHT_FORMATS: tuple[str, ...] = ("bf16", "fp8", "nvfp4")
-DEFAULT_WEIGHT_FORMAT = "bf16"
+# The storage formats of a block's matmul weights (the weight_format axis) live with the other format facts.
 
 
 def _require_weight_format(spec: Any) -> None:

@@ -11,19 +11,26 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
 from run_helpers import SPEC, config_dict, make_inputs, write_config
 
+import puzzle
+from puzzle import quant
+from puzzle import spec as spec_formats
 from puzzle.artifacts import fingerprint_json, fingerprint_spec
 from puzzle.bld import default_init
 from puzzle.blocks import build_block, formats
+from puzzle.blocks.tensors import TensorInfo
 from puzzle.cli import main as puzzle_main
 from puzzle.cost import model_performance, model_weight_bytes, state_bytes_per_request
 from puzzle.cost.analytic import block_tensors, block_weight_bytes, tensor_bytes
+from puzzle.cost.formats import get_recipe, with_weight_format
+from puzzle.formats import NVFP4_BLOCK, QUANTIZED_ROLES, ROLE_QUANTIZED, ROLES
 from puzzle.model import HybridLM
-from puzzle.quant import WEIGHT_FORMATS as QUANT_FORMATS
 from puzzle.quant import fake_quantize
 from puzzle.run import Run
 from puzzle.space import SearchSpace, SpaceError
@@ -48,19 +55,55 @@ def _bf16(spec):
     return dataclasses.replace(spec, weight_format="bf16") if hasattr(spec, "weight_format") else spec
 
 
-def test_the_spec_formats_are_the_quantizers():
-    assert WEIGHT_FORMATS == QUANT_FORMATS
+# The format facts; each is assigned (at a module's top level) in puzzle/formats.py and nowhere else.
+_FACTS = (
+    "WEIGHT_FORMATS",
+    "DEFAULT_WEIGHT_FORMAT",
+    "NVFP4_BLOCK",
+    "ROLES",
+    "QUANTIZED_ROLES",
+    "NVFP4_SHARED_SCALE",
+)
+
+
+def test_every_format_fact_has_one_home():
+    package = Path(puzzle.__file__).parent
+    assignment = re.compile(rf"^({'|'.join(_FACTS)}|MATMUL_ROLES)\b[^=\n]*=", re.M)
+    homes = {
+        (path.relative_to(package).as_posix(), match[1])
+        for path in package.rglob("*.py")
+        for match in assignment.finditer(path.read_text())
+    }
+    assert homes == {("formats.py", fact) for fact in _FACTS}
+    assert (spec_formats.WEIGHT_FORMATS, quant.NVFP4_BLOCK) == (WEIGHT_FORMATS, NVFP4_BLOCK)
+
+
+def test_each_quantized_recipe_covers_exactly_the_roles_the_table_marks():
+    """A role the table marks covered is priced in the recipe's format, every other keeps bf16 (the router
+    bias fp32): no role is priced as fp8 or nvfp4 by default."""
+    for name in ("fp8", "nvfp4"):
+        recipe = get_recipe(name)
+        for role in ROLES:
+            expected = name if ROLE_QUANTIZED[role] else ("fp32" if role == "router_bias" else "bf16")
+            assert recipe.format_of(role) == expected, (name, role)
+        block = with_weight_format(get_recipe("bf16"), name)
+        assert {r for r in ROLES if block.format_of(r) == name} == set(QUANTIZED_ROLES)
+
+
+def test_a_tensor_says_whether_a_format_covers_it_and_an_unlisted_role_is_refused():
+    assert TensorInfo("in_proj.weight", (8, 4), "mamba_proj").covered
+    assert not TensorInfo("conv1d.weight", (8, 1, 4), "mamba_conv").covered
+    assert not TensorInfo("o_proj.bias", (8,), "bias").covered
+    with pytest.raises(ValueError, match="ROLE_QUANTIZED"):
+        TensorInfo("state.weight", (8, 4), "mamba_state")
 
 
 def test_the_covered_weights_are_the_exports():
-    """The torch-free role list (cost model, space) and the q/k/v group are the export's
-    (`puzzle.quant_blocks`), and a baked mixer is `fake_quantize_mixer_`'s, value for value."""
+    """The torch-free role table (cost model, space) is the export's (`puzzle.quant_blocks`), and a baked
+    mixer is `fake_quantize_mixer_`'s, value for value."""
     from puzzle import quant_blocks
-    from puzzle.blocks.tensors import QUANTIZED_ROLES
     from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec
 
-    assert set(quant_blocks.MATMUL_ROLES) == QUANTIZED_ROLES
-    assert quant_blocks.NVFP4_SHARED_SCALE == formats.NVFP4_SHARED_SCALE
     torch.manual_seed(0)
     specs = (
         AttentionSpec(4, 2, 16),

@@ -1,8 +1,8 @@
 """A block's weight format in its forward: the mixer's covered matmul weights, fake-quantized on the fly.
 
-A spec with `weight_format` fp8 or nvfp4 (`puzzle.spec.WEIGHT_FORMATS`) stores its matmul weights in
+A spec with `weight_format` fp8 or nvfp4 (`puzzle.formats.WEIGHT_FORMATS`) stores its matmul weights in
 that format when served. Which tensors a format covers comes from the tensor roles the cost model
-prices (`puzzle.blocks.tensors.QUANTIZED_ROLES`: Mamba, attention, expert, latent, MLP and linear
+prices (`puzzle.formats.QUANTIZED_ROLES`: Mamba, attention, expert, latent, MLP and linear
 projections); norms, biases, the router, conv and SSM parameters and every 1-D tensor stay as they are.
 
 The module keeps full-precision master weights (its parameters, state_dict and checkpoints are those
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from puzzle.blocks.moe import ExpertBank
-from puzzle.blocks.tensors import QUANTIZED_ROLES
+from puzzle.formats import NVFP4_SHARED_SCALE, QUANTIZED_ROLES
 from puzzle.spec import DEFAULT_WEIGHT_FORMAT, SpecError, weight_format_of
 
 
@@ -69,11 +69,6 @@ class CoveredWeight:
             else:  # expert j's down_proj.weight is rows.T [D, w_j]
                 parts.append(fake_quantize(rows.T, fmt, f"{self.where}{j}.down_proj.weight").T)
         return torch.cat(parts, dim=0)
-
-
-# Weights a server runs as one fused matmul with one NVFP4 global scale (vLLM's qkv_proj), as
-# `puzzle.quant_blocks.NVFP4_SHARED_SCALE` has them for the export (a test holds the two equal).
-NVFP4_SHARED_SCALE: tuple[tuple[str, ...], ...] = (("q_proj.weight", "k_proj.weight", "v_proj.weight"),)
 
 
 def _roles_by_name(mixer: nn.Module) -> dict[str, str]:

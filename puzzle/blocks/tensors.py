@@ -11,30 +11,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-# Roles decide a tensor's storage format under a quantisation recipe (puzzle.cost.formats).
-ROLES: tuple[str, ...] = (
-    "embedding",  # embeddings.weight [V, H]
-    "lm_head",  # lm_head.weight [V, H]
-    "norm",  # every RMSNorm weight (block pre-norms, Mamba's gated norm, norm_f)
-    "bias",  # 1-D biases of linear layers
-    "mamba_proj",  # Mamba in_proj / out_proj
-    "mamba_conv",  # Mamba depthwise conv1d weight and bias
-    "mamba_ssm",  # Mamba dt_bias, A_log, D
-    "attention_proj",  # q/k/v/o projections
-    "router",  # MoE gate.weight [E, H]
-    "router_bias",  # MoE gate.e_score_correction_bias [E], an fp32 buffer
-    "routed_expert",  # experts.{j}.up_proj / down_proj
-    "shared_expert",  # shared_experts.up_proj / down_proj
-    "latent_proj",  # fc1_latent_proj / fc2_latent_proj
-    "mlp",  # dense MLP up_proj / down_proj
-    "linear",  # the single matrix of a LinearSpec block
-)
-
-# The roles a block's `weight_format` (fp8 / nvfp4) covers: its mixer's matmul weights. Norms, biases, the
-# router, conv and SSM parameters stay in the recipe's format (bf16 / fp32), as serving recipes keep them.
-QUANTIZED_ROLES: frozenset[str] = frozenset(
-    ("mamba_proj", "attention_proj", "routed_expert", "shared_expert", "latent_proj", "mlp", "linear")
-)
+# Roles decide a tensor's storage format under a quantisation recipe (puzzle.cost.formats); the table of
+# roles, and which a block's weight format covers, is puzzle.formats (named here for the tensor lists).
+from puzzle.formats import QUANTIZED_ROLES, ROLE_QUANTIZED, ROLES  # noqa: F401
 
 
 @dataclass(frozen=True)
@@ -51,6 +30,20 @@ class TensorInfo:
     role: str
     is_parameter: bool = True
     expert: int | None = None
+
+    def __post_init__(self) -> None:
+        # A role outside the table would be priced by no rule (or silently as a matmul weight): refuse it.
+        if self.role not in ROLE_QUANTIZED:
+            raise ValueError(
+                f"tensor {self.name!r} has role {self.role!r}, which puzzle.formats.ROLE_QUANTIZED does not "
+                f"list; roles: {', '.join(ROLES)}"
+            )
+
+    @property
+    def covered(self) -> bool:
+        """Whether a block's weight format (fp8 / nvfp4) covers this tensor: a 2-D weight of a matmul role
+        (`puzzle.formats.ROLE_QUANTIZED`). Every other tensor keeps its dtype."""
+        return ROLE_QUANTIZED[self.role] and len(self.shape) == 2
 
     @property
     def numel(self) -> int:

@@ -6,13 +6,12 @@ import functools
 import math
 from dataclasses import dataclass
 
-from puzzle.blocks.tensors import QUANTIZED_ROLES, ROLES
+from puzzle.formats import KEEP_DTYPE_ROLES, NVFP4_BLOCK, QUANTIZED_ROLES, ROLES
 from puzzle.spec import DEFAULT_WEIGHT_FORMAT, SpecError, weight_format_of
 
 # Bytes per element of plain formats.
 DTYPE_BYTES: dict[str, float] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 FORMATS: tuple[str, ...] = ("fp32", "bf16", "fp16", "fp8", "nvfp4")
-NVFP4_BLOCK = 16  # values sharing one fp8 (E4M3) scale, along the input dimension
 TENSOR_SCALE_BYTES = 4  # one fp32 scale: per output channel (row) of an fp8 tensor, per nvfp4 tensor
 
 
@@ -83,7 +82,9 @@ class QuantRecipe:
         return cls(name, tuple(formats.items()), description)
 
 
-_KEEP_HIGH = ("embedding", "lm_head", "norm", "bias", "mamba_conv", "mamba_ssm", "router")
+# What the quantized recipes keep in bf16: every role a weight format does not cover (puzzle.formats), but the
+# router bias, an fp32 buffer in every recipe.
+_KEEP_HIGH = tuple(role for role in KEEP_DTYPE_ROLES if role != "router_bias")
 
 RECIPES: dict[str, QuantRecipe] = {
     recipe.name: recipe

@@ -42,11 +42,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from puzzle.formats import NVFP4_BLOCK, NVFP4_SHARED_SCALE
 from puzzle.nemotron_h.config import CheckpointError
 from puzzle.nemotron_h.stream import Entry, Unit, model_entries, model_units, write_streamed
 from puzzle.nemotron_h.weights import TensorSource, read_tensor
 from puzzle.quant import (
-    NVFP4_BLOCK,
     QuantError,
     dequantize_fp8,
     dequantize_nvfp4,
@@ -54,7 +54,7 @@ from puzzle.quant import (
     quantize_fp8,
     quantize_nvfp4,
 )
-from puzzle.quant_blocks import NVFP4_SHARED_SCALE, block_formats, quantized_weights
+from puzzle.quant_blocks import block_formats, quantized_weights
 from puzzle.spec import ModelSpec
 
 if TYPE_CHECKING:
