@@ -20,17 +20,10 @@ import torch
 from torch import nn
 
 from puzzle.blocks.moe import module_hub_state
-from puzzle.blocks.tensors import TensorInfo
+from puzzle.blocks.registry import mixer_tensors
 from puzzle.formats import WEIGHT_FORMATS, shared_scale_groups
 from puzzle.quant import QuantError, fake_quantize, nvfp4_global_scale
 from puzzle.spec import BlockSpec
-
-
-def mixer_tensors(spec: BlockSpec, hidden_size: int) -> list[TensorInfo]:
-    """Every tensor of the mixer of `spec` (names relative to the mixer), from the mixer class's `hub_tensors`."""
-    from puzzle.blocks.registry import BLOCK_TYPES  # the mixer classes (torch modules)
-
-    return BLOCK_TYPES[type(spec)].hub_tensors(spec, hidden_size)
 
 
 def quantized_weights(spec: BlockSpec, hidden_size: int) -> list[str]:

@@ -492,9 +492,9 @@ def _format_fits(spec: BlockSpec, fmt: str, hidden_size: int) -> bool:
     if fmt != "nvfp4":
         return True
     from puzzle.cost.kinds import mixer_tensors
-    from puzzle.formats import NVFP4_BLOCK, QUANTIZED_ROLES
+    from puzzle.formats import NVFP4_BLOCK
 
-    covered = [t for t in mixer_tensors(spec, hidden_size) if t.role in QUANTIZED_ROLES]
+    covered = [t for t in mixer_tensors(spec, hidden_size) if t.covered]
     return all(t.shape[-1] % NVFP4_BLOCK == 0 for t in covered)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from torch import nn
 
 from puzzle.blocks import formats
@@ -9,6 +11,7 @@ from puzzle.blocks.attention import AttentionMixer, KVCache
 from puzzle.blocks.mamba import MambaMixer
 from puzzle.blocks.mlp import LinearMixer, MLPMixer, NoOpMixer
 from puzzle.blocks.moe import MoEMixer
+from puzzle.blocks.tensors import TensorInfo
 from puzzle.spec import (
     AttentionSpec,
     BlockSpec,
@@ -42,6 +45,13 @@ def build_block(spec: BlockSpec, hidden_size: int, norm_eps: float = 1e-5) -> nn
     return formats.install(mixer_cls(spec, hidden_size, norm_eps))
 
 
+@lru_cache(maxsize=4096)
+def mixer_tensors(spec: BlockSpec, hidden_size: int) -> tuple[TensorInfo, ...]:
+    """Every tensor the mixer of `spec` stores (names relative to the mixer), from its class's `hub_tensors`:
+    the one list the cost model, the weight formats and the export read. Cached per (spec, hidden size)."""
+    return tuple(kind_entry(BLOCK_TYPES, spec, "no mixer for a").hub_tensors(spec, hidden_size))
+
+
 __all__ = [
     "BLOCK_TYPES",
     "AttentionMixer",
@@ -52,4 +62,5 @@ __all__ = [
     "MoEMixer",
     "NoOpMixer",
     "build_block",
+    "mixer_tensors",
 ]

@@ -1,7 +1,7 @@
 """Every per-kind cost rule of a block, one `BlockCost` entry per block kind, keyed by spec type.
 
-An entry says, for its kind: which tensors the mixer stores (its mixer's `hub_tensors`), the
-parameters one token uses, the per-request state (KV cache, SSM and conv state), the FLOPs of the
+An entry says, for its kind: the parameters one token uses (the tensors it stores are its mixer's own
+list, `mixer_tensors`), the per-request state (KV cache, SSM and conv state), the FLOPs of the
 matmuls and of the sequence mixing (attention scores, SSD scan), and what the roofline needs to time
 it (activation traffic, scratch traffic, eager op and fused kernel counts). `puzzle.cost.analytic`
 and `puzzle.cost.roofline` hold the kind-independent parts (the pre-norm, recipes, caching, the
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from functools import lru_cache
 from typing import ClassVar, Generic, TypeVar
 
@@ -47,10 +46,6 @@ class BlockCost(ABC, Generic[S]):
 
     # False: the model skips the block entirely (no work, no kernels), e.g. a removed block.
     runs: ClassVar[bool] = True
-
-    @abstractmethod
-    def tensors(self, spec: S, hidden_size: int) -> Sequence[TensorInfo]:
-        """The mixer's stored tensors, names relative to the mixer (the block's pre-norm excluded)."""
 
     def active_params(self, spec: S, hidden_size: int, params: int) -> int:
         """Parameters one token uses, given the block's total trainable `params` (pre-norm included)."""
@@ -105,22 +100,11 @@ class BlockCost(ABC, Generic[S]):
         """Kernels the mixer runs per call in a serving engine (norm and residual excluded)."""
 
 
-def _mixer_class(spec_type: type) -> type:
-    """The mixer class of a spec type, imported on first use, so that importing the cost model (and
-    `puzzle search --library`, which builds the command parser) does not import torch."""
-    from puzzle.blocks.registry import BLOCK_TYPES
-
-    return BLOCK_TYPES[spec_type]
-
-
 # ---------------------------------------------------------------------------------------------------
 # Mamba
 
 
 class MambaCost(BlockCost[MambaSpec]):
-    def tensors(self, spec: MambaSpec, hidden_size: int) -> Sequence[TensorInfo]:
-        return _mixer_class(MambaSpec).hub_tensors(spec, hidden_size)
-
     def state_bytes_per_sequence(self, spec: MambaSpec, ssm_dtype: str, conv_dtype: str) -> int:
         # SSM state [nh, P, N] + conv state [conv_dim, K-1] (the last K-1 inputs, vLLM's layout).
         ssm = spec.num_heads * spec.head_dim * spec.state_size * dtype_bytes(ssm_dtype)
@@ -174,9 +158,6 @@ class MambaCost(BlockCost[MambaSpec]):
 
 
 class AttentionCost(BlockCost[AttentionSpec]):
-    def tensors(self, spec: AttentionSpec, hidden_size: int) -> Sequence[TensorInfo]:
-        return _mixer_class(AttentionSpec).hub_tensors(spec, hidden_size)
-
     def kv_bytes_per_token(self, spec: AttentionSpec, kv_dtype: str) -> int:
         # K and V: 2 x kv heads x head_dim values.
         return int(2 * spec.num_kv_heads * spec.head_dim * dtype_bytes(kv_dtype))
@@ -248,9 +229,6 @@ def routed_expert_bytes(spec: BlockSpec, hidden_size: int, recipe: QuantRecipe) 
 
 
 class MoECost(BlockCost[MoESpec]):
-    def tensors(self, spec: MoESpec, hidden_size: int) -> Sequence[TensorInfo]:
-        return _mixer_class(MoESpec).hub_tensors(spec, hidden_size)
-
     def active_params(self, spec: MoESpec, hidden_size: int, params: int) -> int:
         # Everything but the routed experts, plus top_k experts: with heterogeneous widths top_k times the
         # mean expert size (its expectation under uniform routing), rounded; with one width it is exact.
@@ -315,9 +293,6 @@ class MoECost(BlockCost[MoESpec]):
 
 
 class MLPCost(BlockCost[MLPSpec]):
-    def tensors(self, spec: MLPSpec, hidden_size: int) -> Sequence[TensorInfo]:
-        return _mixer_class(MLPSpec).hub_tensors(spec, hidden_size)
-
     def linear_flops_per_token(self, spec: MLPSpec, hidden_size: int) -> float:
         return 4.0 * spec.width * hidden_size
 
@@ -334,9 +309,6 @@ class MLPCost(BlockCost[MLPSpec]):
 
 
 class LinearCost(BlockCost[LinearSpec]):
-    def tensors(self, spec: LinearSpec, hidden_size: int) -> Sequence[TensorInfo]:
-        return _mixer_class(LinearSpec).hub_tensors(spec, hidden_size)
-
     def linear_flops_per_token(self, spec: LinearSpec, hidden_size: int) -> float:
         return 2.0 * hidden_size * hidden_size
 
@@ -354,9 +326,6 @@ class LinearCost(BlockCost[LinearSpec]):
 
 class NoOpCost(BlockCost[NoOpSpec]):
     runs = False  # the model skips a removed block: no work, no kernels
-
-    def tensors(self, spec: NoOpSpec, hidden_size: int) -> Sequence[TensorInfo]:
-        return _mixer_class(NoOpSpec).hub_tensors(spec, hidden_size)
 
     def linear_flops_per_token(self, spec: NoOpSpec, hidden_size: int) -> float:
         return 0.0
@@ -389,7 +358,11 @@ def block_cost(spec: BlockSpec) -> BlockCost:
     return kind_entry(BLOCK_COSTS, spec, "no cost model for block spec type")
 
 
-@lru_cache(maxsize=4096)
 def mixer_tensors(spec: BlockSpec, hidden_size: int) -> tuple[TensorInfo, ...]:
-    """The mixer's tensors of `spec` (names relative to the mixer), cached per (spec, hidden size)."""
-    return tuple(block_cost(spec).tensors(spec, hidden_size))
+    """The mixer's tensors of `spec` (names relative to the mixer, the block's pre-norm excluded): its mixer
+    class's own list (`puzzle.blocks.registry.mixer_tensors`), imported on first use so that importing the
+    cost model does not import torch."""
+    from puzzle.blocks.registry import mixer_tensors as listed
+
+    block_cost(spec)  # a spec of no known kind is refused as the cost model's, naming the kinds it knows
+    return listed(spec, hidden_size)
