@@ -35,7 +35,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from puzzle.cost.limits import Limit, Relative
+from puzzle.cost.limits import Bound, Relative
 from puzzle.search import SolverOptions, Table, search
 from puzzle.search.backend import REDUCED_MIP_HIGHS_OPTIONS
 from puzzle.search.library import load_library
@@ -130,7 +130,7 @@ LIBRARY_BUDGETS = (
 )
 
 
-def library_cases(path: Path) -> list[tuple[str, Table, list[Limit]]]:
+def library_cases(path: Path) -> list[tuple[str, Table, list[Bound]]]:
     """One case per LIBRARY_BUDGETS entry on the library file at `path` (none when it is absent)."""
     if not path.is_file():
         print(f"skipping the real-library rows: {path} does not exist", flush=True)
@@ -139,7 +139,7 @@ def library_cases(path: Path) -> list[tuple[str, Table, list[Limit]]]:
     shape = f"{table.num_blocks}x{table.num_variants // table.num_blocks}"
     cases = []
     for budget in LIBRARY_BUDGETS:
-        limits = [Limit(key, upper=Relative(factor)) for key, factor in budget.items()]
+        limits = [Bound(key, upper=Relative(factor)) for key, factor in budget.items()]
         label = ", ".join(f"{key.split('.')[-1]}<={factor}x" for key, factor in budget.items())
         cases.append((f"{path.stem} {shape} {label}", table, limits))
     return cases
@@ -155,7 +155,7 @@ METHODS = {
 
 
 def run_case(
-    table: Table, limits: list[Limit], solver: str, method: str, time_limit: float, repeat: int = 1
+    table: Table, limits: list[Bound], solver: str, method: str, time_limit: float, repeat: int = 1
 ) -> dict:
     """One method on one instance; with repeat > 1 the median of that many runs (runs over 20 s are not
     repeated), since the machine is shared and single timings are noisy."""
@@ -197,7 +197,7 @@ def main() -> None:
     for kind, make in (("correlated", correlated_table), ("uniform", uniform_table)):
         for num_variants in (20, 100, 500):
             budgets = [0.55, 0.65, 0.6] if kind == "correlated" else [0.4, 0.4, 0.4]
-            limits = [Limit(key, upper=Relative(f)) for key, f in zip(KEYS, budgets)]
+            limits = [Bound(key, upper=Relative(f)) for key, f in zip(KEYS, budgets)]
             cases.append((f"{kind} 88x{num_variants}", make(88, num_variants, args.seed), limits))
     with tempfile.TemporaryDirectory() as directory:
         table = nvlabs_library(Path(directory) / "block_library.json", seed=args.seed)
@@ -206,9 +206,9 @@ def main() -> None:
             "NVlabs-format 80x16",
             table,
             [
-                Limit("stats.memory_mib", upper=Relative(0.6)),
-                Limit("stats.runtime_ms", upper=Relative(0.7)),
-                Limit("stats.num_params", upper=Relative(0.65)),
+                Bound("stats.memory_mib", upper=Relative(0.6)),
+                Bound("stats.runtime_ms", upper=Relative(0.7)),
+                Bound("stats.num_params", upper=Relative(0.65)),
             ],
         )
     )

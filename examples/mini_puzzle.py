@@ -216,7 +216,7 @@ def main(settings: Settings | None = None, out_dir: str | Path | None = None, ve
             reference = F.log_softmax(parent(held_out).logits.double(), dim=-1)
         library = build_library(parent, importance, held_out, run / "scores")
 
-        budget = Budget(active_params=Relative(settings.budget), shared_state_size=True)
+        budget = Budget.of(active_params=Relative(settings.budget))  # one SSM state size: the default rule
         problem = deployment_problem(parent.spec, library.variants, library.scores, budget)
         solution = search(problem.table, problem.limits, problem.rules)
         child = library.child(parent, solution.choices)

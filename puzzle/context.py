@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from puzzle.cost.limits import Limit
+from puzzle.cost.limits import Bound
 from puzzle.problem import RunCandidates, RunProblem, objective_damage
 from puzzle.scores import Scores, VariantScore
 from puzzle.search.types import SearchError, Solution
@@ -132,7 +132,7 @@ def limit_changes(problem: RunProblem, own: list[Variant], most: int) -> RunProb
         for spec in specs
     ]
     table.costs[CHANGED] = np.asarray(changed, dtype=np.float64)
-    problem.problem.limits.append(Limit(CHANGED, upper=float(most)))
+    problem.problem.limits.append(Bound(CHANGED, upper=float(most)))
     return problem
 
 

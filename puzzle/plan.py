@@ -33,7 +33,6 @@ from typing import Any
 from puzzle.cost.analytic import model_active_params, model_params, prefill_flops_per_token
 from puzzle.cost.hardware import HardwareProfile
 from puzzle.cost.kinds import block_cost
-from puzzle.cost.limits import Relative
 from puzzle.shard import shard_numel
 from puzzle.spec import BlockSpec, ModelSpec, NoOpSpec, Variant
 
@@ -377,11 +376,7 @@ class _Context:
         loosest = 0.0
         for round_index in range(self.config.rounds.count):
             for solve in self.config.round_limits(round_index):
-                bounds = [
-                    limit.value.resolve(total) if isinstance(limit.value, Relative) else float(limit.value)
-                    for limit in solve
-                    if limit.key == "params"
-                ]
+                bounds = [limit.absolute(total) for limit in solve if limit.key == "params"]
                 loosest = max(loosest, min(bounds, default=total) / total)
         return min(1.0, loosest or 1.0)
 

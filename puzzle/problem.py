@@ -38,14 +38,7 @@ from typing import Any
 
 from puzzle.cost.serving import CostModel, parse_scenario
 from puzzle.layout import RunDirError, RunLayout
-from puzzle.search.budget import (
-    DeploymentLimit,
-    DeploymentProblem,
-    Term,
-    cost_model_pricing,
-    parse_budget,
-    priced_table,
-)
+from puzzle.search.budget import Budget, DeploymentLimit, DeploymentProblem, deployment_problem, parse_budget
 from puzzle.search.exact import search
 from puzzle.search.frontier import sweep
 from puzzle.search.types import Rules, SearchError, Solution, SolverOptions, Table
@@ -195,7 +188,6 @@ def run_problem(
     """
     cost_model = cost_model or CostModel()
     layout = run_dir if isinstance(run_dir, RunLayout) else RunLayout(Path(run_dir))
-    limits = [b if isinstance(b, DeploymentLimit) else parse_budget(b, cost_model) for b in budgets]
     if candidates is None:
         candidates = run_candidates(layout, objective, parent)
     rules = Rules(
@@ -207,14 +199,17 @@ def run_problem(
     unknown = sorted(set(rules.same_attributes) - allowed)
     if unknown:
         raise SearchError(f"cannot hold {unknown} to one value: a run's variants have {sorted(allowed)}")
+    budget = Budget.parse(budgets, cost_model, rules)  # the one budget value; texts read once here
     # Parameters and weight bytes are always reported (columns without a bound); then each budget's terms.
-    terms = [Term(key) for key in _REPORTED] + [term for limit in limits for term in limit.terms(cost_model)]
-    pricing = cost_model_pricing(candidates.parent, cost_model)
-    table, bounded = priced_table(
-        candidates.parent, candidates.variants, candidates.scores, terms, pricing, objective_name=objective
+    problem = deployment_problem(
+        candidates.parent,
+        candidates.variants,
+        candidates.scores,
+        budget,
+        reported=_REPORTED,
+        objective_name=objective,
     )
-    sources = {str(made): term.source for term, made in bounded}
-    problem = DeploymentProblem(table, [made for _, made in bounded], rules)
+    sources = problem.sources
     return RunProblem(problem, sources, candidates.notes, candidates)
 
 

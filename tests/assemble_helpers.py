@@ -79,6 +79,6 @@ def solve(parent: HybridLM, library: Library, scores: Scores, params_fraction: f
         candidates.append([block, *(v.spec for v in listed)])
         block_scores.append([0.0, *(scores[v].kl for v in listed)])
     problem = deployment_problem(
-        parent.spec, candidates, block_scores, Budget(params=puzzle.Relative(params_fraction))
+        parent.spec, candidates, block_scores, Budget.of(params=puzzle.Relative(params_fraction))
     )
     return search(problem.table, problem.limits, problem.rules)

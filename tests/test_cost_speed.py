@@ -19,8 +19,8 @@ from puzzle.cost.roofline import BlockWork, all_reduce_seconds, decode_work
 from puzzle.cost.serving import parse_scenario
 from puzzle.presets import nemotron3_super, puzzle_75b_a9b_like, tiny_hybrid
 from puzzle.search import search
-from puzzle.search.budget import Budget, ScenarioTarget, choices_to_spec, deployment_problem
-from puzzle.search.types import SearchError
+from puzzle.search.budget import Budget, CostModel, choices_to_spec, deployment_problem
+from puzzle.search.types import Rules, SearchError
 from puzzle.spec import AttentionSpec, LinearSpec, MambaSpec, MLPSpec, MoESpec, NoOpSpec, SpecError
 
 TINY = tiny_hybrid(hidden_size=64)
@@ -166,11 +166,10 @@ def test_throughput_at_speed_budget_equals_brute_force_over_its_linearisation(wo
     variants = _variants(TINY)
     rng = np.random.default_rng(1)
     scores = [[0.0, *rng.uniform(0.1, 1.0, len(options) - 1)] for options in variants]
-    budget = Budget(
-        hardware=hardware,
-        memory_fraction=fraction,
-        shared_state_size=False,
-        scenarios=(ScenarioTarget(scenario, min_tokens_per_s_at_speed=Relative(factor)),),
+    budget = Budget.of(
+        cost_model=CostModel(hardware, memory_fraction=fraction, scenarios={scenario.name: scenario}),
+        rules=Rules(shared_state_size=False),
+        throughput_at_speed={scenario.name: Relative(factor)},
     )
     problem = deployment_problem(TINY, variants, scores, budget)
     solution = search(problem.table, problem.limits, problem.rules)
@@ -220,21 +219,17 @@ def test_a_scenario_takes_its_speed_and_the_key_needs_one():
     for bad in ("speed=0", "speed=2x", "speed=fast"):
         with pytest.raises(BudgetError, match=r"speed|cannot read"):
             parse_scenario(f"fast:batch=1,prompt=8,generated=8,{bad}")
-    budget = Budget(
-        hardware="h100",
-        scenarios=(
-            ScenarioTarget(Scenario(1, 64, 64, name="plain"), min_tokens_per_s_at_speed=Relative(1.2)),
-        ),
+    budget = Budget.of(
+        cost_model=CostModel("h100", scenarios={"plain": Scenario(1, 64, 64)}),
+        throughput_at_speed={"plain": Relative(1.2)},
     )
     variants = _variants(TINY)
     scores = [[0.0] * len(options) for options in variants]
     with pytest.raises(SearchError, match="'plain' has no user speed: define it with speed="):
         deployment_problem(TINY, variants, scores, budget)
-    too_fast = Budget(
-        hardware="h100",
-        scenarios=(
-            ScenarioTarget(dataclasses.replace(TINY_SCENARIO, user_speed=1e9), min_tokens_per_s_at_speed=2.0),
-        ),
+    fast = dataclasses.replace(TINY_SCENARIO, user_speed=1e9)
+    too_fast = Budget.of(
+        cost_model=CostModel("h100", scenarios={fast.name: fast}), throughput_at_speed={fast.name: 2.0}
     )
     with pytest.raises(SearchError, match=r"cannot serve one request at 1e\+09 tokens/s per user"):
         deployment_problem(TINY, variants, scores, too_fast)

@@ -104,7 +104,7 @@ def test_search_attributes_match_what_the_budget_writes():
         for block in parent.blocks
     ]
     scores = [[0.0] * len(options) for options in variants]
-    problem = deployment_problem(parent, variants, scores, Budget(params=0.9 * 10**9))
+    problem = deployment_problem(parent, variants, scores, Budget.of(params=0.9 * 10**9))
     specs = [spec for options in variants for spec in options]
     assert problem.table.attrs.keys() >= {"kind", "state_size", "top_k"}
     for row, spec in enumerate(specs):

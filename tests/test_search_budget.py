@@ -19,13 +19,12 @@ from puzzle.cost import (
 from puzzle.cost.limits import BudgetError, Relative
 from puzzle.presets.tiny import tiny_hybrid
 from puzzle.problem import RunCandidates, run_problem
-from puzzle.search import InfeasibleError, search
+from puzzle.search import InfeasibleError, Rules, search
 from puzzle.search.budget import (
     BUDGET_KEYS,
     BUDGET_ROWS,
     Budget,
     CostModel,
-    ScenarioTarget,
     choices_to_spec,
     deployment_problem,
     parse_budget,
@@ -73,18 +72,14 @@ def test_budget_equals_enumeration_with_model_functions():
     scores = [[0.0, *rng.uniform(0.1, 1.0, len(options) - 1)] for options in variants]
     parent_chat = model_performance(parent, CHAT, HARDWARE)
     required_requests = int(_concurrency(parent) * 1.15)
-    budget = Budget(
+    budget = Budget.of(
+        cost_model=COST_MODEL,
         params=Relative(0.8),
         active_params=0.9 * model_active_params(parent),
-        memory_bytes=Relative(0.95),
-        memory_scenario=LONG,
-        min_concurrent_requests=required_requests,
-        concurrency_scenario=SERVING,
-        hardware=HARDWARE,
-        scenarios=(
-            ScenarioTarget(CHAT, min_tokens_per_s=Relative(1.1)),
-            ScenarioTarget(LONG, max_ttft_s=Relative(0.97)),
-        ),
+        memory_bytes={"long": Relative(0.95)},
+        concurrent_requests={"serving": required_requests},
+        throughput={"chat": Relative(1.1)},
+        ttft={"long": Relative(0.97)},
     )
     problem = deployment_problem(parent, variants, scores, budget)
     solution = search(problem.table, problem.limits, problem.rules)
@@ -140,7 +135,7 @@ def test_throughput_target_out_of_reach_is_named():
     parent = tiny_hybrid(hidden_size=64)
     variants = _variants(parent)
     scores = [[0.0] + [1.0] * (len(options) - 1) for options in variants]
-    budget = Budget(hardware=HARDWARE, scenarios=(ScenarioTarget(CHAT, min_tokens_per_s=Relative(50.0)),))
+    budget = Budget.of(cost_model=COST_MODEL, throughput={"chat": Relative(50.0)})
     problem = deployment_problem(parent, variants, scores, budget)
     with pytest.raises(InfeasibleError) as caught:
         search(problem.table, problem.limits, problem.rules)
@@ -157,15 +152,65 @@ def test_throughput_target_out_of_reach_is_named():
 
 
 def test_budget_values_accept_the_command_line_syntax_and_reject_garbage():
-    budget = Budget(active_params="0.7x", weight_bytes="70G", params=2_000_000)
-    assert budget.active_params == Relative(0.7)
-    assert budget.weight_bytes == 70e9
-    assert budget.params == 2e6
-    assert ScenarioTarget(CHAT, min_tokens_per_s="1.5x").min_tokens_per_s == Relative(1.5)
+    budget = Budget.of(
+        active_params="0.7x",
+        weight_bytes="70G",
+        params=2_000_000,
+        throughput={"chat": "1.5x"},
+        cost_model=COST_MODEL,
+    )
+    assert {limit.key: limit.value for limit in budget.limits} == {
+        "active_params": Relative(0.7),
+        "weight_bytes": 70e9,
+        "params": 2e6,
+        "throughput": Relative(1.5),
+    }
+    assert (
+        str(budget)
+        == "active_params<=0.7x, weight_bytes<=70000000000, params<=2000000, throughput[chat]>=1.5x"
+    )
     with pytest.raises(BudgetError, match=r"cannot read budget value '0.7y'"):
-        Budget(active_params="0.7y")
-    with pytest.raises(BudgetError, match=r"Budget\.params must be a number.*found \[1\]"):
-        Budget(params=[1])
+        Budget.of(active_params="0.7y")
+    with pytest.raises(BudgetError, match=r"Budget\.of\(params=\.\.\.\): a bound is a number.*found \[1\]"):
+        Budget.of(params=[1])
+    with pytest.raises(BudgetError, match=r"unknown key; known keys: params, active_params"):
+        Budget.of(min_tokens_per_s=2.0)
+    with pytest.raises(
+        BudgetError, match=r"throughput is measured at scenarios, so give throughput=\{'chat'"
+    ):
+        Budget.of(throughput=1.5, cost_model=COST_MODEL)
+    with pytest.raises(BudgetError, match=r"params is not measured at scenarios"):
+        Budget.of(params={"chat": 0.5}, cost_model=COST_MODEL)
+    with pytest.raises(BudgetError, match=r"concurrent_requests needs a whole number"):
+        Budget.of(concurrent_requests={"serving": 2.5}, cost_model=COST_MODEL)
+    with pytest.raises(BudgetError, match=r"Budget\.limits holds DeploymentLimits.*found 'params<=0\.5x'"):
+        Budget(("params<=0.5x",))
+
+
+def test_an_undefined_scenario_is_told_how_to_define_it_where_the_budget_was_written():
+    """The command line, the config and Python define scenarios differently; the error says the right way."""
+    hints = {
+        "cli": r"define it with --scenario fast:batch=B,prompt=P,generated=G",
+        "config": r"define it under hardware\.scenarios",
+        "python": r"add it to the CostModel's scenarios \(CostModel\(scenarios=\{'fast': Scenario",
+    }
+    for where, hint in hints.items():
+        with pytest.raises(
+            BudgetError, match=r"names scenario 'fast', which is not defined \(defined: chat, long.*; " + hint
+        ):
+            parse_budget("throughput[fast]>=1.5x", COST_MODEL, where=where)
+    with pytest.raises(BudgetError, match=hints["python"]):
+        Budget.of(throughput={"fast": 1.5}, cost_model=COST_MODEL)
+    with pytest.raises(ValueError, match=r"where='yaml': expected one of cli, config, python"):
+        parse_budget("params<=0.5x", where="yaml")
+
+
+def test_a_budget_read_against_one_cost_model_is_refused_by_another():
+    limit = parse_budget("throughput[chat]>=1.5x", COST_MODEL)
+    with pytest.raises(
+        BudgetError, match=r"budget 'throughput\[chat\]>=1\.5x': the cost model has no scenario 'chat'"
+    ):
+        Budget((limit,), CostModel(HARDWARE))
 
 
 @pytest.mark.parametrize(
@@ -187,11 +232,10 @@ def test_concurrency_budget_agrees_with_puzzle_costs(kv_dtype, ssm_dtype, recipe
         assert most is not None and most > 1
         pinned = [[options[c]] for options, c in zip(variants, choices)]  # only this child to choose
         for requests, fits in ((most, True), (most + 1, False)):
-            budget = Budget(
-                min_concurrent_requests=requests,
-                concurrency_scenario=serving,
-                hardware=HARDWARE,
-                shared_state_size=False,
+            budget = Budget.of(
+                cost_model=CostModel(HARDWARE, scenarios={"serving": serving}),
+                rules=Rules(shared_state_size=False),
+                concurrent_requests={"serving": requests},
             )
             problem = deployment_problem(child, pinned, [[0.0]] * parent.num_blocks, budget)
             if fits:
@@ -203,20 +247,18 @@ def test_concurrency_budget_agrees_with_puzzle_costs(kv_dtype, ssm_dtype, recipe
                     search(problem.table, problem.limits, problem.rules)
 
 
-# One budget per row of the table, as text (config, `puzzle search RUN_DIR`) and as a Python `Budget`.
+# One budget per row of the table, as text (config, `puzzle search RUN_DIR`) and as `Budget.of` keywords.
 _BOTH_WAYS = {
     "params<=0.8x": {"params": Relative(0.8)},
     "active_params<=0.9x": {"active_params": Relative(0.9)},
-    "weight_bytes<=0.9x": {"weight_bytes": Relative(0.9), "recipe": "fp8"},
-    "memory_bytes[long]<=0.95x": {"memory_bytes": Relative(0.95), "memory_scenario": LONG},
-    "concurrent_requests[serving]>=3": {"min_concurrent_requests": 3, "concurrency_scenario": SERVING},
-    "throughput[chat]>=1.1x": {"scenarios": (ScenarioTarget(CHAT, min_tokens_per_s=Relative(1.1)),)},
-    "latency[chat]<=0.9x": {"scenarios": (ScenarioTarget(CHAT, max_latency_s=Relative(0.9)),)},
-    "ttft[long]<=0.97x": {"scenarios": (ScenarioTarget(LONG, max_ttft_s=Relative(0.97)),)},
-    "user_speed[chat]>=1.05x": {"scenarios": (ScenarioTarget(CHAT, min_user_speed=Relative(1.05)),)},
-    "throughput_at_speed[speedy]>=1.2x": {
-        "scenarios": (ScenarioTarget(SPEEDY, min_tokens_per_s_at_speed=Relative(1.2)),)
-    },
+    "weight_bytes<=0.9x": {"weight_bytes": Relative(0.9)},
+    "memory_bytes[long]<=0.95x": {"memory_bytes": {"long": Relative(0.95)}},
+    "concurrent_requests[serving]>=3": {"concurrent_requests": {"serving": 3}},
+    "throughput[chat]>=1.1x": {"throughput": {"chat": Relative(1.1)}},
+    "latency[chat]<=0.9x": {"latency": {"chat": Relative(0.9)}},
+    "ttft[long]<=0.97x": {"ttft": {"long": Relative(0.97)}},
+    "user_speed[chat]>=1.05x": {"user_speed": {"chat": Relative(1.05)}},
+    "throughput_at_speed[speedy]>=1.2x": {"throughput_at_speed": {"speedy": Relative(1.2)}},
 }
 
 
@@ -231,8 +273,10 @@ def test_a_budget_prices_the_same_read_from_text_or_given_as_objects(text):
     parent = tiny_hybrid(hidden_size=64)
     variants = _variants(parent)
     scores = [[0.0] * len(options) for options in variants]
-    given = deployment_problem(parent, variants, scores, Budget(hardware=HARDWARE, **_BOTH_WAYS[text]))
-    cost_model = dataclasses.replace(COST_MODEL, recipe=_BOTH_WAYS[text].get("recipe", "bf16"))
+    cost_model = dataclasses.replace(COST_MODEL, recipe="fp8" if text.startswith("weight_bytes") else "bf16")
+    python = Budget.of(cost_model=cost_model, **_BOTH_WAYS[text])
+    assert python == Budget.parse([text], cost_model)  # the same value, whichever door it came in by
+    given = deployment_problem(parent, variants, scores, python)
     read = run_problem(
         "unused",
         [parse_budget(text, cost_model)],

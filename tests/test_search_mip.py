@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from puzzle.cost.limits import Limit, Relative, merge_limits, parse_limit, parse_value
+from puzzle.cost.limits import Bound, Relative, merge_limits, parse_limit, parse_value
 from puzzle.search import Choice, InfeasibleError, Rules, SearchError, SolverOptions, Table, search, search_k
 from puzzle.search.mip import feasible_choices, resolve_limits
 
@@ -36,13 +36,13 @@ def instances(draw):
         kind = draw(st.sampled_from(["upper", "upper", "relative", "lower", "both"]))
         value = draw(st.integers(0, int(parent) + 10))
         if kind == "upper":
-            limits.append(Limit(key, upper=float(value)))
+            limits.append(Bound(key, upper=float(value)))
         elif kind == "relative":
-            limits.append(Limit(key, upper=Relative(draw(st.sampled_from([0.3, 0.5, 0.8, 1.0])))))
+            limits.append(Bound(key, upper=Relative(draw(st.sampled_from([0.3, 0.5, 0.8, 1.0])))))
         elif kind == "lower":
-            limits.append(Limit(key, lower=float(value)))
+            limits.append(Bound(key, lower=float(value)))
         else:
-            limits.append(Limit(key, lower=float(value), upper=float(value + draw(st.integers(0, 15)))))
+            limits.append(Bound(key, lower=float(value), upper=float(value + draw(st.integers(0, 15)))))
     rules = Rules(shared_state_size=draw(st.booleans()))
     k = draw(st.integers(1, 3))
     min_diff = draw(st.integers(1, 2))
@@ -166,9 +166,9 @@ def test_fast_path_matches_plain_model(solver, heuristics):
     """Presolve + reduced-cost fixing (+ diving, local search, probing) give the plain model's optimum."""
     table = _correlated_table(12, 30, seed=3)
     limits = [
-        Limit("memory", upper=Relative(0.6)),
-        Limit("runtime", upper=Relative(0.7)),
-        Limit("params", upper=Relative(0.65)),
+        Bound("memory", upper=Relative(0.6)),
+        Bound("runtime", upper=Relative(0.7)),
+        Bound("params", upper=Relative(0.65)),
     ]
     fast = search(table, limits, options=SolverOptions(solver=solver, heuristics=heuristics))
     plain = search(table, limits, options=SolverOptions(solver=solver, presolve=False, fixing=False))
@@ -209,17 +209,17 @@ def test_rules_keep_min_attention_and_same_top_k():
 def test_budget_syntax():
     assert parse_value("0.6x") == Relative(0.6)
     assert parse_value("70G") == 70e9
-    assert parse_limit("stats.memory_mib<=70000") == Limit("stats.memory_mib", upper=70000.0)
-    assert parse_limit("a>=0.5x") == Limit("a", lower=Relative(0.5))
-    assert parse_limit("10<=a<=0.9x") == Limit("a", upper=Relative(0.9), lower=10.0)
-    assert parse_limit("5>=a") == Limit("a", upper=5.0)
-    assert merge_limits([parse_limit("a<=5"), parse_limit("a>=2")]) == [Limit("a", upper=5.0, lower=2.0)]
-    assert str(Limit("a", upper=5.0, lower=2.0)) == "2<=a<=5"
+    assert parse_limit("stats.memory_mib<=70000") == Bound("stats.memory_mib", upper=70000.0)
+    assert parse_limit("a>=0.5x") == Bound("a", lower=Relative(0.5))
+    assert parse_limit("10<=a<=0.9x") == Bound("a", upper=Relative(0.9), lower=10.0)
+    assert parse_limit("5>=a") == Bound("a", upper=5.0)
+    assert merge_limits([parse_limit("a<=5"), parse_limit("a>=2")]) == [Bound("a", upper=5.0, lower=2.0)]
+    assert str(Bound("a", upper=5.0, lower=2.0)) == "2<=a<=5"
     for bad in ("a<5", "a<=five", "<=3"):
         with pytest.raises(ValueError, match="budget"):
             parse_limit(bad)
     with pytest.raises(SearchError, match="no cost 'nope'"):
-        search(_correlated_table(2, 2), [Limit("nope", upper=1.0)])
+        search(_correlated_table(2, 2), [Bound("nope", upper=1.0)])
     assert math.isclose(_correlated_table(3, 2).parent_total("params"), 3 * 1.0, rel_tol=0.1)
 
 
@@ -255,7 +255,7 @@ def test_reduced_mip_cutoff_contract(solver):
     assert below.status == "infeasible" or below.objective >= best - 1e-6
 
 
-def _random_library(seed: int) -> tuple[Table, list[Limit]]:
+def _random_library(seed: int) -> tuple[Table, list[Bound]]:
     """2-5 blocks of 2-5 variants, two costs, budgets at 30-90% of the parent's (a random small library)."""
     rng = np.random.default_rng(seed)
     num_blocks, num_variants = int(rng.integers(2, 6)), int(rng.integers(2, 6))
@@ -271,7 +271,7 @@ def _random_library(seed: int) -> tuple[Table, list[Limit]]:
         for b in range(num_blocks)
     }
     table = Table.from_choices(blocks, maximize=bool(rng.integers(0, 4) == 0))
-    limits = [Limit(key, upper=float(rng.uniform(0.3, 0.9)) * table.parent_total(key)) for key in ("m", "r")]
+    limits = [Bound(key, upper=float(rng.uniform(0.3, 0.9)) * table.parent_total(key)) for key in ("m", "r")]
     return table, limits
 
 
@@ -324,7 +324,7 @@ def test_solver_options_reject_what_makes_no_sense():
     assert SolverOptions(gap_rel=0.0, time_limit_s=0.5).gap_rel == 0.0
 
 
-def _knapsack_library(seed: int) -> tuple[Table, list[Limit]]:
+def _knapsack_library(seed: int) -> tuple[Table, list[Bound]]:
     """2-6 blocks of 1-6 variants with real-valued scores and two costs; 1 or 2 budgets, upper, lower or
     both (both often binding, so the knapsack search's two-row path runs, not only its relaxations)."""
     rng = np.random.default_rng(seed)
@@ -343,11 +343,11 @@ def _knapsack_library(seed: int) -> tuple[Table, list[Limit]]:
         kind = rng.choice(["upper", "upper", "lower", "both"])
         low, high = sorted(rng.uniform(0.3, 1.2, 2) * parent)
         limits.append(
-            Limit(key, upper=float(high))
+            Bound(key, upper=float(high))
             if kind == "upper"
-            else Limit(key, lower=float(low))
+            else Bound(key, lower=float(low))
             if kind == "lower"
-            else Limit(key, lower=float(low), upper=float(high))
+            else Bound(key, lower=float(low), upper=float(high))
         )
     return table, limits
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any, ClassVar, Literal
 import yaml
 
 from puzzle.config.loader import ConfigError, doc, error_key, from_data, line_of, read_yaml, to_dict
-from puzzle.cost.limits import BudgetError, Limit, Value
+from puzzle.cost.limits import Bound, BudgetError, Value
 from puzzle.cost.serving import CostModel
 from puzzle.presets import SPACE_PRESETS, get_space_preset
 from puzzle.search import budget
@@ -45,16 +44,13 @@ def parse_budget(text: str, hardware: CostModel | None = None) -> DeploymentLimi
     (`puzzle.search.budget.parse_budget`) against the cost model `hardware` (its scenarios). ConfigError
     (without a key path) if malformed."""
     try:
-        return budget.parse_budget(text, hardware if hardware is not None else CostModel())
-    except BudgetError as error:  # the search's hint names its command-line option; here it is a key
-        message = re.sub(
-            r"; define it with --scenario .*", "; define it under hardware.scenarios", str(error)
-        )
-        raise ConfigError(message) from None
+        return budget.parse_budget(text, hardware if hardware is not None else CostModel(), where="config")
+    except BudgetError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _sweep_budget(key: str, side: str, value: Value) -> str:
-    return str(Limit(key, **{side: value}))
+    return str(Bound(key, **{side: value}))
 
 
 @dataclass(frozen=True)

@@ -80,8 +80,9 @@ def format_value(value: Value | None) -> str:
 
 
 @dataclass(frozen=True)
-class Limit:
-    """Bounds on one summed cost: `lower <= sum <= upper` (either may be None)."""
+class Bound:
+    """The search's bound on one summed cost column: `lower <= sum <= upper` (either may be None). A budget
+    as the user writes it is a `puzzle.search.budget.DeploymentLimit`; pricing it makes these."""
 
     key: str
     upper: Value | None = None
@@ -111,8 +112,12 @@ class Limit:
         return absolute(self.lower), absolute(self.upper)
 
 
-def parse_limit(text: str) -> Limit:
-    """Parse `KEY<=V`, `KEY>=V`, `V>=KEY`... or `LO<=KEY<=HI` into a Limit."""
+# The name this class had until the budget and the MIP's bound got names of their own; kept for callers.
+Limit = Bound
+
+
+def parse_limit(text: str) -> Bound:
+    """Parse `KEY<=V`, `KEY>=V`, `V>=KEY`... or `LO<=KEY<=HI` into a Bound."""
     parts = re.split(r"(<=|>=)", text.replace(" ", ""))
     if len(parts) == 3:
         left, op, right = parts
@@ -121,19 +126,19 @@ def parse_limit(text: str) -> Limit:
         if not left_is_key:  # `V<=KEY` reads as KEY>=V
             op = "<=" if op == ">=" else ">="
         value = parse_value(value_text, key)
-        return Limit(key, upper=value) if op == "<=" else Limit(key, lower=value)
+        return Bound(key, upper=value) if op == "<=" else Bound(key, lower=value)
     if len(parts) == 5 and parts[1] == parts[3]:
         low_text, _, key, _, high_text = parts if parts[1] == "<=" else parts[::-1]
-        return Limit(key, upper=parse_value(high_text, key), lower=parse_value(low_text, key))
+        return Bound(key, upper=parse_value(high_text, key), lower=parse_value(low_text, key))
     raise BudgetError(
         f"cannot read budget {text!r}: expected KEY<=VALUE, KEY>=VALUE or LOW<=KEY<=HIGH "
         f"(VALUE absolute like 32000 or relative to the parent like 0.6x)"
     )
 
 
-def merge_limits(limits: Iterable[Limit]) -> list[Limit]:
-    """One Limit per key (`a<=5` and `a>=2` become `2<=a<=5`), in first-seen order."""
-    merged: dict[str, Limit] = {}
+def merge_limits(limits: Iterable[Bound]) -> list[Bound]:
+    """One Bound per key (`a<=5` and `a>=2` become `2<=a<=5`), in first-seen order."""
+    merged: dict[str, Bound] = {}
     for limit in limits:
         previous = merged.get(limit.key)
         if previous is None:
@@ -142,7 +147,7 @@ def merge_limits(limits: Iterable[Limit]) -> list[Limit]:
         for side in ("upper", "lower"):
             if getattr(previous, side) is not None and getattr(limit, side) is not None:
                 raise BudgetError(f"two {side} bounds given for {limit.key!r}: {previous} and {limit}")
-        merged[limit.key] = Limit(
+        merged[limit.key] = Bound(
             limit.key,
             upper=previous.upper if previous.upper is not None else limit.upper,
             lower=previous.lower if previous.lower is not None else limit.lower,

@@ -7,7 +7,7 @@ bound holds in each), V absolute or a factor of the parent (`0.6x`). `parse_budg
 that parser and hand on its objects. Each key is one row of `BUDGET_ROWS`: its side, whether it takes
 scenarios, its cost per block (from the block's spec), the whole parent's value (the fixed part is that
 minus the parent's blocks, so totals equal the cost model's whole-model figures), its cost column's name
-and the bound on that column. `priced_table` loops over the rows; it makes one column and one `Limit`
+and the bound on that column. `priced_table` loops over the rows; it makes one column and one `Bound`
 per (budget, scenario):
 
 - total / active parameters and weight bytes in the cost model's recipe: block sums plus embeddings;
@@ -29,8 +29,10 @@ per (budget, scenario):
   child reaching T at another batch is not seen).
 
 Relative targets (`Relative(0.6)`) are factors of the parent's value; for a throughput, `Relative(1.5)`
-means 1.5x the parent's tokens/s, i.e. at most 1/1.5 of its seconds. `Budget` is the same in Python
-objects (scenarios given as `Scenario`s rather than names) for `deployment_problem`.
+means 1.5x the parent's tokens/s, i.e. at most 1/1.5 of its seconds. `Budget` is the one budget value:
+these limits, the `CostModel` that prices them and the rules, built from texts (`Budget.parse`, what the
+config, the CLI and `Run.search` do) or in Python (`Budget.of`), and priced by `deployment_problem`. The
+search's own bound on a table column (`lower <= sum <= upper`) is a `Bound` of `puzzle.cost.limits`.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,8 +59,8 @@ from puzzle.cost import (
     model_weight_bytes,
     state_bytes_per_request,
 )
-from puzzle.cost.hardware import DEFAULT_MEMORY_FRACTION, HardwareProfile
-from puzzle.cost.limits import BudgetError, Limit, Relative, Value, parse_limit, parse_value
+from puzzle.cost.hardware import HardwareProfile
+from puzzle.cost.limits import Bound, BudgetError, Relative, Value, parse_limit, parse_value
 from puzzle.cost.roofline import LatencyFn, RooflineLatency
 
 # The cost model and the scenario grammar live in puzzle.cost.serving; named here for the budget's callers.
@@ -366,10 +368,22 @@ class DeploymentLimit:
             raise BudgetError(f"budget {self.text!r}: the cost model has no scenario {missing[0]!r}")
         return [Term(self.key, cost_model.scenarios[name], self.value, self.text) for name in self.scenarios]
 
+    def absolute(self, parent_value: float) -> float:
+        """The bound as a number: a factor (`0.6x`) taken of `parent_value`, the parent's value of the key."""
+        return self.value.resolve(parent_value) if isinstance(self.value, Relative) else float(self.value)
 
-def parse_budget(text: str, cost_model: CostModel | None = None) -> DeploymentLimit:
-    """Read one budget; BudgetError naming the text, the known keys and scenarios otherwise."""
-    scenarios = (cost_model or CostModel()).scenarios
+
+# Where a budget was written -> how to define a scenario it names there: the hint its error carries.
+SCENARIO_HINTS: dict[str, str] = {
+    "cli": f"define it with --scenario {SCENARIO_SYNTAX}",
+    "config": "define it under hardware.scenarios",
+    "python": "add it to the CostModel's scenarios (CostModel(scenarios={'NAME': Scenario(...)}))",
+}
+
+
+def parse_budget(text: str, cost_model: CostModel | None = None, *, where: str = "cli") -> DeploymentLimit:
+    """Read one budget; BudgetError naming the text, the known keys and scenarios otherwise. `where` (a key
+    of `SCENARIO_HINTS`: cli, config, python) says how the error tells to define a missing scenario."""
     limit = parse_limit(text)
     match = _KEY.fullmatch(limit.key)
     known = ", ".join(f"{key}[S]" if row.scenarios else key for key, row in BUDGET_ROWS.items())
@@ -382,19 +396,30 @@ def parse_budget(text: str, cost_model: CostModel | None = None) -> DeploymentLi
     if not row.scenarios and listed is not None:
         raise BudgetError(f"budget {text!r}: {key} takes no scenario (write {key}{row.side}VALUE)")
     names = tuple(name.strip() for name in listed.split(",")) if listed else ()
-    for name in names:
-        if name not in scenarios:
-            defined = ", ".join(sorted(scenarios)) or "none"
-            raise BudgetError(
-                f"budget {text!r} names scenario {name!r}, which is not defined (defined: {defined}); "
-                f"define it with --scenario {name or 'NAME'}:batch=B,prompt=P,generated=G"
-            )
-    if len(set(names)) != len(names):
-        raise BudgetError(f"budget {text!r} names a scenario twice")
     value = limit.upper if row.side == "<=" else limit.lower
     other = limit.lower if row.side == "<=" else limit.upper
     if value is None or other is not None:
         raise BudgetError(f"budget {text!r}: {key} takes a bound {key}{row.side}VALUE only")
+    return _checked_limit(text, key, names, value, cost_model or CostModel(), where=where)
+
+
+def _checked_limit(
+    text: str, key: str, names: tuple[str, ...], value: Value, cost_model: CostModel, *, where: str
+) -> DeploymentLimit:
+    """The budget `text` (key, scenario names, bound) once its scenarios and bound are checked: the one
+    check both `parse_budget` and `Budget.of` make."""
+    if where not in SCENARIO_HINTS:
+        raise ValueError(f"where={where!r}: expected one of {', '.join(SCENARIO_HINTS)}")
+    scenarios = cost_model.scenarios
+    for name in names:
+        if name not in scenarios:
+            defined = ", ".join(sorted(scenarios)) or "none"
+            hint = SCENARIO_HINTS[where].replace("NAME", name or "NAME", 1)
+            raise BudgetError(
+                f"budget {text!r} names scenario {name!r}, which is not defined (defined: {defined}); {hint}"
+            )
+    if len(set(names)) != len(names):
+        raise BudgetError(f"budget {text!r} names a scenario twice")
     if key == "concurrent_requests" and (isinstance(value, Relative) or not float(value).is_integer()):
         raise BudgetError(
             f"budget {text!r}: concurrent_requests needs a whole number of requests (not a factor)"
@@ -443,14 +468,14 @@ def priced_table(
     *,
     maximize: bool = False,
     objective_name: str = "score",
-) -> tuple[Table, list[tuple[Term, Limit]]]:
+) -> tuple[Table, list[tuple[Term, Bound]]]:
     """The search table of `variants[i]` (block i's candidates, the parent's block first) scored by
     `scores[i][j]`, with one cost column per term's row and scenario, and the limit each bounded term makes
     (in the order of `terms`). Every cost comes from the variant's spec through `puzzle.cost`."""
     _check_candidates(parent, variants, scores)
     per_block: dict[str, Callable[[BlockSpec], float]] = {}
     fixed: dict[str, float] = {}
-    limits: list[tuple[Term, Limit]] = []
+    limits: list[tuple[Term, Bound]] = []
     for term in _expand_terms(pricing, terms):
         row = BUDGET_ROWS[term.key]
         column = row.column(pricing, term)
@@ -459,7 +484,7 @@ def priced_table(
             per_block[column] = cost
             fixed[column] = row.parent_total(pricing, term) - sum(cost(b) for b in parent.blocks)
         if term.value is not None:
-            limits.append((term, Limit(column, upper=row.bound(pricing, term))))
+            limits.append((term, Bound(column, upper=row.bound(pricing, term))))
 
     blocks: dict[str, list[Choice]] = {}
     cache: dict[tuple[str, BlockSpec], float] = {}
@@ -482,129 +507,129 @@ def priced_table(
     return table, limits
 
 
-# ------------------------------------------------------------------------------ budgets as Python objects
+# --------------------------------------------------------------------------------------------- the Budget
 
 
-def _checked_value(owner: str, name: str, value: object) -> Value | None:
-    """A budget value as the search uses it: None, a number, Relative, or the command line's text ('0.7x', '70G')."""
-    if value is None or isinstance(value, Relative):
+def _bound_text(value: Value) -> str:
+    """A bound as the grammar writes it, exactly (`0.6x`, `70000000000`): the text a Python budget shows."""
+    if isinstance(value, Relative):
+        return f"{value.factor!r}x"
+    number = float(value)
+    return str(int(number)) if number.is_integer() else repr(number)
+
+
+def _python_value(key: str, value: object) -> Value:
+    """A bound given in Python: a number, `Relative(f)`, or the command line's text ('0.7x', '70G')."""
+    if isinstance(value, Relative):
         return value
     if isinstance(value, str):
-        return parse_value(value)
+        return parse_value(value, key)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise BudgetError(
-            f"{owner}.{name} must be a number, Relative(...) or a string such as '0.7x' or '70G', "
+            f"Budget.of({key}=...): a bound is a number, Relative(...) or a string such as '0.7x' or '70G', "
             f"found {value!r}"
         )
     return float(value)
 
 
 @dataclass(frozen=True)
-class ScenarioTarget:
-    """Targets for one serving scenario: output tokens/s of the batch (prefill included), end-to-end
-    seconds of the batch, time to first token (seconds), decode tokens/s per user at the batch, and output
-    tokens/s at the largest batch meeting the scenario's `user_speed`. None = no target."""
-
-    scenario: Scenario
-    min_tokens_per_s: Value | None = None
-    max_latency_s: Value | None = None
-    max_ttft_s: Value | None = None
-    min_user_speed: Value | None = None
-    min_tokens_per_s_at_speed: Value | None = None
-
-    def __post_init__(self) -> None:
-        for name in _TARGET_KEYS:
-            object.__setattr__(self, name, _checked_value("ScenarioTarget", name, getattr(self, name)))
-
-
-# ScenarioTarget field -> the budget key it is
-_TARGET_KEYS = {
-    "min_tokens_per_s": "throughput",
-    "max_latency_s": "latency",
-    "max_ttft_s": "ttft",
-    "min_user_speed": "user_speed",
-    "min_tokens_per_s_at_speed": "throughput_at_speed",
-}
-
-
-@dataclass(frozen=True)
 class Budget:
-    """What the child must meet, in deployment terms, plus the global rules of the search.
+    """What the child must meet: the budgets (`DeploymentLimit`s, each read once), the `CostModel` that
+    prices them (hardware, memory fraction, recipe, the scenarios they name) and the global rules.
 
-    memory_bytes is checked at `memory_scenario` (its batch, prompt + generated tokens of context, its
-    recipe and state dtypes). min_concurrent_requests is checked on `hardware` at `concurrency_scenario`:
-    requests of its prompt + generated tokens, weights in its recipe, KV cache / SSM / conv state in its
-    dtypes (its batch size is not used: the number of requests is what is bounded), exactly as
-    `puzzle.cost.max_concurrent_requests` (and `puzzle costs`) count them with the same dtypes.
-    `hardware` also times the scenarios (roofline) unless a latency function is given to
-    `deployment_problem`.
+    The one budget value of every front door: the run config, `puzzle search RUN_DIR` and `Run.search` read
+    texts into it (`Budget.parse`), Python builds it with `Budget.of`, and `deployment_problem` prices it.
+    `rules` default to one SSM state size for every Mamba block (serving engines need it)::
 
-    Values are numbers, `Relative(f)` (f x the parent's value) or the command line's text ('0.7x', '70G').
-    `shared_state_size` is on by default (unlike `Rules`): serving engines need one SSM state size for
-    every Mamba block, so a deployment budget asks for it unless told otherwise.
+        cost_model = CostModel("h100", scenarios={"chat": Scenario(8, 512, 256)})
+        Budget.of(active_params="0.6x", throughput={"chat": "1.5x"}, cost_model=cost_model)
+        Budget.parse(["active_params<=0.6x", "throughput[chat]>=1.5x"], cost_model)  # the same budget
     """
 
-    params: Value | None = None
-    active_params: Value | None = None
-    weight_bytes: Value | None = None
-    recipe: str = "bf16"
-    memory_bytes: Value | None = None
-    memory_scenario: Scenario | None = None
-    min_concurrent_requests: int | None = None
-    concurrency_scenario: Scenario | None = None
-    memory_fraction: float = DEFAULT_MEMORY_FRACTION
-    hardware: str | HardwareProfile | None = None
-    scenarios: tuple[ScenarioTarget, ...] = ()
-    shared_state_size: bool = True
-    same_top_k: bool = False
-    keep_blocks: tuple[int, ...] = ()
-    min_attention_blocks: int = 0
+    limits: tuple[DeploymentLimit, ...] = ()
+    cost_model: CostModel = field(default_factory=CostModel)
+    rules: Rules = field(default_factory=lambda: Rules(shared_state_size=True))
 
     def __post_init__(self) -> None:
-        for name in ("params", "active_params", "weight_bytes", "memory_bytes"):
-            object.__setattr__(self, name, _checked_value("Budget", name, getattr(self, name)))
-        requests = self.min_concurrent_requests
-        if requests is not None and (
-            isinstance(requests, bool) or not isinstance(requests, int) or requests < 1
-        ):
-            raise BudgetError(f"Budget.min_concurrent_requests must be an integer >= 1, found {requests!r}")
-        if not 0 < self.memory_fraction <= 1:
-            raise BudgetError(f"Budget.memory_fraction must be in (0, 1], found {self.memory_fraction!r}")
+        limits = tuple(self.limits)
+        wrong = [limit for limit in limits if not isinstance(limit, DeploymentLimit)]
+        if wrong:
+            raise BudgetError(
+                f"Budget.limits holds DeploymentLimits (parse_budget, Budget.parse or Budget.of), found "
+                f"{wrong[0]!r}"
+            )
+        for limit in limits:  # a limit read against another cost model must name this one's scenarios
+            limit.terms(self.cost_model)
+        object.__setattr__(self, "limits", limits)
 
-    def rules(self) -> Rules:
-        return Rules(
-            shared_state_size=self.shared_state_size,
-            same_top_k=self.same_top_k,
-            keep_blocks=tuple(self.keep_blocks),
-            min_attention_blocks=self.min_attention_blocks,
+    @classmethod
+    def parse(
+        cls,
+        texts: Iterable[str | DeploymentLimit],
+        cost_model: CostModel | None = None,
+        rules: Rules | None = None,
+        *,
+        where: str = "python",
+    ) -> Budget:
+        """The budget of `texts` (`active_params<=0.6x`, `throughput[chat]>=1.5x`), each read by
+        `parse_budget` against `cost_model`'s scenarios; `where` picks the hint an undefined scenario gets."""
+        cost_model = cost_model if cost_model is not None else CostModel()
+        limits = tuple(
+            text if isinstance(text, DeploymentLimit) else parse_budget(text, cost_model, where=where)
+            for text in texts
         )
+        return cls(limits, cost_model, rules if rules is not None else Rules(shared_state_size=True))
+
+    @classmethod
+    def of(
+        cls,
+        cost_model: CostModel | None = None,
+        rules: Rules | None = None,
+        **bounds: object,
+    ) -> Budget:
+        """The budget of one bound per key of `BUDGET_ROWS`, in the grammar's names and sides: a number,
+        `Relative(f)` or text ('0.7x', '70G') for `params`, `active_params` and `weight_bytes`; for a key
+        measured at scenarios, `{scenario name: bound}` (names of `cost_model.scenarios`). E.g.
+        `Budget.of(params="0.8x", concurrent_requests={"long": 8}, cost_model=...)`. Each bound is checked
+        exactly as the text `params<=0.8x`, `concurrent_requests[long]>=8` would be."""
+        cost_model = cost_model if cost_model is not None else CostModel()
+        limits = []
+        for key, given in bounds.items():
+            row = BUDGET_ROWS.get(key)
+            if row is None:
+                raise BudgetError(f"Budget.of({key}=...): unknown key; known keys: {', '.join(BUDGET_ROWS)}")
+            if row.scenarios != isinstance(given, Mapping):
+                example = f"{key}={{'chat': ...}}" if row.scenarios else f"{key}=0.6x"
+                raise BudgetError(
+                    f"Budget.of({key}=...): {key} {'is' if row.scenarios else 'is not'} measured at scenarios, "
+                    f"so give {example}; found {given!r}"
+                )
+            per_scenario = given.items() if isinstance(given, Mapping) else [(None, given)]
+            for scenario, value in per_scenario:
+                bound = _python_value(key, value)
+                name = f"{key}[{scenario}]" if scenario is not None else key
+                text = f"{name}{row.side}{_bound_text(bound)}"
+                names = () if scenario is None else (str(scenario),)
+                limits.append(_checked_limit(text, key, names, bound, cost_model, where="python"))
+        return cls(tuple(limits), cost_model, rules if rules is not None else Rules(shared_state_size=True))
 
     def terms(self) -> list[Term]:
-        """The budget as terms of `BUDGET_ROWS`, in the order its limits are listed."""
-        terms = [Term(key, None, getattr(self, key)) for key in ("params", "active_params", "weight_bytes")]
-        if self.memory_bytes is not None:
-            if self.memory_scenario is None:
-                raise SearchError("Budget.memory_bytes needs memory_scenario (batch, context, dtypes)")
-            terms.append(Term("memory_bytes", self.memory_scenario, self.memory_bytes))
-        if self.min_concurrent_requests is not None:
-            if self.hardware is None or self.concurrency_scenario is None:
-                raise SearchError("Budget.min_concurrent_requests needs hardware and concurrency_scenario")
-            terms.append(Term("concurrent_requests", self.concurrency_scenario, self.min_concurrent_requests))
-        if self.scenarios and self.hardware is None:
-            raise SearchError("scenario targets need Budget.hardware (it also times embeddings and lm_head)")
-        for target in self.scenarios:
-            for name, key in _TARGET_KEYS.items():
-                terms.append(Term(key, target.scenario, getattr(target, name)))
-        return [term for term in terms if term.value is not None]
+        """The budget as terms of `BUDGET_ROWS`, its limits' scenarios taken from its cost model."""
+        return [term for limit in self.limits for term in limit.terms(self.cost_model)]
+
+    def __str__(self) -> str:
+        return ", ".join(limit.text for limit in self.limits) or "no budget"
 
 
 @dataclass
 class DeploymentProblem:
-    """A search problem built from specs: the table, its limits and rules, ready for `puzzle.search.search`."""
+    """A search problem built from specs: the table, its bounds and rules, ready for `puzzle.search.search`;
+    `sources`: the budget text each bound was made from (by the bound's text), for messages."""
 
     table: Table
-    limits: list[Limit]
+    limits: list[Bound]
     rules: Rules
+    sources: dict[str, str] = field(default_factory=dict)
 
 
 def deployment_problem(
@@ -614,18 +639,30 @@ def deployment_problem(
     budget: Budget,
     latency_fn: LatencyFn | None = None,
     maximize: bool = False,
+    *,
+    reported: Sequence[str] = (),
+    objective_name: str = "score",
 ) -> DeploymentProblem:
     """The search problem for `variants[i]` (block i's candidates, `variants[i][0]` the parent's block)
-    scored by `scores[i][j]` (e.g. replace-one-block KL), under `budget`.
+    scored by `scores[i][j]` (e.g. replace-one-block KL), under `budget` (priced by its cost model).
 
     Every cost is computed by `puzzle.cost` from the variant's spec; the fixed part of each cost (embeddings,
     lm_head, final norm) is the parent model's value minus its blocks', so totals equal the cost model's
-    whole-model functions for every architecture.
+    whole-model functions for every architecture. `reported`: scenario-free keys whose columns the table
+    sums without a bound (a run always reports params, active_params and weight_bytes).
     """
+    if not isinstance(budget, Budget):
+        raise BudgetError(
+            f"deployment_problem needs a Budget (Budget.of(...) or Budget.parse([...])), found {budget!r}"
+        )
     _check_candidates(parent, variants, scores)
-    pricing = _Pricing(parent, budget.recipe, budget.memory_fraction, budget.hardware, latency_fn)
-    table, limits = priced_table(parent, variants, scores, budget.terms(), pricing, maximize=maximize)
-    return DeploymentProblem(table, [limit for _, limit in limits], budget.rules())
+    pricing = cost_model_pricing(parent, budget.cost_model, latency_fn)
+    terms = [Term(key) for key in reported] + budget.terms()
+    table, bounded = priced_table(
+        parent, variants, scores, terms, pricing, maximize=maximize, objective_name=objective_name
+    )
+    sources = {str(made): term.source for term, made in bounded}
+    return DeploymentProblem(table, [made for _, made in bounded], budget.rules, sources)
 
 
 def cost_model_pricing(

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from puzzle.cost.limits import Limit
+from puzzle.cost.limits import Bound
 from puzzle.search import mckp
 from puzzle.search.backend import (
     REDUCED_MIP_HIGHS_OPTIONS,
@@ -311,7 +311,7 @@ def _objective_vector(table: Table) -> np.ndarray:
 
 def search(
     table: Table,
-    limits: Sequence[Limit] = (),
+    limits: Sequence[Bound] = (),
     rules: Rules | None = None,
     options: SolverOptions | None = None,
     previous: Sequence[Sequence[int]] = (),
@@ -354,7 +354,7 @@ def search(
 
 def search_k(
     table: Table,
-    limits: Sequence[Limit] = (),
+    limits: Sequence[Bound] = (),
     rules: Rules | None = None,
     options: SolverOptions | None = None,
     k: int = 1,

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from puzzle.cost.limits import BudgetError, Limit, Value, merge_limits, parse_value
+from puzzle.cost.limits import Bound, BudgetError, Value, merge_limits, parse_value
 from puzzle.search.exact import search
 from puzzle.search.types import InfeasibleError, Rules, SearchError, Solution, SolverOptions, Table
 
@@ -20,7 +20,7 @@ from puzzle.search.types import InfeasibleError, Rules, SearchError, Solution, S
 class SweepPoint:
     """One budget of a sweep and what it gave: a solution, or the reason there is none."""
 
-    limit: Limit
+    limit: Bound
     solution: Solution | None
     error: str | None = None
     on_frontier: bool = False
@@ -101,7 +101,7 @@ def is_search_output(path: Path) -> bool:
 
 def sweep(
     table: Table,
-    limits: Sequence[Limit],
+    limits: Sequence[Bound],
     key: str,
     side: str,
     values: Sequence[Value],
@@ -113,11 +113,11 @@ def sweep(
     from puzzle.progress import progress  # tqdm loads only when a sweep runs
 
     for value in progress(values, f"sweep {key}", total=len(values), unit="solve"):
-        swept = Limit(key, upper=value) if side == "upper" else Limit(key, lower=value)
+        swept = Bound(key, upper=value) if side == "upper" else Bound(key, lower=value)
         others = [limit for limit in limits if limit.key != key]
         same_key = [limit for limit in limits if limit.key == key]
         kept = [
-            Limit(
+            Bound(
                 key,
                 upper=limit.upper if side == "lower" else None,
                 lower=limit.lower if side == "upper" else None,

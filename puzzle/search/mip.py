@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from puzzle.cost.limits import Limit
+from puzzle.cost.limits import Bound
 from puzzle.search.backend import Row, RowModel
 from puzzle.search.types import Rules, SearchError, Table
 
@@ -34,7 +34,7 @@ def tolerance(value: float) -> float:
     return 1e-9 * max(1.0, abs(value))
 
 
-def resolve_limits(table: Table, limits: Sequence[Limit]) -> list[tuple[Limit, float | None, float | None]]:
+def resolve_limits(table: Table, limits: Sequence[Bound]) -> list[tuple[Bound, float | None, float | None]]:
     """(limit, lower, upper) on the blocks' sum: absolute totals minus the fixed part."""
     resolved = []
     for limit in limits:
@@ -50,7 +50,7 @@ def resolve_limits(table: Table, limits: Sequence[Limit]) -> list[tuple[Limit, f
 def feasible_choices(
     table: Table,
     choices: np.ndarray | Sequence[Sequence[int]],
-    resolved: Sequence[tuple[Limit, float | None, float | None]],
+    resolved: Sequence[tuple[Bound, float | None, float | None]],
     rules: Rules,
 ) -> np.ndarray:
     """Which rows of `choices` ([N, blocks], a variant index within each block) meet the `resolve_limits`
