@@ -51,7 +51,9 @@ class Axis:
 
     `size`: a channel count, so the space also takes `<name>_fraction` and rounds to its multiple;
     `zero_allowed`: 0 is a real choice (no shared expert); `searched`: the search space offers it;
-    `parent_rule`: why a parent block cannot take a smaller `value` on this axis (None: it can).
+    `parent_rule`: why a parent block cannot take a smaller `value` on this axis (None: it can);
+    `unbounded`: None is a value, larger than every integer (an attention window of None attends to
+    the whole context), where elsewhere None means the field is absent (no latent projection).
     """
 
     name: str
@@ -59,6 +61,13 @@ class Axis:
     zero_allowed: bool = False
     searched: bool = True
     parent_rule: Callable[[BlockSpec, int], str | None] | None = None
+    unbounded: bool = False
+
+    def above(self, value: int | None, bound: int | None) -> bool:
+        """Whether `value` is larger than `bound` on this axis (None counts as infinite when `unbounded`)."""
+        if self.unbounded and (value is None or bound is None):
+            return value is None and bound is not None
+        return value > bound
 
 
 # Kinds in the order the search space lists them (error messages, `SearchSpace.to_dict`).
@@ -79,6 +88,7 @@ PRUNING_AXES: dict[type, tuple[Axis, ...]] = {
     AttentionSpec: (
         Axis("num_kv_heads", parent_rule=_kv_heads),
         Axis("num_heads", searched=False),
+        Axis("window", unbounded=True),  # sliding-window attention; the parent's weights unchanged
     ),
     MLPSpec: (Axis("width", size=True),),
     LinearSpec: (),
@@ -89,6 +99,16 @@ PRUNING_AXES: dict[type, tuple[Axis, ...]] = {
 def pruning_axes(spec: BlockSpec) -> tuple[Axis, ...]:
     """The axes of `spec`'s kind; SpecError for a type without an entry in PRUNING_AXES."""
     return kind_entry(PRUNING_AXES, spec, "no pruning axes for block spec type")
+
+
+def pruning_axis(spec: BlockSpec, name: str) -> Axis:
+    """The axis `name` of `spec`'s kind (KeyError naming the kind's axes if it has none of that name)."""
+    for axis in pruning_axes(spec):
+        if axis.name == name:
+            return axis
+    raise KeyError(
+        f"{spec.kind} blocks have no pruning axis {name!r}: {[a.name for a in pruning_axes(spec)]}"
+    )
 
 
 def _check_axes_are_fields() -> None:

@@ -22,7 +22,7 @@ kinds:
     noop: false                             # also offer a removed block
     linear: false                           # also offer a hidden x hidden linear replacement
     rounding: 64                            # this kind's own multiple (default: the top-level one)
-  attention: {num_kv_heads: [1]}
+  attention: {num_kv_heads: [1], window: [4096]}   # window: sliding-window attention (the parent's: full)
   mlp:       {width: [...], width_fraction: [...]}
 overrides:
   - {blocks: [0, 87], freeze: true}         # only the parent's shape
@@ -535,7 +535,7 @@ def _check_value(block: _Block, axis: str, value: int) -> None:
         raise block.error(axis, value, "the parent has no latent projection to shrink")
     if axis == "expert_width" and not spec.is_uniform:
         raise block.error(axis, value, "the parent has per-expert widths; width axes need one width")
-    if value > parent_value:
+    if _AXES[spec.kind][axis].above(value, parent_value):
         raise block.error(axis, value, f"above the parent's {parent_value}")
     if value == parent_value:
         return

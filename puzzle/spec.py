@@ -208,7 +208,13 @@ class MambaSpec:
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """Grouped-query attention. No positional encoding unless `rope_theta` is set (Nemotron is NoPE)."""
+    """Grouped-query attention. No positional encoding unless `rope_theta` is set (Nemotron is NoPE).
+
+    `window`: sliding-window attention over the last `window` tokens, the query's own included: a
+    query at position t attends keys at positions t - window + 1 .. t (the `sliding_window` of
+    transformers, vLLM and gpt-oss). None: full causal attention. A windowed block's KV cache holds
+    at most `window` tokens, whatever the context.
+    """
 
     kind: ClassVar[str] = "attention"
     pattern_char: ClassVar[str] = "*"
@@ -219,10 +225,13 @@ class AttentionSpec:
     bias: bool = False
     rope_theta: float | None = None
     rotary_fraction: float = 1.0
+    window: int | None = None
     weight_format: str = DEFAULT_WEIGHT_FORMAT
 
     def __post_init__(self) -> None:
         owner = "AttentionSpec"
+        if self.window is not None:
+            _require_positive_int(owner, "window", self.window)
         _require_bools(self)
         _require_weight_format(self)
         for name in ("num_heads", "num_kv_heads", "head_dim"):
@@ -236,11 +245,12 @@ class AttentionSpec:
         "bias": _flag("bias"),
         "rope_theta": _prefixed("rope"),
         "rotary_fraction": _prefixed("rotary"),
+        "window": _prefixed("w"),
         "weight_format": str,
     }
 
     def short_name(self) -> str:
-        """The variant id, e.g. `attn:q32:kv2:d128`, plus `:bias` etc. for non-default fields."""
+        """The variant id, e.g. `attn:q32:kv2:d128`, plus `:bias`, `:w4096` (a window) etc. for non-default fields."""
         return _spec_id(self, ("attn", f"q{self.num_heads}", f"kv{self.num_kv_heads}", f"d{self.head_dim}"))
 
 
@@ -450,13 +460,17 @@ def _finite_or_none(value: Any) -> Any:
     return value
 
 
+# Fields added after runs were saved: left out of a block's JSON at their default (bf16, full attention).
+_OMITTED_AT_DEFAULT = ("weight_format", "window")
+
+
 def block_to_dict(spec: BlockSpec) -> dict[str, Any]:
-    """A JSON-ready dict: {"kind": ..., every field}. Tuples become lists; `weight_format` only when not bf16."""
+    """A JSON-ready dict: {"kind": ..., every field}. Tuples become lists; `weight_format` only when not bf16, `window` only when set."""
     out: dict[str, Any] = {"kind": spec.kind}
     for f in dataclasses.fields(spec):
         value = getattr(spec, f.name)
-        if f.name == "weight_format" and value == DEFAULT_WEIGHT_FORMAT:
-            continue  # bf16 blocks keep the JSON (and so every fingerprint) they had before the format axis
+        if f.name in _OMITTED_AT_DEFAULT and value == f.default:
+            continue  # blocks keep the JSON (and so every fingerprint) they had before the field existed
         out[f.name] = list(value) if isinstance(value, tuple) else _finite_or_none(value)
     return out
 

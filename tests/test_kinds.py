@@ -110,3 +110,78 @@ def test_search_attributes_match_what_the_budget_writes():
     for row, spec in enumerate(specs):
         written = {key: values[row] for key, values in problem.table.attrs.items() if values[row] is not None}
         assert written == search_attributes(spec), spec
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tables keyed by kind NAME (strings), where the spec types cannot be imported: the remote code (torch and
+# transformers only), the vLLM replay (vLLM's characters) and the config defaults (keyed by config key).
+# Each kind is either in the table or exempt for a stated reason; a new kind must be one or the other.
+
+# "module:TABLE" -> {kind: why it has no entry}
+STRING_KEYED_TABLES: dict[str, dict[str, str]] = {
+    "puzzle.nemotron_h.remote.configuration_nemotron_h_puzzle:_PATTERN_CHARS": {},
+    "puzzle.nemotron_h.remote.modeling_nemotron_h_puzzle:MIXERS": {"noop": "a removed block has no mixer"},
+    "puzzle.nemotron_h.remote.modeling_nemotron_h_puzzle:CACHE_LAYERS": {
+        "moe": "stateless between tokens (DummyLayer)",
+        "mlp": "stateless between tokens (DummyLayer)",
+        "linear": "stateless between tokens (DummyLayer)",
+        "noop": "stateless between tokens (DummyLayer)",
+    },
+    "puzzle.nemotron_h.vllm_replay:_CHARS": {
+        "linear": "vLLM has no such layer type (the replay reports it unsupported)",
+        "noop": "vLLM has no such layer type (the replay reports it unsupported)",
+    },
+}
+
+
+def check_string_table(table_name: str, table, kind: str) -> None:
+    """Fails naming the table when `kind` has neither an entry nor a stated exemption."""
+    exempt = STRING_KEYED_TABLES[table_name]
+    assert kind in table or kind in exempt, (
+        f"{table_name} has no entry for kind {kind!r} and no reason it needs none "
+        "(tests/test_kinds.py STRING_KEYED_TABLES)"
+    )
+    assert not (kind in table and kind in exempt), f"{table_name}: {kind!r} is both present and exempt"
+
+
+@pytest.mark.parametrize("kind", [cls.kind for cls in SPEC_TYPES])
+@pytest.mark.parametrize("table_name", list(STRING_KEYED_TABLES), ids=lambda name: name.split(":")[1])
+def test_every_string_keyed_table_covers_every_kind(table_name, kind):
+    check_string_table(table_name, load_table(table_name), kind)
+
+
+def test_remote_kind_names_cover_every_name_puzzle_reads():
+    from puzzle.nemotron_h.config import _KIND_NAMES
+    from puzzle.nemotron_h.remote.configuration_nemotron_h_puzzle import KIND_NAMES
+
+    assert KIND_NAMES == _KIND_NAMES
+
+
+@pytest.mark.parametrize("spec_type", SPEC_TYPES, ids=lambda t: t.__name__)
+def test_config_defaults_cover_every_config_field_of_every_kind(spec_type):
+    """Every config.json key a kind writes has a default in ours and in the remote code's (the same one)."""
+    from puzzle.nemotron_h.config import DEFAULTS, KIND_TABLES
+    from puzzle.nemotron_h.remote.configuration_nemotron_h_puzzle import BLOCK_DEFAULTS
+
+    for field in KIND_TABLES[spec_type].fields:
+        assert field.key in DEFAULTS, (
+            f"puzzle.nemotron_h.config:DEFAULTS lacks {field.key!r} ({spec_type.__name__})"
+        )
+        assert field.key in BLOCK_DEFAULTS, (
+            f"remote BLOCK_DEFAULTS lacks {field.key!r} ({spec_type.__name__})"
+        )
+        assert DEFAULTS[field.key] == BLOCK_DEFAULTS[field.key], field.key
+
+
+def test_a_missing_string_entry_or_default_names_its_table(monkeypatch):
+    """The checks above can fail: a kind dropped from a string table, a key dropped from the defaults."""
+    name = "puzzle.nemotron_h.remote.modeling_nemotron_h_puzzle:CACHE_LAYERS"
+    table = load_table(name)
+    monkeypatch.delitem(table, "attention")
+    with pytest.raises(AssertionError, match=r"CACHE_LAYERS has no entry for kind 'attention'"):
+        check_string_table(name, table, "attention")
+    from puzzle.nemotron_h.remote import configuration_nemotron_h_puzzle as remote_config
+
+    monkeypatch.delitem(remote_config.BLOCK_DEFAULTS, "sliding_window")
+    with pytest.raises(AssertionError, match="remote BLOCK_DEFAULTS lacks 'sliding_window'"):
+        test_config_defaults_cover_every_config_field_of_every_kind(AttentionSpec)

@@ -79,6 +79,14 @@ CHILDREN = {
     "noop": _spec(
         NoOpSpec(), AttentionSpec(num_heads=2, num_kv_heads=1, head_dim=8), NoOpSpec(), MLPSpec(width=8)
     ),
+    # Sliding-window attention beside full attention of the same shape (windows shorter than the sequences).
+    "window": _spec(
+        AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=4, window=3),
+        MambaSpec(num_heads=4, head_dim=4, state_size=6, n_groups=2, chunk_size=8),
+        AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=4),
+        AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=4, window=5),
+        MLPSpec(width=8),
+    ),
     "every_kind": EVERY_KIND_SPEC,
 }
 

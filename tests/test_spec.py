@@ -187,6 +187,7 @@ FIELD_VALUES = {
         "bias": st.booleans(),
         "rope_theta": st.one_of(st.none(), _floats(10000.0, 1e6, low=1.0, high=1e7)),
         "rotary_fraction": _floats(1.0, 0.5, low=0.01, high=1.0),
+        "window": st.one_of(st.none(), st.integers(1, 5)),
         "weight_format": _FORMATS,
     },
     MoESpec: {

@@ -49,6 +49,7 @@ __all__ = [
     "expected_distinct_experts",
     "get_recipe",
     "kv_bytes_per_token",
+    "kv_cache_bytes",
     "lm_head_flops_per_token",
     "model_active_params",
     "model_decode_flops_per_token",
@@ -209,10 +210,18 @@ def state_bytes_per_request(
     ssm_dtype: str = "fp32",
     conv_dtype: str = "bf16",
 ) -> int:
-    """Memory one request of `context_len` tokens holds: KV cache for every token plus recurrent state."""
-    return kv_bytes_per_token(spec, kv_dtype) * context_len + state_bytes_per_sequence(
-        spec, ssm_dtype, conv_dtype
-    )
+    """Memory one request of `context_len` tokens holds: KV cache for the tokens each block keeps (every
+    token, or a sliding window's last `window`) plus recurrent state."""
+    return kv_cache_bytes(spec, context_len, kv_dtype) + state_bytes_per_sequence(spec, ssm_dtype, conv_dtype)
+
+
+def kv_cache_bytes(spec: BlockSpec | ModelSpec, context_len: int, kv_dtype: str = "bf16") -> int:
+    """KV cache bytes of one request of `context_len` tokens: per block, bytes per token x the tokens it keeps
+    (min(context, window) for sliding-window attention). For a ModelSpec, summed over its blocks."""
+    if isinstance(spec, ModelSpec):
+        return sum(kv_cache_bytes(b, context_len, kv_dtype) for b in spec.blocks)
+    cost = block_cost(spec)
+    return cost.kv_bytes_per_token(spec, kv_dtype) * cost.kv_tokens(spec, context_len)
 
 
 # ---------------------------------------------------------------------------------------------------

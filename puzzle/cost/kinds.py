@@ -58,8 +58,12 @@ class BlockCost(ABC, Generic[S]):
         return weight_bytes
 
     def kv_bytes_per_token(self, spec: S, kv_dtype: str) -> int:
-        """KV cache bytes per token of context."""
+        """KV cache bytes per token the cache holds."""
         return 0
+
+    def kv_tokens(self, spec: S, context_len: int) -> int:
+        """Tokens of a `context_len`-token context the KV cache holds (all of them unless the kind bounds it)."""
+        return context_len
 
     def state_bytes_per_sequence(self, spec: S, ssm_dtype: str, conv_dtype: str) -> int:
         """Fixed-size recurrent state of one sequence, bytes."""
@@ -162,15 +166,23 @@ class AttentionCost(BlockCost[AttentionSpec]):
         # K and V: 2 x kv heads x head_dim values.
         return int(2 * spec.num_kv_heads * spec.head_dim * dtype_bytes(kv_dtype))
 
+    def kv_tokens(self, spec: AttentionSpec, context_len: int) -> int:
+        # A sliding window keeps only the last `window` tokens: the cache stops growing with the context.
+        return context_len if spec.window is None else min(context_len, spec.window)
+
     def linear_flops_per_token(self, spec: AttentionSpec, hidden_size: int) -> float:
         return 2.0 * hidden_size * (2 * spec.num_heads + 2 * spec.num_kv_heads) * spec.head_dim
 
     def prefill_mixing_flops_per_token(self, spec: AttentionSpec, prompt_tokens: int) -> float:
-        # Causal QK^T and AV, each 2 x heads x head_dim per (query, key) pair, (T+1)/2 keys on average.
-        return 4.0 * spec.num_heads * spec.head_dim * (prompt_tokens + 1) / 2
+        # Causal QK^T and AV, each 2 x heads x head_dim per (query, key) pair. Query t sees min(t + 1, W)
+        # keys: (T+1)/2 on average without a window; with one, W(W+1)/2 over the first W queries and W
+        # for each later one.
+        T, W = prompt_tokens, spec.window
+        keys = (T + 1) / 2 if W is None or T <= W else (W * (W + 1) / 2 + (T - W) * W) / T
+        return 4.0 * spec.num_heads * spec.head_dim * keys
 
     def decode_mixing_flops_per_token(self, spec: AttentionSpec, context_len: int) -> float:
-        return 4.0 * spec.num_heads * spec.head_dim * context_len
+        return 4.0 * spec.num_heads * spec.head_dim * self.kv_tokens(spec, context_len)
 
     def activation_elements_per_token(self, spec: AttentionSpec, hidden_size: int) -> float:
         H = hidden_size

@@ -26,6 +26,7 @@ from puzzle.cost.analytic import (
     dtype_bytes,
     get_recipe,
     kv_bytes_per_token,
+    kv_cache_bytes,
     lm_head_flops_per_token,
     model_weight_bytes,
     prefill_flops_per_token,
@@ -194,7 +195,9 @@ def decode_work(spec: BlockSpec, hidden_size: int, scenario: Scenario, eager: bo
         B * cost.activation_elements_per_token(spec, hidden_size) * dtype_bytes(scenario.activation_dtype)
     )
     kv = kv_bytes_per_token(spec, scenario.kv_dtype)
-    moved += B * (context * kv + kv)  # read the cache, append the new token
+    moved += B * (
+        kv_cache_bytes(spec, context, scenario.kv_dtype) + kv
+    )  # read the cache, append the new token
     moved += 2.0 * B * state_bytes_per_sequence(spec, scenario.ssm_dtype, scenario.conv_dtype)  # read + write
     ops = _op_count(spec, B, 1, decode=True, eager=eager)
     exchanged = B * hidden_size * dtype_bytes(scenario.activation_dtype)

@@ -13,6 +13,9 @@ Our extensions of the nemotron_h_puzzle schema (read and written here, unknown t
 - `{"block_type": "noop"}`: a removed block, no tensors (a `norm.weight` of older files is ignored); pattern `N`.
 - `moe_intermediate_size` may be a list with one width per routed expert.
 - `mamba_dt_clamp_max`: an upper clamp of dt after softplus (absent or null = none).
+- `sliding_window` in an attention entry: that block attends to its last `sliding_window` tokens (its own
+  included, as transformers and vLLM count it); absent or null = full attention. The key is vLLM's (its
+  NemotronHAttention reads it from each layer's config); stated per entry only, never as a global.
 
 No torch here: `puzzle costs` reads configs without loading the model machinery.
 """
@@ -100,6 +103,7 @@ DEFAULTS: dict[str, Any] = {
     "norm_topk_prob": True,
     "mamba_dt_clamp_max": None,
     "linear_bias": False,
+    "sliding_window": None,
 }
 
 # ------------------------------------------------------------------------------------------- field tables
@@ -233,10 +237,12 @@ KIND_TABLES: dict[type, KindTable] = {
                 Field("num_key_value_heads", "num_kv_heads", _kv_heads, lambda spec: spec.num_kv_heads),
                 Field("head_dim", "head_dim", _head_dim, lambda spec: spec.head_dim),
                 _plain("attention_bias", "bias", bool),
+                _plain("sliding_window", "window"),
             ),
             not_in_config=("rope_theta", "rotary_fraction"),  # NemotronH attention has no position encoding
             names=("full_attention",),
             globals_order=2,
+            entry_keys=("sliding_window",),  # a window is per block (PUZZLE_UNSET_GLOBALS)
         ),
         KindTable(
             MoESpec,
@@ -503,7 +509,10 @@ def _mamba_problems(block: MambaSpec) -> list[str]:
 
 
 def _attention_problems(block: AttentionSpec) -> list[str]:
-    return ["attention biases"] if block.bias else []
+    # transformers' NemotronHConfig has a `sliding_window` field, but its NemotronH attention never reads it:
+    # a windowed block would silently attend to the whole context.
+    problems = ["attention biases"] if block.bias else []
+    return problems + (["sliding-window attention"] if block.window is not None else [])
 
 
 def _moe_problems(block: MoESpec) -> list[str]:
@@ -661,7 +670,7 @@ def config_from_spec(
             + ", ".join(reasons + mtp_conflicts)
         )
     needs_puzzle = model_type == "nemotron_h_puzzle" or bool(reasons or mtp_conflicts)
-    for key in ("mamba_dt_clamp_max", "linear_bias"):  # our extensions: written only when set
+    for key in ("mamba_dt_clamp_max", "linear_bias", "sliding_window"):  # written only when set
         if not globals_.get(key):
             globals_.pop(key, None)
     config.update(globals_)
@@ -699,8 +708,10 @@ def config_from_spec(
 
 # Global MoE fields a nemotron_h_puzzle config leaves out, as NVIDIA's Puzzle schema does: every MoE entry
 # states them, and a reader that ignored block_configs would build every block at one width and top-k;
-# without the globals it fails loudly instead.
-PUZZLE_UNSET_GLOBALS = ("moe_intermediate_size", "num_experts_per_tok")
+# without the globals it fails loudly instead. Likewise the attention window: each windowed entry states it,
+# and a global `sliding_window` would read, to tools that look at the global (transformers' config, vLLM's
+# model config), as every layer's.
+PUZZLE_UNSET_GLOBALS = ("moe_intermediate_size", "num_experts_per_tok", "sliding_window")
 
 
 def _puzzle_moe_globals(config: dict[str, Any], blocks: list[BlockSpec]) -> None:

@@ -6,7 +6,8 @@ What each engine reads:
   there) on the config.json and tensors the export writes: vLLM takes our trust_remote_code configuration
   class, builds Mamba layers and the Mamba state cache from the global fields, and MLP, attention and MoE
   layers from `get_nemotron_h_config_for_layer(i)`; it raises on linear and no-op layers, and its fused
-  MoE has one width per block. Every mismatch the replay finds is a refusal. What the replay cannot see in
+  MoE has one width per block; it reads an attention layer's `sliding_window` from its per-layer config
+  (NemotronHAttention, per_layer_sliding_window). Every mismatch the replay finds is a refusal. What the replay cannot see in
   tensors or config fields is `VLLM_RULES`: vLLM's MLP is relu^2 whatever the config says, it has no upper
   dt clamp, and (conservatively) one attention shape, since its hybrid KV cache pages one shape and we
   could not check several.
@@ -15,7 +16,8 @@ What each engine reads:
   block_configs, width and top-k from each MoE entry; everything else from the globals: one Mamba shape,
   one attention shape, one expert count, shared expert (always present), latent size (it writes
   `add_moe_latent_size` unconditionally: a MoE without latent projection crashes it), routing settings
-  for all MoE blocks; its loader takes a dense MLP block in a model with MoE blocks for a Mamba layer;
+  for all MoE blocks; no sliding window (every attention layer attends to the whole context, src/models/
+  nemotron-h.cpp); its loader takes a dense MLP block in a model with MoE blocks for a Mamba layer;
   MTP tensors are dropped.
 - transformers without remote code (`NemotronHForCausalLM`): plain nemotron_h only, one shape per kind
   (`transformers_incompatibilities`). Our trust_remote_code file and `puzzle.load` read every child.
@@ -25,6 +27,7 @@ A width per expert inside one block, linear blocks and no-op blocks are ours alo
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -114,7 +117,11 @@ def _vllm_mamba(block: MambaSpec, model: _Model) -> list[str]:
 
 def _vllm_attention(block: AttentionSpec, model: _Model) -> list[str]:
     attention = model.reference[AttentionSpec]
-    if block != attention:  # conservative: the hybrid KV-cache manager pages one attention shape
+    # The window is no shape: vLLM's NemotronHAttention passes each layer's `sliding_window` to its
+    # Attention (per_layer_sliding_window), whose KV pages have the same size, and the hybrid KV-cache
+    # manager groups windowed layers apart from full ones (as for gpt-oss). The replay checks the window read.
+    if dataclasses.replace(block, window=None) != dataclasses.replace(attention, window=None):
+        # conservative: the hybrid KV-cache manager pages one attention shape
         return [
             f"an attention shape {block.short_name()} unlike the other attention blocks' "
             f"{attention.short_name()} (vLLM's hybrid KV cache is laid out for one attention shape)"
@@ -187,7 +194,15 @@ def _llama_cpp_mamba(block: MambaSpec, model: _Model) -> list[str]:
 
 
 def _llama_cpp_attention(block: AttentionSpec, model: _Model) -> list[str]:
-    return _llama_cpp_global_shape(block, model, "attention biases" if block.bias else None)
+    reasons = _llama_cpp_global_shape(block, model, "attention biases" if block.bias else None)
+    if block.window is not None:
+        # src/models/nemotron-h.cpp builds every attention layer on one full-context KV cache
+        # (build_inp_mem_hybrid / inp->get_attn(), no sliding-window variant), so it would attend to everything.
+        reasons.append(
+            f"sliding-window attention (window {block.window}): llama.cpp's NemotronH attends over the whole "
+            "context in every attention layer and reads no per-layer window"
+        )
+    return reasons
 
 
 def _llama_cpp_moe(block: MoESpec, model: _Model) -> list[str]:

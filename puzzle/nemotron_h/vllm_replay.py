@@ -111,7 +111,8 @@ def _mlp(config: Any, width: int) -> Shapes:
 
 
 def _attention(config: Any) -> Shapes:
-    """NemotronHAttention: head_dim from the config, else hidden / heads; q/k/v/o without bias."""
+    """NemotronHAttention: head_dim from the config, else hidden / heads; q/k/v/o without bias. It also reads
+    `getattr(config, "sliding_window", None)` as the layer's window (no tensor: `_layer` records the field)."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     shapes: Shapes = {}

@@ -17,6 +17,7 @@
 - Attention: fewer KV heads, either keeping the best groups with their best query heads (`kv_mode="keep"`)
   or mean-pooling K and V of consecutive groups merged into one (`kv_mode="mean"`, all their query heads
   stay available); `"auto"` keeps when the child's queries per group fit in one parent group, else merges.
+  A sliding window (`window`) keeps every weight as it is: it only narrows what a query sees.
 - Dense MLP: width.
 - Linear replacement of any block: the least-squares fit of the mixer's output on its input over the
   calibration tokens (`lin_*` sums in the importance; ridge 1e-6 x mean diagonal), which is the best
@@ -40,7 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from puzzle.axes import pruning_axes
+from puzzle.axes import pruning_axes, pruning_axis
 from puzzle.blocks import build_block
 from puzzle.prune.importance import BlockImportance
 from puzzle.spec import (
@@ -248,6 +249,12 @@ def _attention_state(
     owner = "AttentionSpec"
     _not_larger(owner, "num_kv_heads", parent.num_kv_heads, child.num_kv_heads)
     _not_larger(owner, "num_heads", parent.num_heads, child.num_heads)
+    # A window changes which keys a query sees, not the weights: the parent's carry over unchanged.
+    if pruning_axis(parent, "window").above(child.window, parent.window):
+        raise SpecError(
+            f"{owner}.window = {child.window} exceeds the parent's {parent.window} (None: full attention): "
+            "a child can only attend to fewer tokens"
+        )
     if kv_mode not in ("auto", "keep", "mean"):
         raise ValueError(f"kv_mode must be 'auto', 'keep' or 'mean', found {kv_mode!r}")
     hd, nkv = parent.head_dim, parent.num_kv_heads

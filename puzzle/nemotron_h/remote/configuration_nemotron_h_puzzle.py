@@ -7,6 +7,8 @@ one dict per block whose fields override the global ones (a missing or null fiel
 
 Block kinds: mamba, attention, moe, mlp, and two kinds of puzzle's own: `linear` (one hidden x hidden matrix)
 and `noop` (a removed block). `moe_intermediate_size` may be a list with one width per routed expert.
+An attention entry's `sliding_window` N makes that block attend to its last N tokens only (its own included,
+as transformers and vLLM count it); absent or null: full attention.
 `mtp_block_configs` describes the blocks of the MTP module the same way (they follow the main blocks).
 
 Serving engines read this class too: vLLM loads nemotron_h_puzzle configs with trust_remote_code and builds
@@ -87,6 +89,7 @@ BLOCK_DEFAULTS: dict[str, Any] = {
     "norm_topk_prob": True,
     "mamba_dt_clamp_max": None,  # puzzle: an upper clamp of dt after softplus (None: none)
     "linear_bias": False,  # puzzle: a bias on the `linear` block's matrix
+    "sliding_window": None,  # an attention block's window: its last N tokens, its own included (None: all)
 }
 
 

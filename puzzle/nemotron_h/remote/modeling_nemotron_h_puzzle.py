@@ -2,7 +2,8 @@
 
 Written by the `puzzle` library next to the `nemotron_h_puzzle` checkpoints it exports, so that
 `AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)` builds any of them: Mamba-2 blocks
-with their own heads / state size / groups, GQA attention (no positional encoding), mixtures of relu^2
+with their own heads / state size / groups, GQA attention (no positional encoding; full or
+sliding-window per block), mixtures of relu^2
 experts (sigmoid router with correction bias, group-limited routing, optional latent projections and
 shared expert, a width per expert), dense MLPs, and puzzle's `linear` and `noop` (removed) blocks.
 Tensor names are the hub's: `backbone.layers.{i}.mixer...`, routed experts one by one.
@@ -10,7 +11,8 @@ Tensor names are the hub's: `backbone.layers.{i}.mixer...`, routed experts one b
 Supported: forward (logits, loss with `labels`, hidden states) and `generate` (greedy, sampling, beam
 search; from `input_ids` or `inputs_embeds`), with a cache unless `use_cache=False`: `NemotronHPuzzleCache`,
 transformers' cache conventions for NemotronH (a `LinearAttentionLayer` with the conv and SSM states per
-Mamba block, a `DynamicLayer` with keys and values per attention block, a `DummyLayer` for the others), so
+Mamba block, a `DynamicLayer` with keys and values per attention block, a `DynamicSlidingWindowLayer` holding
+only the window for an attention block with a `sliding_window`, a `DummyLayer` for the others), so
 each new token costs one step, not a re-run of the sequence; `use_cache=False` re-runs the whole sequence
 per token (same tokens, O(n^2)). A forward call keeps a cache when given one or `use_cache=True`. Not
 supported: padding (an `attention_mask` must be all ones), fused kernels. Mamba-2 runs as a chunked scan
@@ -27,7 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
-from transformers.cache_utils import Cache, DummyLayer, DynamicLayer, LinearAttentionLayer
+from transformers.cache_utils import (
+    Cache,
+    DummyLayer,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    LinearAttentionLayer,
+)
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .configuration_nemotron_h_puzzle import NemotronHPuzzleConfig
@@ -175,8 +183,21 @@ def ssm_step(x, dt, A, B, C, state) -> tuple[torch.Tensor, torch.Tensor]:
     return y.view(b, 1, h, p), state.view(b, h, p, n)
 
 
+def band_mask(t: int, total: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """bool [t, total]: which keys each of the last `t` of `total` tokens sees. Query i is `total - t + i`
+    keys in; it sees key j at distance d = (total - t + i) - j when 0 <= d, and d < window with a window."""
+    distance = (
+        torch.arange(total - t, total, device=device)[:, None] - torch.arange(total, device=device)[None, :]
+    )
+    return (distance >= 0) & (distance < window) if window is not None else distance >= 0
+
+
 class NemotronHPuzzleAttention(nn.Module):
-    """Causal grouped-query attention without positional encoding (NoPE), as in Nemotron-H."""
+    """Causal grouped-query attention without positional encoding (NoPE), as in Nemotron-H.
+
+    `sliding_window` N (config): each query attends to the last N tokens, its own included, and the block's
+    cache layer (`DynamicSlidingWindowLayer`) keeps only the last N - 1 of them.
+    """
 
     def __init__(self, f: dict, layer_idx: int) -> None:
         super().__init__()
@@ -184,6 +205,7 @@ class NemotronHPuzzleAttention(nn.Module):
         self.num_heads = f["num_attention_heads"]
         self.num_kv_heads = f["num_key_value_heads"] or self.num_heads
         self.head_dim = f["head_dim"] or f["attention_head_dim"] or f["hidden_size"] // self.num_heads
+        self.sliding_window = f.get("sliding_window")
         hidden, bias = f["hidden_size"], f["attention_bias"]
         self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
@@ -197,17 +219,19 @@ class NemotronHPuzzleAttention(nn.Module):
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
+            k, v = cache.update(k, v, self.layer_idx)  # the kept keys (a window's last N - 1), then these
         repeat = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
         past = k.shape[2] - t
-        if past == 0:
+        window = self.sliding_window
+        if window is not None and k.shape[2] > window:  # the band cuts: mask it
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=band_mask(t, k.shape[2], window, x.device))
+        elif past == 0:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         elif t == 1:  # one new token sees everything
             y = F.scaled_dot_product_attention(q, k, v)
         else:  # several new tokens after cached ones: query i sees keys up to past + i (is_causal aligns top-left)
-            seen = torch.ones(t, past + t, dtype=torch.bool, device=x.device).tril(diagonal=past)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=seen)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=band_mask(t, k.shape[2], None, x.device))
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -339,9 +363,19 @@ class NemotronHPuzzleBlock(nn.Module):
         return x + self.mixer(self.norm(x.to(self.norm.weight.dtype)), cache)
 
 
+def _attention_cache_layer(fields: dict) -> DynamicLayer:
+    # A windowed block keeps only its window (transformers' sliding layer: the last N - 1 keys and values).
+    window = fields.get("sliding_window")
+    return DynamicLayer() if window is None else DynamicSlidingWindowLayer(sliding_window=window)
+
+
 # What each block kind keeps between generation steps, as transformers' NemotronH: a Mamba block its conv
-# and SSM states (linear attention), an attention block its keys and values; the others nothing.
-CACHE_LAYERS = {"mamba": LinearAttentionLayer, "attention": DynamicLayer}
+# and SSM states (linear attention), an attention block its keys and values (a window's worth when it has
+# one); the others nothing. Each entry makes a fresh cache layer from the block's config fields.
+CACHE_LAYERS = {
+    "mamba": lambda fields: LinearAttentionLayer(),
+    "attention": _attention_cache_layer,
+}
 
 
 class NemotronHPuzzleCache(Cache):
@@ -352,8 +386,8 @@ class NemotronHPuzzleCache(Cache):
     [b, kv_heads, seen, head_dim]); moe, mlp, linear and noop blocks: `DummyLayer`.
     """
 
-    def __init__(self, block_kinds: list[str]) -> None:
-        super().__init__(layers=cache_layers(block_kinds))
+    def __init__(self, block_kinds: list[str], block_fields: list[dict] | None = None) -> None:
+        super().__init__(layers=cache_layers(block_kinds, block_fields))
         self.seen_tokens = 0  # the sequence length when no attention block keeps keys to count them
 
     # Grown by concatenation and holding Python-side counters: not for torch.compile / cuda graphs.
@@ -365,9 +399,14 @@ class NemotronHPuzzleCache(Cache):
         return self.seen_tokens
 
 
-def cache_layers(block_kinds: list[str]) -> list:
-    """One fresh transformers cache layer per block (`CACHE_LAYERS`, else a `DummyLayer`)."""
-    return [CACHE_LAYERS.get(kind, DummyLayer)() for kind in block_kinds]
+def cache_layers(block_kinds: list[str], block_fields: list[dict] | None = None) -> list:
+    """One fresh transformers cache layer per block (`CACHE_LAYERS`, else a `DummyLayer`); `block_fields`:
+    each block's config fields (`NemotronHPuzzleConfig.block_fields`), None for the defaults."""
+    fields = block_fields if block_fields is not None else [{}] * len(block_kinds)
+    return [
+        CACHE_LAYERS[kind](entry) if kind in CACHE_LAYERS else DummyLayer()
+        for kind, entry in zip(block_kinds, fields)
+    ]
 
 
 class NemotronHPuzzlePreTrainedModel(PreTrainedModel):
@@ -488,7 +527,10 @@ class NemotronHPuzzleForCausalLM(NemotronHPuzzlePreTrainedModel, GenerationMixin
 
     def new_cache(self) -> NemotronHPuzzleCache:
         """An empty cache for this model's blocks (what `generate` and `use_cache=True` start from)."""
-        return NemotronHPuzzleCache(self.config.block_kinds())
+        return NemotronHPuzzleCache(self.config.block_kinds(), self._block_fields())
+
+    def _block_fields(self) -> list[dict]:
+        return [self.config.block_fields(i) for i in range(self.config.num_hidden_layers)]
 
     def _cache_for(self, cache: Cache | None) -> Cache:
         """`cache`, or a new one when None; an empty transformers `DynamicCache()` gets this model's layers."""
@@ -496,8 +538,8 @@ class NemotronHPuzzleForCausalLM(NemotronHPuzzlePreTrainedModel, GenerationMixin
         if cache is None:
             return self.new_cache()
         if not cache.layers and cache.layer_class_to_replicate is not None:
-            cache.layers, cache.layer_class_to_replicate = cache_layers(kinds), None
-        expected = [CACHE_LAYERS.get(kind, DummyLayer) for kind in kinds]
+            cache.layers, cache.layer_class_to_replicate = cache_layers(kinds, self._block_fields()), None
+        expected = [type(layer) for layer in cache_layers(kinds, self._block_fields())]
         found = [type(layer) for layer in cache.layers]
         if len(found) != len(expected) or not all(map(issubclass, found, expected)):
             raise ValueError(
