@@ -162,6 +162,7 @@ def test_a_memory_budget_at_1m_tokens_picks_windows_where_they_pay():
     from puzzle.cost import Scenario, model_weight_bytes
     from puzzle.cost.analytic import state_bytes_per_sequence
     from puzzle.cost.limits import Relative
+    from puzzle.cost.serving import CostModel
     from puzzle.search import search
     from puzzle.search.budget import Budget, choices_to_spec, deployment_problem
     from puzzle.space import SearchSpace
@@ -176,6 +177,7 @@ def test_a_memory_budget_at_1m_tokens_picks_windows_where_they_pay():
     for rank, i in enumerate(attention):
         scores[i] = [0.0, 0.1 * (rank + 1), 0.25 * (rank + 1)]
     scenario = Scenario(batch_size=1, prompt_tokens=MILLION, generated_tokens=1, name="million")
+    cost_model = CostModel("h100", scenarios={"million": scenario})
     context = MILLION + 1
 
     def memory(spec) -> float:
@@ -183,7 +185,7 @@ def test_a_memory_budget_at_1m_tokens_picks_windows_where_they_pay():
 
     picked = {}
     for factor in (0.5, 0.2, 1.0):
-        budget = Budget(memory_bytes=Relative(factor), memory_scenario=scenario, hardware="h100")
+        budget = Budget.of(memory_bytes={"million": Relative(factor)}, cost_model=cost_model)
         problem = deployment_problem(parent, variants, scores, budget)
         solution = search(problem.table, problem.limits, problem.rules)
         best = min(
