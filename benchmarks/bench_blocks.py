@@ -38,7 +38,7 @@ from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMamba2Mi
 from transformers.utils import logging as hf_logging
 
 from puzzle.blocks.mamba import MambaMixer
-from puzzle.blocks.moe import MoEMixer, bank_state
+from puzzle.blocks.moe import ExpertBank, MoEMixer
 from puzzle.spec import MambaSpec, MoESpec
 
 RESULTS = Path(__file__).parent / "results" / "bench_blocks.json"
@@ -110,7 +110,10 @@ def build_moe_pair(args: argparse.Namespace, experts_implementation: str) -> tup
     state = {k: v for k, v in theirs.state_dict().items() if not k.startswith("experts.")}
     experts = theirs.experts
     state.update(
-        {f"experts.{k}": v for k, v in bank_state(list(experts.up_proj), list(experts.down_proj)).items()}
+        {
+            f"experts.{k}": v
+            for k, v in ExpertBank.state_from_hub(list(experts.up_proj), list(experts.down_proj)).items()
+        }
     )
     ours.load_state_dict(state)
     return theirs, ours

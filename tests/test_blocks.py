@@ -17,7 +17,7 @@ from puzzle.blocks import BLOCK_TYPES, build_block
 from puzzle.blocks import moe as moe_module
 from puzzle.blocks.attention import AttentionMixer, KVCache, apply_rope
 from puzzle.blocks.mlp import LinearMixer, MLPMixer, NoOpMixer
-from puzzle.blocks.moe import ExpertBank, MoEMixer, allocate_banks, bank_state, module_hub_state
+from puzzle.blocks.moe import ExpertBank, MoEMixer, allocate_banks, module_hub_state
 from puzzle.spec import (
     BLOCK_SPEC_TYPES,
     AttentionSpec,
@@ -63,9 +63,11 @@ def hf_moe_to_ours(state: dict[str, torch.Tensor], has_shared: bool) -> dict[str
     out = {}
     for key, value in state.items():
         if key == "experts.up_proj":
-            out["experts.up"] = bank_state(list(value), list(state["experts.down_proj"]))["up"]
+            out["experts.up"] = ExpertBank.state_from_hub(list(value), list(state["experts.down_proj"]))["up"]
         elif key == "experts.down_proj":
-            out["experts.down"] = bank_state(list(state["experts.up_proj"]), list(value))["down"]
+            out["experts.down"] = ExpertBank.state_from_hub(list(state["experts.up_proj"]), list(value))[
+                "down"
+            ]
         elif key.startswith("shared_experts.") and not has_shared:
             continue
         else:
@@ -509,8 +511,8 @@ def test_hub_tensors_are_views_of_the_bank_and_load_back():
     assert torch.equal(up[1], mixer.experts.up[4:10]) and torch.equal(down[2], mixer.experts.down[10:15].T)
     x = torch.randn(7, 8)
     torch.testing.assert_close(mixer.experts.expert(1, x), torch.relu(x @ up[1].T) ** 2 @ down[1].T)
-    assert bank_state(up, down).keys() == {"up", "down"}
-    assert torch.equal(bank_state(up, down)["down"], mixer.experts.down)
+    assert ExpertBank.state_from_hub(up, down).keys() == {"up", "down"}
+    assert torch.equal(ExpertBank.state_from_hub(up, down)["down"], mixer.experts.down)
     # Loading: a meta mixer's banks become real tensors, filled through the hub views.
     with torch.device("meta"):
         fresh = MoEMixer(spec, 16)

@@ -7,8 +7,8 @@ chunks of experts, one gather, activation and scatter per chunk, so only the mat
 when every expert has the same width, in two grouped matmuls (`torch.nn.functional.grouped_mm`: in bf16 on a
 Hopper / Blackwell GPU one CUTLASS kernel each and no host sync; on the CPU a C++ loop over the experts,
 slower than the chunked loop, so "auto" runs it only on a GPU). A decode step's few pairs run one by one.
-Checkpoints keep the hub's per-expert tensors (`ExpertBank.hub_views`); `puzzle.nemotron_h.weights` maps a
-module's banks to and from them (`module_hub_state`, `allocate_banks`).
+Checkpoints keep the hub's per-expert tensors: the bank owns that layout (`ExpertBank.hub_name`, `hub_views`,
+`hub_shapes`, `allocate`, `state_from_hub`), and `module_hub_state` / `allocate_banks` apply it to a module.
 """
 
 from __future__ import annotations
@@ -44,11 +44,6 @@ _PREFETCH_ROWS = 16
 
 # observer(expert, inputs [c, D], activation [c, w], output [c, D] before the routing weight, weights [c] fp32)
 ExpertObserver = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
-
-
-def _expert_hub_names(j: int) -> tuple[str, str]:
-    """Names of expert j's up_proj and down_proj weights in the hub, relative to the bank (`experts.`)."""
-    return f"{j}.up_proj.weight", f"{j}.down_proj.weight"
 
 
 def _relu2_(a: torch.Tensor) -> torch.Tensor:
@@ -137,14 +132,72 @@ class ExpertBank(nn.Module):
         """Expert j alone, unweighted: x [c, D] -> [c, D]."""
         return relu2(x @ self.up_weight(j).T) @ self.down_weight(j).T
 
+    # ------------------------------------------------------------ the hub layout: one tensor per expert
+    # The hub (and every NemotronH checkpoint) stores expert j as `{j}.up_proj.weight` [w_j, D] and
+    # `{j}.down_proj.weight` [D, w_j] (names relative to the bank, `experts.`); the bank keeps `down` transposed.
+
+    @staticmethod
+    def hub_name(j: int, half: str) -> str:
+        """The hub name of expert j's `half` ("up" or "down") weight, relative to the bank."""
+        return f"{j}.{half}_proj.weight"
+
+    def hub_shapes(self) -> list[tuple[str, str, tuple[int, int]]]:
+        """(hub name, half, shape) of the bank's hub tensors, expert by expert (up then down): metadata only,
+        so it holds for a sharded or meta bank."""
+        hidden = self.up.shape[1]
+        out = []
+        for j, width in enumerate(self.widths):
+            out += [
+                (self.hub_name(j, "up"), "up", (width, hidden)),
+                (self.hub_name(j, "down"), "down", (hidden, width)),
+            ]
+        return out
+
+    def hub_pieces(self, half: str, rows: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        """`rows` (the whole `up` or `down` [sum w_j, D], e.g. gathered from shards) as the hub's per-expert
+        tensors of that half, by hub name: views, `down`'s transposed."""
+        pieces = [
+            (self.hub_name(j, half), rows[self.offsets[j] : self.offsets[j + 1]]) for j in range(len(self))
+        ]
+        return pieces if half == "up" else [(name, piece.T) for name, piece in pieces]
+
+    def experts_in_rows(self, start: int, stop: int) -> list[tuple[int, slice]]:
+        """The experts that own bank rows [start, stop), each with its rows as a slice of its own hub tensor's
+        width (rows of `up_proj.weight`, columns of `down_proj.weight`): what a rank's shard reads from disk."""
+        out = []
+        for j in range(len(self)):
+            low, high = max(start, self.offsets[j]), min(stop, self.offsets[j + 1])
+            if low < high:
+                out.append((j, slice(low - self.offsets[j], high - self.offsets[j])))
+        return out
+
     def hub_views(self) -> dict[str, torch.Tensor]:
-        """The hub's per-expert tensors as views of the bank: `{j}.up_proj.weight` [w_j, D] and
-        `{j}.down_proj.weight` [D, w_j] (names relative to the bank), expert by expert."""
+        """The hub's per-expert tensors as views of the bank, by hub name, expert by expert (up then down)."""
         out = {}
         for j in range(len(self)):
-            up_name, down_name = _expert_hub_names(j)
-            out[up_name], out[down_name] = self.up_weight(j), self.down_weight(j)
+            out[self.hub_name(j, "up")], out[self.hub_name(j, "down")] = (
+                self.up_weight(j),
+                self.down_weight(j),
+            )
         return out
+
+    def allocate(self, dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
+        """Give the bank new, uninitialised `up` / `down` (e.g. in place of meta tensors) and return its
+        `hub_views` of them, writable and detached, for a loader to `copy_` each expert into."""
+        for name in ("up", "down"):
+            old = self._parameters[name]
+            self._parameters[name] = nn.Parameter(
+                torch.empty(old.shape, dtype=dtype, device=device), requires_grad=old.requires_grad
+            )
+        self._views = None
+        with torch.no_grad():
+            return {name: view.detach() for name, view in self.hub_views().items()}
+
+    @staticmethod
+    def state_from_hub(up: list[torch.Tensor], down: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The bank tensors {"up", "down"} [sum w_j, D] of experts given in the hub layout: up[j] [w_j, D]
+        (`up_proj.weight`), down[j] [D, w_j] (`down_proj.weight`); the inverse of `hub_views`."""
+        return {"up": torch.cat(up), "down": torch.cat([d.T for d in down])}
 
     def register_observer(self, observer: ExpertObserver) -> RemovableHandle:
         """Call `observer(j, inputs, activation, output, weights)` for every expert j that receives tokens.
@@ -461,7 +514,9 @@ class MoEMixer(nn.Module):
             TensorInfo("gate.e_score_correction_bias", (E,), "router_bias", is_parameter=False),
         ]
         for j, width in enumerate(spec.widths):
-            up, down = (f"experts.{name.removesuffix('.weight')}" for name in _expert_hub_names(j))
+            up, down = (
+                f"experts.{ExpertBank.hub_name(j, half).removesuffix('.weight')}" for half in ("up", "down")
+            )
             tensors += linear_tensors(up, width, expert_input, "routed_expert", expert=j)
             tensors += linear_tensors(down, expert_input, width, "routed_expert", expert=j)
         if spec.latent_size is not None:
@@ -498,11 +553,10 @@ class MoEMixer(nn.Module):
         return self.forward(x)
 
 
-# ---------------------------------------------------------------------- expert banks <-> hub per-expert tensors
-# The hub (and every NemotronH checkpoint) stores each routed expert as `experts.{j}.up_proj.weight` [w_j, D]
-# and `experts.{j}.down_proj.weight` [D, w_j]; the model keeps them in one `ExpertBank` per block. These
-# live with the bank (not with the checkpoint reader) so that the quantizer's block view and the
-# checkpoint code, which both need the hub layout, import it from below.
+# ---------------------------------------------------------------------- a module's banks <-> hub tensors
+# The per-bank layout is ExpertBank's (hub_name, hub_views, allocate, ...); these walk a module's banks. They
+# live with the bank (not with the checkpoint reader) so that the quantizer's block view and the checkpoint
+# code, which both need the hub layout, import it from below.
 
 
 def expert_banks(module: nn.Module) -> dict[str, ExpertBank]:
@@ -534,24 +588,9 @@ def module_hub_state(module: nn.Module) -> dict[str, torch.Tensor]:
 def allocate_banks(
     module: nn.Module, dtype: torch.dtype, device: torch.device | str
 ) -> dict[str, torch.Tensor]:
-    """Give every bank of `module` new, uninitialised `up` / `down` (e.g. in place of meta tensors) and return
-    the hub's per-expert tensors by `module_hub_state` name: writable views into them, for a loader to `copy_` into."""
+    """`ExpertBank.allocate` for every bank of `module`: the hub's per-expert tensors by `module_hub_state`
+    name, writable views into the new banks, for a loader to `copy_` into."""
     out: dict[str, torch.Tensor] = {}
     for prefix, bank in expert_banks(module).items():
-        for name in ("up", "down"):
-            old = bank._parameters[name]
-            bank._views = None
-            bank._parameters[name] = nn.Parameter(
-                torch.empty(old.shape, dtype=dtype, device=device), requires_grad=old.requires_grad
-            )
-        with torch.no_grad():
-            out.update({prefix + name: view.detach() for name, view in bank.hub_views().items()})
+        out.update({prefix + name: view for name, view in bank.allocate(dtype, device).items()})
     return out
-
-
-def bank_state(up: list[torch.Tensor], down: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The bank tensors {"up", "down"} [sum w_j, D] of experts given in the hub layout.
-
-    up[j] [w_j, D] (up_proj.weight), down[j] [D, w_j] (down_proj.weight); the inverse of `ExpertBank.hub_views`.
-    """
-    return {"up": torch.cat(up), "down": torch.cat([d.T for d in down])}

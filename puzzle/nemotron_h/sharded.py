@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from puzzle import dist, shard
-from puzzle.blocks.moe import expert_banks
+from puzzle.blocks.moe import ExpertBank, expert_banks
 from puzzle.model import HybridLM
 from puzzle.nemotron_h.config import CheckpointError
 from puzzle.nemotron_h.weights import (
@@ -90,23 +90,17 @@ def _bank_rows(
     handles: Mapping[Path, Any],
     sources: Mapping[str, TensorSource],
     prefix: str,
-    offsets: tuple[int, ...],
+    bank: ExpertBank,
     which: str,
     start: int,
     stop: int,
 ) -> torch.Tensor:
-    """Rows [start, stop) of a bank's `up` or `down` [sum w_j, D], from the experts' hub tensors on disk.
-
-    Expert j owns bank rows offsets[j]:offsets[j+1]: rows of its `up_proj.weight` [w_j, D], columns of its
-    `down_proj.weight` [D, w_j] (the bank keeps them transposed, `ExpertBank.down_weight`).
-    """
+    """Rows [start, stop) of a bank's `up` or `down` [sum w_j, D], from the experts' hub tensors on disk:
+    rows of each owning expert's `up_proj.weight` [w_j, D], columns of its `down_proj.weight` [D, w_j] (the
+    bank keeps them transposed, `ExpertBank.down_weight`)."""
     parts = []
-    for j in range(len(offsets) - 1):
-        low, high = max(start, offsets[j]), min(stop, offsets[j + 1])
-        if low >= high:
-            continue
-        rows = slice(low - offsets[j], high - offsets[j])
-        source = sources[f"{prefix}{j}.{which}_proj.weight"]
+    for j, rows in bank.experts_in_rows(start, stop):
+        source = sources[prefix + bank.hub_name(j, which)]
         if which == "up":
             parts.append(_read(handles[source.file], source, (rows,)))
         else:
@@ -130,7 +124,7 @@ def _fill(model: HybridLM, handles: Mapping[Path, Any], sources: Mapping[str, Te
             continue  # this rank holds none of it (the last shards of a short tensor)
         if bank is not None:
             start, stop = rows or (0, tensor.shape[0])
-            value = _bank_rows(handles, sources, prefix + ".", bank.offsets, leaf, start, stop)
+            value = _bank_rows(handles, sources, prefix + ".", bank, leaf, start, stop)
         else:
             if name not in sources:
                 raise CheckpointError(f"no checkpoint tensor for {name!r}")

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from puzzle import gathers
-from puzzle.blocks.moe import expert_banks
+from puzzle.blocks.moe import ExpertBank, expert_banks
 from puzzle.nemotron_h.config import CheckpointError
 from puzzle.nemotron_h.weights import (
     INDEX_FILE,
@@ -238,11 +238,9 @@ def model_entries(model: nn.Module, extras: Mapping[str, torch.Tensor | LazyTens
     for key, tensor in model.state_dict().items():
         if key in banks:
             bank, prefix = banks[key], key.removesuffix("up")
-            dtype_up, dtype_down = dtype_name(bank.up.dtype), dtype_name(bank.down.dtype)
-            hidden = bank.up.shape[1]
-            for j, width in enumerate(bank.widths):
-                out.append(Entry(disk_name(f"{prefix}{j}.up_proj.weight"), dtype_up, (width, hidden)))
-                out.append(Entry(disk_name(f"{prefix}{j}.down_proj.weight"), dtype_down, (hidden, width)))
+            dtypes = {"up": dtype_name(bank.up.dtype), "down": dtype_name(bank.down.dtype)}
+            for name, half, shape in bank.hub_shapes():
+                out.append(Entry(disk_name(prefix + name), dtypes[half], shape))
         elif key not in downs:
             out.append(Entry(disk_name(key), dtype_name(tensor.dtype), tuple(tensor.shape)))
     names = {entry.name for entry in out}
@@ -254,18 +252,14 @@ def model_entries(model: nn.Module, extras: Mapping[str, torch.Tensor | LazyTens
     return out
 
 
-def _bank_unit(key: str, tensor: torch.Tensor, bank: nn.Module) -> Unit:
+def _bank_unit(key: str, tensor: torch.Tensor, bank: ExpertBank) -> Unit:
     """The experts of one bank half (`up` or `down`, model key `key`), gathered whole."""
 
     def run() -> tuple[list[tuple[str, torch.Tensor]], int]:
         full = _full(tensor).detach()
         half = key.rsplit(".", 1)[1]
         prefix = key.removesuffix(half)
-        pieces = []
-        for j in range(len(bank.widths)):
-            rows = full[bank.offsets[j] : bank.offsets[j + 1]]
-            name = f"{prefix}{j}.up_proj.weight" if half == "up" else f"{prefix}{j}.down_proj.weight"
-            pieces.append((disk_name(name), rows if half == "up" else rows.T))
+        pieces = [(disk_name(prefix + name), piece) for name, piece in bank.hub_pieces(half, full)]
         return pieces, full.numel()
 
     return run

@@ -6,7 +6,7 @@ Tensors are described from the file headers (`map_checkpoint`) and read one at a
 memory-mapped files. Writing produces the hub layout: `backbone.` prefix, per-expert keys,
 `lm_head.weight`, shards of at most `max_shard_bytes` with an index. A block's routed experts are one
 `ExpertBank` in the model and one tensor pair per expert on disk: that layout lives with the bank
-(`puzzle.blocks.moe.module_hub_state`, `allocate_banks`).
+(`puzzle.blocks.moe.module_hub_state`, `allocate_banks`, over `ExpertBank`'s own layout).
 """
 
 from __future__ import annotations
