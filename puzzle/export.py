@@ -19,11 +19,10 @@ from typing import Any
 from puzzle.card import model_card
 from puzzle.files import CARD_FILE, card_owner
 from puzzle.model import HybridLM
-from puzzle.nemotron_h.checkpoint import EXPORT_RECORD, module_weight_formats, save_pretrained
+from puzzle.nemotron_h.checkpoint import EXPORT_RECORD, exported_formats, save_pretrained
 from puzzle.nemotron_h.config import CheckpointError, config_from_spec
 from puzzle.nemotron_h.engines import SERVING_ENGINES, engine_problems, engine_support
 from puzzle.nemotron_h.weights import DEFAULT_MAX_SHARD_BYTES
-from puzzle.quant_blocks import block_formats
 from puzzle.search.types import Solution
 
 FORMATS = ("auto", "nemotron_h", "nemotron_h_puzzle", "engine")
@@ -134,15 +133,14 @@ def export(
     config = export_config(child, format, engines)
     if measured is None and getattr(child, "assembly", None) is not None and child.assembly.measured:
         measured = child.assembly.measured
-    if weight_formats is None:  # an assembled child's blocks carry their formats
-        weight_formats = module_weight_formats(child.spec)
-    else:  # its keys and formats checked before the record copies them (save_pretrained plans the rest)
-        block_formats(weight_formats, child.spec.num_blocks)
+    # {block: format}: the user's module prefixes read once (checked before the record copies them), else
+    # an assembled child's blocks' own formats
+    formats = exported_formats(child.spec, weight_formats)
     record = export_record(child, config, parent or child.source_path, solution, measured)
     if run_info is not None:
         record["run"] = dict(run_info)
-    if weight_formats is not None:
-        record["weight_formats"] = dict(weight_formats)
+    if weight_formats is not None or formats:
+        record["weight_formats"] = {f"backbone.layers.{i}.mixer": fmt for i, fmt in sorted(formats.items())}
     files = {}
     if card_owner(path) == "user":
         record["model_card"] = f"not written: {CARD_FILE} at the export path is the user's"
@@ -157,7 +155,7 @@ def export(
         model_type=config["model_type"],
         aux_source=parent,
         extra_files=files,
-        weight_formats=weight_formats,
+        block_weight_formats=formats,
     )
 
 

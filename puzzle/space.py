@@ -75,6 +75,7 @@ from puzzle.spec import (
     SpecError,
     Variant,
     kind_entry,
+    takes_weight_format,
     weight_format_of,
 )
 
@@ -510,7 +511,7 @@ def _with_formats(
         return specs
     out: list[BlockSpec] = []
     for spec in specs:
-        if not hasattr(spec, "weight_format"):
+        if not takes_weight_format(spec):
             out.append(spec)
             continue
         out += [

@@ -77,9 +77,15 @@ def _require_weight_format(spec: Any) -> None:
         )
 
 
+def takes_weight_format(spec: Any) -> bool:
+    """Whether a block spec's kind stores matmul weights in a format (`weight_format` is one of its fields;
+    a no-op has none): the one place this is decided."""
+    return dataclasses.is_dataclass(spec) and "weight_format" in {f.name for f in dataclasses.fields(spec)}
+
+
 def weight_format_of(spec: Any) -> str:
     """The storage format of a block's matmul weights (`weight_format`; "bf16" for a kind without one)."""
-    return getattr(spec, "weight_format", DEFAULT_WEIGHT_FORMAT)
+    return spec.weight_format if takes_weight_format(spec) else DEFAULT_WEIGHT_FORMAT
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -649,7 +655,7 @@ def without_weight_formats(spec: ModelSpec) -> ModelSpec:
     """`spec` with every block in bf16: its architecture alone (what a config.json's block fields describe)."""
     blocks = tuple(
         dataclasses.replace(block, weight_format=DEFAULT_WEIGHT_FORMAT)
-        if hasattr(block, "weight_format")
+        if takes_weight_format(block)
         else block
         for block in spec.blocks
     )

@@ -355,10 +355,14 @@ def test_costs_of_quantized_configs_without_weights_or_of_another_tool(exported,
 
 def test_plan_refusals(tmp_path):
     model = _model()
+    # module-name prefixes are read at the edge (save_pretrained / export), before anything is written
     with pytest.raises(QuantError, match=r"expected backbone\.layers\.I\.mixer"):
-        quantized.plan(model, {"backbone.layers.3.mixer.up_proj": "fp8"})
+        save_pretrained(model, tmp_path / "part", weight_formats={"backbone.layers.3.mixer.up_proj": "fp8"})
     with pytest.raises(QuantError, match="unknown weight format 'int4'"):
-        quantized.plan(model, {"backbone.layers.3.mixer": "int4"})
+        save_pretrained(model, tmp_path / "int4", weight_formats={"backbone.layers.3.mixer": "int4"})
+    with pytest.raises(CheckpointError, match="not both"):
+        save_pretrained(model, tmp_path / "both", weight_formats={}, block_weight_formats={})
+    assert not any((tmp_path / name).exists() for name in ("part", "int4", "both"))
     odd = HybridLM(ModelSpec(vocab_size=64, hidden_size=32, blocks=(MLPSpec(width=24),)))
     with pytest.raises(QuantError, match=r"layers\.0\.mixer\.down_proj\.weight: nvfp4 needs in_features"):
         save_pretrained(odd, tmp_path / "odd", weight_formats={"backbone.layers.0.mixer": "nvfp4"})
@@ -403,3 +407,32 @@ def test_only_bf16_blocks_write_no_quantization_config(tmp_path):
     path = export(model, tmp_path / "child", weight_formats={"layers.0": "bf16", "layers.1": "bf16"})
     assert "quantization_config" not in _config(path)
     assert {dtype for dtype, _ in _header(path).values()} == {"F32"}
+
+
+def test_block_indices_module_prefixes_and_the_specs_own_formats_write_the_same_checkpoint(
+    exported, tmp_path
+):
+    """Module-name prefixes are read once at the edge into {block index: format}: the same formats given as
+    block indices, or carried by the blocks' own specs (an assembled child's), write the same bytes, and
+    puzzle.json records them under their hub names whichever way they were given."""
+    model, path = exported
+    by_index = {int(key.split(".")[2]): fmt for key, fmt in FORMATS.items()}
+    indexed = save_pretrained(model, tmp_path / "indexed", block_weight_formats=by_index)
+    assert (indexed / "model.safetensors").read_bytes() == (path / "model.safetensors").read_bytes()
+    assert _config(indexed)["quantization_config"] == _config(path)["quantization_config"]
+    blocks = tuple(
+        dataclasses.replace(block, weight_format=by_index[i]) for i, block in enumerate(model.spec.blocks)
+    )
+    own = HybridLM(dataclasses.replace(model.spec, blocks=blocks))
+    own.load_state_dict(model.state_dict())
+    carried = export(own, tmp_path / "carried")
+    assert (carried / "model.safetensors").read_bytes() == (path / "model.safetensors").read_bytes()
+    record = json.loads((carried / "puzzle.json").read_text())["weight_formats"]
+    assert record == {key: fmt for key, fmt in FORMATS.items() if fmt != "bf16"}
+    short = export(
+        _model(), tmp_path / "short", weight_formats={"layers.1": "fp8", "backbone.layers.3": "fp8"}
+    )
+    assert json.loads((short / "puzzle.json").read_text())["weight_formats"] == {
+        "backbone.layers.1.mixer": "fp8",
+        "backbone.layers.3.mixer": "fp8",
+    }

@@ -279,12 +279,6 @@ def refusal_to_overwrite(target: Path, foreign: list[str]) -> str:
     return files.refusal_to_overwrite(target, foreign, "checkpoint files")
 
 
-def module_weight_formats(spec: ModelSpec) -> dict[str, str] | None:
-    """`save_pretrained`'s `weight_formats` from the block specs' own `weight_format` (None: all bf16)."""
-    formats = spec_weight_formats(spec)
-    return {f"backbone.layers.{i}.mixer": fmt for i, fmt in formats.items()} or None
-
-
 def save_pretrained(
     model: HybridLM,
     path: str | Path,
@@ -295,14 +289,16 @@ def save_pretrained(
     aux_source: str | Path | None = None,
     extra_files: Mapping[str, str] | None = None,
     weight_formats: Mapping[str, str] | None = None,
+    block_weight_formats: Mapping[int, str] | None = None,
 ) -> Path:
     """Write `model` as a NemotronH checkpoint directory at `path`; returns the path.
 
     `weight_formats`: {module-name prefix, e.g. "backbone.layers.3.mixer": "bf16" | "fp8" | "nvfp4"}: the
     matmul weights of those blocks' mixers are stored quantized in the compressed-tensors format vLLM
     loads, with `quantization_config` in config.json (`puzzle.nemotron_h.quantized`); {}: none quantized;
-    None: the formats of
-    the model's block specs (`weight_format`, e.g. an assembled child's: `puzzle.spec.weight_formats`), if any.
+    None: the formats of the model's block specs (`weight_format`, e.g. an assembled child's:
+    `puzzle.spec.weight_formats`), if any. `block_weight_formats`: the same as {block index: format}, what
+    `weight_formats` is read into (`puzzle.quant_blocks.block_formats`, e.g. by `puzzle.export`); give one.
 
     `model_type`: as `config_from_spec` ("auto", "nemotron_h", "nemotron_h_puzzle"). `aux_source`: the
     directory whose tokenizer / generation files are copied (default: the one the model was loaded
@@ -351,16 +347,15 @@ def save_pretrained(
     weights: Callable[[Path | None], list[str]] = functools.partial(
         stream_weights, model, max_shard_bytes=max_shard_bytes
     )
-    if weight_formats is None:  # the blocks' own formats (an assembled child's), if any
-        weight_formats = module_weight_formats(model.spec)
+    formats = exported_formats(model.spec, weight_formats, block_weight_formats)
     # {} or only bf16 blocks: every block as it is (e.g. bf16 for llama.cpp), no quantization_config
-    quant_plan = quantized.plan(model, weight_formats) if weight_formats else None  # refusals before writing
+    quant_plan = quantized.plan(model, formats) if formats else None  # refusals before writing
     if quant_plan is not None and quant_plan.weights:
         options["quantization_config"] = quantized.quantization_config(quant_plan)
         weights = functools.partial(
             quantized.stream_quantized, model, max_shard_bytes=max_shard_bytes, quant_plan=quant_plan
         )
-    written_plain = _quantized_blocks_written_plain(model, weight_formats or {})
+    written_plain = _quantized_blocks_written_plain(model, formats)
     if written_plain:  # the values those blocks multiply by, so a plain load computes as the model does
         weights = functools.partial(_effective_weights, weights, written_plain)
 
@@ -369,16 +364,31 @@ def save_pretrained(
     return _save(model, path, weights, **options)
 
 
-def _quantized_blocks_written_plain(model: HybridLM, weight_formats: Mapping[str, str]) -> list[nn.Module]:
-    """The mixers whose spec quantizes them (an assembled child's fp8 / nvfp4 blocks) but which
-    `weight_formats` writes unquantized (e.g. {} for llama.cpp)."""
+def exported_formats(
+    spec: ModelSpec,
+    weight_formats: Mapping[str, str] | None = None,
+    block_weight_formats: Mapping[int, str] | None = None,
+) -> dict[int, str]:
+    """{block index: format} a save writes: `block_weight_formats` as given, else `weight_formats` (module-name
+    prefixes, read here once by `block_formats`), else the block specs' own formats (`spec.weight_formats`)."""
     from puzzle.quant_blocks import block_formats
 
-    exported = block_formats(weight_formats, len(model.layers))
+    if weight_formats is not None and block_weight_formats is not None:
+        raise CheckpointError("give weight_formats (module-name prefixes) or block_weight_formats, not both")
+    if block_weight_formats is not None:
+        return dict(block_weight_formats)
+    if weight_formats is not None:
+        return block_formats(weight_formats, spec.num_blocks)
+    return spec_weight_formats(spec)
+
+
+def _quantized_blocks_written_plain(model: HybridLM, formats: Mapping[int, str]) -> list[nn.Module]:
+    """The mixers whose spec quantizes them (an assembled child's fp8 / nvfp4 blocks) but which
+    `formats` ({block index: format}) writes unquantized (e.g. {} for llama.cpp)."""
     return [
         model.layers[index].mixer
         for index, fmt in spec_weight_formats(model.spec).items()
-        if exported.get(index, "bf16") == "bf16"
+        if formats.get(index, "bf16") == "bf16"
     ]
 
 

@@ -54,8 +54,8 @@ from puzzle.quant import (
     quantize_fp8,
     quantize_nvfp4,
 )
-from puzzle.quant_blocks import block_formats, quantized_weights
-from puzzle.spec import ModelSpec
+from puzzle.quant_blocks import quantized_weights
+from puzzle.spec import ModelSpec, takes_weight_format
 
 if TYPE_CHECKING:
     from puzzle.model import HybridLM
@@ -77,15 +77,16 @@ class QuantPlan:
     shared: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
-def plan(model: HybridLM, formats: Mapping[str, str]) -> QuantPlan:
-    """The plan for `model` and a mapping {module-name prefix: format} (`puzzle.quant_blocks.block_formats`).
+def plan(model: HybridLM, blocks: Mapping[int, str]) -> QuantPlan:
+    """The plan for `model` and {block index: format} (e.g. `puzzle.quant_blocks.block_formats` of the
+    module-name prefixes a user gave).
 
     Refuses (QuantError), before anything is written, an nvfp4 weight whose input dimension is not a
     multiple of 16 and fp8 or nvfp4 for a block with no matmul weight (a no-op block), which would quantize
     nothing ("bf16", keeping it as it is, is accepted).
     """
     spec = model.spec
-    blocks = block_formats(formats, spec.num_blocks)
+    blocks = dict(blocks)
     weights: dict[str, str] = {}
     shared: dict[str, tuple[str, ...]] = {}
     for index, fmt in sorted(blocks.items()):
@@ -380,7 +381,7 @@ def spec_with_formats(spec: ModelSpec, sources: Mapping[str, TensorSource]) -> M
         block = blocks[index]
         kinds = set(formats.values())
         whole = set(formats) == set(quantized_weights(block, spec.hidden_size))
-        if hasattr(block, "weight_format") and len(kinds) == 1 and whole:
+        if takes_weight_format(block) and len(kinds) == 1 and whole:
             blocks[index] = dataclasses.replace(block, weight_format=kinds.pop())
     return dataclasses.replace(spec, blocks=tuple(blocks))
 
