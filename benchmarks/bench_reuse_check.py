@@ -1,4 +1,4 @@
-"""The cost of the reuse check of a finished run's stage outputs (`Ledger.damage`: manifests by content hash,
+"""The cost of the reuse check of a finished run's stage outputs (`Run.output_damage`, each stage's check: manifests by content hash,
 the files they list by stat key, re-hashed only when the key changed) against each stage's own time.
 
     python benchmarks/bench_reuse_check.py RUN_DIR [--repeat 20]
@@ -50,9 +50,9 @@ def stage_seconds(run_dir: Path) -> dict[str, float]:
 
 
 def check_seconds(run_dir: Path, repeat: int, fresh: bool = False) -> dict[str, float]:
-    """{record name: median seconds of `Ledger.damage` of its recorded outputs} (each must find no damage).
+    """{record name: median seconds of `Run.output_damage` of its recorded outputs} (each must find no damage).
     `fresh`: a new Run per call, so that files whose stat key changed are hashed each time (the first
-    check after a copy; later ones find them in RUN_DIR/outputs_hash.json, which `Ledger.damage` alone does not
+    check after a copy; later ones find them in RUN_DIR/outputs_hash.json, which the check alone does not
     write); else one Run, as a rerun checks."""
     config = load_config(run_dir / "run.resolved.yaml")
     run = Run(run_dir, config)
@@ -63,7 +63,7 @@ def check_seconds(run_dir: Path, repeat: int, fresh: bool = False) -> dict[str, 
             if fresh:
                 run = Run(run_dir, config)
             begun = time.perf_counter()
-            reason = run.ledger.damage(name, record["outputs"])
+            reason = run.output_damage(name, record["outputs"])
             samples.append(time.perf_counter() - begun)
             if reason is not None:
                 raise SystemExit(f"{name}: {reason}")

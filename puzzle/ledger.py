@@ -1,8 +1,9 @@
 """run.json, a run's ledger: one record per stage (or STAGE/SOLUTION) with its inputs' hash, its status and
 its outputs, and the one reuse rule (`Ledger.run`; `puzzle.run.api`'s docstring states it).
 
-A finished record of the same inputs is reused while its outputs are intact on disk (`Ledger.damage`: a
-stage's manifest by content hash and the files it lists by stat key, re-hashed when the key changed; an
+A finished record of the same inputs is reused while its outputs are intact on disk (each stage declares its
+check, built from the ledger's: `manifest_damage`, a stage's manifest by content hash and the files it lists
+by stat key, re-hashed when the key changed; `file_damage`, a small file by content hash; `export_damage`, an
 export's files against the digests its record holds), else its work runs and the record is rewritten.
 """
 
@@ -108,17 +109,20 @@ class Ledger:
         name: str,
         inputs: dict[str, Any],
         compute: Callable[[], dict[str, Any]],
+        damage: Callable[[dict[str, Any]], str | None],
         resumed: Callable[[], list[str]] = list,
     ) -> dict[str, Any]:
         """Record `name` (a stage, or STAGE/SOLUTION): reused when a finished record of the same inputs
-        exists and its outputs are unchanged, else `compute()` and record it; returns its outputs."""
+        exists and `damage(its outputs)` finds them unchanged on disk (None; else why not, e.g. the first
+        damaged file: the stage declares how its outputs are checked, from this ledger's checks), else
+        `compute()` and record it; returns its outputs."""
         key = fingerprint_json(inputs)
         record = dist.broadcast_object(self.manifest()["stages"].get(name))
         if (
             record is not None
             and record.get("status") in DONE
             and record.get("inputs_hash") == key
-            and dist.broadcast_object(self.intact(name, record["outputs"]))
+            and dist.broadcast_object(self.intact(name, record["outputs"], damage))
         ):
             _log.info("%s%s: reused (inputs unchanged)", self.label, name)
             _log.info("%s: peak resident memory %.1f MiB", name, peak_rss_mib())
@@ -150,53 +154,36 @@ class Ledger:
             )
         return outputs
 
-    def intact(self, name: str, outputs: dict[str, Any]) -> bool:
-        """Whether the recorded outputs of record `name` (a stage or STAGE/SOLUTION) are on disk, unchanged;
-        why not is logged."""
+    def intact(
+        self, name: str, outputs: dict[str, Any], damage: Callable[[dict[str, Any]], str | None]
+    ) -> bool:
+        """Whether the recorded outputs of record `name` (a stage or STAGE/SOLUTION) are on disk, unchanged
+        (`damage(outputs)` is None); why not is logged."""
         known = len(self.hashes())
-        reason = self.damage(name, outputs)
+        reason = damage(outputs)
         if len(self.hashes()) != known and dist.is_main():  # files re-hashed: their keys kept for next time
             write_hash_cache(self.layout.root / OUTPUTS_HASH_FILE, {"files": self.hashes()})
         if reason is not None:
             _log.info("%s%s: not reused: %s", self.label, name, reason)
         return reason is None
 
-    def damage(self, name: str, outputs: dict[str, Any]) -> str | None:
-        """Why the recorded outputs of record `name` are not as written (the first damaged file), or None.
+    # The checks a stage's outputs are made of (each stage module's `damage` picks its own).
 
-        A stage's manifest is compared by content hash, then its outputs are checked against it
+    def manifest_damage(self, path: Path, fingerprint: str) -> str | None:
+        """Why the stage manifest at `path` (recorded with content hash `fingerprint`) or the files it lists
+        are not as written, or None: the manifest by content hash, then its outputs against it
         (`puzzle.artifacts.manifest_damage`: a stat per file while its stat key is the one recorded when it
-        was written, a re-hash when it changed); an export's files likewise against the digests its record
-        holds (records made before them: its config.json must exist). Solutions and the frontier are small
-        files, compared by content hash."""
-        stage = name.split("/", 1)[0]
-        directories = {
-            "importance": self.layout.importance,
-            "library": self.layout.library,
-            "scores": self.layout.scores,
-        }
-        if stage in directories:
-            return self._manifest_damage(directories[stage] / f"{stage}.manifest.json", outputs["manifest"])
-        for entry_name, entry in outputs.items():
-            if stage in ("solutions", "frontier"):
-                path = self.layout.root / entry["file"]
-                if not path.is_file() or fingerprint_file(path) != entry["fingerprint"]:
-                    return f"{path} is missing or was changed"
-            elif stage == "distill":
-                path = self.layout.child(entry_name) / "gkd.manifest.json"
-                reason = self._manifest_damage(path, entry["manifest"])
-                if reason is not None:
-                    return reason
-            elif stage == "export":
-                reason = self.export_damage(entry)
-                if reason is not None:
-                    return reason
-        return None
-
-    def _manifest_damage(self, path: Path, fingerprint: str) -> str | None:
+        was written, a re-hash when it changed)."""
         if not path.is_file() or manifest_fingerprint(path) != fingerprint:
             return f"{path} is missing or was changed"
         return manifest_damage(path, self.hashes())
+
+    @staticmethod
+    def file_damage(path: Path, fingerprint: str) -> str | None:
+        """Why a small output file (a solution, the frontier) is not the one recorded by content hash, or None."""
+        if not path.is_file() or fingerprint_file(path) != fingerprint:
+            return f"{path} is missing or was changed"
+        return None
 
     def export_damage(self, entry: Mapping[str, Any]) -> str | None:
         """Why an export record's checkpoint is not as written (the export stage recorded its files), or None."""

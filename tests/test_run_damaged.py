@@ -170,3 +170,16 @@ def test_an_export_recorded_before_digests_is_checked_for_whole_weight_files(fin
     assert _run(config) == 0
     load_file(export / "model.safetensors")
     assert _statuses(run_dir)["export"] == "done"
+
+
+def test_every_stage_declares_how_its_outputs_are_checked():
+    """Each stage module declares the check of its recorded outputs (the ledger has no per-stage branches):
+    every stage of STAGES and the frontier's record has one, and a record of another stage is refused by
+    name instead of being reused unchecked."""
+    from puzzle.layout import STAGES
+    from puzzle.run import Run
+
+    assert set(Run.OUTPUT_CHECKS) == {*STAGES, "frontier"}
+    run = Run.__new__(Run)  # the table is the class's: no run directory is needed to consult it
+    with pytest.raises(ValueError, match="no output check for stage 'bogus'"):
+        run.output_damage("bogus/x", {})

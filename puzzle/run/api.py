@@ -146,6 +146,21 @@ class Run(RunContext):
             "export": export_stage.record,
         }
     )
+    # How each stage's recorded outputs are checked before reuse (the frontier's file as a solution's).
+    OUTPUT_CHECKS: ClassVar[Mapping[str, Callable[[RunContext, dict[str, Any]], str | None]]] = (
+        MappingProxyType(
+            {
+                "importance": importance_stage.damage,
+                "library": library_stage.damage,
+                "scores": scores_stage.damage,
+                "solutions": solutions_stage.damage,
+                "frontier": solutions_stage.damage,
+                "assemble": assemble_stage.damage,
+                "distill": distill_stage.damage,
+                "export": export_stage.damage,
+            }
+        )
+    )
 
     def __init__(
         self,

@@ -1,7 +1,8 @@
 """The assemble stage of a run: each solution's child built from the library, its KL to the parent measured.
 
 `record(run)` declares the stage's inputs and its work, and records its outputs through the run's ledger
-(`RunContext.stage`); `puzzle.run.Run` gives the typed call.
+(`RunContext.stage`); `damage(run, outputs)` says how those outputs are checked on disk before they are
+reused; `puzzle.run.Run` gives the typed call.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def _measure(run: RunContext, name: str) -> dict[str, Any]:
     measured = measured_kl(child, parent, run.held_out_batches(), run.config.scoring.vocab_chunk)
     _log.info("assemble %s: measured KL %.6g, predicted %s", name, measured["kl"], measured["predicted_kl"])
     return {"measured": measured, "spec": fingerprint_json(child.spec.to_dict())}
+
+
+def damage(run: RunContext, outputs: dict[str, Any]) -> str | None:
+    """None: the assemble record holds figures only (each child's measured KL and spec fingerprint), no
+    files; the children are assembled again from the solutions whenever a later stage needs them."""
+    return None
 
 
 def record(run: RunContext) -> dict[str, Any]:

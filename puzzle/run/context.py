@@ -100,6 +100,11 @@ class RunContext:
 
     # {stage: its module's `record(run)`}, in `STAGES` order; `puzzle.run.api.Run` names the stage modules.
     RECORDERS: ClassVar[Mapping[str, Callable[[RunContext], dict[str, Any]]]] = MappingProxyType({})
+    # {record name's stage: its module's `damage(run, outputs)`}: how that stage's recorded outputs are
+    # checked on disk before they are reused (`Ledger.run`); `Run` names them beside the recorders.
+    OUTPUT_CHECKS: ClassVar[Mapping[str, Callable[[RunContext, dict[str, Any]], str | None]]] = (
+        MappingProxyType({})
+    )
 
     def __init__(self, run_dir: str | Path, config: RunConfig, round_number: int = 1) -> None:
         self.layout = RunLayout(Path(run_dir).absolute())
@@ -347,9 +352,25 @@ class RunContext:
         run directory is prepared; its outputs, kept for `record`."""
         self.prepare()
         stage = name.split("/", 1)[0]
-        outputs = self.ledger.run(name, inputs, compute, resumed=lambda: self.resumed.pop(stage, []))
+        outputs = self.ledger.run(
+            name,
+            inputs,
+            compute,
+            damage=lambda recorded: self.output_damage(name, recorded),
+            resumed=lambda: self.resumed.pop(stage, []),
+        )
         self._results[name] = outputs
         return outputs
+
+    def output_damage(self, name: str, outputs: dict[str, Any]) -> str | None:
+        """Why the recorded `outputs` of record `name` (a stage or STAGE/SOLUTION) are not as written on disk
+        (the first damaged file), or None: the check its stage's module declares (`OUTPUT_CHECKS`)."""
+        stage = name.split("/", 1)[0]
+        if stage not in self.OUTPUT_CHECKS:
+            raise ValueError(
+                f"record {name!r}: no output check for stage {stage!r} ({', '.join(self.OUTPUT_CHECKS)})"
+            )
+        return self.OUTPUT_CHECKS[stage](self, outputs)
 
     def record(self, stage: str) -> dict[str, Any]:
         """The manifest layer: the recorded outputs of `stage` (one of `STAGES`) for what the run config asks,

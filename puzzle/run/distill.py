@@ -1,7 +1,8 @@
 """The distill stage of a run: GKD of each assembled child against the parent (children/{name}/).
 
 `record(run)` declares the stage's inputs and its work, and records its outputs through the run's ledger
-(`RunContext.stage`); `puzzle.run.Run` gives the typed call.
+(`RunContext.stage`); `damage(run, outputs)` says how those outputs are checked on disk before they are
+reused; `puzzle.run.Run` gives the typed call.
 """
 
 from __future__ import annotations
@@ -74,6 +75,16 @@ def _distill_one(run: RunContext, name: str) -> dict[str, Any]:
         "kept_eval": result.kept_eval,
         "manifest": manifest_fp(run.layout.child(name), "gkd"),
     }
+
+
+def damage(run: RunContext, outputs: dict[str, Any]) -> str | None:
+    """Why a recorded distilled child (children/{name}/, its GKD manifest and the files it lists) is not as
+    written, or None."""
+    for name, entry in outputs.items():
+        reason = run.ledger.manifest_damage(run.layout.child(name) / "gkd.manifest.json", entry["manifest"])
+        if reason is not None:
+            return reason
+    return None
 
 
 def record(run: RunContext) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """The export stage of a run: each distilled child as a checkpoint with its model card (exports/{name}/).
 
 `record(run)` declares the stage's inputs and its work, and records its outputs through the run's ledger
-(`RunContext.stage`); `puzzle.run.Run` gives the typed call.
+(`RunContext.stage`); `damage(run, outputs)` says how those outputs are checked on disk before they are
+reused; `puzzle.run.Run` gives the typed call.
 """
 
 from __future__ import annotations
@@ -99,6 +100,12 @@ def _intact(
         return None
     reason = dist.broadcast_object(run.ledger.export_damage(entry) if dist.is_main() else None)
     return entry if reason is None else None
+
+
+def damage(run: RunContext, outputs: dict[str, Any]) -> str | None:
+    """Why a recorded export's checkpoint is not as written (its files against the digests its record
+    holds), or None."""
+    return next(filter(None, map(run.ledger.export_damage, outputs.values())), None)
 
 
 def record(run: RunContext) -> dict[str, Any]:

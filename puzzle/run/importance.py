@@ -1,7 +1,8 @@
 """The importance stage of a run: the parent's activation importance on calibration tokens (importance/).
 
 `record(run)` declares the stage's inputs and its work, and records its outputs through the run's ledger
-(`RunContext.stage`); `puzzle.run.Run` gives the typed call.
+(`RunContext.stage`); `damage(run, outputs)` says how those outputs are checked on disk before they are
+reused; `puzzle.run.Run` gives the typed call.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ from puzzle.run.context import RunContext, manifest_fp
 
 # The progress lines of every stage are the run's (`puzzle.run`): users filter on that logger.
 _log = logging.getLogger("puzzle.run")
+
+
+def damage(run: RunContext, outputs: dict[str, Any]) -> str | None:
+    """Why the recorded importance/ is not as written (its manifest by content hash, then the files it lists),
+    or None."""
+    return run.ledger.manifest_damage(run.layout.importance / "importance.manifest.json", outputs["manifest"])
 
 
 def record(run: RunContext) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 scoring that the search's rounds in context reuse (`score`).
 
 `record(run)` declares the stage's inputs and its work, and records its outputs through the run's ledger
-(`RunContext.stage`); `puzzle.run.Run` gives the typed call.
+(`RunContext.stage`); `damage(run, outputs)` says how those outputs are checked on disk before they are
+reused; `puzzle.run.Run` gives the typed call.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ from puzzle.spec import Variant
 
 # The progress lines of every stage are the run's (`puzzle.run`): users filter on that logger.
 _log = logging.getLogger("puzzle.run")
+
+
+def damage(run: RunContext, outputs: dict[str, Any]) -> str | None:
+    """Why the recorded scores/ is not as written (its manifest by content hash, then the files it lists),
+    or None."""
+    return run.ledger.manifest_damage(run.layout.scores / "scores.manifest.json", outputs["manifest"])
 
 
 def record(run: RunContext) -> dict[str, Any]:

@@ -2,7 +2,8 @@
 context and measured re-ranking, and the frontier record (frontier.json).
 
 `record(run)` declares the stage's inputs and its work, and records its outputs through the run's ledger
-(`RunContext.stage`); `puzzle.run.Run` gives the typed call.
+(`RunContext.stage`); `damage(run, outputs)` says how those outputs are checked on disk before they are
+reused; `puzzle.run.Run` gives the typed call.
 """
 
 from __future__ import annotations
@@ -75,6 +76,16 @@ def solutions_inputs(run: RunContext, budgets: dict[str, list[str]]) -> dict[str
     if not isinstance(device, str):  # this machine's calibration: new figures re-solve
         inputs["calibration"] = profile_to_json(device)
     return inputs
+
+
+def damage(run: RunContext, outputs: dict[str, Any]) -> str | None:
+    """Why a recorded solutions/{name}.json (or the frontier's file) is not the one written (by content
+    hash), or None: the check of the solutions and the frontier records."""
+    for entry in outputs.values():
+        reason = run.ledger.file_damage(run.layout.root / entry["file"], entry["fingerprint"])
+        if reason is not None:
+            return reason
+    return None
 
 
 def record(run: RunContext) -> dict[str, Any]:
