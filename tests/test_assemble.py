@@ -15,6 +15,7 @@ import torch
 from assemble_helpers import build_small_library, held_out, library_scores, save_parent, solve
 from bld_helpers import trained_parent, variants
 from gloo_helpers import spawn_ranks
+from kl_helpers import naive_kl
 from safetensors.torch import load_file, save_file
 
 import puzzle
@@ -89,20 +90,9 @@ def test_search_solution_assembles_to_its_predicted_totals_and_kl_is_measured(se
     assert changed and child.spec != parent.spec
     result = measured_kl(child, parent, held_out(), vocab_chunk=7)
     assert result["predicted_kl"] == solution.objective and result["kl"] > 0
-    assert result["kl"] == pytest.approx(_naive_kl(parent, child), rel=1e-5, abs=1e-7)
+    assert result["kl"] == pytest.approx(naive_kl(parent, child, held_out()), rel=1e-5, abs=1e-7)
     assert result["tokens"] == sum(b.shape[0] * (b.shape[1] - 1) for b in held_out())
     assert child.assembly.measured["kl"] == result["kl"]
-
-
-def _naive_kl(parent, child) -> float:
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for ids in held_out():
-            logp = torch.log_softmax(parent(ids).logits[:, :-1].double(), -1)
-            logq = torch.log_softmax(child(ids).logits[:, :-1].double(), -1)
-            total += float((logp.exp() * (logp - logq)).sum())
-            count += logp.shape[0] * logp.shape[1]
-    return total / count
 
 
 def test_the_parents_own_solution_is_the_parent(setup, parent):

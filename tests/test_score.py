@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gloo_helpers import gloo_rank, spawn_ranks
+from kl_helpers import naive_kl
 from nemotron_helpers import EVERY_KIND_SPEC as SPEC
 
 from puzzle.blocks import build_block
@@ -132,18 +133,6 @@ def _replaced(parent: HybridLM, base: HybridLM, index: int, mixer) -> HybridLM:
     return model
 
 
-@torch.no_grad()
-def _naive_kl(parent: HybridLM, model: HybridLM, batches) -> float:
-    """Mean KL(parent || model) over the positions with a next token, from whole-vocabulary fp64."""
-    total, count = 0.0, 0
-    for ids in batches:
-        logp = F.log_softmax(parent(ids).logits[:, :-1].double(), -1)
-        logq = F.log_softmax(model(ids).logits[:, :-1].double(), -1)
-        total += float((logp.exp() * (logp - logq)).sum())
-        count += logp.shape[0] * logp.shape[1]
-    return total / count
-
-
 def test_scores_in_context_replace_one_block_of_the_context(tmp_path):
     """With a context model, each variant replaces its block of the context (KL still to the parent): every
     score equals a full forward of that model, and the context's own choices score the context's KL."""
@@ -155,14 +144,14 @@ def test_scores_in_context_replace_one_block_of_the_context(tmp_path):
     scores = score_variants(
         parent, library, library, batches, tmp_path, ScoreSettings(vocab_chunk=7), context=context
     )
-    context_kl = _naive_kl(parent, context, batches)
+    context_kl = naive_kl(parent, context, batches)
     assert context_kl > 1e-4
     for variant, mixer in library.items():
         own = variant.spec == context.spec.blocks[variant.block_index]
         expected = (
             context_kl
             if own
-            else _naive_kl(parent, _replaced(parent, context, variant.block_index, mixer), batches)
+            else naive_kl(parent, _replaced(parent, context, variant.block_index, mixer), batches)
         )
         assert scores[variant].kl == pytest.approx(expected, rel=1e-6, abs=1e-7), variant
     # The context's own choices are the context itself: one record, the same sums in every block.

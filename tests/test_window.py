@@ -345,8 +345,8 @@ def test_bld_trains_and_scoring_scores_a_windowed_variant_as_full_forwards_do(tm
     the KL of one full forward of the parent with that block replaced by the trained, windowed mixer."""
     import copy
 
-    import torch.nn.functional as F
     from bld_helpers import load_setup, save_setup, settings, token_batches
+    from kl_helpers import naive_kl
 
     from puzzle.bld import build_library
     from puzzle.score import score_variants
@@ -381,14 +381,7 @@ def test_bld_trains_and_scoring_scores_a_windowed_variant_as_full_forwards_do(tm
     def kl_with(mixer) -> float:  # one full forward, whole vocabulary in fp64
         child = copy.deepcopy(parent)
         child.replace_mixer(index, copy.deepcopy(mixer))
-        total, count = 0.0, 0
-        with torch.no_grad():
-            for ids in held_out:
-                logp = F.log_softmax(parent(ids).logits[:, :-1].double(), -1)
-                logq = F.log_softmax(child(ids).logits[:, :-1].double(), -1)
-                total += float((logp.exp() * (logp - logq)).sum())
-                count += logp.shape[0] * logp.shape[1]
-        return total / count
+        return naive_kl(parent, child, held_out)
 
     # Scoring runs the suffix in fp32 (the oracle's logits are fp32 too, its softmax fp64): agreement to
     # ~1e-5 relative on a KL of ~1e-3; the same weights without the band score far off, so the band is seen.
