@@ -7,6 +7,7 @@ costs are computed from it (`puzzle.cost`), checkpoints record it (`puzzle.nemot
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -80,7 +81,13 @@ def _require_weight_format(spec: Any) -> None:
 def takes_weight_format(spec: Any) -> bool:
     """Whether a block spec's kind stores matmul weights in a format (`weight_format` is one of its fields;
     a no-op has none): the one place this is decided."""
-    return dataclasses.is_dataclass(spec) and "weight_format" in {f.name for f in dataclasses.fields(spec)}
+    return _kind_takes_weight_format(type(spec))
+
+
+@functools.cache
+def _kind_takes_weight_format(kind: type) -> bool:
+    # Per class, once: the costs ask this for every block of every variant (a fields() walk is ~2.5 us).
+    return dataclasses.is_dataclass(kind) and any(f.name == "weight_format" for f in dataclasses.fields(kind))
 
 
 def weight_format_of(spec: Any) -> str:
