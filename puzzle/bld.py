@@ -24,9 +24,12 @@ has them too); library.json says which (`kept`) and records both errors. A varia
 keeps its initial weights; it is "failed" only when those are not finite either.
 
 Memory: the variants train in waves whose estimated training bytes per rank (`variant_training_bytes`:
-sharded weights and AdamW state under FSDP, this rank's rows of activations) fit
-`BLDSettings.memory_limit_bytes`; each wave is one pass of the parent over the training data. The plan is
-printed before training starts and returned.
+sharded weights and AdamW state under FSDP, this rank's rows of activations) fit what
+`BLDSettings.variants_per_wave` / `memory_limit_bytes` allow (`puzzle.plan.bld_wave_limit`: by default, what
+the device's usable memory leaves after the stage's other parts, as `puzzle plan` computes it); each wave is
+one pass of the parent over the training data. The plan is logged with its reason before training starts and
+returned. The waves change neither the library nor its reuse key: each variant trains on the same batches
+from the same initial weights in whichever wave it falls.
 
 Distributed: under torch.distributed every rank passes the same global batches; each rank runs its rows
 (round-robin) and the loss is normalised by the global ``||parent(h)||^2`` (one scalar all-reduce per block
@@ -80,6 +83,7 @@ from puzzle.artifacts import (
     json_writer,
 )
 from puzzle.blocks.moe import TopKRouter
+from puzzle.cost.hardware import DEFAULT_MEMORY_FRACTION
 from puzzle.files import atomic_write
 from puzzle.library import (
     ARTIFACT_NAME,
@@ -94,7 +98,13 @@ from puzzle.library import (
     variant_key,
 )
 from puzzle.model import HybridLM
-from puzzle.plan import plan_waves, variant_training_bytes
+from puzzle.plan import (
+    WaveLimit,
+    bld_wave_limit,
+    device_memory_bytes,
+    library_other_parts,
+    variant_training_bytes,
+)
 from puzzle.progress import progress_bar
 from puzzle.prune.importance import ModelImportance
 from puzzle.prune.init import init_child
@@ -461,6 +471,7 @@ def build_library(
     init: Callable[[Variant], nn.Module] | None = None,
     max_steps: int | None = None,
     parent_fp: str | None = None,
+    memory_bytes: float | None = None,
 ) -> Library:
     """Train every variant by BLD and write the library to `directory`; returns it.
 
@@ -471,7 +482,9 @@ def build_library(
     a fingerprint of the first batch); `init`: Variant -> initial mixer (default `default_init`);
     `max_steps`: stop every wave after this many steps (a test hook; the token budget is the normal stop).
     `parent_fp`: the parent's fingerprint, recorded in the library and keying its reuse (`puzzle.Run`
-    passes one from the parent's files); default `fingerprint_model(parent)`.
+    passes one from the parent's files); default `fingerprint_model(parent)`. `memory_bytes`: the usable
+    memory per rank that `variants_per_wave: auto` sizes the waves against (`puzzle.Run` passes its plan's);
+    default `DEFAULT_MEMORY_FRACTION` x this process's device memory (`puzzle.plan.device_memory_bytes`).
 
     A library already in `directory` made from the same inputs is returned without work; checkpoints of
     the same inputs are resumed. Collective under torch.distributed (every rank passes the same arguments).
@@ -497,7 +510,7 @@ def build_library(
         "train_data": data_fingerprint,
         "held_out": fingerprint_tensors(list(held_out)),
         "settings": fingerprint_json(
-            {**settings.to_dict(), "max_steps": max_steps, "world": dist.world_size()}
+            {**settings.library_dict(), "max_steps": max_steps, "world": dist.world_size()}
         ),
     }
     artifact = Artifact(directory, ARTIFACT_NAME, FORMAT_VERSION)
@@ -533,8 +546,24 @@ def build_library(
         v: variant_training_bytes(v, parent.spec.hidden_size, tokens_per_step, settings.torch_dtype, world)
         for v in to_train
     }
-    plan = plan_waves(sizes, settings.memory_limit_bytes)
-    _log_plan(plan, sizes, settings)
+    others = library_other_parts(
+        parent.spec,
+        to_train,
+        tokens=tokens_per_step,
+        dtype_bytes=parent.embeddings.weight.element_size(),
+        train_bytes=torch.empty((), dtype=settings.torch_dtype).element_size(),
+        world=world,
+    )
+    if memory_bytes is None and settings.variants_per_wave == "auto" and settings.memory_limit_bytes is None:
+        memory_bytes = DEFAULT_MEMORY_FRACTION * device_memory_bytes()[0]
+    limit = bld_wave_limit(settings, others, memory_bytes)
+    plan = limit.waves(sizes)
+    _log_plan(plan, sizes, limit)
+    # A wave's checkpoints are of its members: another grouping (another device's auto waves) restarts them.
+    wave_inputs = {
+        **wave_inputs,
+        "waves": fingerprint_json([[variant_key(v) for v in wave] for wave in plan]),
+    }
     if dist.is_main():
         _clear_foreign_checkpoints(directory, wave_inputs)
     dist.barrier()
@@ -625,13 +654,10 @@ def _first(batches: Batches) -> torch.Tensor:
     raise ValueError("train_batches yielded no batch")
 
 
-def _log_plan(plan: list[list[Variant]], sizes: Mapping[Variant, int], settings: BLDSettings) -> None:
+def _log_plan(plan: list[list[Variant]], sizes: Mapping[Variant, int], limit: WaveLimit) -> None:
     if not dist.is_main():
         return
-    limit = settings.memory_limit_bytes
-    _log.info(
-        "BLD plan: %d variants in %d wave(s), memory limit %s bytes", sum(map(len, plan)), len(plan), limit
-    )
+    _log.info("BLD plan: %d variants in %d wave(s); %s", sum(map(len, plan)), len(plan), limit.reason)
     for number, wave in enumerate(plan):
         total = sum(sizes[v] for v in wave)
         names = ", ".join(f"{v.block_index}:{v.id}" for v in wave)

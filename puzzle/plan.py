@@ -25,10 +25,10 @@ The estimates, and why (docs/SCALE.md shows them on Nemotron-3 Nano and Super):
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, Literal
 
 from puzzle.cost.analytic import model_active_params, model_params, prefill_flops_per_token
 from puzzle.cost.hardware import HardwareProfile
@@ -96,34 +96,119 @@ def variant_training_bytes(
     return 4 * params * size + ACTIVATION_FACTOR * tokens_per_step * widths * size
 
 
-def plan_waves(sizes: Mapping[Variant, int], limit: int | None) -> list[list[Variant]]:
-    """Group variants into waves whose summed bytes fit `limit` (first fit, largest first); None = one wave.
+def plan_waves(
+    sizes: Mapping[Variant, int],
+    limit: float | None,
+    *,
+    max_variants: int | None = None,
+    oversized: Literal["raise", "alone"] = "raise",
+) -> list[list[Variant]]:
+    """Group variants into waves whose summed bytes fit `limit` and that hold at most `max_variants` each
+    (first fit, largest first); None = no such bound (both None: one wave).
 
     Within a wave the variants are in (block, id) order; waves are ordered by their first block. A variant
-    larger than the limit alone is an error naming it.
+    larger than the limit alone is an error naming it (`oversized="raise"`, for a limit the user gave), or
+    trains in a wave of its own (`"alone"`, for auto's limit: the plan's peak check names what does not fit).
     """
     if not sizes:
         return []
-    if limit is None:
+    if limit is None and max_variants is None:
         return [sorted(sizes, key=_block_order)]
+    room_of_new = math.inf if limit is None else limit
     waves: list[list[Variant]] = []
-    free: list[int] = []
+    free: list[float] = []
     for variant in sorted(sizes, key=lambda v: (-sizes[v], _block_order(v))):
         need = sizes[variant]
-        if need > limit:
+        if need > room_of_new and oversized == "raise":
             raise ValueError(
                 f"variant {variant.id} of block {variant.block_index} needs about {need} bytes to train, more "
                 f"than memory_limit_bytes={limit}: raise the limit or use smaller batches"
             )
-        slot = next((w for w, room in enumerate(free) if room >= need), None)
+        slot = next(
+            (
+                w
+                for w, room in enumerate(free)
+                if room >= need and (max_variants is None or len(waves[w]) < max_variants)
+            ),
+            None,
+        )
         if slot is None:
             waves.append([])
-            free.append(limit)
+            free.append(room_of_new)
             slot = len(waves) - 1
         waves[slot].append(variant)
         free[slot] -= need
     waves = [sorted(wave, key=_block_order) for wave in waves]
     return sorted(waves, key=lambda wave: _block_order(wave[0]))
+
+
+@dataclass(frozen=True)
+class WaveLimit:
+    """BLD's wave grouping: `bytes` a wave's variants may use per rank (None: unbounded), `max_variants` per
+    wave (None: unbounded), whether a variant over `bytes` trains alone (`oversized`), and why (`reason`)."""
+
+    bytes: float | None
+    max_variants: int | None
+    oversized: Literal["raise", "alone"]
+    reason: str
+
+    def waves(self, sizes: Mapping[Variant, int]) -> list[list[Variant]]:
+        return plan_waves(sizes, self.bytes, max_variants=self.max_variants, oversized=self.oversized)
+
+
+def library_other_parts(
+    spec: ModelSpec,
+    trained: Sequence[Variant],
+    *,
+    tokens: int,
+    dtype_bytes: int,
+    train_bytes: int,
+    world: int,
+) -> dict[str, float]:
+    """What one BLD rank holds per rank beside its wave's variants (`_library`'s memory but the wave): the
+    parent's shard over `world` ranks, the gathered unit (the largest parent unit, or a whole variant mixer
+    gathered for its forward), one block's input and target and the parent's block activations at `tokens`
+    per step (this rank's rows x seq_len), the parent in `dtype_bytes`, the variants in `train_bytes`."""
+    H = spec.hidden_size
+    parent = parent_bytes(spec, dtype_bytes, world)
+    largest_whole = max((mixer_params(v.spec, H) * train_bytes for v in trained), default=0)
+    return {
+        "parent shard": parent.sharded,
+        "gathered unit": max(parent.largest_unit, largest_whole if world > 1 else 0),
+        "block input/target": 2 * tokens * H * dtype_bytes,
+        "parent block activations": max(
+            block_activation_bytes(b, H, tokens, dtype_bytes) for b in spec.blocks
+        ),
+    }
+
+
+def bld_wave_limit(settings: Any, others: Mapping[str, float], usable: float | None) -> WaveLimit:
+    """How BLDSettings `settings` groups the variants into waves on ranks with `usable` bytes each (None:
+    unknown), when the stage's other parts per rank are `others` (`library_other_parts`): auto's byte budget
+    is what `usable` leaves after them; `memory_limit_bytes`, when given, replaces it."""
+    count = settings.variants_per_wave if isinstance(settings.variants_per_wave, int) else None
+    if settings.memory_limit_bytes is not None:
+        return WaveLimit(
+            settings.memory_limit_bytes,
+            count,
+            "raise",
+            f"bld.memory_limit_bytes {_gib(settings.memory_limit_bytes)}",
+        )
+    if settings.variants_per_wave != "auto":
+        what = "all variants in one wave" if count is None else f"at most {count} variants a wave"
+        return WaveLimit(None, count, "raise", f"bld.variants_per_wave {count}: {what}")
+    if usable is None:
+        return WaveLimit(None, None, "alone", "bld.variants_per_wave auto: no device memory given, one wave")
+    rest = float(sum(others.values()))
+    budget = max(0.0, usable - rest)
+    parts = " - ".join(f"{name} {_gib(value)}" for name, value in others.items() if value)
+    reason = f"{_gib(budget)} per rank for a wave's variants = usable {_gib(usable)} - {parts}"
+    if budget == 0:
+        reason = (
+            f"nothing is left per rank for a wave's variants: usable {_gib(usable)} < {parts.replace(' - ', ' + ')}"
+            " (one variant per wave; the stage does not fit)"
+        )
+    return WaveLimit(budget, None, "alone", f"bld.variants_per_wave auto: {reason}")
 
 
 def _block_order(variant: Variant) -> tuple[int, str]:
@@ -367,6 +452,7 @@ class _Context:
     world: int
     dtype_bytes: int
     variants: dict[int, list[Variant]] | None
+    usable: float | None = None  # memory per rank the stages may use (BLD's auto waves are sized from it)
 
     @property
     def child_fraction(self) -> float:
@@ -431,30 +517,48 @@ def _trained(ctx: _Context) -> list[Variant]:
     ]
 
 
-def _library(ctx: _Context, problems: list[str]) -> StagePlan:
+def library_grouping(ctx: _Context) -> tuple[dict[Variant, int], WaveLimit]:
+    """Each trained variant's BLD bytes per rank and the limit that groups them into waves, as the run will
+    (`puzzle.bld.build_library` asks `bld_wave_limit` the same way); `WaveLimit.waves` gives the waves."""
     import torch
 
+    settings = ctx.config.bld
+    world = ctx.world_of(settings.shard)
+    local = rows_per_rank(ctx.config.data.batch_size, ctx.world) * ctx.seq_len
+    trained = _trained(ctx)
+    dtype = getattr(torch, settings.dtype)
+    sizes = {v: variant_training_bytes(v, ctx.spec.hidden_size, local, dtype, world) for v in trained}
+    others = library_other_parts(
+        ctx.spec,
+        trained,
+        tokens=local,
+        dtype_bytes=ctx.dtype_bytes,
+        train_bytes=_dtype_bytes(settings.dtype),
+        world=world,
+    )
+    return sizes, bld_wave_limit(settings, others, ctx.usable)
+
+
+def _library(ctx: _Context, problems: list[str]) -> StagePlan:
     settings, H = ctx.config.bld, ctx.spec.hidden_size
     world = ctx.world_of(settings.shard)
     train_bytes = _dtype_bytes(settings.dtype)
     local = rows_per_rank(ctx.config.data.batch_size, ctx.world) * ctx.seq_len
     trained = _trained(ctx)
-    dtype = getattr(torch, settings.dtype)
-    sizes = {v: variant_training_bytes(v, H, local, dtype, world) for v in trained}
+    sizes, limit = library_grouping(ctx)
     try:
-        waves = plan_waves(sizes, settings.memory_limit_bytes)
+        waves = limit.waves(sizes)
     except ValueError as error:
         problems.append(f"stage library: {error}")
         waves = [[v] for v in trained]
     wave_bytes = max((sum(sizes[v] for v in wave) for wave in waves), default=0)
-    largest_whole = max((mixer_params(v.spec, H) * train_bytes for v in trained), default=0)
-    parent = ctx.parent(settings.shard)
+    memory = library_other_parts(
+        ctx.spec, trained, tokens=local, dtype_bytes=ctx.dtype_bytes, train_bytes=train_bytes, world=world
+    )
     memory = {
-        "parent shard": parent.sharded,
-        "gathered unit": max(parent.largest_unit, largest_whole if world > 1 else 0),
+        **dict(list(memory.items())[:2]),
         "wave (params, grads, AdamW, activations)": wave_bytes,
-        "block input/target": 2 * local * H * ctx.dtype_bytes,
-        "parent block activations": ctx.largest_block_activations(local),
+        **dict(list(memory.items())[2:]),
     }
     budget = settings.token_budget
     parent_flops = len(waves) * budget * forward_flops_per_token(ctx.spec, ctx.seq_len, logits=False)
@@ -465,22 +569,30 @@ def _library(ctx: _Context, problems: list[str]) -> StagePlan:
     for v in trained:
         kinds[v.spec.kind] = kinds.get(v.spec.kind, 0) + 1
     by_kind = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
-    limit = settings.memory_limit_bytes
+    notes = [
+        "tokens: one parent pass over bld.token_budget per wave; every variant of a wave trains on it",
+        f"disk: library {_gib(library_disk)} + the largest wave's checkpoint {_gib(wave_disk)} "
+        "(weights and AdamW moments, removed when the library is done)",
+    ]
+    notes.append(f"waves: {limit.reason}")
     return StagePlan(
         "library",
         f"{len(trained)} variants to train ({by_kind or 'none'}) in {len(waves)} waves "
-        f"(bld.memory_limit_bytes {'none' if limit is None else _gib(limit)} per rank), "
-        f"{_count(budget)} tokens each",
+        f"({_wave_words(limit)}), {_count(budget)} tokens each",
         len(waves) * budget,
         parent_flops + variant_flops,
         memory,
         disk=library_disk + wave_disk,
-        notes=[
-            "tokens: one parent pass over bld.token_budget per wave; every variant of a wave trains on it",
-            f"disk: library {_gib(library_disk)} + the largest wave's checkpoint {_gib(wave_disk)} "
-            "(weights and AdamW moments, removed when the library is done)",
-        ],
+        notes=notes,
     )
+
+
+def _wave_words(limit: WaveLimit) -> str:
+    """How the plan's library line says what sized its waves."""
+    if limit.bytes is None:
+        return f"bld.variants_per_wave {'none' if limit.max_variants is None else limit.max_variants}"
+    source = "bld.memory_limit_bytes" if limit.oversized == "raise" else "bld.variants_per_wave auto"
+    return f"{source} {_gib(limit.bytes)} per rank"
 
 
 def _scores(ctx: _Context) -> StagePlan:
@@ -744,8 +856,9 @@ def plan_run(
             None,
             f"the variants cannot be listed before importance runs ({error}): not planned",
         )
-    ctx = _Context(config, spec, gpus, parent_dtype_bytes(config.parent.dtype, checkpoint), variants)
-    ctx, wave_note = _resolve_auto_wave(ctx, hardware.memory_bytes * fraction)
+    usable = hardware.memory_bytes * fraction
+    ctx = _Context(config, spec, gpus, parent_dtype_bytes(config.parent.dtype, checkpoint), variants, usable)
+    ctx, wave_note = _resolve_auto_wave(ctx, usable)
     stages = [
         _importance(ctx),
         _library(ctx, problems),
@@ -919,6 +1032,24 @@ def scoring_wave_size(
     return WaveSize(found.size, f"{found.reason} ({where})")
 
 
+def bld_waves(
+    config: Any,
+    spec: ModelSpec,
+    world: int,
+    memory_bytes: float,
+    *,
+    checkpoint: dict[str, Any] | None = None,
+) -> tuple[list[list[Variant]], WaveLimit]:
+    """The waves `puzzle plan` gives BLD for a run config on `world` ranks of `memory_bytes` each (the usable
+    share `config.hardware.memory_fraction` of it sizes auto's waves), and the limit that made them: what
+    `puzzle.bld.build_library` trains when the run's device has that memory."""
+    variants = config.search_space().all_variants(spec)
+    usable = memory_bytes * config.hardware.memory_fraction
+    dtype_bytes = parent_dtype_bytes(config.parent.dtype, checkpoint)
+    sizes, limit = library_grouping(_Context(config, spec, world, dtype_bytes, variants, usable))
+    return limit.waves(sizes), limit
+
+
 def scoring_wave_size_for(
     spec: ModelSpec,
     variants: list[Variant],
@@ -961,8 +1092,8 @@ def device_memory_bytes() -> tuple[int, str]:
     return host // ranks, "host memory" if ranks == 1 else f"host memory / {ranks} ranks"
 
 
-def scoring_memory(config: Any) -> tuple[int, str]:
-    """(bytes, what) that a run's automatic scoring wave is sized against, per rank: with CUDA, the GPU's
+def run_memory(config: Any) -> tuple[int, str]:
+    """(bytes, what) that a run's automatic waves (BLD's and scoring's) are sized against, per rank: with CUDA, the GPU's
     (`run_hardware`); on the CPU, this machine's memory (`device_memory_bytes`), not the configured profile's
     GPU, which `puzzle run`'s plan check stands in for the GPUs a CPU run is planned for."""
     import torch

@@ -29,6 +29,10 @@ def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+# BLDSettings fields that decide how the variants are grouped into waves, not what they learn.
+WAVE_FIELDS = ("memory_limit_bytes", "variants_per_wave")
+
+
 @dataclass(frozen=True)
 class BLDSettings:
     """How BLD trains. Token counts are global (all ranks together); bytes are per process.
@@ -36,8 +40,14 @@ class BLDSettings:
     `lr`: AdamW peak learning rate; `warmup_tokens`: linear warm-up from 0, then cosine decay to
     `min_lr_ratio * lr` at `token_budget` tokens (each variant trains on `token_budget` tokens, fewer if
     the data ends first); `clip`: max gradient norm per variant (0 = none); `checkpoint_every`: steps
-    between checkpoints (0 = never); `memory_limit_bytes`: what one wave's variants may use per rank (None = one
-    wave); `dtype`: the variants' training dtype ("float32" or "bfloat16"); `autocast`: bf16 autocast on
+    between checkpoints (0 = never); `variants_per_wave`: how the variants are grouped into waves, one
+    parent pass each: "auto" (the default) gives a wave's variants what the device's usable memory leaves
+    per rank after the stage's other parts (the parent's shard, the gathered unit, the block's input and
+    target, the parent's activations: `puzzle.plan.bld_wave_limit`, the figure `puzzle plan` prints), an
+    integer N at most N variants a wave, None all of them in one (the library is the same whatever the
+    waves: each variant sees the same batches from the same initial weights); `memory_limit_bytes`: what
+    one wave's variants may use per rank, in place of auto's figure (None = auto's); `dtype`: the
+    variants' training dtype ("float32" or "bfloat16"); `autocast`: bf16 autocast on
     CUDA; `seed`: seeds torch before each wave's variants are built; `shard`: "fsdp" shards the parent and
     the variants over the ranks with FSDP2, "hsdp" inside each node (replicated across nodes), "none"
     replicates them (no effect in a single process);
@@ -54,6 +64,7 @@ class BLDSettings:
     clip: float = 1.0
     checkpoint_every: int = 100
     memory_limit_bytes: int | None = None
+    variants_per_wave: int | Literal["auto"] | None = "auto"
     dtype: str = "float32"
     autocast: bool = True
     seed: int = 0
@@ -85,6 +96,15 @@ class BLDSettings:
             raise ValueError(
                 f"BLDSettings.memory_limit_bytes must be positive or None, found {self.memory_limit_bytes}"
             )
+        wave = self.variants_per_wave
+        if (
+            wave != "auto"
+            and wave is not None
+            and (isinstance(wave, bool) or not isinstance(wave, int) or wave < 1)
+        ):
+            raise ValueError(
+                f"BLDSettings.variants_per_wave must be 'auto', an integer >= 1 or None, found {wave!r}"
+            )
         check_shard_mode("BLDSettings.shard", self.shard)
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"BLDSettings.dtype must be 'float32' or 'bfloat16', found {self.dtype!r}")
@@ -97,6 +117,11 @@ class BLDSettings:
 
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "betas": list(self.betas)}
+
+    def library_dict(self) -> dict[str, Any]:
+        """`to_dict` without the fields that only group the variants into waves (`WAVE_FIELDS`): what keys the
+        library's reuse, which the waves do not change (auto waves differ from one device to another)."""
+        return {k: v for k, v in self.to_dict().items() if k not in WAVE_FIELDS}
 
 
 def learning_rate(settings: BLDSettings, tokens_seen: int) -> float:

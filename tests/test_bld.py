@@ -33,7 +33,7 @@ from torch.distributed.tensor import DTensor
 from puzzle.bld import CHECKPOINT_DIR, build_library, default_init
 from puzzle.layout import variant_file_stem
 from puzzle.library import LIBRARY_FILE, read_library, variant_file
-from puzzle.plan import plan_waves, variant_training_bytes
+from puzzle.plan import library_other_parts, plan_waves, variant_training_bytes
 from puzzle.spec import Variant
 
 HERE = Path(__file__).parent
@@ -201,6 +201,33 @@ def test_wave_plan_respects_the_memory_limit_and_waves_do_not_change_the_weights
     for name, tensors in _weights(tmp_path).items():
         for key, value in tensors.items():
             assert torch.equal(value, expected[name][key]), (name, key)
+
+
+@pytest.mark.parametrize("grouping", ["two per wave", "auto on a small device"])
+def test_counted_and_auto_waves_train_the_same_library_bit_for_bit(one_wave, setup, tmp_path, grouping):
+    """`bld.variants_per_wave` N and "auto" (sized from the memory the run passes) only regroup the variants:
+    each trains the same weights as in one wave, and the library's reuse key does not change."""
+    library, output = one_wave
+    if grouping == "two per wave":
+        waved = _build(setup, tmp_path, variants_per_wave=2)
+        assert all(len(wave) <= 2 for wave in waved.plan)
+    else:
+        # A device whose usable memory leaves room for about two of the largest variants beside the rest.
+        parent, _ = load_setup(setup)
+        sizes = {v: variant_training_bytes(v, SPEC.hidden_size, 64, torch.float32) for v in library.plan[0]}
+        others = library_other_parts(
+            parent.spec, list(sizes), tokens=64, dtype_bytes=4, train_bytes=4, world=1
+        )
+        memory = sum(others.values()) + 2.5 * max(sizes.values())
+        waved = _build(setup, tmp_path, options={"memory_bytes": memory})
+    assert len(waved.plan) >= 2 and {v for w in waved.plan for v in w} == set(library.plan[0])
+    expected = _weights(output)
+    assert _weights(tmp_path).keys() == expected.keys()
+    for name, tensors in _weights(tmp_path).items():
+        for key, value in tensors.items():
+            assert torch.equal(value, expected[name][key]), (grouping, name, key)
+    # The finished library in `output` is reused under the other grouping, without training.
+    assert _build(setup, output, variants_per_wave=1, options={"init": _refuse}).results == library.results
 
 
 def test_a_diverging_variant_is_recorded_as_failed_and_the_others_finish(one_wave, setup, tmp_path):

@@ -744,4 +744,4 @@ print(json.dumps({{"configs": len(configs), "loaded": [name for name in {stages!
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"configs": 3, "loaded": []}
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"configs": 4, "loaded": []}

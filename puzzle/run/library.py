@@ -20,6 +20,7 @@ from puzzle.config import to_dict
 from puzzle.ledger import RunError
 from puzzle.library import Library
 from puzzle.model import HybridLM
+from puzzle.plan import run_memory
 from puzzle.prune.importance import load_importance
 from puzzle.run.context import RunContext, manifest_fp
 from puzzle.spec import Variant
@@ -47,7 +48,7 @@ def record(run: RunContext) -> dict[str, Any]:
         "data": run.data.train.fingerprint(),
         "held_out": run.held_out_key(),
         "batch_size": run.config.data.batch_size,
-        "bld": to_dict(run.config.bld),
+        "bld": run.config.bld.library_dict(),  # the waves change nothing in the library
         "seed": run.config.seed,
         "world": dist.world_size(),
     }
@@ -80,7 +81,16 @@ def _build(run: RunContext, parent: HybridLM, split: Any, batch: int) -> Library
         run.layout.library,
         data_fingerprint=fingerprint_json([split.fingerprint(), batch, run.config.seed]),
         parent_fp=run.parent_fingerprint(),
+        memory_bytes=library_memory(run),
     )
+
+
+def library_memory(run: RunContext) -> float:
+    """The usable memory per rank that BLD's `variants_per_wave: auto` sizes its waves against, as `puzzle plan`
+    does: hardware.memory_fraction of the CUDA device's memory, or on the CPU of this machine's share
+    (`puzzle.plan.run_memory`); the same on every rank (rank 0's), since every rank trains the same waves."""
+    memory, _ = run_memory(run.config)
+    return float(dist.broadcast_object(memory * run.config.hardware.memory_fraction))
 
 
 @contextlib.contextmanager

@@ -22,7 +22,7 @@ from puzzle.blocks import build_block
 from puzzle.config import to_dict
 from puzzle.library import Library, read_library
 from puzzle.model import HybridLM
-from puzzle.plan import scoring_memory, scoring_wave_size
+from puzzle.plan import run_memory, scoring_wave_size
 from puzzle.run.context import RunContext, manifest_fp
 from puzzle.score import score_variants
 from puzzle.scores import Scores
@@ -97,7 +97,7 @@ def score(
 
 def scoring_settings(run: RunContext, parent: HybridLM, variants: list[Variant]) -> ScoreSettings:
     """The run's scoring settings, `variants_per_wave: auto` resolved from the plan (`puzzle.plan.
-    scoring_wave_size`: the most variants whose planned peak per rank fits `scoring_memory`, the CUDA
+    scoring_wave_size`: the most variants whose planned peak per rank fits `run_memory`, the CUDA
     device's or else this machine's share, times hardware.memory_fraction), logged with why."""
     settings = run.config.scoring
     if settings.variants_per_wave != "auto":
@@ -105,7 +105,7 @@ def scoring_settings(run: RunContext, parent: HybridLM, variants: list[Variant])
     by_block: dict[int, list[Variant]] = {}
     for variant in variants:
         by_block.setdefault(variant.block_index, []).append(variant)
-    memory, where = scoring_memory(run.config)  # on the CPU: this machine's, not a GPU profile's
+    memory, where = run_memory(run.config)  # on the CPU: this machine's, not a GPU profile's
     found = scoring_wave_size(
         run.config,
         parent.spec,
