@@ -360,21 +360,34 @@ def _load_checkpoint(directory: Path, wave: _Wave, inputs: Mapping[str, str]) ->
     return True
 
 
-def _save_weights(folder: Path, mixers: Mapping[Variant, nn.Module]) -> None:
-    """Rank 0 writes each mixer's full state dict to `folder/variant_file(variant)` (every rank gathers)."""
+def _save_weights(folder: Path, mixers: Mapping[Variant, nn.Module], dtype: torch.dtype) -> None:
+    """Rank 0 writes each mixer's full state dict in `dtype` to `folder/variant_file(variant)` (every rank
+    gathers); floating-point tensors only are cast (an index or a count keeps its dtype)."""
     for variant in sorted(mixers, key=_order):
-        state = {k: shard.full(v) for k, v in mixers[variant].state_dict().items()}
+        state = {k: _stored(shard.full(v), dtype) for k, v in mixers[variant].state_dict().items()}
         if dist.is_main():
             atomic_write(folder / variant_file(variant), lambda path, s=state: save_file(s, path))
     dist.barrier()
 
 
-def _save_finished_wave(directory: Path, wave: _Wave, inputs: Mapping[str, str]) -> None:
+def _stored(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def storage_dtype(settings: BLDSettings, parent: HybridLM) -> torch.dtype:
+    """The dtype the library stores kept weights in: `settings.save_dtype`, "parent" being the parent's
+    (assembly builds the child in it, so a bf16 parent's variants lose nothing by being stored in bf16)."""
+    if settings.save_dtype == "parent":
+        return parent.embeddings.weight.dtype
+    return getattr(torch, settings.save_dtype)
+
+
+def _save_finished_wave(directory: Path, wave: _Wave, inputs: Mapping[str, str], dtype: torch.dtype) -> None:
     """Rank 0 writes each trained variant's kept weights (the trained ones, or a copy of the initial ones
     saved at the wave's start), then the wave's results (last: the marker)."""
     folder = _checkpoint_dir(directory) / "done"
     kept = {v: wave.results[v].kept for v in wave.mixers if wave.results[v].status == "trained"}
-    _save_weights(folder, {v: wave.mixers[v] for v, which in kept.items() if which == "trained"})
+    _save_weights(folder, {v: wave.mixers[v] for v, which in kept.items() if which == "trained"}, dtype)
     for variant in sorted((v for v, which in kept.items() if which == "init"), key=_order):
         source = _checkpoint_dir(directory) / "init" / variant_file(variant)
         if not source.is_file():
@@ -714,7 +727,8 @@ def _run_wave(
     else:
         for variant, value in _held_out_nmse(parent, mixers, held_out, settings).items():
             wave.results[variant].init_nmse = value
-        _save_weights(directory / CHECKPOINT_DIR / "init", mixers)  # what the guard falls back to
+        # What the guard falls back to, already in the library's dtype (it is copied there as it is).
+        _save_weights(directory / CHECKPOINT_DIR / "init", mixers, storage_dtype(settings, parent))
 
     resumed_note = f" (resumed at step {resumed_from})" if resumed_from is not None else ""
     bar = progress_bar(
@@ -743,7 +757,7 @@ def _run_wave(
     measured = _held_out_nmse(parent, trained, held_out, settings)
     for variant in members:
         _keep_the_better(wave.results[variant], measured.get(variant))
-    _save_finished_wave(directory, wave, inputs)
+    _save_finished_wave(directory, wave, inputs, storage_dtype(settings, parent))
     return [wave.results[v] for v in members], resumed_from
 
 

@@ -28,6 +28,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, Literal
 
 from puzzle.cost.analytic import model_active_params, model_params, prefill_flops_per_token
@@ -320,6 +321,29 @@ class Plan:
                 )
         return lines + self.problems
 
+    @property
+    def disk(self) -> float:
+        """The bytes every stage writes together (the library's wave checkpoints included)."""
+        return float(sum(s.disk for s in self.stages))
+
+    def disk_misfits(self, free: float, where: str, written: float = 0.0) -> list[str]:
+        """One line when the run's disk, less the `written` bytes already there, exceeds `free` bytes (at
+        `where`): it names the stage that writes the most and, for the library, the kind and axes that
+        cost the most bytes; empty when it fits."""
+        need = self.disk - written
+        if need <= free:
+            return []
+        stage = max(self.stages, key=lambda s: s.disk)
+        line = (
+            f"disk: the run writes about {_gib(self.disk)}"
+            + (f" ({_gib(written)} of it already written)" if written else "")
+            + f", more than the {_gib(free)} free {where}; the most is stage {stage.name} ({_gib(stage.disk)})"
+        )
+        by_axis = [n for n in stage.notes if n.startswith("library bytes by kind: ")]
+        if by_axis:
+            line += f"; the library's {by_axis[0][len('library ') :]}: fewer values on an axis shrink it"
+        return [line]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "hardware": self.hardware.name,
@@ -342,6 +366,7 @@ class Plan:
                 for s in self.stages
             ],
             "problems": list(self.problems),
+            "disk_bytes": self.disk,
         }
 
     def render(self) -> str:
@@ -374,7 +399,7 @@ class Plan:
                 lines.append(f"  host memory per rank (beside the GPU): {host}")
             lines += [f"  note: {n}" for n in stage.notes]
         lines.append("")
-        lines.append(f"total time {_duration(total)}; disk {_gib(sum(s.disk for s in self.stages))}")
+        lines.append(f"total time {_duration(total)}; disk {_gib(self.disk)}")
         lines += [f"does not fit: {m}" for m in self.misfits()]
         return "\n".join(lines)
 
@@ -563,7 +588,8 @@ def _library(ctx: _Context, problems: list[str]) -> StagePlan:
     budget = settings.token_budget
     parent_flops = len(waves) * budget * forward_flops_per_token(ctx.spec, ctx.seq_len, logits=False)
     variant_flops = sum(3 * budget * block_forward_flops(v.spec, H, ctx.seq_len) for v in trained)
-    library_disk = sum(mixer_params(v.spec, H) * train_bytes for v in trained)
+    store_bytes = ctx.dtype_bytes if settings.save_dtype == "parent" else _dtype_bytes(settings.save_dtype)
+    library_disk = sum(mixer_params(v.spec, H) * store_bytes for v in trained)
     wave_disk = max((sum(3 * mixer_params(v.spec, H) * train_bytes for v in w) for w in waves), default=0)
     kinds: dict[str, int] = {}
     for v in trained:
@@ -575,6 +601,8 @@ def _library(ctx: _Context, problems: list[str]) -> StagePlan:
         "(weights and AdamW moments, removed when the library is done)",
     ]
     notes.append(f"waves: {limit.reason}")
+    if trained:
+        notes.append(f"library bytes by kind: {library_bytes_by_axis(trained, H, store_bytes)}")
     return StagePlan(
         "library",
         f"{len(trained)} variants to train ({by_kind or 'none'}) in {len(waves)} waves "
@@ -585,6 +613,28 @@ def _library(ctx: _Context, problems: list[str]) -> StagePlan:
         disk=library_disk + wave_disk,
         notes=notes,
     )
+
+
+def library_bytes_by_axis(trained: Sequence[Variant], hidden_size: int, store_bytes: int) -> str:
+    """Where a library's bytes go, costliest kind first: each kind's stored bytes and variant count, and the
+    space axes (spec fields whose value varies among its variants) with how many values each takes; the
+    variant count is their product, so the axis with the most values is the one to thin first."""
+    import dataclasses
+
+    by_kind: dict[str, list[Variant]] = {}
+    for variant in trained:
+        by_kind.setdefault(variant.spec.kind, []).append(variant)
+    parts = []
+    for kind, listed in by_kind.items():
+        size = sum(mixer_params(v.spec, hidden_size) * store_bytes for v in listed)
+        values: dict[str, set[Any]] = {}
+        for variant in listed:
+            for item in dataclasses.fields(variant.spec):
+                values.setdefault(item.name, set()).add(repr(getattr(variant.spec, item.name)))
+        axes = sorted(((len(v), name) for name, v in values.items() if len(v) > 1), reverse=True)
+        over = " x ".join(f"{name} ({count} values)" for count, name in axes)
+        parts.append((size, f"{kind} {_gib(size)} ({len(listed)} variants{' over ' + over if over else ''})"))
+    return ", ".join(text for _, text in sorted(parts, key=lambda p: -p[0]))
 
 
 def _wave_words(limit: WaveLimit) -> str:
@@ -945,7 +995,22 @@ def run_misfits(config: Any, world: int | None = None) -> list[str]:
     """What `puzzle run` refuses before any work: each stage of the plan of `config` on `world` ranks (default:
     WORLD_SIZE) of `run_hardware` that does not fit, one line each (empty: everything fits)."""
     plan = plan_config(config, world_from_env() if world is None else world, run_hardware(config))
-    return plan.misfits()
+    free, written, where = disk_room(Path(config.run_dir))
+    return plan.misfits() + plan.disk_misfits(free, where, written)
+
+
+def disk_room(run_dir: Path) -> tuple[int, int, str]:
+    """(free bytes on the file system that holds `run_dir`, bytes already under `run_dir`, where): a resumed
+    run has already written part of what its plan counts, so only the rest must be free."""
+    import shutil
+
+    existing = run_dir.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    written = 0
+    if run_dir.is_dir():
+        written = sum(f.stat().st_size for f in run_dir.rglob("*") if f.is_file() and not f.is_symlink())
+    return shutil.disk_usage(existing).free, written, f"at {existing} (run_dir {run_dir})"
 
 
 # ------------------------------------------------------------------------- scoring's wave size ("auto")

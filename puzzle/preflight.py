@@ -4,8 +4,8 @@ check` makes exactly the same ones (so what one accepts the other does not refus
 Reads the config, the parent's config.json and safetensors headers, never a weight: the run directory may be
 written (`Run.check_run_dir`), every budget is met by some architecture of the space (`Run.check_budgets`: the
 search over every variant of the space priced by the run's cost model, so the cheapest architecture the space
-allows is tried), and every stage fits the memory per rank as `puzzle plan` estimates it
-(`puzzle.plan.run_misfits`).
+allows is tried), every stage fits the memory per rank as `puzzle plan` estimates it, and what the run
+still has to write fits the free disk under run_dir (`puzzle.plan.run_misfits`).
 """
 
 from __future__ import annotations

@@ -47,10 +47,11 @@ class BLDSettings:
     integer N at most N variants a wave, None all of them in one (the library is the same whatever the
     waves: each variant sees the same batches from the same initial weights); `memory_limit_bytes`: what
     one wave's variants may use per rank, in place of auto's figure (None = auto's); `dtype`: the
-    variants' training dtype ("float32" or "bfloat16"); `autocast`: bf16 autocast on
-    CUDA; `seed`: seeds torch before each wave's variants are built; `shard`: "fsdp" shards the parent and
-    the variants over the ranks with FSDP2, "hsdp" inside each node (replicated across nodes), "none"
-    replicates them (no effect in a single process);
+    variants' training dtype ("float32" or "bfloat16"); `save_dtype`: the dtype the library stores the
+    kept weights in: "parent" (the default: bf16 for a bf16 parent, the dtype assembly builds the child in),
+    "float32" or "bfloat16"; `autocast`: bf16 autocast on CUDA; `seed`: seeds torch before each wave's
+    variants are built; `shard`: "fsdp" shards the parent and the variants over the ranks with FSDP2,
+    "hsdp" inside each node (replicated across nodes), "none" replicates them (no effect in a single process);
     `router_lr_scale`: the MoE routers' learning rate as a fraction of lr (0 = they keep their initial weights:
     the loss reaches a router only through the weights of the experts it chose, never through the choice).
     """
@@ -66,6 +67,7 @@ class BLDSettings:
     memory_limit_bytes: int | None = None
     variants_per_wave: int | Literal["auto"] | None = "auto"
     dtype: str = "float32"
+    save_dtype: str = "parent"
     autocast: bool = True
     seed: int = 0
     shard: str = "fsdp"
@@ -108,6 +110,10 @@ class BLDSettings:
         check_shard_mode("BLDSettings.shard", self.shard)
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"BLDSettings.dtype must be 'float32' or 'bfloat16', found {self.dtype!r}")
+        if self.save_dtype not in ("parent", "float32", "bfloat16"):
+            raise ValueError(
+                f"BLDSettings.save_dtype must be 'parent', 'float32' or 'bfloat16', found {self.save_dtype!r}"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -122,6 +128,10 @@ class BLDSettings:
         """`to_dict` without the fields that only group the variants into waves (`WAVE_FIELDS`): what keys the
         library's reuse, which the waves do not change (auto waves differ from one device to another)."""
         return {k: v for k, v in self.to_dict().items() if k not in WAVE_FIELDS}
+
+
+def _divisors(number: int) -> list[int]:
+    return [d for d in range(1, number + 1) if number % d == 0]
 
 
 def learning_rate(settings: BLDSettings, tokens_seen: int) -> float:
@@ -277,14 +287,18 @@ class GKDSettings:
     def micro_batches(self, world: int) -> tuple[int, int]:
         """(sequences per rank and step, sequences per micro-batch) for `world` ranks; errors name the fields."""
         if self.batch_size % world:
+            ranks = ", ".join(str(d) for d in _divisors(self.batch_size) if d < world)
             raise ValueError(
-                f"GKDSettings.batch_size ({self.batch_size}) must be a multiple of the number of ranks ({world})"
+                f"GKDSettings.batch_size ({self.batch_size}) must be a multiple of the number of ranks ({world}): "
+                f"on {world} ranks batch_size {world}, {2 * world}, ... works; batch_size {self.batch_size} "
+                f"works on {ranks} ranks"
             )
         share = self.batch_size // world
         micro = self.micro_batch_size or share
         if share % micro:
+            works = ", ".join(str(d) for d in _divisors(share))
             raise ValueError(
                 f"GKDSettings.micro_batch_size ({micro}) must divide each rank's share of the batch "
-                f"(batch_size {self.batch_size} / {world} ranks = {share})"
+                f"(batch_size {self.batch_size} / {world} ranks = {share}): {works} work"
             )
         return share, micro

@@ -505,9 +505,16 @@ def test_a_student_sharing_tensors_with_the_teacher_is_an_error_naming_them(setu
 
 
 def test_a_batch_that_does_not_split_over_the_ranks_is_an_error_naming_the_fields():
-    with pytest.raises(ValueError, match=r"micro_batch_size \(3\) must divide each rank's share"):
+    """... and says which values work."""
+    with pytest.raises(
+        ValueError, match=r"micro_batch_size \(3\) must divide each rank's share.*: 1, 2, 4 work"
+    ):
         GKDSettings(batch_size=8, micro_batch_size=3).micro_batches(2)
     with pytest.raises(ValueError, match=r"batch_size \(6\) must be a multiple of the number of ranks \(4\)"):
+        GKDSettings(batch_size=6).micro_batches(4)
+    with pytest.raises(
+        ValueError, match=r"on 4 ranks batch_size 4, 8, \.\.\. works; batch_size 6 works on 1, 2, 3 ranks"
+    ):
         GKDSettings(batch_size=6).micro_batches(4)
 
 

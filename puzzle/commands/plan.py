@@ -1,5 +1,5 @@
-"""`puzzle plan CONFIG [--gpus N] [--hardware NAME]`: what each stage of a run will cost, before it runs
-(`--hardware NxNAME`: N ranks of NAME).
+"""`puzzle plan CONFIG [--gpus N] [--hardware NAME] [--disk SIZE]`: what each stage of a run will cost,
+before it runs (`--hardware NxNAME`: N ranks of NAME; `--disk`: refuse a run that does not fit SIZE).
 
 Reads the run config and the parent's config.json only (no weight, no data): see puzzle/plan.py.
 """
@@ -27,7 +27,8 @@ def register(subparsers: Any) -> None:
         "distill, export): the units of work and tokens, the estimated time on N GPUs of the named hardware "
         "(cost-model FLOPs at an assumed efficiency), the peak memory per rank under FSDP2 over N ranks, "
         "and the disk it writes. Reads the parent's config.json only. Exit code 2 naming the stage and the "
-        "figure when a stage does not fit the hardware's memory x memory_fraction.",
+        "figure when a stage does not fit the hardware's memory x memory_fraction, or the run's disk does "
+        "not fit --disk.",
     )
     parser.add_argument("config", metavar="CONFIG", help="the run config, a YAML file")
     parser.add_argument(
@@ -62,8 +63,35 @@ def register(subparsers: Any) -> None:
         help="read the parent's config.json from DIR instead of the config's parent.path (a folder holding "
         "only config.json will do: no weight is read)",
     )
+    parser.add_argument(
+        "--disk",
+        type=disk_size,
+        default=None,
+        metavar="SIZE",
+        help="the disk the run directory may fill, in bytes or with a unit (6TB, 5.5TiB, 800GiB): exit 2 "
+        "naming the stage that writes the most when the run's disk is larger",
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run)
+
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20}
+_UNITS |= {"gib": 2**30, "tib": 2**40}
+
+
+def disk_size(text: str) -> float:
+    """A size in bytes from `text`: a number with an optional unit (B, KB..TB, KiB..TiB; any case)."""
+    number = text.strip().rstrip("bBiIkKmMgGtT")
+    unit = text.strip()[len(number) :].lower()
+    try:
+        value = float(number.replace("_", "")) * _UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(
+            f"expected a size in bytes, optionally with a unit (6TB, 5.5TiB, 800GiB), found {text!r}"
+        ) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive size, found {text!r}")
+    return value
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_DOES_NOT_FIT
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.render())
     misfits = plan.misfits()
+    if args.disk is not None:
+        misfits += plan.disk_misfits(args.disk, "given by --disk")
     for line in misfits:
         print(f"puzzle plan: does not fit: {line}", file=sys.stderr)
     return EXIT_DOES_NOT_FIT if misfits else 0

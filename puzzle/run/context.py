@@ -43,6 +43,7 @@ from puzzle.ledger import Ledger, RunError, peak_rss_mib
 from puzzle.library import read_library
 from puzzle.model import HybridLM
 from puzzle.problem import RunCandidates, RunProblem, run_problem
+from puzzle.run.disk import check_stage_disk
 from puzzle.scores import load_scores
 from puzzle.search import search
 from puzzle.spec import BlockSpec, ModelSpec, Variant
@@ -352,10 +353,15 @@ class RunContext:
         run directory is prepared; its outputs, kept for `record`."""
         self.prepare()
         stage = name.split("/", 1)[0]
+
+        def checked() -> dict[str, Any]:
+            check_stage_disk(self.config, self.layout, stage)  # before any work, only when it runs
+            return compute()
+
         outputs = self.ledger.run(
             name,
             inputs,
-            compute,
+            checked,
             damage=lambda recorded: self.output_damage(name, recorded),
             resumed=lambda: self.resumed.pop(stage, []),
         )
