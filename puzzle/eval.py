@@ -36,7 +36,7 @@ class UnknownTaskError(EvalError):
         self.name = name
         self.matches = matches
         hint = f"; close matches: {', '.join(matches)}" if matches else "; no close match"
-        super().__init__(f"unknown task {name!r}{hint} (lm-eval's `lm_eval ls tasks` lists them all)")
+        super().__init__(f"unknown task {name!r}{hint} (`lm-eval ls tasks` lists lm-eval's)")
 
 
 class _Output:
@@ -116,6 +116,7 @@ def evaluate(
     batch_size: int = 1,
     include_path: str | Path | list[str | Path] | None = None,
     device: str | torch.device | None = None,
+    manager: Any = None,
 ) -> dict[str, Any]:
     """Run lm-eval's `simple_evaluate` on `model` for `tasks`; returns lm-eval's results dict.
 
@@ -123,6 +124,7 @@ def evaluate(
     tokenizer. `tasks`: names (or one comma-separated string) from lm-eval's registry, our local tasks
     (`puzzle/eval_tasks`) or the YAMLs under `include_path`. `limit`: at most that many documents per task
     (a float < 1: that share). `device`: where to move the model first (default: where it is).
+    `manager`: a `task_manager(include_path)` already built (indexing lm-eval's tasks takes seconds).
     Raises UnknownTaskError (naming the task and close matches) before any model work.
     """
     lm_eval = _require_lm_eval()
@@ -132,7 +134,7 @@ def evaluate(
     names = [t for t in names if t]
     if not names:
         raise EvalError("no task given: name at least one (e.g. puzzle_next_line)")
-    manager = task_manager(include_path)
+    manager = task_manager(include_path) if manager is None else manager
     check_tasks(names, manager)
     if device is not None:
         model = model.to(device)
