@@ -25,6 +25,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "puzzle.commands.report",
     "puzzle.commands.convert",
     "puzzle.commands.demo",
+    "puzzle.commands.eval",
 )
 
 DEBUG_ENV = "PUZZLE_DEBUG"

@@ -1,0 +1,201 @@
+"""Task accuracy through lm-evaluation-harness: our models and checkpoints handed to lm-eval's own HF model class.
+
+lm-eval (the `eval` extra: `pip install 'puzzle-nas[eval]'`) does the tasks, the requests, the batching
+and the metrics; this module only adapts. A transformers model (the load of an export or a checkpoint
+whose config.json transformers reads) goes to lm-eval's `HFLM` as it is; a `HybridLM` (any child,
+`nemotron_h_puzzle` checkpoints included) goes through `EvalAdapter`, which gives it the few
+transformers attributes HFLM reads. The local tasks shipped in `puzzle/eval_tasks` are always
+registered, so `evaluate(..., tasks=["puzzle_next_line"])` works offline.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from puzzle.model import HybridLM
+
+LOCAL_TASKS = Path(__file__).parent / "eval_tasks"
+# HFLM's own fallback when a config names no context length; a HybridLM has no positional limit.
+DEFAULT_MAX_LENGTH = 2048
+
+
+class EvalError(ValueError):
+    """An evaluation that cannot start: lm-eval missing, a task unknown, a target that is no model."""
+
+
+class UnknownTaskError(EvalError):
+    """A task name that neither lm-eval's registry nor the include paths define."""
+
+    def __init__(self, name: str, matches: list[str]) -> None:
+        self.name = name
+        self.matches = matches
+        hint = f"; close matches: {', '.join(matches)}" if matches else "; no close match"
+        super().__init__(f"unknown task {name!r}{hint} (`lm-eval ls tasks` lists lm-eval's)")
+
+
+class _Output:
+    """What HFLM reads of a forward's result: `.logits`."""
+
+    def __init__(self, logits: torch.Tensor) -> None:
+        self.logits = logits
+
+
+class EvalAdapter(nn.Module):
+    """A HybridLM dressed as the transformers causal LM that lm-eval's HFLM expects of a model instance.
+
+    HFLM calls `model(input_ids).logits`, reads `model.config` (model type, context length) and
+    `model.device`, and calls `model.eval()` and `model.tie_weights()`. Requests are padded on the right:
+    a causal model's logits at real positions do not depend on the padding after them, so no attention
+    mask is needed.
+    """
+
+    def __init__(self, model: HybridLM, max_length: int | None = None) -> None:
+        super().__init__()
+        from transformers import PretrainedConfig
+
+        self.model = model
+        source = model.source_config or {}
+        length = max_length or source.get("max_position_embeddings") or DEFAULT_MAX_LENGTH
+        self.config = PretrainedConfig(max_position_embeddings=int(length), vocab_size=model.spec.vocab_size)
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the model's embeddings, where HFLM puts each batch of token ids."""
+        return self.model.embeddings.weight.device
+
+    def tie_weights(self) -> None:
+        """Nothing to do: HybridLM ties lm_head to the embeddings at construction when its spec says so."""
+
+    def forward(self, input_ids: torch.Tensor, **_: Any) -> _Output:
+        """input_ids [b, t] -> an object whose `.logits` are [b, t, V] (fp32, as HybridLM returns them)."""
+        return _Output(self.model(input_ids).logits)
+
+
+def _require_lm_eval() -> Any:
+    """lm_eval, or an EvalError saying which extra installs it (its HF model class also needs accelerate)."""
+    try:
+        import lm_eval
+        from lm_eval.models.huggingface import HFLM  # noqa: F401  (imports accelerate)
+    except ImportError as error:
+        raise EvalError(
+            f"task evaluation needs lm-evaluation-harness: pip install 'puzzle-nas[eval]' ({error})"
+        ) from error
+    return lm_eval
+
+
+def task_manager(include_path: str | Path | list[str | Path] | None = None) -> Any:
+    """lm-eval's TaskManager over its registry, our local tasks and `include_path` (a folder or several)."""
+    _require_lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    paths = [] if include_path is None else include_path
+    paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
+    return TaskManager(include_path=[str(LOCAL_TASKS), *(str(p) for p in paths)])
+
+
+def check_tasks(tasks: list[str], manager: Any) -> None:
+    """Raise UnknownTaskError for the first name the manager knows neither as a task, a group nor a tag."""
+    known = set(manager.all_tasks)
+    for name in tasks:
+        if name not in known:
+            raise UnknownTaskError(name, difflib.get_close_matches(name, sorted(known), n=5, cutoff=0.6))
+
+
+def evaluate(
+    model: nn.Module,
+    tokenizer: Any,
+    tasks: list[str] | str,
+    *,
+    limit: int | float | None = None,
+    batch_size: int = 1,
+    include_path: str | Path | list[str | Path] | None = None,
+    device: str | torch.device | None = None,
+    manager: Any = None,
+) -> dict[str, Any]:
+    """Run lm-eval's `simple_evaluate` on `model` for `tasks`; returns lm-eval's results dict.
+
+    `model`: a HybridLM (wrapped in EvalAdapter) or a transformers causal LM; `tokenizer` a transformers
+    tokenizer. `tasks`: names (or one comma-separated string) from lm-eval's registry, our local tasks
+    (`puzzle/eval_tasks`) or the YAMLs under `include_path`. `limit`: at most that many documents per task
+    (a float < 1: that share). `device`: where to move the model first (default: where it is).
+    `manager`: a `task_manager(include_path)` already built (indexing lm-eval's tasks takes seconds).
+    Raises UnknownTaskError (naming the task and close matches) before any model work.
+    """
+    lm_eval = _require_lm_eval()
+    from lm_eval.models.huggingface import HFLM
+
+    names = [t.strip() for t in tasks.split(",")] if isinstance(tasks, str) else list(tasks)
+    names = [t for t in names if t]
+    if not names:
+        raise EvalError("no task given: name at least one (e.g. puzzle_next_line)")
+    manager = task_manager(include_path) if manager is None else manager
+    check_tasks(names, manager)
+    if device is not None:
+        model = model.to(device)
+    wrapped = EvalAdapter(model) if isinstance(model, HybridLM) else model
+    lm = HFLM(pretrained=wrapped, tokenizer=tokenizer, batch_size=batch_size, backend="causal")
+    results = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=names,
+        limit=limit,
+        task_manager=manager,
+        log_samples=False,
+        # Offline and quick: the bootstrap only serves metrics without a closed-form stderr.
+        bootstrap_iters=1000,
+    )
+    if results is None:  # only on a non-zero rank of a distributed run
+        return {}
+    return dict(results)
+
+
+def load_target(path: str | Path, dtype: str | torch.dtype = "float32") -> tuple[nn.Module, Any]:
+    """The model and tokenizer of a checkpoint or export directory (config.json, safetensors, tokenizer files).
+
+    A `nemotron_h` checkpoint loads as transformers' NemotronHForCausalLM, the class every user of the
+    export runs; any other (`nemotron_h_puzzle`: children transformers cannot hold) as a HybridLM.
+    """
+    from puzzle.data import load_tokenizer
+
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise EvalError(f"{path} is not a checkpoint: no config.json there")
+    tokenizer = load_tokenizer(path)
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if model_type == "nemotron_h":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch_dtype, local_files_only=True, trust_remote_code=False
+        )
+        return model.eval(), tokenizer
+    from puzzle.nemotron_h import load
+
+    return load(path, dtype=torch_dtype), tokenizer
+
+
+def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per task and metric of a results dict: task, metric, value, stderr (None when lm-eval gave none)."""
+    rows = []
+    for task, metrics in results.get("results", {}).items():
+        for key, value in metrics.items():
+            metric, comma, flt = key.partition(",")  # "acc,none"; alias and sample_len have no filter
+            if not comma or metric.endswith("_stderr") or not isinstance(value, (int, float)):
+                continue
+            stderr = metrics.get(f"{metric}_stderr,{flt}")
+            rows.append(
+                {
+                    "task": task,
+                    "metric": metric,
+                    "value": float(value),
+                    "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
+                }
+            )
+    return rows
