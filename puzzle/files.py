@@ -217,6 +217,23 @@ def card_owner(directory: str | Path) -> str | None:
 # ---------------------------------------------------------------------------- outputs the user named
 
 
+def existing_ancestor(path: Path) -> Path:
+    """`path` if it exists, else the nearest folder above it that does (`.` for a relative path none of
+    whose parents exist): where a directory still to be created will live."""
+    return next((p for p in (path, *path.parents) if p.exists()), Path("."))
+
+
+def tree_bytes(*folders: Path) -> int:
+    """The bytes of the plain files under `folders` (absent ones count 0; links are not followed)."""
+    return sum(
+        f.stat().st_size
+        for folder in folders
+        if folder.is_dir()
+        for f in folder.rglob("*")
+        if f.is_file() and not f.is_symlink()
+    )
+
+
 def path_problem(path: Path, option: str) -> str | None:
     """Why directory `path` (named by the user as `option`) cannot be created or written, or None.
 
@@ -225,7 +242,7 @@ def path_problem(path: Path, option: str) -> str | None:
     folder there, since permission bits do not tell (root passes `os.access` on /proc, a read-only mount
     passes it too). The answer names the path, what was expected and what was found.
     """
-    existing = next((p for p in (path, *path.parents) if p.exists()), Path("."))
+    existing = existing_ancestor(path)
     if not existing.is_dir():
         where = "is a file" if existing == path else f"lies under the file {existing}"
         return f"{option} {path} {where}: expected a directory"

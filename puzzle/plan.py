@@ -542,9 +542,10 @@ def _trained(ctx: _Context) -> list[Variant]:
     ]
 
 
-def library_grouping(ctx: _Context) -> tuple[dict[Variant, int], WaveLimit]:
-    """Each trained variant's BLD bytes per rank and the limit that groups them into waves, as the run will
-    (`puzzle.bld.build_library` asks `bld_wave_limit` the same way); `WaveLimit.waves` gives the waves."""
+def library_grouping(ctx: _Context) -> tuple[dict[Variant, int], dict[str, float], WaveLimit]:
+    """Each trained variant's BLD bytes per rank, the stage's other parts per rank (`library_other_parts`)
+    and the limit that groups the variants into waves, as the run will (`puzzle.bld.build_library` asks
+    `bld_wave_limit` the same way); `WaveLimit.waves` gives the waves."""
     import torch
 
     settings = ctx.config.bld
@@ -561,30 +562,23 @@ def library_grouping(ctx: _Context) -> tuple[dict[Variant, int], WaveLimit]:
         train_bytes=_dtype_bytes(settings.dtype),
         world=world,
     )
-    return sizes, bld_wave_limit(settings, others, ctx.usable)
+    return sizes, others, bld_wave_limit(settings, others, ctx.usable)
 
 
 def _library(ctx: _Context, problems: list[str]) -> StagePlan:
     settings, H = ctx.config.bld, ctx.spec.hidden_size
-    world = ctx.world_of(settings.shard)
     train_bytes = _dtype_bytes(settings.dtype)
-    local = rows_per_rank(ctx.config.data.batch_size, ctx.world) * ctx.seq_len
     trained = _trained(ctx)
-    sizes, limit = library_grouping(ctx)
+    sizes, others, limit = library_grouping(ctx)
     try:
         waves = limit.waves(sizes)
     except ValueError as error:
         problems.append(f"stage library: {error}")
         waves = [[v] for v in trained]
     wave_bytes = max((sum(sizes[v] for v in wave) for wave in waves), default=0)
-    memory = library_other_parts(
-        ctx.spec, trained, tokens=local, dtype_bytes=ctx.dtype_bytes, train_bytes=train_bytes, world=world
-    )
-    memory = {
-        **dict(list(memory.items())[:2]),
-        "wave (params, grads, AdamW, activations)": wave_bytes,
-        **dict(list(memory.items())[2:]),
-    }
+    # The plan lists the wave beside the parent's shard and gathered unit, before the activations.
+    parts = list(others.items())
+    memory = {**dict(parts[:2]), "wave (params, grads, AdamW, activations)": wave_bytes, **dict(parts[2:])}
     budget = settings.token_budget
     parent_flops = len(waves) * budget * forward_flops_per_token(ctx.spec, ctx.seq_len, logits=False)
     variant_flops = sum(3 * budget * block_forward_flops(v.spec, H, ctx.seq_len) for v in trained)
@@ -1004,13 +998,10 @@ def disk_room(run_dir: Path) -> tuple[int, int, str]:
     run has already written part of what its plan counts, so only the rest must be free."""
     import shutil
 
-    existing = run_dir.absolute()
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    written = 0
-    if run_dir.is_dir():
-        written = sum(f.stat().st_size for f in run_dir.rglob("*") if f.is_file() and not f.is_symlink())
-    return shutil.disk_usage(existing).free, written, f"at {existing} (run_dir {run_dir})"
+    from puzzle.files import existing_ancestor, tree_bytes
+
+    existing = existing_ancestor(run_dir.absolute())
+    return shutil.disk_usage(existing).free, tree_bytes(run_dir), f"at {existing} (run_dir {run_dir})"
 
 
 # ------------------------------------------------------------------------- scoring's wave size ("auto")
@@ -1111,7 +1102,7 @@ def bld_waves(
     variants = config.search_space().all_variants(spec)
     usable = memory_bytes * config.hardware.memory_fraction
     dtype_bytes = parent_dtype_bytes(config.parent.dtype, checkpoint)
-    sizes, limit = library_grouping(_Context(config, spec, world, dtype_bytes, variants, usable))
+    sizes, _, limit = library_grouping(_Context(config, spec, world, dtype_bytes, variants, usable))
     return limit.waves(sizes), limit
 
 

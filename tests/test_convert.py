@@ -15,7 +15,7 @@ from transformers import NemotronHForCausalLM
 
 import puzzle
 from puzzle.cli import main
-from puzzle.commands.convert import parse_size
+from puzzle.commands import parse_size
 
 TOKENIZER = json.dumps({"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0}}})
 

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from puzzle.bld import build_library
 from puzzle.cli import main
-from puzzle.commands.plan import disk_size
+from puzzle.commands import byte_size
 from puzzle.config import load_config
 from puzzle.layout import RunLayout
 from puzzle.ledger import RunError
@@ -94,7 +94,7 @@ def test_puzzle_plan_disk_refuses_a_run_that_does_not_fit_naming_the_stage_and_a
     ("text", "value"), [("1000", 1000), ("6TB", 6e12), ("5.5TiB", 5.5 * 2**40), ("800gib", 800 * 2**30)]
 )
 def test_disk_sizes_read_with_their_units(text, value):
-    assert disk_size(text) == value
+    assert byte_size(text) == value
 
 
 @pytest.mark.parametrize("text", ["800x", "TB", "-1GB", "0"])
@@ -102,7 +102,7 @@ def test_a_bad_disk_size_is_an_error_quoting_it(text):
     import argparse
 
     with pytest.raises(argparse.ArgumentTypeError, match=repr(text)):
-        disk_size(text)
+        byte_size(text)
 
 
 def test_what_a_run_directory_holds_counts_as_written(tmp_path):

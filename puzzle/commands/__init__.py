@@ -8,6 +8,7 @@ A count (tokens, solutions) must come out whole: `1e6` is 1000000, `1.5` is an e
 from __future__ import annotations
 
 import argparse
+import math
 import re
 
 from puzzle.cost.limits import BudgetError, Relative, parse_value
@@ -63,3 +64,34 @@ def fraction(text: str) -> float:
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"expected a fraction in (0, 1] such as 0.9, found {text!r}")
     return value
+
+
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+
+def parse_size(text: str) -> int:
+    """`5GB` -> 5e9 bytes, `500MiB` -> 500 * 2**20, `1024` -> 1024; ValueError naming the text otherwise."""
+    match = _SIZE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"cannot read size {text!r}: expected a number of bytes like 5GB, 500MB or 2GiB")
+    number, unit = float(match.group(1)), match.group(2).upper()
+    binary = "I" in unit
+    prefix = unit[:1] if unit[:1] in "KMGT" else ""
+    scale = 1024 ** "KMGT".index(prefix) * 1024 if binary and prefix else _SIZE_UNITS[prefix]
+    if binary and not prefix:
+        raise ValueError(f"cannot read size {text!r}: expected a number of bytes like 5GB, 500MB or 2GiB")
+    if not math.isfinite(number * scale):
+        raise ValueError(f"size {text!r} is not a finite number of bytes")
+    size = int(number * scale)
+    if size < 1:
+        raise ValueError(f"size {text!r} must be at least 1 byte")
+    return size
+
+
+def byte_size(text: str) -> int:
+    """`parse_size` as an argparse type (`puzzle convert --max-shard-size`, `puzzle plan --disk`)."""
+    try:
+        return parse_size(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None

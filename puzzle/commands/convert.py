@@ -3,43 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import math
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
+from puzzle.commands import byte_size
+
 EXIT_BAD_INPUT = 2
 DTYPES = ("bfloat16", "float16", "float32")
 FORMATS = ("auto", "nemotron_h", "nemotron_h_puzzle")
-_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-
-
-def parse_size(text: str) -> int:
-    """`5GB` -> 5e9 bytes, `500MiB` -> 500 * 2**20, `1024` -> 1024; ValueError naming the text otherwise."""
-    match = _SIZE.fullmatch(text)
-    if match is None:
-        raise ValueError(f"cannot read size {text!r}: expected a number of bytes like 5GB, 500MB or 2GiB")
-    number, unit = float(match.group(1)), match.group(2).upper()
-    binary = "I" in unit
-    prefix = unit[:1] if unit[:1] in "KMGT" else ""
-    scale = 1024 ** "KMGT".index(prefix) * 1024 if binary and prefix else _UNITS[prefix]
-    if binary and not prefix:
-        raise ValueError(f"cannot read size {text!r}: expected a number of bytes like 5GB, 500MB or 2GiB")
-    if not math.isfinite(number * scale):
-        raise ValueError(f"size {text!r} is not a finite number of bytes")
-    size = int(number * scale)
-    if size < 1:
-        raise ValueError(f"size {text!r} must be at least 1 byte")
-    return size
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def register(subparsers: Any) -> None:
@@ -64,7 +36,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--max-shard-size",
-        type=_size,
+        type=byte_size,
         default="5GB",
         metavar="SIZE",
         help="largest weight file, e.g. 5GB, 500MB, 2GiB (default 5GB)",

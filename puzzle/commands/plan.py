@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from puzzle.commands import fraction, positive_int
+from puzzle.commands import byte_size, fraction, positive_int
 
 EXIT_DOES_NOT_FIT = 2
 
@@ -65,7 +65,7 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument(
         "--disk",
-        type=disk_size,
+        type=byte_size,
         default=None,
         metavar="SIZE",
         help="the disk the run directory may fill, in bytes or with a unit (6TB, 5.5TiB, 800GiB): exit 2 "
@@ -73,25 +73,6 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(func=run)
-
-
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20}
-_UNITS |= {"gib": 2**30, "tib": 2**40}
-
-
-def disk_size(text: str) -> float:
-    """A size in bytes from `text`: a number with an optional unit (B, KB..TB, KiB..TiB; any case)."""
-    number = text.strip().rstrip("bBiIkKmMgGtT")
-    unit = text.strip()[len(number) :].lower()
-    try:
-        value = float(number.replace("_", "")) * _UNITS[unit]
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(
-            f"expected a size in bytes, optionally with a unit (6TB, 5.5TiB, 800GiB), found {text!r}"
-        ) from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive size, found {text!r}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:

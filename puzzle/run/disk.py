@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from puzzle import dist
+from puzzle.files import existing_ancestor, tree_bytes
 from puzzle.layout import CHILDREN_DIR, EXPORTS_DIR, RunLayout
 from puzzle.ledger import RunError
 
@@ -29,10 +30,6 @@ def stage_folders(layout: RunLayout, stage: str) -> list[Path]:
         "export": [layout.root / EXPORTS_DIR],
     }
     return folders.get(stage, [])
-
-
-def folder_bytes(folders: list[Path]) -> int:
-    return sum(f.stat().st_size for d in folders if d.is_dir() for f in d.rglob("*") if f.is_file())
 
 
 def disk_shortfall(stage: str, planned: float, written: int, free: int, where: Path) -> str | None:
@@ -65,8 +62,8 @@ def check_stage_disk(config: Any, layout: RunLayout, stage: str) -> None:
             plan = None
         planned = {s.name: s.disk for s in plan.stages} if plan is not None else {}
         if stage in planned and planned[stage] >= MUCH_BYTES:
-            written = folder_bytes(stage_folders(layout, stage))
-            where = layout.root if layout.root.exists() else layout.root.parent
+            written = tree_bytes(*stage_folders(layout, stage))
+            where = existing_ancestor(layout.root.absolute())
             reason = disk_shortfall(stage, planned[stage], written, shutil.disk_usage(where).free, where)
     reason = dist.broadcast_object(reason)
     if reason is not None:
