@@ -24,6 +24,7 @@ from puzzle.nemotron_h.config import CheckpointError, config_from_spec
 from puzzle.nemotron_h.engines import SERVING_ENGINES, engine_problems, engine_support
 from puzzle.nemotron_h.weights import DEFAULT_MAX_SHARD_BYTES
 from puzzle.search.types import Solution
+from puzzle.spec import with_weight_formats
 
 FORMATS = ("auto", "nemotron_h", "nemotron_h_puzzle", "engine")
 RECORD_FORMAT = 1
@@ -49,12 +50,17 @@ def _model_type(child: HybridLM, format: str, engines: Iterable[str]) -> str:
 
 
 def export_config(
-    child: HybridLM, format: str = "auto", engines: Iterable[str] = SERVING_ENGINES
+    child: HybridLM,
+    format: str = "auto",
+    engines: Iterable[str] = SERVING_ENGINES,
+    formats: Mapping[int, str] | None = None,
 ) -> dict[str, Any]:
-    """The config.json `export` writes for `child` (no weights read: works for a model on the meta device)."""
+    """The config.json `export` writes for `child` (no weights read: works for a model on the meta device);
+    `formats` {block index: format}: the blocks' stored formats (None: their specs')."""
     model_type = _model_type(child, format, engines)
+    stored = child.spec if formats is None else with_weight_formats(child.spec, formats)
     return config_from_spec(
-        child.spec, child.source_config, dtype=child.embeddings.weight.dtype, model_type=model_type
+        stored, child.source_config, dtype=child.embeddings.weight.dtype, model_type=model_type
     )
 
 
@@ -64,6 +70,7 @@ def export_record(
     parent_dir: Path | None,
     solution: Solution | Mapping[str, Any] | None,
     measured: Mapping[str, Any] | None,
+    formats: Mapping[int, str] | None = None,
 ) -> dict[str, Any]:
     """The content of `puzzle.json`: what the child is, where it came from, how it scores and who can serve it."""
     assembly = getattr(child, "assembly", None)
@@ -80,7 +87,9 @@ def export_record(
     if measured is not None:
         record["measured"] = dict(measured)
     record["spec"] = child.spec.to_dict()
-    record["engines"] = engine_support(child.spec)
+    record["engines"] = engine_support(
+        child.spec if formats is None else with_weight_formats(child.spec, formats)
+    )
     if "mtp" not in record:
         record["mtp"] = {
             "handling": "not assembled by puzzle: extra tensors carried as loaded",
@@ -130,13 +139,13 @@ def export(
     if parent is not None and not parent.is_dir():
         raise ExportError(f"parent directory {parent} does not exist")
     engines = tuple(engines)
-    config = export_config(child, format, engines)
-    if measured is None and getattr(child, "assembly", None) is not None and child.assembly.measured:
-        measured = child.assembly.measured
     # {block: format}: the user's module prefixes read once (checked before the record copies them), else
     # an assembled child's blocks' own formats
     formats = exported_formats(child.spec, weight_formats)
-    record = export_record(child, config, parent or child.source_path, solution, measured)
+    config = export_config(child, format, engines, formats)
+    if measured is None and getattr(child, "assembly", None) is not None and child.assembly.measured:
+        measured = child.assembly.measured
+    record = export_record(child, config, parent or child.source_path, solution, measured, formats)
     if run_info is not None:
         record["run"] = dict(run_info)
     if weight_formats is not None or formats:

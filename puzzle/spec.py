@@ -658,13 +658,28 @@ def weight_formats(spec: ModelSpec) -> dict[int, str]:
     }
 
 
-def without_weight_formats(spec: ModelSpec) -> ModelSpec:
-    """`spec` with every block in bf16: its architecture alone (what a config.json's block fields describe)."""
-    blocks = tuple(
+def without_weight_format(block: BlockSpec) -> BlockSpec:
+    """`block` in bf16: its shape alone."""
+    return (
         dataclasses.replace(block, weight_format=DEFAULT_WEIGHT_FORMAT)
         if takes_weight_format(block)
         else block
-        for block in spec.blocks
+    )
+
+
+def without_weight_formats(spec: ModelSpec) -> ModelSpec:
+    """`spec` with every block in bf16: its architecture alone (what a config.json's block fields describe)."""
+    return dataclasses.replace(spec, blocks=tuple(without_weight_format(block) for block in spec.blocks))
+
+
+def with_weight_formats(spec: ModelSpec, formats: Mapping[int, str]) -> ModelSpec:
+    """`spec` with each block in the format `formats` ({block index: format}) gives it, the others in bf16:
+    the blocks as a save stores them (what engines read), whatever formats the spec itself carried."""
+    blocks = tuple(
+        dataclasses.replace(block, weight_format=formats.get(index, DEFAULT_WEIGHT_FORMAT))
+        if takes_weight_format(block)
+        else block
+        for index, block in enumerate(spec.blocks)
     )
     return dataclasses.replace(spec, blocks=blocks)
 

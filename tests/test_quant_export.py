@@ -22,8 +22,16 @@ from puzzle.nemotron_h import CheckpointError, quantized
 from puzzle.nemotron_h.checkpoint import convert_checkpoint, save_pretrained
 from puzzle.nemotron_h.vllm_quant_replay import VllmQuantError, resolve
 from puzzle.quant import QuantError, nvfp4_global_scale
-from puzzle.quant_blocks import fake_quantize_mixer_
-from puzzle.spec import AttentionSpec, MambaSpec, MLPSpec, ModelSpec, MoESpec, NoOpSpec, weight_formats
+from puzzle.spec import (
+    AttentionSpec,
+    MambaSpec,
+    MLPSpec,
+    ModelSpec,
+    MoESpec,
+    NoOpSpec,
+    weight_formats,
+    with_weight_formats,
+)
 
 pytest.importorskip(
     "compressed_tensors"
@@ -136,7 +144,7 @@ def test_the_replay_catches_targets_vllm_would_resolve_otherwise(exported):
         resolve(broken)
     broken = copy.deepcopy(config)
     for group in broken["quantization_config"]["config_groups"].values():
-        group["targets"] = [t for t in group["targets"] if t != "backbone.layers.1.mixer.k_proj"]
+        group["targets"] = [t for t in group["targets"] if not t.endswith(r"layers\.1\.mixer\.k_proj$")]
     qkv = next(layer for layer in resolve(broken) if layer.name == "model.layers.1.mixer.qkv_proj")
     assert qkv.scheme is None
 
@@ -199,13 +207,18 @@ def test_q_k_v_share_one_nvfp4_global_scale(exported):
 # ---------------------------------------------------------------------------------------- reading back
 
 
+def _served(model: HybridLM) -> HybridLM:
+    """`model`'s weights under the spec of its exported FORMATS: each block's forward fake-quantizes its
+    weights (and, fp8, its matmuls' inputs per token) as the engines serve the export."""
+    formats = {int(key.split(".")[2]): fmt for key, fmt in FORMATS.items()}
+    served = HybridLM(with_weight_formats(SPEC, formats)).eval()
+    served.load_state_dict(model.state_dict())
+    return served
+
+
 def test_load_of_the_export_gives_the_fake_quantized_childs_logits(exported):
     model, path = exported
-    child = copy.deepcopy(model)
-    for key, fmt in FORMATS.items():
-        index = int(key.split(".")[2])
-        if fmt != "bf16":
-            fake_quantize_mixer_(child.layers[index].mixer, SPEC.blocks[index], SPEC.hidden_size, fmt)
+    child = _served(model)
     loaded = puzzle.load(path, dtype=torch.float32)
     ids = torch.randint(0, SPEC.vocab_size, (2, 11), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -218,19 +231,16 @@ def test_load_of_the_export_gives_the_fake_quantized_childs_logits(exported):
 
 def test_a_loaded_export_keeps_its_block_formats_and_its_logits(exported):
     """The loaded model's spec carries each block's format (read from the stored tensors), and its quantized
-    forward, which fake-quantizes the already-quantized weights again, gives the logits of the same weights
-    under the bf16 spec within 1e-5 (relative to the largest): on the format's grid fake quantization is the
-    identity up to the fp32 rounding of the recomputed scales."""
-    _, path = exported
+    forward, which fake-quantizes the already-quantized weights again, gives the logits of the master
+    weights under the same formats within 1e-5 (relative to the largest): on the format's grid fake
+    quantization is the identity up to the fp32 rounding of the recomputed scales."""
+    model, path = exported
     loaded = puzzle.load(path, dtype=torch.float32)
     expected = {int(k.split(".")[2]): f for k, f in FORMATS.items() if f != "bf16"}
     assert weight_formats(loaded.spec) == expected
-    as_bf16 = ModelSpec(SPEC.vocab_size, SPEC.hidden_size, SPEC.blocks)
-    plain = HybridLM(as_bf16).eval()
-    plain.load_state_dict(loaded.state_dict())
     ids = torch.randint(0, SPEC.vocab_size, (2, 11), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
-        got, want = loaded(ids).logits, plain(ids).logits
+        got, want = loaded(ids).logits, _served(model)(ids).logits
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 

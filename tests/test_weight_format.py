@@ -9,6 +9,7 @@ variant ids computed by the checkout before the axis existed (pinned below).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -24,6 +25,7 @@ from puzzle import spec as spec_formats
 from puzzle.artifacts import fingerprint_json, fingerprint_spec
 from puzzle.bld import default_init
 from puzzle.blocks import build_block, formats
+from puzzle.blocks.formats import fake_quantized
 from puzzle.blocks.tensors import TensorInfo
 from puzzle.cli import main as puzzle_main
 from puzzle.cost import model_performance, model_weight_bytes, state_bytes_per_request
@@ -32,6 +34,7 @@ from puzzle.cost.formats import get_recipe, with_weight_format
 from puzzle.formats import NVFP4_BLOCK, QUANTIZED_ROLES, ROLE_QUANTIZED, ROLES
 from puzzle.model import HybridLM
 from puzzle.quant import fake_quantize
+from puzzle.quant_tokens import quantize_input_hook
 from puzzle.run import Run
 from puzzle.space import SearchSpace, SpaceError
 from puzzle.spec import (
@@ -42,6 +45,7 @@ from puzzle.spec import (
     Variant,
     block_to_dict,
     weight_formats,
+    without_weight_formats,
 )
 
 # The matmul weights each format covers, by hand (the hub names of the mixers used below).
@@ -192,6 +196,9 @@ def test_a_quantized_mixer_runs_fake_quantized_weights_with_straight_through_gra
             if name.startswith(("experts.", "shared_experts.", "up_proj", "down_proj")):
                 by_hand[name] = fake_quantize(tensor.detach().clone(), fmt)
         reference.load_state_dict(master)
+        if fmt == "fp8":  # by hand too: each matmul's input per token, as FP8_DYNAMIC serves it
+            for module in (reference.up_proj, reference.down_proj):
+                module.register_forward_pre_hook(quantize_input_hook)
         ref_hub = module_hub_state(reference)
         with torch.no_grad():
             for name, value in by_hand.items():
@@ -353,6 +360,13 @@ def test_a_run_trains_scores_picks_and_assembles_quantized_variants(run):
             key = f"layers.{block['block']}.mixer.{name}"
             state[key] = fake_quantize(baked[key], fmt)
     reference.load_state_dict(state)
+    for block in blocks:  # fp8 blocks by hand too: each matmul's input quantized per token
+        if block.get("weight_format") == "fp8":
+            mixer = reference.layers[block["block"]].mixer
+            for name in COVERED[child.spec.blocks[block["block"]].kind]:
+                mixer.get_submodule(name.removesuffix(".weight")).register_forward_pre_hook(
+                    quantize_input_hook
+                )
     ids = torch.randint(0, SPEC.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(child(ids).logits, reference(ids).logits, rtol=0, atol=0)
@@ -398,7 +412,7 @@ def test_the_assembled_child_exports_in_its_formats_and_loads_back(run, tmp_path
     path = export(child, tmp_path / "child")
     config = json.loads((path / "config.json").read_text())
     targets = {
-        fmt: {t.split(".")[2] for t in group["targets"]}
+        fmt: {re.search(r"layers\\.(\d+)\\.", t).group(1) for t in group["targets"]}
         for group in config["quantization_config"]["config_groups"].values()
         for fmt in ["nvfp4" if group["weights"]["num_bits"] == 4 else "fp8"]
     }
@@ -415,5 +429,14 @@ def test_the_assembled_child_exports_in_its_formats_and_loads_back(run, tmp_path
         )
         plain = export(child, tmp_path / "plain", weight_formats={})
         assert "quantization_config" not in json.loads((plain / "config.json").read_text())
-        # The unquantized export holds what the child multiplies by: its baked weights quantized once more.
-        torch.testing.assert_close(puzzle.load(plain, dtype="float32")(ids).logits, expected, rtol=0, atol=0)
+        # The unquantized export holds what the child multiplies by: its baked weights quantized once more,
+        # computed as a bf16 model (no fp8 activations: an engine serving it unquantized has none).
+        with contextlib.ExitStack() as stack:
+            for index in weight_formats(child.spec):
+                stack.enter_context(fake_quantized(child.layers[index].mixer))
+            effective = {name: tensor.clone() for name, tensor in child.state_dict().items()}
+        unquantized = HybridLM(without_weight_formats(child.spec)).eval()
+        unquantized.load_state_dict(effective)
+        torch.testing.assert_close(
+            puzzle.load(plain, dtype="float32")(ids).logits, unquantized(ids).logits, rtol=0, atol=0
+        )

@@ -10,7 +10,9 @@ of a bf16 block of the same shape). `build_block` gives a quantized spec's mixer
 that swaps each covered weight for `puzzle.quant.fake_quantize(weight, fmt)` for the duration of the
 call (and a hook that puts the master weights back, also when the forward raises). fake_quantize's
 gradient is straight-through, so training the mixer (BLD) is quantization-aware and its scores, an
-assembled child and GKD all run the quantized block. `bake` writes the fake-quantized values into the
+assembled child and GKD all run the quantized block. An fp8 block also quantizes the input of each of
+its matmuls per token (`puzzle.quant_tokens`, forward pre-hooks on its projections; an ExpertBank's
+`activation_quant`), as the FP8_DYNAMIC scheme it is exported in is served. `bake` writes the fake-quantized values into the
 parameters themselves (assembly: what the child carries and an export writes).
 
 Fused matmuls: q/k/v share one NVFP4 global scale (vLLM serves them as one qkv_proj with one scale),
@@ -193,9 +195,20 @@ def _post_hook(mixer: nn.Module, args: object, output: object) -> None:
 
 
 def install(mixer: nn.Module) -> nn.Module:
-    """Make every call of `mixer` run with its covered weights fake-quantized (a no-op for bf16)."""
-    if weight_format_of(mixer.spec) == DEFAULT_WEIGHT_FORMAT:
+    """Make every call of `mixer` run with its covered weights fake-quantized (a no-op for bf16), and, for
+    fp8, the input of each of its matmuls quantized per token as the exported FP8_DYNAMIC scheme serves it
+    (`puzzle.quant_tokens`)."""
+    fmt = weight_format_of(mixer.spec)
+    if fmt == DEFAULT_WEIGHT_FORMAT:
         return mixer
+    if fmt == "fp8":
+        from puzzle.quant_tokens import fake_quantize_tokens, quantize_input_hook
+
+        for weight in covered_weights(mixer):
+            if weight.layout == "linear":
+                weight.owner.register_forward_pre_hook(quantize_input_hook)
+            else:  # an ExpertBank: its two matmuls' inputs, expert by expert
+                weight.owner.activation_quant = fake_quantize_tokens
     setattr(mixer, _ACTIVE, None)
     mixer.register_forward_pre_hook(_pre_hook)
     mixer.register_forward_hook(_post_hook, always_call=True)

@@ -95,6 +95,9 @@ class ExpertBank(nn.Module):
         self.up = nn.Parameter(torch.empty(self.offsets[-1], input_size))
         self.down = nn.Parameter(torch.empty(self.offsets[-1], input_size))
         self.path = "auto"
+        # Set for an fp8 block (`puzzle.blocks.formats.install`): each matmul's input quantized per token, as
+        # the served fp8 MoE does; the bank then runs the reference loop.
+        self.activation_quant: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._observers: OrderedDict[int, ExpertObserver] = OrderedDict()
         self._views: tuple[tuple[int, int], list[torch.Tensor], list[torch.Tensor]] | None = None
         self.reset_parameters()
@@ -264,6 +267,8 @@ class ExpertBank(nn.Module):
         """
         if self.path not in ("auto", "loop", "grouped"):
             raise ValueError(f"ExpertBank.path must be 'auto', 'loop' or 'grouped', found {self.path!r}")
+        if self.activation_quant is not None:
+            return self._loop(self.activation_quant(h), weights, indices, self.activation_quant)
         # Observers see each expert's batch: they need the loop, whatever the path.
         grouped = not self._observers and (
             self.path == "grouped" or (self.path == "auto" and self.uses_grouped(h))
@@ -274,13 +279,20 @@ class ExpertBank(nn.Module):
             return self._each_pair(h, weights, indices)
         return self._loop(h, weights, indices)
 
-    def _loop(self, h: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    def _loop(
+        self,
+        h: torch.Tensor,
+        weights: torch.Tensor,
+        indices: torch.Tensor,
+        quantize: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """The reference: each expert that received pairs runs on its tokens, and its weighted outputs are added
         into the result expert by expert (transformers' eager order of summation).
 
         One stable sort of the flattened (token, slot) pairs gives every expert its tokens, in token order.
         Without autograd the experts run in chunks of consecutive experts (`_chunked`): the same products in
         the same order, with the gather, activation, weighting and scatter done once per chunk.
+        `quantize`: applied to each expert's activation before its down matmul (then the loop always runs).
         """
         n, top_k = indices.shape
         experts, order = torch.sort(indices.reshape(-1), stable=True)
@@ -293,7 +305,7 @@ class ExpertBank(nn.Module):
         )
         if not hit:
             return out.to(h.dtype)
-        if not tracked:
+        if not tracked and quantize is None:
             self._chunked(h, hit, counts, tokens, pair_weights, out)
             return out.to(h.dtype)
         start = 0
@@ -301,6 +313,8 @@ class ExpertBank(nn.Module):
             token, weight = tokens[start : start + count], pair_weights[start : start + count]
             x = h.index_select(0, token)
             a = relu2(torch.mm(x, self.up_weight(j).T))
+            if quantize is not None:
+                a = quantize(a)
             y = torch.mm(a, self.down[self.offsets[j] : self.offsets[j + 1]])
             for observer in self._observers.values():
                 observer(j, x, a, y, weight[:, 0])

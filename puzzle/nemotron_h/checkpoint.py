@@ -55,7 +55,7 @@ from puzzle.nemotron_h.weights import (
     weight_files,
 )
 from puzzle.progress import progress
-from puzzle.spec import ModelSpec, NoOpSpec
+from puzzle.spec import ModelSpec, NoOpSpec, with_weight_formats
 from puzzle.spec import weight_formats as spec_weight_formats
 
 # ---------------------------------------------------------------------------------------------------- load
@@ -348,6 +348,7 @@ def save_pretrained(
         stream_weights, model, max_shard_bytes=max_shard_bytes
     )
     formats = exported_formats(model.spec, weight_formats, block_weight_formats)
+    options["formats"] = formats  # the config describes the blocks as stored (e.g. nvfp4 experts)
     # {} or only bf16 blocks: every block as it is (e.g. bf16 for llama.cpp), no quantization_config
     quant_plan = quantized.plan(model, formats) if formats else None  # refusals before writing
     if quant_plan is not None and quant_plan.weights:
@@ -454,9 +455,11 @@ def _save(
     aux_source: str | Path | None = None,
     extra_files: Mapping[str, str] | None = None,
     quantization_config: Mapping[str, Any] | None = None,
+    formats: Mapping[int, str] | None = None,
 ) -> Path:
     """`save_pretrained`'s checks and files, the weights written into the staging directory by `write`
-    (`model` gives the config, the source directory and the tokenizer files; its weights may be meta)."""
+    (`model` gives the config, the source directory and the tokenizer files; its weights may be meta;
+    `formats` {block index: format} the blocks' stored formats, None: their specs')."""
     target = Path(path).absolute()
     source = model.source_path
     aux = source if aux_source is None else Path(aux_source).resolve()
@@ -476,8 +479,9 @@ def _save(
             f"{refusal_to_overwrite(target, foreign)}; save into a new or empty directory, or pass "
             "overwrite=True to write the checkpoint files beside them"
         )
+    stored = model.spec if formats is None else with_weight_formats(model.spec, formats)
     config = config_from_spec(
-        model.spec, model.source_config, dtype=model.embeddings.weight.dtype, model_type=model_type
+        stored, model.source_config, dtype=model.embeddings.weight.dtype, model_type=model_type
     )
     if quantization_config is not None:
         config["quantization_config"] = dict(quantization_config)

@@ -19,7 +19,8 @@ What each engine reads:
   for all MoE blocks; no sliding window (every attention layer attends to the whole context, src/models/
   nemotron-h.cpp); its loader takes a dense MLP block in a model with MoE blocks for a Mamba layer;
   MTP tensors are dropped.
-- transformers without remote code (`NemotronHForCausalLM`): plain nemotron_h only, one shape per kind
+- transformers without remote code (`NemotronHForCausalLM`): plain nemotron_h only, one shape per kind, no
+  quantized MoE block (it misreads nvfp4 routed experts and runs fp8 ones without their activations)
   (`transformers_incompatibilities`). Our trust_remote_code file and `puzzle.load` read every child.
 
 A width per expert inside one block, linear blocks and no-op blocks are ours alone.

@@ -23,8 +23,13 @@ its `ModelCompressor.update_config` writes them); the tensors are `puzzle.quant`
 must hold exactly the fake-quantized weights scoring used (the library's compressors recompute the
 division in another order; tests read our files back with its decompressors as the oracle of the layout).
 
-Targets: exact hub module names (`backbone.layers.3.mixer.in_proj`, mapped by vLLM to `model.` names), and
-one regex per MoE block for its routed experts, which vLLM resolves as a whole (`experts.0.up_proj`,
+The fp8 activations are part of what is scored: an fp8 block's forward quantizes each matmul's input per
+token the same way (`puzzle.quant_tokens`), so scores, KL and GKD see the error serving adds.
+
+Targets: one pattern per module matching its hub name and transformers' (`re:^(?:backbone|model)\.layers\.3\.
+mixer\.in_proj$`: vLLM maps `backbone.` to `model.`, transformers names its modules `model.`, and an exact
+`backbone.` name left transformers' modules unmatched and randomly initialised), and one per MoE block for
+its routed experts, which vLLM resolves as a whole (`experts.0.up_proj`,
 `experts.0.down_proj` and, for its non-gated experts, `experts.0.None`, which only a pattern matches).
 q/k/v share one nvfp4 global scale (vLLM fuses them into qkv_proj with one). Blocks not named, norms,
 biases, the router, conv1d, SSM parameters, embeddings, lm_head and MTP tensors stay as they are.
@@ -131,7 +136,10 @@ def _targets(weight_names: Iterable[str]) -> list[str]:
     for name in weight_names:
         expert = _EXPERT.fullmatch(name)
         if expert is None:
-            targets.append(_module(name))
+            # transformers names the modules `model.…`, vLLM maps ours to `model.…` too: a pattern for both
+            # (an exact `backbone.…` name matches nothing in transformers, whose modules then stay random)
+            module = re.escape(_module(name).removeprefix(_BACKBONE))
+            targets.append(rf"re:^(?:backbone|model)\.{module}$")
             continue
         # vLLM resolves the fused experts as `{layer}.experts.0.{up_proj, None, down_proj}` under `model.`
         pattern = rf"re:^(?:backbone|model)\.layers\.{expert.group(1)}\.mixer\.experts\.\d+\.\w+$"

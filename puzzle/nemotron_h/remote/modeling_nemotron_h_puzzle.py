@@ -235,6 +235,12 @@ class NemotronHPuzzleAttention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
+def per_token(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`linear(x)` with `x` seen as [1, tokens, features]: compressed-tensors quantizes a dynamic per-token
+    (fp8) activation per index of its first two dims and a 2-D input as one tensor; vLLM quantizes per token."""
+    return linear(x.reshape(1, -1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+
+
 class NemotronHPuzzleExpert(nn.Module):
     """A non-gated relu^2 MLP: down(relu(up(x))^2). Routed and shared experts alike."""
 
@@ -244,7 +250,7 @@ class NemotronHPuzzleExpert(nn.Module):
         self.down_proj = nn.Linear(width, size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.square(F.relu(self.up_proj(x))))
+        return per_token(self.down_proj, torch.square(F.relu(per_token(self.up_proj, x))))
 
 
 class NemotronHPuzzleRouter(nn.Module):
@@ -297,7 +303,7 @@ class NemotronHPuzzleMoE(nn.Module):
     def forward(self, x: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         weights, indices = self.gate(flat)
-        h = self.fc1_latent_proj(flat) if self.latent else flat
+        h = per_token(self.fc1_latent_proj, flat) if self.latent else flat
         routed = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
         if flat.shape[0] == 1:  # one token (a generation step): its experts in turn, no gather / scatter
             for slot, j in enumerate(indices[0].tolist()):
@@ -307,7 +313,7 @@ class NemotronHPuzzleMoE(nn.Module):
                 token, slot = (indices == j).nonzero(as_tuple=True)
                 routed.index_add_(0, token, self.experts[j](h[token]).float() * weights[token, slot, None])
         out = routed.to(h.dtype)
-        out = (self.fc2_latent_proj(out) if self.latent else out).view(x.shape)
+        out = (per_token(self.fc2_latent_proj, out) if self.latent else out).view(x.shape)
         return out + self.shared_experts(x) if self.shared_experts is not None else out
 
 
@@ -451,6 +457,24 @@ class NemotronHPuzzleModel(NemotronHPuzzlePreTrainedModel):
     def set_input_embeddings(self, embeddings: nn.Embedding) -> None:
         self.embeddings = embeddings
 
+    @torch.no_grad()
+    def _match_decompressed_dtypes(self) -> None:
+        """Quantized modules (compressed-tensors' `quantization_scheme`) decompressed into another dtype than
+        the model's (nvfp4 decompresses to bf16) get the model's: an fp32 load then runs (bf16 widens exactly)."""
+        dtype = self.embeddings.weight.dtype
+        if getattr(self, "_decompressed_dtype", None) == dtype:  # once per dtype: a walk over every module
+            return
+        self._decompressed_dtype = dtype
+        for module in self.modules():
+            weight = getattr(module, "weight", None)
+            if (
+                hasattr(module, "quantization_scheme")
+                and isinstance(weight, nn.Parameter)
+                and weight.dtype in (torch.bfloat16, torch.float16, torch.float32)
+                and weight.dtype != dtype
+            ):
+                weight.data = weight.data.to(dtype)
+
     def forward(
         self,
         input_ids=None,
@@ -463,6 +487,7 @@ class NemotronHPuzzleModel(NemotronHPuzzlePreTrainedModel):
         With a `cache` (`NemotronHPuzzleCache`), the tokens continue the sequence it holds, and it is updated.
         """
         x = self.embeddings(input_ids) if inputs_embeds is None else inputs_embeds
+        self._match_decompressed_dtypes()
         hidden = [x] if output_hidden_states else None
         for block in self.layers:
             x = block(x, cache)
