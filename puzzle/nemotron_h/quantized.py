@@ -1,4 +1,4 @@
-"""Quantized NemotronH checkpoints in the compressed-tensors format: written per block, read back dequantized.
+r"""Quantized NemotronH checkpoints in the compressed-tensors format: written per block, read back dequantized.
 
 Why compressed-tensors (not NVIDIA ModelOpt's `hf_quant_config.json`): it is vLLM's native format, one
 `quantization_config` in config.json holds any number of config groups, each a scheme with its own
