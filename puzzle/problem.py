@@ -41,6 +41,7 @@ from puzzle.layout import RunDirError, RunLayout
 from puzzle.search.budget import Budget, DeploymentLimit, DeploymentProblem, deployment_problem, parse_budget
 from puzzle.search.exact import search
 from puzzle.search.frontier import sweep
+from puzzle.search.kinds import search_attributes
 from puzzle.search.types import Rules, SearchError, Solution, SolverOptions, Table
 from puzzle.spec import BlockSpec, ModelSpec
 
@@ -166,6 +167,50 @@ class RunProblem:
         return self.problem.table
 
 
+def servable(
+    candidates: RunCandidates, engines: Iterable[str]
+) -> tuple[RunCandidates, Callable[[BlockSpec], dict[str, Any]], tuple[str, ...]]:
+    """Candidates held to what every engine of `engines` serves: (the candidates without the variants an
+    engine refuses in their block, whatever the other blocks are, each left out with a note; the rules'
+    attributes of a variant; the attributes held to one value, the parts of a block an engine reads from
+    its globals). A search under those rules returns only children the engines' checks accept
+    (`puzzle.nemotron_h.engines.engine_problems`). A parent block an engine refuses is a SearchError: the
+    parent's block is every block's first candidate."""
+    from puzzle.nemotron_h.engines import VariantCheck, check_engines, engine_attributes  # late: the replays
+
+    engines = check_engines(engines)
+    check = VariantCheck(candidates.parent, engines)
+    variants: list[list[BlockSpec]] = []
+    scores: list[list[float]] = []
+    notes = list(candidates.notes)
+    names: dict[str, None] = {}
+    for index, (block_variants, block_scores) in enumerate(zip(candidates.variants, candidates.scores)):
+        own = check.problems(index, block_variants[0])
+        if own:
+            raise SearchError(
+                f"search.engines {list(engines)}: the parent's block {index} ({block_variants[0].short_name()}) "
+                f"is not served: {'; '.join(own)}"
+            )
+        kept = [
+            (spec, score)
+            for spec, score in zip(block_variants, block_scores)
+            if not check.problems(index, spec)
+        ]
+        for spec in block_variants:
+            problems = check.problems(index, spec)
+            if problems:
+                notes.append(f"block {index} variant {spec.short_name()} left out: {'; '.join(problems)}")
+        variants.append([spec for spec, _ in kept])
+        scores.append([score for _, score in kept])
+        for spec, _ in kept:
+            names.update(dict.fromkeys(engine_attributes(spec, engines)))
+
+    def attributes(spec: BlockSpec) -> dict[str, Any]:
+        return {**search_attributes(spec), **engine_attributes(spec, engines)}
+
+    return RunCandidates(candidates.parent, variants, scores, notes), attributes, tuple(names)
+
+
 def run_problem(
     run_dir: str | Path | RunLayout,
     budgets: Iterable[str | DeploymentLimit] = (),
@@ -177,6 +222,7 @@ def run_problem(
     shared_state_size: bool = True,
     parent: ModelSpec | None = None,
     candidates: RunCandidates | None = None,
+    engines: Iterable[str] = (),
 ) -> RunProblem:
     """The search problem of the run in `run_dir` under `budgets` (texts as `parse_budget` reads them).
 
@@ -184,21 +230,27 @@ def run_problem(
     `state_size`, `top_k` or `kind` held to one value over the chosen variants that have it;
     `shared_state_size` (on, as serving engines need): one SSM state size for every Mamba block;
     `parent`: the parent's spec, when it is not the run's parent.json; `candidates`: the table's candidates
-    instead of the run's library and scores (nothing is then read from `run_dir`).
+    instead of the run's library and scores (nothing is then read from `run_dir`). `engines` (names in
+    `puzzle.nemotron_h.engines.ENGINES`): only children every one of them serves (`servable`).
     """
     cost_model = cost_model or CostModel()
     layout = run_dir if isinstance(run_dir, RunLayout) else RunLayout(Path(run_dir))
     if candidates is None:
         candidates = run_candidates(layout, objective, parent)
-    rules = Rules(
-        shared_state_size=shared_state_size,
-        same_attributes=tuple(same_attributes),
-        keep_blocks=tuple(int(b) if isinstance(b, str) and b.isdigit() else b for b in keep_blocks),
-    )
+    same_attributes = tuple(same_attributes)
     allowed = {"state_size", "top_k", "kind"}
-    unknown = sorted(set(rules.same_attributes) - allowed)
+    unknown = sorted(set(same_attributes) - allowed)
     if unknown:
         raise SearchError(f"cannot hold {unknown} to one value: a run's variants have {sorted(allowed)}")
+    attributes = None
+    if engines:
+        candidates, attributes, engine_rules = servable(candidates, engines)
+        same_attributes += engine_rules
+    rules = Rules(
+        shared_state_size=shared_state_size,
+        same_attributes=same_attributes,
+        keep_blocks=tuple(int(b) if isinstance(b, str) and b.isdigit() else b for b in keep_blocks),
+    )
     budget = Budget.parse(budgets, cost_model, rules)  # the one budget value; texts read once here
     # Parameters and weight bytes are always reported (columns without a bound); then each budget's terms.
     problem = deployment_problem(
@@ -208,6 +260,7 @@ def run_problem(
         budget,
         reported=_REPORTED,
         objective_name=objective,
+        attributes=attributes,
     )
     sources = problem.sources
     return RunProblem(problem, sources, candidates.notes, candidates)
@@ -225,6 +278,7 @@ def search_run(
     parent: ModelSpec | None = None,
     options: SolverOptions | None = None,
     note: Callable[[str], None] | None = None,
+    engines: Iterable[str] = (),
 ) -> Solution:
     """The best architecture of the run in `run_dir` under `budgets` (see `run_problem` for the rest).
 
@@ -244,6 +298,7 @@ def search_run(
         same_attributes=same_attributes,
         shared_state_size=shared_state_size,
         parent=parent,
+        engines=engines,
     )
     for text in problem.notes:
         (note or _log.warning)(text)

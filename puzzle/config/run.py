@@ -244,6 +244,15 @@ class SearchConfig:
     keep_blocks: tuple[int, ...] = field(
         default_factory=tuple, metadata=doc("Blocks held at the parent's shape.")
     )
+    engines: tuple[Literal["vllm", "llama.cpp", "transformers"], ...] = field(
+        default_factory=tuple,
+        metadata=doc(
+            "Serving engines the child must load (e.g. [vllm]): the search leaves out the variants they refuse "
+            "(no-op and linear blocks, a width per expert...) and holds what they read from the config's "
+            "globals to one value (vLLM: one Mamba and one attention shape), so the child exports with "
+            "format: engine. Empty: every variant."
+        ),
+    )
     solver: SolverOptions = field(default_factory=SolverOptions, metadata=doc("MIP solver options."))
 
     def __post_init__(self) -> None:

@@ -46,6 +46,7 @@ from puzzle.spec import (
     MoESpec,
     NoOpSpec,
     kind_entry,
+    without_weight_format,
 )
 
 ENGINES = ("vllm", "llama.cpp", "transformers")
@@ -116,12 +117,17 @@ def _vllm_mamba(block: MambaSpec, model: _Model) -> list[str]:
     return ["an upper dt clamp (mamba_dt_clamp_max is ours alone)"] if block.dt_clamp_max is not None else []
 
 
-def _vllm_attention(block: AttentionSpec, model: _Model) -> list[str]:
-    attention = model.reference[AttentionSpec]
+def _attention_shape(block: AttentionSpec) -> AttentionSpec:
     # The window is no shape: vLLM's NemotronHAttention passes each layer's `sliding_window` to its
     # Attention (per_layer_sliding_window), whose KV pages have the same size, and the hybrid KV-cache
     # manager groups windowed layers apart from full ones (as for gpt-oss). The replay checks the window read.
-    if dataclasses.replace(block, window=None) != dataclasses.replace(attention, window=None):
+    # Nor is the weight format: vLLM reads each module's scheme from quantization_config.
+    return dataclasses.replace(without_weight_format(block), window=None)
+
+
+def _vllm_attention(block: AttentionSpec, model: _Model) -> list[str]:
+    attention = model.reference[AttentionSpec]
+    if _attention_shape(block) != _attention_shape(attention):
         # conservative: the hybrid KV-cache manager pages one attention shape
         return [
             f"an attention shape {block.short_name()} unlike the other attention blocks' "
@@ -289,11 +295,86 @@ _CHECKS = {"vllm": _vllm, "llama.cpp": _llama_cpp, "transformers": _transformers
 def engine_problems(spec: ModelSpec, engines: Iterable[str] = SERVING_ENGINES) -> list[EngineProblem]:
     """Every reason why one of `engines` (names in ENGINES) cannot load a checkpoint of `spec`; [] if all can."""
     problems = []
+    for engine in check_engines(engines):
+        problems.extend(_CHECKS[engine](spec))
+    return problems
+
+
+# ------------------------------------------------------------------------- a search held to the engines
+# What an engine reads from the config's globals, by kind: every block of that kind in a child must agree on
+# it. The rules above find a block that disagrees with the most common one; a search holds each to one value.
+
+
+def _llama_cpp_moe_globals(block: MoESpec) -> tuple[Any, ...]:
+    return tuple(getattr(block, name) for name in _LLAMA_CPP_SHARED_MOE)
+
+
+GLOBAL_PARTS: dict[str, dict[type, Callable[[Any], Any]]] = {
+    # Mamba layers and their state cache from the globals (the replay); one attention shape (VLLM_RULES)
+    "vllm": {MambaSpec: without_weight_format, AttentionSpec: _attention_shape},
+    "llama.cpp": {
+        MambaSpec: without_weight_format,
+        AttentionSpec: without_weight_format,
+        MoESpec: _llama_cpp_moe_globals,
+    },
+    # one shape per kind (transformers_incompatibilities)
+    "transformers": dict.fromkeys((MambaSpec, AttentionSpec, MoESpec, MLPSpec), without_weight_format),
+}
+
+
+def check_engines(engines: Iterable[str]) -> tuple[str, ...]:
+    """`engines` as a tuple, each known (ValueError naming the unknown one and the known ones)."""
+    engines = tuple(engines)
     for engine in engines:
         if engine not in _CHECKS:
             raise ValueError(f"unknown engine {engine!r}; known: {list(ENGINES)}")
-        problems.extend(_CHECKS[engine](spec))
-    return problems
+    return engines
+
+
+def engine_attributes(block: BlockSpec, engines: Iterable[str]) -> dict[str, str]:
+    """{attribute: value} of `block` that a search holds to one value over a child's blocks, so that every
+    engine of `engines` reads them from its globals (e.g. "vllm mamba globals")."""
+    out = {}
+    for engine in engines:
+        part = GLOBAL_PARTS.get(engine, {}).get(type(block))
+        if part is not None:
+            out[f"{engine} {block.kind} globals"] = repr(part(block))
+    return out
+
+
+@dataclass
+class VariantCheck:
+    """Which variants `engines` serve in place of a block of `parent`, whatever the other blocks' choices
+    within the one-value rules of `engine_attributes`; results cached by (the parent block's kind, variant)."""
+
+    parent: ModelSpec
+    engines: tuple[str, ...]
+    _cache: dict[tuple[type, BlockSpec], list[str]] = dataclasses.field(default_factory=dict)
+    _parents: set[str] | None = None  # the parent's own problems of the model as a whole
+
+    def _whole(self, spec: ModelSpec) -> set[str]:
+        return {str(p) for p in engine_problems(spec, self.engines) if p.block is None}
+
+    def problems(self, index: int, block: BlockSpec) -> list[str]:
+        """Why `engines` cannot serve `block` as block `index`: the problems of that block in a child where it
+        takes the place of the parent's block and of every parent block of its kind (so only what `block`
+        itself breaks remains, not a disagreement the one-value rules rule out)."""
+        key = (type(self.parent.blocks[index]), block)
+        if key not in self._cache:
+            blocks = [
+                block if i == index or type(other) is type(block) else other
+                for i, other in enumerate(self.parent.blocks)
+            ]
+            child = dataclasses.replace(self.parent, blocks=tuple(blocks))
+            if self._parents is None:
+                self._parents = self._whole(self.parent)
+            # the block's own problems, and those of the model as a whole that it brings (transformers')
+            self._cache[key] = [
+                f"{problem.engine}: {problem.reason}"
+                for problem in engine_problems(child, self.engines)
+                if problem.block == index or (problem.block is None and str(problem) not in self._parents)
+            ]
+        return self._cache[key]
 
 
 def engine_support(spec: ModelSpec) -> dict[str, list[str]]:

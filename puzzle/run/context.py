@@ -444,6 +444,7 @@ class RunContext:
             same_attributes=search_settings.same_attributes,
             shared_state_size=search_settings.shared_state_size,
             candidates=candidates,
+            engines=search_settings.engines,
         )
 
     def solution_json(self, name: str) -> dict[str, Any]:

@@ -41,7 +41,7 @@ import dataclasses
 import functools
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -468,10 +468,13 @@ def priced_table(
     *,
     maximize: bool = False,
     objective_name: str = "score",
+    attributes: Callable[[BlockSpec], Mapping[str, Hashable]] | None = None,
 ) -> tuple[Table, list[tuple[Term, Bound]]]:
     """The search table of `variants[i]` (block i's candidates, the parent's block first) scored by
     `scores[i][j]`, with one cost column per term's row and scenario, and the limit each bounded term makes
-    (in the order of `terms`). Every cost comes from the variant's spec through `puzzle.cost`."""
+    (in the order of `terms`). Every cost comes from the variant's spec through `puzzle.cost`; the rules'
+    attributes from `attributes(spec)` (default `search_attributes`)."""
+    attributes = attributes or search_attributes
     _check_candidates(parent, variants, scores)
     per_block: dict[str, Callable[[BlockSpec], float]] = {}
     fixed: dict[str, float] = {}
@@ -501,7 +504,7 @@ def priced_table(
             seen[name] = seen.get(name, 0) + 1
             if seen[name] > 1:
                 name = f"{name}#{seen[name]}"
-            choices.append(Choice(name, float(score), costs, search_attributes(spec)))
+            choices.append(Choice(name, float(score), costs, dict(attributes(spec))))
         blocks[f"block_{index}"] = choices
     table = Table.from_choices(blocks, fixed, maximize, objective_name)
     return table, limits
@@ -642,6 +645,7 @@ def deployment_problem(
     *,
     reported: Sequence[str] = (),
     objective_name: str = "score",
+    attributes: Callable[[BlockSpec], Mapping[str, Hashable]] | None = None,
 ) -> DeploymentProblem:
     """The search problem for `variants[i]` (block i's candidates, `variants[i][0]` the parent's block)
     scored by `scores[i][j]` (e.g. replace-one-block KL), under `budget` (priced by its cost model).
@@ -649,7 +653,8 @@ def deployment_problem(
     Every cost is computed by `puzzle.cost` from the variant's spec; the fixed part of each cost (embeddings,
     lm_head, final norm) is the parent model's value minus its blocks', so totals equal the cost model's
     whole-model functions for every architecture. `reported`: scenario-free keys whose columns the table
-    sums without a bound (a run always reports params, active_params and weight_bytes).
+    sums without a bound (a run always reports params, active_params and weight_bytes). `attributes`: what
+    the rules read of a variant (default `puzzle.search.kinds.search_attributes`).
     """
     if not isinstance(budget, Budget):
         raise BudgetError(
@@ -659,7 +664,14 @@ def deployment_problem(
     pricing = cost_model_pricing(parent, budget.cost_model, latency_fn)
     terms = [Term(key) for key in reported] + budget.terms()
     table, bounded = priced_table(
-        parent, variants, scores, terms, pricing, maximize=maximize, objective_name=objective_name
+        parent,
+        variants,
+        scores,
+        terms,
+        pricing,
+        maximize=maximize,
+        objective_name=objective_name,
+        attributes=attributes,
     )
     sources = {str(made): term.source for term, made in bounded}
     return DeploymentProblem(table, [made for _, made in bounded], budget.rules, sources)
