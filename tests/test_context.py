@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from puzzle.context import best_round, context_candidates
+from puzzle.context import best_round, context_candidates, implausible_prediction
 from puzzle.problem import RunCandidates
 from puzzle.scores import VariantScore
 from puzzle.search.types import SearchError
@@ -55,3 +55,40 @@ def test_the_childs_own_choices_score_zero_and_the_others_their_increase():
 def test_the_kept_round_measured_lowest_and_is_the_first_of_equals():
     assert best_round([{"measured": 0.3}, {"measured": 0.2}, {"measured": 0.25}]) == 1
     assert best_round([{"measured": 0.2}, {"measured": 0.2}]) == 0
+    # A round the guard refused was never measured: it is never kept.
+    assert (
+        best_round([{"measured": 0.3}, {"measured": 0.25}, {"predicted": -0.6, "rejected": "below zero"}])
+        == 1
+    )
+
+
+def test_a_prediction_below_zero_or_beyond_the_factor_is_refused_with_its_reason():
+    # The case of issue 36: two rounds predicted a KL of -0.62, then -0.033.
+    for predicted in (-0.62, -0.033):
+        reason = implausible_prediction(predicted, 0.41, 3.0)
+        assert reason is not None and "below zero" in reason
+        assert f"{predicted:.6g}" in reason and "0.41" in reason and "guard factor 3" in reason
+    # A factor either way: 0.41 / 0.1 = 4.1 below, 2 / 0.41 = 4.9 above; 3x itself is still taken.
+    assert implausible_prediction(0.1, 0.41, 3.0) == (
+        "the predicted kl 0.1 is 4.1x below the last measured child's 0.41 (guard factor 3)"
+    )
+    assert "4.88x above" in implausible_prediction(2.0, 0.41, 3.0)
+    assert (
+        implausible_prediction(0.41 / 3, 0.41, 3.0) is None
+        and implausible_prediction(1.23, 0.41, 3.0) is None
+    )
+    assert implausible_prediction(0.3, 0.41, 3.0) is None and implausible_prediction(0.41, 0.41, 1.01) is None
+    # A predicted 0 from a positive measurement is infinitely far; a child that measured 0 gives no scale.
+    assert "infinitely below" in implausible_prediction(0.0, 0.41, 3.0)
+    assert implausible_prediction(0.2, 0.0, 3.0) is None and implausible_prediction(0.0, 0.0, 3.0) is None
+    for value in (float("nan"), float("-inf")):
+        assert "not finite" in implausible_prediction(value, 0.41, 3.0)
+    # The objectives that cannot go below zero (top1/top5 as disagreements); the LM-loss delta can.
+    for objective in ("hidden_nmse", "top1", "top5"):
+        assert f"predicted {objective} -0.01 is below zero" in implausible_prediction(
+            -0.01, 0.2, 3.0, objective
+        )
+    assert implausible_prediction(-0.01, 0.2, 3.0, "lm_loss_delta") is None
+    assert "5x below" in implausible_prediction(0.04, 0.2, 3.0, "lm_loss_delta")
+    # Factor 0: off, nothing refused.
+    assert implausible_prediction(-0.62, 0.41, 0.0) is None and implausible_prediction(0.0, 0.41, 0.0) is None

@@ -574,6 +574,7 @@ def test_scores_in_context_rescore_the_child_and_keep_the_best_measured(finished
     stages = json.loads((copied / "run.json").read_text())["stages"]
     plain = json.loads((run_dir / "run.json").read_text())["stages"]["solutions"]
     assert "context" not in plain["outputs"][name] and "context_rounds" not in plain["inputs"]["search"]
+    assert "context_guard" not in plain["inputs"]["search"]  # off with the rounds: runs before it are reused
     record = stages["solutions"]["outputs"][name]["context"]
     rounds = record["rounds"]
     expected = json.loads((run_dir / "solutions" / f"{name}.json").read_text())
