@@ -25,6 +25,7 @@ from puzzle.config import load_config
 from puzzle.gkd import load_distilled
 from puzzle.layout import STAGES
 from puzzle.nemotron_h.checkpoint import load
+from puzzle.report import _format, write_report
 from puzzle.run import Run, RunError
 from puzzle.search.types import Solution
 
@@ -700,6 +701,17 @@ def test_a_context_round_beyond_the_guard_keeps_the_measured_child_end_to_end(fi
     log = (tmp_path / "on" / "logs" / "rank0.log").read_text()
     line = f"search {name}, context round 1 not taken: {rounds[1]['rejected']}"
     assert line in log and line in capsys.readouterr().err
+    # The report tables the rounds from run.json: round 0 kept, round 1 not taken, with the reason.
+    report = write_report(tmp_path / "on").read_text()
+    assert "## Scores in context" in report
+    assert (
+        f"| {name} | 1 | {_format(rounds[1]['predicted'])} | - | not taken: {rounds[1]['rejected']} |"
+        in report
+    )
+    assert (
+        f"| {name} | 0 | {_format(rounds[0]['predicted'])} | {_format(rounds[0]['measured'])} | kept |"
+        in report
+    )
 
 
 def test_predictions_around_a_child_are_exact_for_it_and_one_block_away(finished, tmp_path):
