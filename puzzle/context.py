@@ -15,13 +15,16 @@ scores predicts D(child) + sum_i score(i, v_i), exact for any architecture that 
 at most one block, a first-order expansion around the child for the others. `puzzle.Run` repeats
 (`search.context_rounds`) until the choice repeats or the rounds run out, and keeps the round whose child
 measured lowest (see `best_round`). `search.context_changes` bounds how many blocks a round may change
-(`limit_changes`: a trust region around the child, where the expansion holds).
+(`limit_changes`: a trust region around the child, where the expansion holds). `search.context_guard`
+stops the rounds at a prediction the expansion cannot have meant (`implausible_prediction`: below zero,
+or more than a factor from the KL its child measured); the best child measured so far is kept.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -117,6 +120,40 @@ def predict_in_context(
     return total
 
 
+# The objectives no child can score below zero: a prediction under zero is the expansion failing. The
+# LM-loss delta may go below zero (a child can predict the held-out tokens better than its parent).
+NONNEGATIVE = ("kl", "hidden_nmse", "top1", "top5")
+
+
+def implausible_prediction(
+    predicted: float, measured: float, factor: float, objective: str = "kl"
+) -> str | None:
+    """Why a context round's prediction `predicted` is not to be taken, or None where it may be: below zero
+    (for the objectives in NONNEGATIVE), not finite, or more than `factor` times above or below `measured`,
+    the damage of the last measured child (the one the round's scores are around). `factor` 0: no check.
+    The ratio is checked only where `measured` > 0 and `predicted` >= 0: with no positive scale there is
+    nothing to take a factor of (a predicted 0 from a positive measurement is infinitely far)."""
+    if not factor:
+        return None
+    last = f"the last measured child's {measured:.6g}"
+    if not math.isfinite(predicted):
+        return f"the predicted {objective} {predicted} is not finite ({last}; guard factor {factor:g})"
+    if objective in NONNEGATIVE and predicted < 0:
+        return (
+            f"the predicted {objective} {predicted:.6g} is below zero, which no child measures "
+            f"({last}; guard factor {factor:g})"
+        )
+    if measured > 0 and predicted >= 0:
+        ratio = math.inf if predicted == 0 else max(predicted / measured, measured / predicted)
+        if ratio > factor:
+            far = "infinitely" if ratio == math.inf else f"{ratio:.3g}x"
+            side = "above" if predicted > measured else "below"
+            return (
+                f"the predicted {objective} {predicted:.6g} is {far} {side} {last} (guard factor {factor:g})"
+            )
+    return None
+
+
 CHANGED = "changed_blocks"  # the trust region's cost column: 1 for a variant other than the child's own
 
 
@@ -139,8 +176,9 @@ def limit_changes(problem: RunProblem, own: list[Variant], most: int) -> RunProb
 def best_round(rounds: list[dict[str, Any]]) -> int:
     """The index of the round whose child measured lowest (the first of equals): the measured damage on the
     held-out tokens is what the search tries to minimise, and the first solve is a round too, so context
-    rounds never return a child that measured worse than the plain search's."""
-    measured = [(entry["measured"], number) for number, entry in enumerate(rounds)]
+    rounds never return a child that measured worse than the plain search's. A round the guard rejected
+    (`implausible_prediction`) has no measurement and is never kept."""
+    measured = [(entry["measured"], number) for number, entry in enumerate(rounds) if "measured" in entry]
     return min(measured)[1]
 
 
@@ -163,10 +201,17 @@ def context_rounds(
     (`best_round`), with its predicted damage as its objective; the other solutions stay as the first
     search found them (one equal to the kept one is dropped). The record: {"rounds": [{"choices",
     "predicted", "measured", "sum"}, ...], "kept": the kept round, "objective"}.
+
+    A round whose prediction `implausible_prediction` refuses (`settings.context_guard`) stops the rounds:
+    its child is neither measured nor kept nor rescored (the expansion around its parent round's child has
+    failed, so nothing built on it is trusted); its record has "rejected" (the reason) and no "measured",
+    and the record gets "stopped" (that round's number). The kept child is then the best measured before
+    it (the last measured child where the rounds were improving).
     """
     solutions = [found[0]]
     rounds: list[dict[str, Any]] = [{"choices": dict(found[0].names), "predicted": found[0].objective}]
     wanted = [Variant(block, spec) for block, specs in enumerate(candidates.variants) for spec in specs]
+    stopped: int | None = None
     for number in range(1, settings.context_rounds + 1):
         own = child_variants(solutions[-1], candidates)
         scores = score_in_child(number, own, wanted, "round")
@@ -185,15 +230,35 @@ def context_rounds(
             base,
             solution.objective,
         )
+        rejected = implausible_prediction(
+            solution.objective, base, settings.context_guard, settings.objective
+        )
+        if rejected is not None:
+            # The expansion around the child failed: its child is not measured, nor a round built on it.
+            rounds[-1]["rejected"] = rejected
+            stopped, fallback = number, best_round(rounds)
+            _log.warning(
+                "search %s, context round %d not taken: %s; the rounds stop and keep the best measured child, "
+                "round %d's (measured %.6g)",
+                name,
+                number,
+                rejected,
+                fallback,
+                rounds[fallback]["measured"],
+            )
+            break
         earlier = [entry for entry in rounds[:-1] if entry["choices"] == rounds[-1]["choices"]]
         if earlier:  # the choice repeats (the last child's, or a cycle): its child was measured before
             rounds[-1]["measured"] = earlier[-1]["measured"]
             break
-    if "measured" not in rounds[-1]:  # the last round's child, measured: its own variants alone
+    if stopped is None and "measured" not in rounds[-1]:  # the last round's child: its own variants alone
         own = child_variants(solutions[-1], candidates)
         scores = score_in_child(len(rounds) - 1, own, own[:1], "measured")
         rounds[-1]["measured"] = context_damage(scores, own, settings.objective)
     kept = best_round(rounds)
     best = solutions[kept]
     others = [solution for solution in found[1:] if solution.names != best.names]
-    return [best, *others], {"rounds": rounds, "kept": kept, "objective": settings.objective}
+    record: dict[str, Any] = {"rounds": rounds, "kept": kept, "objective": settings.objective}
+    if stopped is not None:  # only then: a record of rounds that all ran is the one written before the guard
+        record["stopped"] = stopped
+    return [best, *others], record

@@ -7,7 +7,8 @@ Sections, each skipped with a one-line note when its inputs are missing: the Par
 summed predicted KL against each budget key of the run's solutions (swept by the run's solutions stage
 into frontier.json, `puzzle.problem.frontier_sweep`; the report solves nothing), a per-block map of each chosen architecture (parent row above
 child row, coloured by kind, shaded by active parameters relative to the parent's block, as Figure 6 of
-the Puzzle paper), the cost breakdown parent vs child, the library's BLD losses, the GKD curves
+the Puzzle paper), the rounds of scores in context (run.json's solutions record; only where the run had
+them), the cost breakdown parent vs child, the library's BLD losses, the GKD curves
 (children/{name}/history.json) and measured vs predicted KL (exports/{name}/puzzle.json). Rounds r >= 2
 of an iterative run (round-{r}/) get a report of their own in OUT/round-{r}, linked from the first.
 
@@ -230,6 +231,43 @@ def _current(layout: RunLayout) -> set[str] | None:
 
 def _is_current(name: str, current: set[str] | None) -> bool:
     return current is None or name in current
+
+
+def _context(report: _Report, layout: RunLayout) -> None:
+    """The rounds of scores in context (`search.context_rounds`) of each solution that went through them,
+    from the solutions record in run.json: each round's predicted and measured objective, the kept round,
+    and a round `search.context_guard` refused with its reason. Nothing for a run without such rounds."""
+    if not layout.manifest.is_file():
+        return
+    stage = (_read_json(layout.manifest).get("stages") or {}).get("solutions") or {}
+    outputs = stage.get("outputs") if stage.get("status") == "done" else None
+    rows, objectives = [], set()
+    for name, entry in (outputs if isinstance(outputs, dict) else {}).items():
+        context = entry.get("context") if isinstance(entry, dict) else None
+        if not isinstance(context, dict):
+            continue
+        objectives.add(str(context.get("objective", "kl")))
+        for number, entry_round in enumerate(context.get("rounds") or []):
+            if number == context.get("kept"):
+                note = "kept"
+            elif "rejected" in entry_round:  # the guard's reason, as the log gave it
+                note = f"not taken: {entry_round['rejected']}"
+            else:
+                note = ""
+            rows.append([name, number, entry_round.get("predicted"), entry_round.get("measured"), note])
+    if not rows:
+        return
+    objective = ", ".join(sorted(objectives))
+    report.add(
+        "## Scores in context",
+        "",
+        f"Each round of `search.context_rounds`: the {objective} its solve predicted and its child measured on "
+        "the held-out tokens (round 0 is the first search's). A round whose prediction is below zero or "
+        "beyond `search.context_guard` of the child it started from is not taken: its child is not measured "
+        "and the rounds stop there.",
+        "",
+        *_table(["solution", "round", f"predicted {objective}", f"measured {objective}", "note"], rows),
+    )
 
 
 def _solutions(layout: RunLayout) -> dict[str, dict[str, Any]]:
@@ -829,6 +867,7 @@ def _write_into(out: Path, layout: RunLayout, parent: ModelSpec, library: Any) -
     if solutions:
         rows = [[n, s.get("objective"), s.get("status"), s.get("solver")] for n, s in solutions.items()]
         report.add("## Solutions", "", *_table(["name", "predicted KL", "status", "solver"], rows))
+    _context(report, layout)
     hardware = _hardware(report, layout)
     _frontier(report, layout, solutions)
     _block_map(report, parent, children, solutions)

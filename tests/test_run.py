@@ -25,6 +25,7 @@ from puzzle.config import load_config
 from puzzle.gkd import load_distilled
 from puzzle.layout import STAGES
 from puzzle.nemotron_h.checkpoint import load
+from puzzle.report import _format, write_report
 from puzzle.run import Run, RunError
 from puzzle.search.types import Solution
 
@@ -574,6 +575,7 @@ def test_scores_in_context_rescore_the_child_and_keep_the_best_measured(finished
     stages = json.loads((copied / "run.json").read_text())["stages"]
     plain = json.loads((run_dir / "run.json").read_text())["stages"]["solutions"]
     assert "context" not in plain["outputs"][name] and "context_rounds" not in plain["inputs"]["search"]
+    assert "context_guard" not in plain["inputs"]["search"]  # off with the rounds: runs before it are reused
     record = stages["solutions"]["outputs"][name]["context"]
     rounds = record["rounds"]
     expected = json.loads((run_dir / "solutions" / f"{name}.json").read_text())
@@ -660,6 +662,56 @@ def test_a_trust_region_changes_at_most_k_blocks_and_predicts_one_change_exactly
         assert found.objective == pytest.approx(scores[ok].min(), rel=1e-9, abs=1e-12)
         own_rows = [problem.candidates.variants[v.block_index].index(v.spec) for v in own]
         assert sum(a != b for a, b in zip(found.choices, own_rows)) <= most
+
+
+def test_a_context_round_beyond_the_guard_keeps_the_measured_child_end_to_end(finished, tmp_path, capsys):
+    """search.context_guard through `puzzle run` on real scores in context: with the top-1 disagreement as
+    the objective at 0.8x, round 1 changes the child and predicts below the disagreement its child measured.
+    A factor below that ratio refuses the round: the saved solution is round 0's, the refused child is never
+    measured, run.json records why, and the log and stderr (a warning, so under --quiet too) say it."""
+    run_dir, _ = finished
+    name = "active_params-le-0.8x"
+    records = {}
+    for label, guard in (("off", 0), ("on", None)):
+        copied = tmp_path / label
+        shutil.copytree(run_dir, copied)
+        data = config_dict(run_dir.parent, run_dir=str(copied))
+        data["search"].update(context_rounds=2, objective="top1")
+        if guard is None:  # just below the ratio the unguarded round 1 moved by, whatever it is exactly
+            rounds = records["off"]["rounds"]
+            ratio = rounds[0]["measured"] / rounds[1]["predicted"]
+            guard = 1 + (ratio - 1) / 2
+        data["search"]["context_guard"] = guard
+        capsys.readouterr()
+        assert _run(write_config(tmp_path / f"{label}.yaml", data), "--until", "solutions") == 0
+        outputs = json.loads((copied / "run.json").read_text())["stages"]["solutions"]["outputs"]
+        records[label] = outputs[name]["context"]
+    off, on = records["off"], records["on"]
+    # The unguarded round 1 changes the child and predicts a lower disagreement than it measured.
+    assert off["rounds"][1]["choices"] != off["rounds"][0]["choices"] and "stopped" not in off
+    assert off["rounds"][0]["measured"] / off["rounds"][1]["predicted"] > 1
+    rounds = on["rounds"]
+    assert on["stopped"] == 1 and on["kept"] == 0 and len(rounds) == 2 and "measured" not in rounds[1]
+    assert rounds[0] == off["rounds"][0] and rounds[1]["predicted"] == off["rounds"][1]["predicted"]
+    assert "x below the last measured child's" in rounds[1]["rejected"]
+    assert f"guard factor {guard:g}" in rounds[1]["rejected"]
+    saved = json.loads((tmp_path / "on" / "solutions" / f"{name}.json").read_text())
+    assert saved["choices"] == rounds[0]["choices"] and saved["objective"] == rounds[0]["predicted"]
+    assert not list((tmp_path / "on" / "solutions" / "context" / name).glob("measured-*"))
+    log = (tmp_path / "on" / "logs" / "rank0.log").read_text()
+    line = f"search {name}, context round 1 not taken: {rounds[1]['rejected']}"
+    assert line in log and line in capsys.readouterr().err
+    # The report tables the rounds from run.json: round 0 kept, round 1 not taken, with the reason.
+    report = write_report(tmp_path / "on").read_text()
+    assert "## Scores in context" in report
+    assert (
+        f"| {name} | 1 | {_format(rounds[1]['predicted'])} | - | not taken: {rounds[1]['rejected']} |"
+        in report
+    )
+    assert (
+        f"| {name} | 0 | {_format(rounds[0]['predicted'])} | {_format(rounds[0]['measured'])} | kept |"
+        in report
+    )
 
 
 def test_predictions_around_a_child_are_exact_for_it_and_one_block_away(finished, tmp_path):

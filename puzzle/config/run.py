@@ -234,6 +234,15 @@ class SearchConfig:
             "the rescored values are exact for one change, a first-order expansion for several). 0: no bound."
         ),
     )
+    context_guard: float = field(
+        default=3.0,
+        metadata=doc(
+            "Scores in context: a round whose predicted objective is below zero (kl, hidden_nmse, top1, top5) "
+            "or more than this factor above or below what the child it starts from measured is not taken: the "
+            "rounds stop and the best child measured so far is kept; the reason is logged and recorded in the "
+            "solutions record's `context` (`stopped`: the round; its `rejected`: why). 0: off."
+        ),
+    )
     shared_state_size: bool = field(
         default=True, metadata=doc("One SSM state size for every Mamba block (serving engines need it).")
     )
@@ -263,6 +272,12 @@ class SearchConfig:
         _at_least(self, "rerank", 0)
         _at_least(self, "context_rounds", 0)
         _at_least(self, "context_changes", 0)
+        # A factor is taken both ways (max of predicted/measured and its inverse), so only one above 1 means
+        # anything; 1 itself would stop every round that changes the child.
+        if not (self.context_guard == 0 or self.context_guard > 1):
+            raise ConfigError(
+                f"expected 0 (off) or a factor > 1, got {self.context_guard!r}", "context_guard"
+            )
         if self.min_diff > 1 and self.solutions == 1 and self.rerank <= 1:
             raise ConfigError("needs solutions > 1 or rerank > 1 (it spaces the solutions apart)", "min_diff")
         if self.sweep is not None and self.solutions > 1:

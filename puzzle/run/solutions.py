@@ -64,8 +64,9 @@ def solutions_inputs(run: RunContext, budgets: dict[str, list[str]]) -> dict[str
     _rerank_inputs(run, inputs)
     if search_settings.context_rounds:  # scores in context read the held-out tokens and score
         inputs.update(held_out=run.held_out_key(), scoring=to_dict(run.config.scoring))
-    else:  # off: the inputs of the runs made before the key existed
+    else:  # off: the inputs of the runs made before the key existed (the guard acts on rounds only)
         inputs["search"].pop("context_rounds")
+        inputs["search"].pop("context_guard")
     if not search_settings.context_changes:  # likewise
         inputs["search"].pop("context_changes")
     run.prepare()  # the calibration is stored in the checked run directory
