@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import resource
+import time
 from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from pathlib import Path
@@ -52,6 +53,34 @@ def now() -> str:
 def peak_rss_mib() -> float:
     """This process's peak resident memory so far (ru_maxrss is in KiB on Linux; a running maximum)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _reset_device_peak() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def stage_measurement(seconds: float) -> dict[str, Any]:
+    """What a stage that ran cost, for run.json (collective: every rank calls it): `seconds` of wall time on
+    rank 0, the ranks, each rank's peak resident memory (MiB: the process's running peak, ru_maxrss, so a
+    later stage's is at least an earlier one's) and, on CUDA, each rank's peak allocated memory in this stage
+    (MiB). `puzzle report` sets them beside the plan's (`puzzle.plan`)."""
+    import torch
+
+    own: dict[str, float] = {"rss": round(peak_rss_mib(), 1)}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        own["cuda"] = round(torch.cuda.max_memory_allocated() / 2**20, 1)
+    ranks = dist.all_gather_object(own)
+    measured: dict[str, Any] = {
+        "seconds": round(seconds, 3),
+        "ranks": len(ranks),
+        "peak_rss_mib": [rank["rss"] for rank in ranks],
+    }
+    if all("cuda" in rank for rank in ranks):
+        measured["peak_cuda_mib"] = [rank["cuda"] for rank in ranks]
+    return measured
 
 
 def truncated_safetensors(path: Path) -> str | None:
@@ -132,6 +161,8 @@ class Ledger:
         _log.info("%s%s: running", self.label, name)
         shard.free_dropped_units()  # an earlier stage's sharded modules, dropped but not yet collected
         gathers.COUNTER.reset_peak()
+        _reset_device_peak()
+        clock = time.perf_counter()
         started = now()
         running = {"status": "running", "inputs_hash": key, "inputs": inputs, "started": started}
         self.update(name, running)
@@ -142,7 +173,9 @@ class Ledger:
             raise
         outputs = dist.broadcast_object(outputs)
         shard.free_dropped_units()
-        self.update(name, {**running, "status": "done", "finished": now(), "outputs": outputs})
+        measured = stage_measurement(time.perf_counter() - clock)
+        finished = {**running, "status": "done", "finished": now(), "measured": measured, "outputs": outputs}
+        self.update(name, finished)
         dist.barrier()
         units = resumed()
         note = f" (resumed from a checkpoint: {', '.join(units)})" if units else ""
