@@ -214,7 +214,9 @@ def quantize_nvfp4(
     # one canonical (scale, codes) pair, so that quantizing the dequantized tensor gives the same bytes.
     small = block_scale.float() < E4M3_MIN_NORMAL
     if bool(small.any()):
-        scale, codes[small] = _canonical_small_blocks(blocks[small], block_scale[small], codes[small], g)
+        scale, codes[small] = _canonical_small_blocks(
+            blocks[small], block_scale[small], codes[small], g, w.dtype
+        )
         block_scale.view(torch.uint8)[small] = scale.view(torch.uint8)  # no masked writes into float8 on CPU
     return pack_e2m1(codes.reshape(out_features, in_features)), block_scale, g
 
@@ -244,7 +246,11 @@ _E4M3_SUBNORMALS: tuple[float, ...] = tuple(k * 2.0**-9 for k in range(1, 8))
 
 
 def _canonical_small_blocks(
-    blocks: torch.Tensor, block_scale: torch.Tensor, codes: torch.Tensor, g: torch.Tensor
+    blocks: torch.Tensor,
+    block_scale: torch.Tensor,
+    codes: torch.Tensor,
+    g: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(scales [n], codes [n, 16]) for `blocks` [n, 16] whose rounded scale `block_scale` is below 2^-6, such
     that quantizing their dequantized values gives these bytes again.
@@ -261,6 +267,10 @@ def _canonical_small_blocks(
     with the usual rounded scale of its own amax if that represents it exactly, else with the largest
     subnormal scale that does (one always does: the scale it was quantized with); an all-zero target with
     scale 0. The rule reads only the target, and the target of a dequantized block is itself: idempotent.
+
+    `dtype`: the weight's. Values are compared as that dtype holds them (the target rounded to it, each
+    candidate's values too): a bf16 weight's fake-quantized values are the dequantized ones rounded to bf16,
+    and those must find the same target, scale and codes again. For fp32 the rounding is the identity.
     """
     candidates = torch.tensor(_E4M3_SUBNORMALS, dtype=torch.float32, device=blocks.device).to(
         torch.float8_e4m3fn
@@ -270,14 +280,19 @@ def _canonical_small_blocks(
     def exact(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per candidate scale: the codes of `values` [n, 16] at it [n, 7, 16], and whether they give `values` back."""
         at = _block_codes(values.unsqueeze(1).expand(-1, len(_E4M3_SUBNORMALS), -1), each, g)
-        return at, (_block_values(at, each, g) == values.unsqueeze(1)).all(dim=-1)
+        return at, (held(_block_values(at, each, g)) == values.unsqueeze(1)).all(dim=-1)
 
-    _, input_exact = exact(blocks)
-    target = torch.where(input_exact.any(dim=-1, keepdim=True), blocks, _block_values(codes, block_scale, g))
+    def held(values: torch.Tensor) -> torch.Tensor:
+        return values.to(dtype).float()
+
+    _, input_exact = exact(blocks)  # `blocks` came from a `dtype` weight: held already
+    target = held(
+        torch.where(input_exact.any(dim=-1, keepdim=True), blocks, _block_values(codes, block_scale, g))
+    )
     target_codes, target_exact = exact(target)
     own_scale = _block_scales(target, g)
     own_codes = _block_codes(target, own_scale, g)
-    own_exact = (_block_values(own_codes, own_scale, g) == target).all(dim=-1)
+    own_exact = (held(_block_values(own_codes, own_scale, g)) == target).all(dim=-1)
     # The largest exact candidate: the last True along the 7 (argmax of index * exact).
     index = torch.arange(1, len(_E4M3_SUBNORMALS) + 1, device=blocks.device)
     largest = (index * target_exact).argmax(dim=-1)
