@@ -272,36 +272,43 @@ def _canonical_small_blocks(
     candidate's values too): a bf16 weight's fake-quantized values are the dequantized ones rounded to bf16,
     and those must find the same target, scale and codes again. For fp32 the rounding is the identity.
     """
+    count = len(_E4M3_SUBNORMALS)
     candidates = torch.tensor(_E4M3_SUBNORMALS, dtype=torch.float32, device=blocks.device).to(
         torch.float8_e4m3fn
     )
-    each = candidates.expand(blocks.shape[0], -1)  # [n, 7]: every candidate for every block
-
-    def exact(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per candidate scale: the codes of `values` [n, 16] at it [n, 7, 16], and whether they give `values` back."""
-        at = _block_codes(values.unsqueeze(1).expand(-1, len(_E4M3_SUBNORMALS), -1), each, g)
-        return at, (held(_block_values(at, each, g)) == values.unsqueeze(1)).all(dim=-1)
 
     def held(values: torch.Tensor) -> torch.Tensor:
         return values.to(dtype).float()
 
-    _, input_exact = exact(blocks)  # `blocks` came from a `dtype` weight: held already
-    target = held(
-        torch.where(input_exact.any(dim=-1, keepdim=True), blocks, _block_values(codes, block_scale, g))
-    )
-    target_codes, target_exact = exact(target)
-    own_scale = _block_scales(target, g)
-    own_codes = _block_codes(target, own_scale, g)
-    own_exact = (held(_block_values(own_codes, own_scale, g)) == target).all(dim=-1)
-    # The largest exact candidate: the last True along the 7 (argmax of index * exact).
-    index = torch.arange(1, len(_E4M3_SUBNORMALS) + 1, device=blocks.device)
-    largest = (index * target_exact).argmax(dim=-1)
-    rows = torch.arange(blocks.shape[0], device=blocks.device)
-    scale = torch.where(own_exact, own_scale.float(), candidates.float()[largest])
-    out_codes = torch.where(own_exact.unsqueeze(-1), own_codes, target_codes[rows, largest])
-    zero = (target == 0).all(dim=-1)
-    scale = torch.where(zero, torch.zeros_like(scale), scale).to(torch.float8_e4m3fn)
-    out_codes = torch.where(zero.unsqueeze(-1), torch.zeros_like(out_codes), out_codes)
+    def on_candidates(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes of `values` [m, 16] at each candidate scale [m, 7, 16], and whether they give them back [m, 7]."""
+        each = candidates.expand(values.shape[0], -1)
+        at = _block_codes(values.unsqueeze(1).expand(-1, count, -1), each, g)
+        return at, (held(_block_values(at, each, g)) == values.unsqueeze(1)).all(dim=-1)
+
+    # A block on a candidate's grid has for amax one of the 7 x 7 values code * step (as `dtype` holds them):
+    # only those get the full check (7 quantizations each, some 20x the cost of the rule; most blocks of a
+    # tensor with a large outlier are small ones, and almost none of a weight's lie on a grid).
+    magnitudes = torch.tensor(E2M1_VALUES[1:], dtype=torch.float32, device=blocks.device)
+    reachable = held(magnitudes.unsqueeze(1) * (candidates.float() * g).unsqueeze(0)).reshape(-1)
+    amax = blocks.abs().amax(dim=-1)
+    maybe = (amax.unsqueeze(-1) == reachable).any(dim=-1)
+    on_grid = torch.zeros_like(maybe)
+    if bool(maybe.any()):
+        on_grid[maybe] = on_candidates(blocks[maybe])[1].any(dim=-1)
+    target = held(torch.where(on_grid.unsqueeze(-1), blocks, _block_values(codes, block_scale, g)))
+    # The usual rounded scale of the target's own amax, if it represents the target (an all-zero one included:
+    # scale 0, codes 0); else the largest candidate that does.
+    scale = _block_scales(target, g)
+    out_codes = _block_codes(target, scale, g)
+    other = (held(_block_values(out_codes, scale, g)) != target).any(dim=-1)
+    if bool(other.any()):
+        at, exact = on_candidates(target[other])
+        if not bool(exact.any(dim=-1).all()):  # the target was quantized with one of them: cannot happen
+            raise AssertionError("nvfp4: a small block's target lies on no subnormal scale's grid")
+        largest = (torch.arange(1, count + 1, device=blocks.device) * exact).argmax(dim=-1)  # the last True
+        scale.view(torch.uint8)[other] = candidates.view(torch.uint8)[largest]
+        out_codes[other] = at[torch.arange(len(largest), device=blocks.device), largest]
     return scale, out_codes
 
 

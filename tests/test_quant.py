@@ -314,6 +314,39 @@ def test_the_plain_nvfp4_rule_does_not_repeat_itself_on_subnormal_block_scales()
     assert bool((torch.tensor(scales)[differ] < 2.0**-6).all())
 
 
+def test_nvfp4_a_small_block_on_a_subnormal_grid_is_kept_as_it_is():
+    """A block that some subnormal scale represents exactly, but not the scale its amax rounds to, is written on
+    the first (values unchanged), where the plain rule loses 25% of its largest value; the all-zero block gets
+    scale 0 and codes 0 (as does a block whose scale underflows, whatever its codes would be)."""
+    g = nvfp4_global_scale(torch.tensor([[1.0]]))
+    step = float(f32(2 * 2.0**-9) * f32(g.item()))  # the decode step of E4M3 subnormal 2 * 2^-9
+    on_grid = [
+        4.0,
+        -0.5,
+        1.5,
+        0.0,
+        3.0,
+        -2.0,
+        1.0,
+        0.5,
+    ] * 2  # codes: amax 8 * 2^-9 g rounds to scale 1 * 2^-9
+    w = torch.zeros(2, 32)
+    w[0, 0] = 1.0  # the tensor's amax: g
+    w[1, :16] = torch.tensor([float(f32(c) * f32(step)) for c in on_grid])
+    w[0, 16] = 1e-7  # scale (1e-7 / 6) / g underflows to 0
+    packed, block_scale, got_g = quantize_nvfp4(w)
+    assert got_g.item() == g.item()
+    assert torch.equal(dequantize_nvfp4(packed, block_scale, g)[1, :16], w[1, :16])
+    assert block_scale[1, 0].float().item() == 2 * 2.0**-9
+    assert block_scale[0, 1].float().item() == 0.0 and (unpack_e2m1(packed)[0, 16:] == 0).all()
+    assert (unpack_e2m1(packed)[1, 16:] == 0).all() and block_scale[1, 1].float().item() == 0.0
+    _, scales, _, plain = _oracle_nvfp4(w, g.item())
+    assert scales[1][0] == 2.0**-9 and plain[1][0] == pytest.approx(
+        0.75 * w[1, 0].item(), rel=1e-6
+    )  # 6 of scale 1
+    assert _same_bytes(quantize_nvfp4(dequantize_nvfp4(packed, block_scale, g)), (packed, block_scale, g))
+
+
 def test_nvfp4_global_scale_is_stable_and_near_amax_over_2688():
     """Over amaxes from 1e-12 to 1e12: the global scale is the oracle's, within 16 ulps of amax / 2688 (0 for
     most), and the weight quantized with it dequantizes to an amax that gives it back."""
