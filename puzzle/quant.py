@@ -18,6 +18,13 @@ Formats, exactly as vLLM's compressed-tensors kernels read them:
   a row (along the input dimension), one fp32 global scale per tensor. With ``amax`` the tensor's largest
   magnitude, the (decode) global scale is ``g = amax / (6 * 448)``; block b's scale is
   ``s_b = e4m3((amax_b / 6) / g)`` and ``q = e2m1(w / (s_b * g))``; dequantization is ``q * s_b * g``.
+  Two refinements make quantization repeat itself exactly (quantizing the dequantized weights gives the
+  same bytes, so fake quantization is idempotent, a baked child's forward uses what it stores, and a
+  loaded export saves to the same file): g is the fp32 value nearest amax / 2688 that a round trip leaves
+  unchanged (`nvfp4_global_scale`, 0 to a few ulps away), and a block whose scale is an E4M3 subnormal
+  (amax_b below 3.5e-5 of amax) is written in one canonical (scale, codes) pair of the same values
+  (`_canonical_small_blocks`). The values are those of the rule above (or, for a block some subnormal
+  scale represents exactly, the block itself); only such a block's bytes may differ from the rule's.
   E2M1 rounding is round-to-nearest, ties to the even code (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 5 -> 4),
   as compressed-tensors' `cast_to_fp4` and NVIDIA's cvt.rn do. Packing: two values per uint8, the
   element at the even column in the low nibble, the odd one in the high nibble; a nibble is
@@ -123,8 +130,32 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
 
 
+def _nvfp4_amax_of(g: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude a tensor quantized with decode global scale `g` dequantizes to, in fp32: code 6 of
+    a block with scale 448, computed as `dequantize_nvfp4` computes it (the step 448 * g first)."""
+    return (torch.tensor(FP8_MAX, dtype=torch.float32) * g) * FP4_MAX
+
+
+def _stable(g: torch.Tensor) -> bool:
+    """Whether `g` survives a round trip: read back from the stored encode scale 1 / g it is `g` again, and the
+    dequantized tensor's amax (`_nvfp4_amax_of`) gives `g` again as its own global scale."""
+    return bool(1.0 / (1.0 / g) == g) and bool(_nvfp4_amax_of(g) / (FP4_MAX * FP8_MAX) == g)
+
+
+# How many fp32 ulps either side of amax / 2688 `nvfp4_global_scale` looks for a stable scale: about 70% of
+# fp32 values are stable, and one was at most 6 ulps away for 20,000 amaxes spread over 1e-13 to 1e13.
+_STABLE_SEARCH_ULPS = 16
+
+
 def nvfp4_global_scale(*weights: torch.Tensor) -> torch.Tensor:
-    """The decode global scale g = amax / (6 * 448) over `weights`, an fp32 scalar tensor (1 when all are zero).
+    """The decode global scale g ~ amax / (6 * 448) over `weights`, an fp32 scalar tensor (1 when all are zero).
+
+    g is the fp32 value nearest to amax / 2688 (itself, in about 70% of cases) that is *stable*: stored as
+    compressed-tensors' encode scale 1 / g and read back as 1 / (1 / g) it is g again, and the dequantized
+    tensor, whose amax is 6 * (448 * g) in fp32, gives g again. Without it, quantizing the dequantized weights
+    (a loaded export saved again, a baked child's forward) would move g by an ulp and with it every value.
+    Within 2^-19 of amax / 2688 (16 ulps; in practice 0 to 2), so the largest block's scale may saturate at
+    448 a hair early, which costs its largest value nothing (it still maps to code 6).
 
     Several weights: one scale shared by tensors a server fuses into one matmul (vLLM's qkv_proj of q/k/v
     takes a single global scale for the fused layer, the largest; shards quantized with their own would
@@ -133,7 +164,18 @@ def nvfp4_global_scale(*weights: torch.Tensor) -> torch.Tensor:
     if not weights:
         raise QuantError("nvfp4_global_scale needs at least one weight")
     amax = torch.stack([w.detach().float().abs().amax() for w in weights]).amax()
-    return torch.where(amax > 0, amax / (FP4_MAX * FP8_MAX), torch.ones_like(amax))
+    if not bool(amax > 0):
+        return torch.ones((), dtype=torch.float32, device=amax.device)
+    g = amax / (FP4_MAX * FP8_MAX)
+    up, down = g, g
+    for _ in range(_STABLE_SEARCH_ULPS + 1):  # nearest first: g, then one ulp up and down, two, ...
+        for candidate in (up, down):
+            if _stable(candidate):
+                return candidate
+        up = torch.nextafter(up, torch.tensor(float("inf"), device=g.device))
+        down = torch.nextafter(down, torch.tensor(0.0, device=g.device))
+    # Only for amax near fp32's limits (g subnormal or 1 / g overflowing): no stable g, keep the nearest.
+    return g
 
 
 def quantize_nvfp4(
@@ -142,8 +184,10 @@ def quantize_nvfp4(
     """`w` [out, in] -> (packed uint8 [out, in/2], E4M3 block scales [out, in/16], fp32 decode global scale []).
 
     See the module docstring for the exact arithmetic; the global scale returned is NVIDIA's decode scale
-    g = amax / 2688 (compressed-tensors stores 1 / g, ModelOpt stores g). `global_scale`: a g shared with
-    other tensors (`nvfp4_global_scale(*weights)`), which must cover this one's amax; default: `w`'s own.
+    g ~ amax / 2688 (`nvfp4_global_scale`; compressed-tensors stores 1 / g, ModelOpt stores g). `global_scale`:
+    a g shared with other tensors (`nvfp4_global_scale(*weights)`), which must cover this one's amax; default:
+    `w`'s own. Quantizing the dequantized result again gives the same three tensors bit for bit, with a g
+    from `nvfp4_global_scale` (one from elsewhere quantizes as given, but may not survive 1 / (1 / g)).
     """
     _check_weight(w, name)
     out_features, in_features = w.shape
@@ -158,19 +202,116 @@ def quantize_nvfp4(
         g = nvfp4_global_scale(w32)
     else:
         g = global_scale.detach().to(torch.float32).reshape(())
-        # g is computed as amax / 2688: g * 2688 may fall an ulp short of the amax it came from
-        if not bool(g > 0) or bool(w32.abs().amax() > g * (FP4_MAX * FP8_MAX) * (1 + 2**-20)):
+        # g is amax / 2688 moved by up to 16 ulps to a stable one: g * 2688 may fall that short of the amax
+        if not bool(g > 0) or bool(w32.abs().amax() > g * (FP4_MAX * FP8_MAX) * (1 + 2**-18)):
             raise QuantError(
                 f"{name}: shared nvfp4 global scale {g.item():.6g} does not cover the weight's largest magnitude "
                 f"{w32.abs().amax().item():.6g} (it must be at least amax / {FP4_MAX * FP8_MAX:g})"
             )
     blocks = w32.reshape(out_features, in_features // NVFP4_BLOCK, NVFP4_BLOCK)
+    block_scale = _block_scales(blocks, g)
+    codes = _block_codes(blocks, block_scale, g)
+    # A block whose scale is an E4M3 subnormal (its amax below 2^-6 * 6 * g, 3.5e-5 of the tensor's amax) can
+    # dequantize to values that the rule above quantizes again with another scale: such blocks are written in
+    # one canonical (scale, codes) pair, so that quantizing the dequantized tensor gives the same bytes.
+    small = block_scale.float() < E4M3_MIN_NORMAL
+    if bool(small.any()):
+        scale, codes[small] = _canonical_small_blocks(
+            blocks[small], block_scale[small], codes[small], g, w.dtype
+        )
+        block_scale.view(torch.uint8)[small] = scale.view(torch.uint8)  # no masked writes into float8 on CPU
+    return pack_e2m1(codes.reshape(out_features, in_features)), block_scale, g
+
+
+def _block_scales(blocks: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """E4M3 scales [..., n] of fp32 `blocks` [..., n, 16]: e4m3((amax_b / 6) / g), saturating at 448."""
     block_amax = blocks.abs().amax(dim=-1)
-    block_scale = ((block_amax / FP4_MAX) / g).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
-    step = block_scale.float() * g  # the decode scale of each block, fp32
-    safe = torch.where(step > 0, step, torch.ones_like(step))
-    codes = _e2m1_codes(blocks / safe.unsqueeze(-1)).reshape(out_features, in_features)
-    return pack_e2m1(codes), block_scale, g
+    return ((block_amax / FP4_MAX) / g).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def _block_codes(blocks: torch.Tensor, block_scale: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes [..., n, 16] of `blocks` at the decode steps block_scale * g; 0 in a block of step 0 (its
+    values are 0 whatever the codes, and +0 is the one code the zeros it dequantizes to quantize back to)."""
+    step = (block_scale.float() * g).unsqueeze(-1)
+    codes = _e2m1_codes(blocks / torch.where(step > 0, step, torch.ones_like(step)))
+    return torch.where(step > 0, codes, torch.zeros_like(codes))
+
+
+def _block_values(codes: torch.Tensor, block_scale: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """fp32 values of E2M1 `codes` [..., n, 16] with E4M3 `block_scale` [..., n], as `dequantize_nvfp4` computes them."""
+    return _e2m1_decode(codes) * (block_scale.float() * g).unsqueeze(-1)
+
+
+# E4M3's smallest normal (2^-6) and its 7 subnormals k * 2^-9: below 2^-6, the scales a block can take.
+E4M3_MIN_NORMAL = 2.0**-6
+_E4M3_SUBNORMALS: tuple[float, ...] = tuple(k * 2.0**-9 for k in range(1, 8))
+
+
+def _canonical_small_blocks(
+    blocks: torch.Tensor,
+    block_scale: torch.Tensor,
+    codes: torch.Tensor,
+    g: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales [n], codes [n, 16]) for `blocks` [n, 16] whose rounded scale `block_scale` is below 2^-6, such
+    that quantizing their dequantized values gives these bytes again.
+
+    Why: E4M3 subnormals are 2^-9 apart, so rounding amax_b / (6 g) to one can leave the block's largest
+    value at code 3 or 4 instead of 6 (scale 1 * 2^-9 for amax_b / (6 g) = 0.55 * 2^-9, 2 * 2^-9 for 1.6 *
+    2^-9), and the dequantized block, whose amax is then 3 or 4 steps, rounds to a smaller scale (0.5 -> 0,
+    1.33 -> 1 in units of 2^-9), on which its values are 25% off or lost. Normal scales cannot: rounding is within 2^-4, the largest value
+    lands on code 6, and the dequantized amax gives back the same scale.
+
+    The rule, for each block: its target values are the block itself when some subnormal scale represents it
+    exactly (the dequantized block, requantized), else the block quantized as usual (scale `block_scale`:
+    these are the values written, as compressed-tensors' own quantizer writes them). The target is stored
+    with the usual rounded scale of its own amax if that represents it exactly, else with the largest
+    subnormal scale that does (one always does: the scale it was quantized with); an all-zero target with
+    scale 0. The rule reads only the target, and the target of a dequantized block is itself: idempotent.
+
+    `dtype`: the weight's. Values are compared as that dtype holds them (the target rounded to it, each
+    candidate's values too): a bf16 weight's fake-quantized values are the dequantized ones rounded to bf16,
+    and those must find the same target, scale and codes again. For fp32 the rounding is the identity.
+    """
+    count = len(_E4M3_SUBNORMALS)
+    candidates = torch.tensor(_E4M3_SUBNORMALS, dtype=torch.float32, device=blocks.device).to(
+        torch.float8_e4m3fn
+    )
+
+    def held(values: torch.Tensor) -> torch.Tensor:
+        return values.to(dtype).float()
+
+    def on_candidates(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes of `values` [m, 16] at each candidate scale [m, 7, 16], and whether they give them back [m, 7]."""
+        each = candidates.expand(values.shape[0], -1)
+        at = _block_codes(values.unsqueeze(1).expand(-1, count, -1), each, g)
+        return at, (held(_block_values(at, each, g)) == values.unsqueeze(1)).all(dim=-1)
+
+    # A block on a candidate's grid has for amax one of the 7 x 7 values code * step (as `dtype` holds them):
+    # only those get the full check (7 quantizations each, some 20x the cost of the rule; most blocks of a
+    # tensor with a large outlier are small ones, and almost none of a weight's lie on a grid).
+    magnitudes = torch.tensor(E2M1_VALUES[1:], dtype=torch.float32, device=blocks.device)
+    reachable = held(magnitudes.unsqueeze(1) * (candidates.float() * g).unsqueeze(0)).reshape(-1)
+    amax = blocks.abs().amax(dim=-1)
+    maybe = (amax.unsqueeze(-1) == reachable).any(dim=-1)
+    on_grid = torch.zeros_like(maybe)
+    if bool(maybe.any()):
+        on_grid[maybe] = on_candidates(blocks[maybe])[1].any(dim=-1)
+    target = held(torch.where(on_grid.unsqueeze(-1), blocks, _block_values(codes, block_scale, g)))
+    # The usual rounded scale of the target's own amax, if it represents the target (an all-zero one included:
+    # scale 0, codes 0); else the largest candidate that does.
+    scale = _block_scales(target, g)
+    out_codes = _block_codes(target, scale, g)
+    other = (held(_block_values(out_codes, scale, g)) != target).any(dim=-1)
+    if bool(other.any()):
+        at, exact = on_candidates(target[other])
+        if not bool(exact.any(dim=-1).all()):  # the target was quantized with one of them: cannot happen
+            raise AssertionError("nvfp4: a small block's target lies on no subnormal scale's grid")
+        largest = (torch.arange(1, count + 1, device=blocks.device) * exact).argmax(dim=-1)  # the last True
+        scale.view(torch.uint8)[other] = candidates.view(torch.uint8)[largest]
+        out_codes[other] = at[torch.arange(len(largest), device=blocks.device), largest]
+    return scale, out_codes
 
 
 def dequantize_nvfp4(

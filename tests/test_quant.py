@@ -74,14 +74,35 @@ def _oracle_fp8(w: torch.Tensor) -> tuple[list[list[float]], list[float]]:
     return values, scales
 
 
+def _stable_g(amax: float) -> float:
+    """The decode global scale of a tensor of largest magnitude `amax`: the fp32 value nearest amax / 2688
+    (the closer ulp first, up before down at a tie) that 1 / (1 / g) gives back and whose dequantized amax,
+    6 * (448 * g), gives back as its own amax / 2688."""
+    if amax == 0:
+        return 1.0
+    g0 = f32(amax) / f32(6 * 448)
+
+    def stable(g):
+        return f32(1) / (f32(1) / g) == g and (f32(448) * g) * f32(6) / f32(6 * 448) == g
+
+    up = down = g0
+    for _ in range(17):
+        for candidate in (up, down):
+            if stable(candidate):
+                return float(candidate)
+        up, down = np.nextafter(up, f32(np.inf)), np.nextafter(down, f32(0))
+    raise AssertionError(f"no stable global scale within 16 ulps of {amax} / 2688")
+
+
 def _oracle_nvfp4(
     w: torch.Tensor, g: float | None = None
 ) -> tuple[list[list[int]], list[list[float]], float, list[list[float]]]:
+    """(codes, block scales, global scale, dequantized values) by the plain rule, element by element: what
+    compressed-tensors' quantizer computes. `quantize_nvfp4` writes its values, and its bytes except where a
+    block with a subnormal scale is written in its canonical (scale, codes) pair."""
     rows = w.float().tolist()
     amax = max(abs(f32(v)) for row in rows for v in row)
-    if g is None:
-        g = f32(amax) / f32(6 * 448) if amax > 0 else f32(1.0)
-    g = f32(g)
+    g = f32(_stable_g(float(amax)) if g is None else g)
     codes, scales, deq = [], [], []
     for row in rows:
         row_codes, row_scales, row_deq = [], [], []
@@ -223,7 +244,7 @@ def test_nvfp4_shared_global_scale():
     """Tensors served fused (q/k/v) share one global scale, the largest amax's: bit-exact with it given."""
     q, k = _weight(4, 32, seed=5), 3.0 * _weight(2, 32, seed=6)
     g = nvfp4_global_scale(q, k)
-    assert g.item() == float(f32(max(q.abs().max().item(), k.abs().max().item())) / f32(2688))
+    assert g.item() == _stable_g(max(q.abs().max().item(), k.abs().max().item()))
     packed, block_scale, got_g = quantize_nvfp4(q, global_scale=g)
     codes, scales, _, deq = _oracle_nvfp4(q, g.item())
     assert got_g.item() == g.item()
@@ -234,6 +255,126 @@ def test_nvfp4_shared_global_scale():
     assert torch.equal(fake_quantize(q, "nvfp4", global_scale=g), dequantize_nvfp4(packed, block_scale, g))
     with pytest.raises(QuantError, match=r"k_proj\.weight: shared nvfp4 global scale .* does not cover"):
         quantize_nvfp4(k, name="k_proj.weight", global_scale=nvfp4_global_scale(q))
+
+
+def _with_outliers(shape: tuple[int, int], ratio: float, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """N(0, 0.02) weights with 1 to 3 outliers of `ratio` times the typical value 0.02, either sign: at 1e4
+    and above most blocks' scales are E4M3 subnormals (amax_b / amax below 3.5e-5), at 1e6 many underflow."""
+    gen = torch.Generator().manual_seed(seed)
+    w = 0.02 * torch.randn(shape, generator=gen)
+    where = torch.randperm(w.numel(), generator=gen)[: 1 + seed % 3]
+    w.view(-1)[where] = 0.02 * ratio * torch.randint(0, 2, (len(where),), generator=gen).float().mul(2).sub(1)
+    return w.to(dtype)
+
+
+def _same_bytes(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    """Whether two `quantize_nvfp4` results are bit for bit the same: packed values, block scales, global scale."""
+    return (
+        torch.equal(a[0], b[0])
+        and torch.equal(a[1].view(torch.uint8), b[1].view(torch.uint8))
+        and torch.equal(a[2].view(torch.int32), b[2].view(torch.int32))
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(4, 16), (16, 64), (48, 128)])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_nvfp4_repeats_itself_exactly_with_outliers(seed, shape, dtype):
+    """Issue 35 §2: for outliers from 1 to 1e6 times the typical value, quantizing the fake-quantized weight
+    gives the same bytes (packed values, block scales, global scale), fake quantization is idempotent, the
+    global scale survives compressed-tensors' encode scale 1 / g, and the values are the plain rule's (the
+    element-by-element oracle, compressed-tensors' quantizer) as the weight's dtype holds them."""
+    for ratio in 10.0 ** np.arange(7):
+        w = _with_outliers(shape, float(ratio), seed, dtype)
+        first = quantize_nvfp4(w)
+        once = fake_quantize(w, "nvfp4")
+        assert torch.equal(once, dequantize_nvfp4(*first, dtype=dtype))
+        assert _same_bytes(quantize_nvfp4(once), first), ratio
+        assert torch.equal(fake_quantize(once, "nvfp4"), once), ratio
+        g = first[2]
+        assert (1.0 / (1.0 / g)).item() == g.item()  # as stored (1 / g) and read back (1 / stored)
+        deq = _oracle_nvfp4(w, g.item())[3]
+        assert torch.equal(once, torch.tensor(deq).to(dtype)), ratio
+
+
+def test_the_plain_nvfp4_rule_does_not_repeat_itself_on_subnormal_block_scales():
+    """The check above has teeth: by the plain rule (the oracle), the dequantized weight of issue 35's repro
+    (one value 1e5 among N(0, 0.3)) quantizes again to other values, up to 25% off, where ours gives its
+    bytes back; every block whose bytes differ from the plain rule's has a subnormal scale."""
+    w = 0.3 * torch.randn(64, 64, generator=torch.Generator().manual_seed(0))
+    w[3, 5] = 1e5
+    _, scales, g, deq = _oracle_nvfp4(w)
+    again = _oracle_nvfp4(torch.tensor(deq), g)[3]
+    moved = [(a, b) for row_a, row_b in zip(deq, again) for a, b in zip(row_a, row_b) if a != b]
+    assert len(moved) > 10 and max(abs(b - a) / abs(a) for a, b in moved if a) > 0.249
+    first = quantize_nvfp4(w)
+    assert _same_bytes(quantize_nvfp4(dequantize_nvfp4(*first)), first)
+    assert dequantize_nvfp4(*first).tolist() == deq  # the same values as the plain rule's first pass
+    differ = first[1].float() != torch.tensor(scales)
+    assert bool((torch.tensor(scales)[differ] < 2.0**-6).all())
+
+
+def test_nvfp4_a_small_block_on_a_subnormal_grid_is_kept_as_it_is():
+    """A block that some subnormal scale represents exactly, but not the scale its amax rounds to, is written on
+    the first (values unchanged), where the plain rule loses 25% of its largest value; the all-zero block gets
+    scale 0 and codes 0 (as does a block whose scale underflows, whatever its codes would be)."""
+    g = nvfp4_global_scale(torch.tensor([[1.0]]))
+    step = float(f32(2 * 2.0**-9) * f32(g.item()))  # the decode step of E4M3 subnormal 2 * 2^-9
+    on_grid = [
+        4.0,
+        -0.5,
+        1.5,
+        0.0,
+        3.0,
+        -2.0,
+        1.0,
+        0.5,
+    ] * 2  # codes: amax 8 * 2^-9 g rounds to scale 1 * 2^-9
+    w = torch.zeros(2, 32)
+    w[0, 0] = 1.0  # the tensor's amax: g
+    w[1, :16] = torch.tensor([float(f32(c) * f32(step)) for c in on_grid])
+    w[0, 16] = 1e-7  # scale (1e-7 / 6) / g underflows to 0
+    packed, block_scale, got_g = quantize_nvfp4(w)
+    assert got_g.item() == g.item()
+    assert torch.equal(dequantize_nvfp4(packed, block_scale, g)[1, :16], w[1, :16])
+    assert block_scale[1, 0].float().item() == 2 * 2.0**-9
+    assert block_scale[0, 1].float().item() == 0.0 and (unpack_e2m1(packed)[0, 16:] == 0).all()
+    assert (unpack_e2m1(packed)[1, 16:] == 0).all() and block_scale[1, 1].float().item() == 0.0
+    _, scales, _, plain = _oracle_nvfp4(w, g.item())
+    assert scales[1][0] == 2.0**-9 and plain[1][0] == pytest.approx(
+        0.75 * w[1, 0].item(), rel=1e-6
+    )  # 6 of scale 1
+    assert _same_bytes(quantize_nvfp4(dequantize_nvfp4(packed, block_scale, g)), (packed, block_scale, g))
+
+
+def test_nvfp4_global_scale_is_stable_and_near_amax_over_2688():
+    """Over amaxes from 1e-12 to 1e12: the global scale is the oracle's, within 16 ulps of amax / 2688 (0 for
+    most), and the weight quantized with it dequantizes to an amax that gives it back."""
+    gen = torch.Generator().manual_seed(7)
+    amaxes = torch.exp(torch.empty(2000).uniform_(-27.6, 27.6, generator=gen))
+    moved = 0
+    for amax in amaxes:
+        w = torch.tensor([[float(amax)] + [0.0] * 15])
+        g = nvfp4_global_scale(w)
+        assert g.item() == _stable_g(float(f32(amax.item())))
+        ulps = abs(int(g.view(torch.int32)) - int((amax / 2688.0).view(torch.int32)))
+        assert ulps <= 16
+        moved += ulps > 0
+        assert nvfp4_global_scale(dequantize_nvfp4(*quantize_nvfp4(w))).item() == g.item()
+    assert 0 < moved < len(amaxes) // 2
+
+
+def test_nvfp4_shared_global_scale_repeats_itself():
+    """q/k/v quantized with their shared global scale: the fake-quantized group gives the same shared scale
+    and each member the same bytes, with the outlier in any one of them."""
+    for where in range(3):
+        group = [_with_outliers((16, 32), 1.0, seed, torch.float32) for seed in range(3)]
+        group[where][2, 7] = 1e4
+        g = nvfp4_global_scale(*group)
+        once = [fake_quantize(w, "nvfp4", global_scale=g) for w in group]
+        assert nvfp4_global_scale(*once).item() == g.item()
+        for w, q in zip(group, once):
+            assert _same_bytes(quantize_nvfp4(q, global_scale=g), quantize_nvfp4(w, global_scale=g))
 
 
 def test_nvfp4_refuses_partial_block():

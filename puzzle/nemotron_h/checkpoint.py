@@ -397,9 +397,9 @@ def _effective_weights(
     weights: Callable[[Path | None], list[str]], mixers: list[nn.Module], directory: Path | None
 ) -> list[str]:
     """`weights(directory)` with `mixers`' covered weights fake-quantized in their spec's format: the values
-    their forward multiplies by. A baked child holds fake_quantize(master), and its forward quantizes that
-    once more; fake quantization is idempotent only up to an ulp of nvfp4's global scale (recomputed from
-    the baked amax), so writing the baked values would leave a plain load an ulp off the model."""
+    their forward multiplies by. For a baked child (it holds fake_quantize(master)) these are its stored
+    values bit for bit, fake quantization being idempotent (`puzzle.quant`); a quantized block that still
+    holds master weights (not baked) is written as its forward computes, not as its masters."""
     from puzzle.blocks.formats import fake_quantized
 
     with contextlib.ExitStack() as stack:

@@ -376,8 +376,8 @@ def spec_with_formats(spec: ModelSpec, sources: Mapping[str, TensorSource]) -> M
     """`spec` with the `weight_format` of each block whose covered weights (`quantized_weights`) are all
     stored in one format, read from the `dequantizing_sources`: a loaded export keeps its blocks' formats
     (`puzzle costs` of it, a re-export, a further search see them). Its forward is unchanged: the block's
-    weights are already on the format's grid, where quantizing again is the identity up to the fp32
-    rounding of the recomputed scales. A block stored partly quantized (another tool's checkpoint) stays as
+    weights are already on the format's grid, where quantizing again is the identity bit for bit (nvfp4's
+    global scale and small blocks are chosen so, `puzzle.quant`), and a re-export writes the same bytes. A block stored partly quantized (another tool's checkpoint) stays as
     the spec says: its weights load exactly, dequantized, and are not quantized again in the forward."""
     stored: dict[int, dict[str, str]] = {}
     for key, source in sources.items():
