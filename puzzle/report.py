@@ -755,6 +755,66 @@ def _measured(report: _Report, layout: RunLayout) -> None:
     report.save(figure, "kl_measured.png", "measured vs predicted KL")
 
 
+def _stage_plan(layout: RunLayout, parent: ModelSpec, ranks: int) -> tuple[dict[str, Any], str | None]:
+    """{plan stage name: StagePlan} of the run's saved config on `ranks` ranks of its hardware profile (the
+    run's calibration for "this-machine"), or ({}, why not)."""
+    try:
+        from puzzle.config import load_config
+        from puzzle.plan import plan_hardware, plan_run
+
+        config = load_config(layout.resolved_config, check_paths=False)
+        _, profile = plan_hardware(layout.hardware(config.hardware.profile))
+        plan = plan_run(config, parent, ranks, profile)
+    except Exception as error:  # a report is still written: the plan is one section of it
+        return {}, f"{type(error).__name__}: {error}"
+    return {stage.name: stage for stage in plan.stages}, None
+
+
+def _stage_costs(report: _Report, layout: RunLayout, parent: ModelSpec) -> None:
+    """Each stage that ran: its measured wall time and peak memory per rank (run.json's `measured`) beside
+    the plan's (`puzzle plan` of the run's config on as many ranks)."""
+    path = layout.manifest
+    stages = (_read_json(path) or {}).get("stages", {}) if path.is_file() else {}
+    measured = {name: record["measured"] for name, record in stages.items() if record.get("measured")}
+    if not measured:
+        return
+    ranks = max(m.get("ranks", 1) for m in measured.values())
+    planned, problem = _stage_plan(layout, parent, ranks)
+    report.add(
+        "## Stages, planned and measured",
+        "",
+        "Wall time and peak memory per rank of each stage as it last ran (run.json), beside `puzzle plan`'s "
+        "for the run's config on the same ranks of its hardware profile. Peak resident memory is the "
+        "process's running peak (a later stage's is at least an earlier one's). Tokens/s: the plan's "
+        "tokens over the measured time." + (f" _No plan: {problem}._" if problem else ""),
+        "",
+    )
+    rows = []
+    for name, m in measured.items():
+        stage = planned.get(name.split("/", 1)[0])  # a solution's record: its stage's plan
+        seconds = m.get("seconds")
+        plan_seconds = None if stage is None else stage.seconds
+        ratio = seconds / plan_seconds if seconds and plan_seconds else None
+        tokens = None if stage is None or not stage.tokens or not seconds else stage.tokens / seconds
+        peak = max(m.get("peak_cuda_mib") or m.get("peak_rss_mib") or [0.0])
+        plan_peak = None if stage is None else stage.resident / 2**20
+        rows.append([name, seconds, plan_seconds, ratio, tokens, peak, plan_peak])
+    report.add(
+        *_table(
+            [
+                "stage",
+                "measured s",
+                "planned s",
+                "measured / planned",
+                "tokens/s",
+                "peak MiB per rank",
+                "planned peak MiB",
+            ],
+            rows,
+        )
+    )
+
+
 def _rounds(report: _Report, layout: RunLayout, out: Path) -> None:
     """Rounds r >= 2 of an iterative run: a report of its own each, in OUT/round-{r}, linked here."""
     number = 2
@@ -875,5 +935,6 @@ def _write_into(out: Path, layout: RunLayout, parent: ModelSpec, library: Any) -
     _bld(report, library)
     _gkd(report, layout, list(solutions))
     _measured(report, layout)
+    _stage_costs(report, layout, parent)
     _rounds(report, layout, out)
     atomic_write_bytes(out / REPORT_FILE, "\n".join(report.lines).encode())

@@ -811,3 +811,24 @@ def test_scores_in_context_under_two_gloo_processes_match_one(finished, tmp_path
     assert two["kept"] == one["kept"]
     for want, got in zip(one["rounds"], two["rounds"]):
         assert got["measured"] == pytest.approx(want["measured"], rel=1e-5)
+
+
+def test_each_stage_records_what_it_cost_and_the_report_sets_it_beside_the_plan(finished, tmp_path):
+    """run.json's record of each stage that ran holds its wall time, ranks and peak memory per rank; the
+    report's stage table gives each beside `puzzle plan`'s time for the run's config (a finite ratio)."""
+    from puzzle.report import write_report
+
+    run_dir, _ = finished
+    stages = json.loads((run_dir / "run.json").read_text())["stages"]
+    ran = {name: record for name, record in stages.items() if "measured" in record}
+    assert {"importance", "library", "scores", "assemble", "distill"} <= {n.split("/")[0] for n in ran}
+    for record in ran.values():
+        measured = record["measured"]
+        assert measured["seconds"] >= 0 and measured["ranks"] == 1
+        assert len(measured["peak_rss_mib"]) == 1 and measured["peak_rss_mib"][0] > 0
+    text = write_report(run_dir, tmp_path / "report").read_text()
+    section = text.split("## Stages, planned and measured")[1].split("\n## ")[0]
+    assert "_No plan" not in section
+    library = next(line for line in section.splitlines() if line.startswith("| library "))
+    ratio = library.split(" | ")[3]
+    assert ratio not in ("-", "") and float(ratio.replace(",", "")) > 0
