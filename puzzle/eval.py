@@ -242,6 +242,40 @@ def load_target(path: str | Path, dtype: str | torch.dtype = "float32") -> tuple
     return load(path, dtype=torch_dtype), tokenizer
 
 
+def run_targets(run_dir: str | Path) -> dict[str, Path] | None:
+    """{name: checkpoint} of a run directory's parent ("parent", from its saved config's parent.path) and
+    every exported child (exports/NAME/, and round-R/exports/NAME/ as "round-R/NAME"), in that order; None
+    when `run_dir` is no run directory (it holds neither run.json nor a saved run config)."""
+    import yaml
+
+    from puzzle.layout import EXPORTS_DIR, RunLayout
+
+    layout = RunLayout(Path(run_dir))
+    config_file = layout.resolved_config
+    if not layout.manifest.is_file() and not config_file.is_file():
+        return None
+    targets: dict[str, Path] = {}
+    if config_file.is_file():
+        try:
+            config = yaml.safe_load(config_file.read_text()) or {}
+        except (OSError, yaml.YAMLError) as error:
+            raise EvalError(f"{config_file}: cannot read the run's config ({error})") from None
+        parent = (config.get("parent") or {}).get("path") if isinstance(config, dict) else None
+        if parent:
+            targets["parent"] = (config_file.parent / parent).resolve()
+    rounds = [(layout.root, "")] + [
+        (folder, f"{folder.name}/") for folder in sorted(layout.root.glob("round-*")) if folder.is_dir()
+    ]
+    for root, prefix in rounds:
+        for config in sorted((root / EXPORTS_DIR).glob("*/config.json")):
+            targets[f"{prefix}{config.parent.name}"] = config.parent
+    if not targets:
+        raise EvalError(
+            f"run directory {layout.root}: found no parent in its config and no {EXPORTS_DIR}/NAME/"
+        )
+    return targets
+
+
 def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per task and metric of a results dict: task, metric, value, stderr (None when lm-eval gave none)."""
     rows = []

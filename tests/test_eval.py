@@ -205,3 +205,36 @@ def test_cli_evaluates_a_checkpoint_and_refuses_unknown_tasks(
     assert main(["eval", str(path), "--tasks", "puzzle_next_line", "--limit", "4", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert 0 <= printed["puzzle_next_line"]["acc,none"] <= 1
+
+
+def test_cli_evaluates_a_run_directory_parent_and_children(
+    model: HybridLM, tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """TARGET a run directory: its parent (the saved config's parent.path) and each exports/NAME/, a row
+    per model in the table, {model: results} with --json."""
+    import yaml
+
+    from puzzle.layout import RunLayout
+
+    parent = model.save_pretrained(tmp_path / "parent")
+    write_tokenizer(parent)
+    layout = RunLayout(tmp_path / "run")
+    layout.root.mkdir()
+    layout.config.write_text(yaml.safe_dump({"run_dir": str(layout.root), "parent": {"path": str(parent)}}))
+    for name, seed in (("half", 2), ("quarter", 3)):
+        write_tokenizer(_shuffled(model, seed).save_pretrained(layout.export(name)))
+    (layout.root / "exports" / "not-a-checkpoint").mkdir()  # no config.json: not a model
+
+    argv = ["eval", str(layout.root), "--tasks", "puzzle_next_line", "--limit", "6", "--batch-size", "4"]
+    assert main([*argv, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert list(printed) == ["parent", "half", "quarter"]
+    assert all(0 <= printed[n]["puzzle_next_line"]["acc,none"] <= 1 for n in printed)
+    assert main(argv) == 0
+    table = [line.split() for line in capsys.readouterr().out.splitlines()]
+    assert table[0] == ["model", "task", "metric", "value", "stderr"]
+    assert [(row[0], row[2]) for row in table[1:]] == [
+        (name, metric) for name in printed for metric in ("acc", "acc_norm")
+    ]
+    value = float(table[1][3])
+    assert value == pytest.approx(printed["parent"]["puzzle_next_line"]["acc,none"], abs=5e-5)
