@@ -238,3 +238,44 @@ def test_cli_evaluates_a_run_directory_parent_and_children(
     ]
     value = float(table[1][3])
     assert value == pytest.approx(printed["parent"]["puzzle_next_line"]["acc,none"], abs=5e-5)
+
+
+def _greedy_match(model: HybridLM, tokenizer, context: str, continuation: str) -> bool:
+    """Whether every token of `continuation` is the argmax of one forward of context + continuation."""
+    ctx = tokenizer.encode(context, add_special_tokens=False)
+    cont = tokenizer.encode(continuation, add_special_tokens=False)
+    with torch.no_grad():
+        logits = model(torch.tensor([ctx + cont])[:, :-1]).logits[0]
+    return logits[len(ctx) - 1 :].argmax(-1).tolist() == cont
+
+
+def test_identifier_task_is_a_greedy_exact_match_over_its_regenerated_items(
+    model: HybridLM, tokenizer, manager
+) -> None:
+    """puzzle_identifiers: 200 items that benchmarks/make_next_line_task.py rebuilds identically from this
+    repository's history, each an identifier the lines before it use; lm-eval's acc on 40 of them is the
+    share our own greedy decoding completes exactly."""
+    import importlib.util
+    import subprocess
+
+    script = LOCAL_TASKS.parents[1] / "benchmarks" / "make_next_line_task.py"
+    spec = importlib.util.spec_from_file_location("make_next_line_task", script)
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    items = [json.loads(line) for line in maker.IDENTIFIER_OUTPUT.read_text().splitlines()]
+    assert len(items) == 200
+    for item in items:
+        assert 4 <= len(item["identifier"]) <= 24
+        assert item["identifier"] in item["context"]
+    try:
+        files = maker.source_files()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        files = None  # a checkout without the source commit's history (a shallow clone)
+    if files is not None:
+        assert maker.build_identifier_items(files) == items
+
+    model = _shuffled(model, seed=5)  # weights of some scale, so that a few identifiers may complete
+    limit = 40
+    results = evaluate(model, tokenizer, ["puzzle_identifiers"], limit=limit, batch_size=8, manager=manager)
+    expected = sum(_greedy_match(model, tokenizer, i["context"], i["identifier"]) for i in items[:limit])
+    assert results["results"]["puzzle_identifiers"]["acc,none"] == pytest.approx(expected / limit, abs=1e-9)
