@@ -1,16 +1,20 @@
-"""Regenerate puzzle/eval_tasks/next_line.jsonl: next-line multiple choice from this repo's own Python source.
+"""Regenerate the local lm-eval tasks' data (puzzle/eval_tasks/*.jsonl) from this repo's own Python source.
 
 `python benchmarks/make_next_line_task.py` reads the `.py` files under `puzzle/` at the fixed commit SOURCE_COMMIT
 (through `git show`, so the items do not move as the code does) and writes ITEMS items. Each item is the last
 few lines of a file up to some point (`context`), the true next line, and CHOICES - 1 lines of similar length
 drawn from other files. The demo parent trains on the standard library, so these files are held out from it.
+It also writes IDENTIFIER_ITEMS items of identifiers.jsonl (task puzzle_identifiers): the code before
+an identifier that the preceding lines already use, and that identifier, scored as a greedy exact match.
 Deterministic: the same commit and constants give the same bytes.
 """
 
 from __future__ import annotations
 
 import json
+import keyword
 import random
+import re
 import subprocess
 from pathlib import Path
 
@@ -24,6 +28,13 @@ MAX_LINE_CHARS = 100
 SEED = 37
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT = ROOT / "puzzle" / "eval_tasks" / "next_line.jsonl"
+IDENTIFIER_ITEMS = 200
+IDENTIFIER_SEED = 38
+MIN_IDENTIFIER_CHARS = 4  # short names (`x`, `i`) are guessed, not completed
+MAX_IDENTIFIER_CHARS = 24
+IDENTIFIER_OUTPUT = ROOT / "puzzle" / "eval_tasks" / "identifiers.jsonl"
+_IDENTIFIER = re.compile(r"(?<![\w.'\"])[A-Za-z_][A-Za-z0-9_]*")
+_KEYWORDS = frozenset(keyword.kwlist) | {"self", "None", "True", "False"}
 
 
 def _git(*args: str) -> str:
@@ -93,11 +104,54 @@ def build_items(files: dict[str, list[str]]) -> list[dict]:
     return items
 
 
+def build_identifier_items(files: dict[str, list[str]]) -> list[dict]:
+    """IDENTIFIER_ITEMS items {"id", "file", "context", "identifier"}: an identifier of 4-24 characters (no
+    keyword, not after a '.' or in a string's first character) that the CONTEXT_LINES lines before it
+    already hold, and the code up to it (at most MAX_CONTEXT_CHARS); one item per line at most."""
+    rng = random.Random(IDENTIFIER_SEED)
+    positions = [
+        (name, index)
+        for name, lines in files.items()
+        for index in range(CONTEXT_LINES, len(lines))
+        if lines[index].strip() and not lines[index].lstrip().startswith("#")
+    ]
+    rng.shuffle(positions)
+    items, seen = [], set()
+    for name, index in positions:
+        if len(items) == IDENTIFIER_ITEMS:
+            break
+        lines = files[name]
+        before = "\n".join(lines[index - CONTEXT_LINES : index]) + "\n"
+        candidates = [
+            match
+            for match in _IDENTIFIER.finditer(lines[index])
+            if MIN_IDENTIFIER_CHARS <= len(match.group()) <= MAX_IDENTIFIER_CHARS
+            and match.group() not in _KEYWORDS
+            and re.search(rf"\b{re.escape(match.group())}\b", before)
+            and match.start() > 0  # something of the line itself before it
+        ]
+        if not candidates:
+            continue
+        match = rng.choice(candidates)
+        context = (before + lines[index][: match.start()])[-MAX_CONTEXT_CHARS:]
+        # the identifier must still be in the context the model sees, after the cut to MAX_CONTEXT_CHARS
+        if (context, match.group()) in seen or not re.search(rf"\b{re.escape(match.group())}\b", context):
+            continue
+        seen.add((context, match.group()))
+        items.append({"id": len(items), "file": name, "context": context, "identifier": match.group()})
+    return items
+
+
+def _write(path: Path, items: list[dict]) -> None:
+    path.write_text("".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items))
+    print(f"{path.relative_to(ROOT)}: {len(items)} items from {SOURCE_COMMIT}")
+
+
 def main() -> None:
-    """Write OUTPUT (one JSON object a line) and say how many items it holds."""
-    items = build_items(source_files())
-    OUTPUT.write_text("".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items))
-    print(f"{OUTPUT.relative_to(ROOT)}: {len(items)} items from {SOURCE_COMMIT}")
+    """Write OUTPUT and IDENTIFIER_OUTPUT (one JSON object a line) and say how many items each holds."""
+    files = source_files()
+    _write(OUTPUT, build_items(files))
+    _write(IDENTIFIER_OUTPUT, build_identifier_items(files))
 
 
 if __name__ == "__main__":

@@ -77,6 +77,61 @@ class EvalAdapter(nn.Module):
         return _Output(self.model(input_ids).logits)
 
 
+class HubDataError(EvalError):
+    """A task whose data lies on the Hugging Face hub, run where the hub cannot be reached (or offline)."""
+
+    def __init__(self, tasks: dict[str, str], error: BaseException) -> None:
+        self.tasks = tasks
+        named = ", ".join(f"{t} (dataset {d})" for t, d in tasks.items()) or "the tasks asked for"
+        reason = " ".join(str(error).split()) or type(error).__name__
+        super().__init__(
+            f"the data of {named} needs the Hugging Face hub, which cannot be reached here: {reason}; "
+            "offline, run the local tasks (puzzle_next_line) or --include-path tasks with local data files"
+        )
+
+
+def hub_datasets(tasks: list[str], manager: Any) -> dict[str, str]:
+    """{task: its hub dataset_path} of the named tasks (and the tasks of named groups and tags) whose
+    config reads a dataset from the hub rather than a local file or a `custom_dataset` loader."""
+    found: dict[str, str] = {}
+    index = manager.task_index
+    pending, seen = list(tasks), set()
+    while pending:
+        name = pending.pop(0)
+        entry = index.get(name)
+        if entry is None or name in seen:
+            continue
+        seen.add(name)
+        cfg = entry.cfg if isinstance(entry.cfg, dict) else {}
+        path = cfg.get("dataset_path")
+        local = cfg.get("custom_dataset") or path in {"json", "csv", "parquet", "text", "arrow"}
+        if isinstance(path, str) and not local and not Path(path).exists():
+            found[name] = path
+        children = cfg.get("task")
+        if isinstance(children, list):  # a group's YAML lists its tasks
+            pending += [c for c in children if isinstance(c, str)]
+        if getattr(entry.kind, "name", "") == "TAG":  # a tag names the tasks that carry it
+            pending += [n for n, e in index.items() if name in (getattr(e, "tags", None) or ())]
+    return found
+
+
+def _hub_error(error: BaseException) -> bool:
+    """Whether `error` (or one it was raised from) is datasets / huggingface_hub failing to reach the hub."""
+    while error is not None:
+        if isinstance(
+            error, ConnectionError
+        ):  # datasets' "Couldn't reach ... on the Hub", OfflineModeIsEnabled
+            return True
+        if type(error).__name__ in {
+            "DatasetNotFoundError",
+            "LocalEntryNotFoundError",
+            "OfflineModeIsEnabled",
+        }:
+            return True
+        error = error.__cause__ or error.__context__
+    return False
+
+
 def _require_lm_eval() -> Any:
     """lm_eval, or an EvalError saying which extra installs it (its HF model class also needs accelerate)."""
     try:
@@ -125,7 +180,8 @@ def evaluate(
     (`puzzle/eval_tasks`) or the YAMLs under `include_path`. `limit`: at most that many documents per task
     (a float < 1: that share). `device`: where to move the model first (default: where it is).
     `manager`: a `task_manager(include_path)` already built (indexing lm-eval's tasks takes seconds).
-    Raises UnknownTaskError (naming the task and close matches) before any model work.
+    Raises UnknownTaskError (naming the task and close matches) before any model work, HubDataError when
+    a task's data must come from a hub that cannot be reached.
     """
     lm_eval = _require_lm_eval()
     from lm_eval.models.huggingface import HFLM
@@ -140,15 +196,20 @@ def evaluate(
         model = model.to(device)
     wrapped = EvalAdapter(model) if isinstance(model, HybridLM) else model
     lm = HFLM(pretrained=wrapped, tokenizer=tokenizer, batch_size=batch_size, backend="causal")
-    results = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=names,
-        limit=limit,
-        task_manager=manager,
-        log_samples=False,
-        # Offline and quick: the bootstrap only serves metrics without a closed-form stderr.
-        bootstrap_iters=1000,
-    )
+    try:
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=names,
+            limit=limit,
+            task_manager=manager,
+            log_samples=False,
+            # Offline and quick: the bootstrap only serves metrics without a closed-form stderr.
+            bootstrap_iters=1000,
+        )
+    except Exception as error:
+        if _hub_error(error):
+            raise HubDataError(hub_datasets(names, manager), error) from error
+        raise
     if results is None:  # only on a non-zero rank of a distributed run
         return {}
     return dict(results)
@@ -179,6 +240,40 @@ def load_target(path: str | Path, dtype: str | torch.dtype = "float32") -> tuple
     from puzzle.nemotron_h import load
 
     return load(path, dtype=torch_dtype), tokenizer
+
+
+def run_targets(run_dir: str | Path) -> dict[str, Path] | None:
+    """{name: checkpoint} of a run directory's parent ("parent", from its saved config's parent.path) and
+    every exported child (exports/NAME/, and round-R/exports/NAME/ as "round-R/NAME"), in that order; None
+    when `run_dir` is no run directory (it holds neither run.json nor a saved run config)."""
+    import yaml
+
+    from puzzle.layout import EXPORTS_DIR, RunLayout
+
+    layout = RunLayout(Path(run_dir))
+    config_file = layout.resolved_config
+    if not layout.manifest.is_file() and not config_file.is_file():
+        return None
+    targets: dict[str, Path] = {}
+    if config_file.is_file():
+        try:
+            config = yaml.safe_load(config_file.read_text()) or {}
+        except (OSError, yaml.YAMLError) as error:
+            raise EvalError(f"{config_file}: cannot read the run's config ({error})") from None
+        parent = (config.get("parent") or {}).get("path") if isinstance(config, dict) else None
+        if parent:
+            targets["parent"] = (config_file.parent / parent).resolve()
+    rounds = [(layout.root, "")] + [
+        (folder, f"{folder.name}/") for folder in sorted(layout.root.glob("round-*")) if folder.is_dir()
+    ]
+    for root, prefix in rounds:
+        for config in sorted((root / EXPORTS_DIR).glob("*/config.json")):
+            targets[f"{prefix}{config.parent.name}"] = config.parent
+    if not targets:
+        raise EvalError(
+            f"run directory {layout.root}: found no parent in its config and no {EXPORTS_DIR}/NAME/"
+        )
+    return targets
 
 
 def summary(results: dict[str, Any]) -> list[dict[str, Any]]:

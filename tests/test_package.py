@@ -105,3 +105,14 @@ def test_submodules_are_attributes_of_their_packages() -> None:
     ]
     with pytest.raises(AttributeError, match="no attribute 'no_such_module'"):
         puzzle.no_such_module  # noqa: B018
+
+
+def test_ci_runs_the_readme_test_command_verbatim_with_the_eval_extra() -> None:
+    """.ci/run's last line is the README's test command byte for byte, and both install `[eval]`, so that
+    CI runs tests/test_eval.py (it skips without lm-eval)."""
+    root = Path(__file__).resolve().parents[1]
+    readme_commands = re.findall(r"```bash\n([^\n]*python -m pytest[^\n]*)\n```", _README.read_text())
+    ci_lines = [line for line in (root / ".ci" / "run").read_text().splitlines() if line.strip()]
+    assert len(readme_commands) == 1, readme_commands
+    assert ci_lines[-1] == readme_commands[0]
+    assert "'.[dev,eval]'" in readme_commands[0]
