@@ -207,12 +207,12 @@ def _layer_tensors(shapes: Mapping[str, tuple[int, ...]], prefix: str) -> Shapes
     }
 
 
-def _read_differences(layer: LayerReplay, block: BlockSpec, engine: str = "vLLM") -> str | None:
-    """How the block `engine`'s config fields describe differs from the child's `block` (None: it does not)."""
+def _read_differences(layer: LayerReplay, block: BlockSpec) -> str | None:
+    """How the block vLLM's config fields describe differs from the child's `block` (None: it does not)."""
     try:
         read = block_spec_from_fields(block.kind, {**DEFAULTS, **layer.fields})
     except (SpecError, KeyError, TypeError) as error:
-        return f"{engine}'s config fields for it do not describe a {block.kind} block: {error}"
+        return f"vLLM's config fields for it do not describe a {block.kind} block: {error}"
     differs = [
         f"{name} {getattr(read, name)!r} (the child: {getattr(block, name)!r})"
         for name in (f.name for f in dataclass_fields(block))
@@ -221,7 +221,7 @@ def _read_differences(layer: LayerReplay, block: BlockSpec, engine: str = "vLLM"
     if not differs:
         return None
     source = "its per-layer config" if layer.per_layer else "the global fields"
-    return f"{engine} builds it from {source}, which give " + ", ".join(differs)
+    return f"vLLM builds it from {source}, which give " + ", ".join(differs)
 
 
 def mismatches(
@@ -233,18 +233,8 @@ def mismatches(
     num_hidden_layers + j) are compared on the tensors the checkpoint carries for them, as carried
     unchanged from the parent; the main layers on every tensor.
     """
-    return compare(replay(config), shapes, spec)
-
-
-def compare(
-    layers: list[LayerReplay],
-    shapes: Mapping[str, tuple[int, ...]],
-    spec: ModelSpec | None = None,
-    engine: str = "vLLM",
-) -> list[tuple[int, str]]:
-    """`mismatches` for the layers an engine's replay (this one, sglang_replay, trtllm_replay) builds."""
     found = []
-    for layer in layers:
+    for layer in replay(config):
         if layer.unsupported is not None:
             found.append((layer.index, layer.unsupported))
             continue
@@ -253,13 +243,13 @@ def compare(
         missing = [name for name in layer.tensors if name not in have and not is_mtp]
         unexpected = [name for name in have if name not in layer.tensors]
         wrong = [
-            f"{name} {list(have[name])} ({engine} allocates {list(shape)})"
+            f"{name} {list(have[name])} (vLLM allocates {list(shape)})"
             for name, shape in layer.tensors.items()
             if name in have and have[name] != shape
         ]
         for label, names in (
             ("missing", missing),
-            (f"without a {engine} parameter", unexpected),
+            ("without a vLLM parameter", unexpected),
             ("shape", wrong),
         ):
             if names:
@@ -269,7 +259,7 @@ def compare(
         block = spec.blocks[layer.index] if spec is not None and layer.index < spec.num_blocks else None
         if block is None or _KINDS.get(layer.char) != block.kind:
             continue
-        difference = _read_differences(layer, block, engine)
+        difference = _read_differences(layer, block)
         if difference is not None:
             found.append((layer.index, difference))
     return found
