@@ -24,7 +24,13 @@ from puzzle.files import CARD_FILE, CARD_MARKER
 from puzzle.spec import ModelSpec
 
 TAGS = ("puzzle", "nemotron_h", "neural-architecture-search", "pruning", "knowledge-distillation")
-ENGINE_TITLES = {"transformers": "transformers", "vllm": "vLLM", "llama.cpp": "llama.cpp"}
+ENGINE_TITLES = {
+    "transformers": "transformers",
+    "vllm": "vLLM",
+    "llama.cpp": "llama.cpp",
+    "sglang": "SGLang",
+    "trtllm": "TensorRT-LLM",
+}
 
 
 def _front_matter(text: str) -> dict[str, Any]:
@@ -172,6 +178,9 @@ def engine_commands(model_type: str) -> dict[str, list[str]]:
             "python convert_hf_to_gguf.py ./CHILD --outfile child.gguf --outtype bf16",
             "llama-server -m child.gguf",
         ],
+        # SGLang and TensorRT-LLM register nemotron_h_puzzle's config class themselves: no remote code.
+        "sglang": ["python -m sglang.launch_server --model-path ./CHILD"],
+        "trtllm": ["trtllm-serve ./CHILD"],
     }
 
 

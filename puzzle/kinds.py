@@ -23,6 +23,8 @@ PER_KIND_TABLES: dict[str, str] = {
     "puzzle.nemotron_h.config:TRANSFORMERS_PROBLEMS": "why transformers' NemotronH cannot load a block",
     "puzzle.nemotron_h.engines:VLLM_RULES": "why vLLM cannot load a block",
     "puzzle.nemotron_h.engines:LLAMA_CPP_RULES": "why llama.cpp cannot load a block",
+    "puzzle.nemotron_h.engines:SGLANG_RULES": "why SGLang cannot load a block (beyond its replay)",
+    "puzzle.nemotron_h.engines:TRTLLM_RULES": "why TensorRT-LLM cannot load a block (beyond its replay)",
     "puzzle.search.kinds:SEARCH_ATTRIBUTES": "search: the attributes a budget's global rules read",
     "puzzle.report:KIND_STYLES": "report: the kind's colour, and whether it mixes tokens",
 }

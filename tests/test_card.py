@@ -64,7 +64,7 @@ def test_a_standalone_export_has_a_card_that_says_what_is_not_known(spec, tmp_pa
     # Engines: served exactly when puzzle.nemotron_h.engines finds no problem, with the command for each.
     serving = section(text, "Serving")
     for engine, reasons in engine_support(spec).items():
-        title = {"vllm": "vLLM"}.get(engine, engine)
+        title = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TensorRT-LLM"}.get(engine, engine)
         served = not reasons or (engine == "transformers" and model_type == "nemotron_h_puzzle")
         assert (f"**{title}**: serves it" in serving) == served, engine
         assert all(reason in serving for reason in reasons) or served

@@ -75,7 +75,9 @@ def _brute_force(candidates: RunCandidates, engines: list[str], tmp_path) -> flo
     raise AssertionError("no architecture within the budget is served")
 
 
-@pytest.mark.parametrize("engines", [["vllm"], ["llama.cpp"], ["vllm", "llama.cpp"], ["transformers"]])
+@pytest.mark.parametrize(
+    "engines", [["vllm"], ["llama.cpp"], ["vllm", "llama.cpp"], ["transformers"], ["sglang"], ["trtllm"]]
+)
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_search_returns_the_best_child_the_engines_serve(tmp_path, engines, seed):
     candidates = _candidates(seed)
@@ -98,5 +100,5 @@ def test_a_parent_block_the_engine_refuses_and_an_unknown_engine_are_errors(tmp_
     candidates = RunCandidates(parent, [[_mamba(16)], [windowed]], [[0.0], [0.0]])
     with pytest.raises(SearchError, match=r"parent's block 1 .*sliding-window"):
         run_problem(tmp_path, [], candidates=candidates, engines=["llama.cpp"])
-    with pytest.raises(ValueError, match="unknown engine 'sglang'"):
-        run_problem(tmp_path, [], candidates=candidates, engines=["sglang"])
+    with pytest.raises(ValueError, match="unknown engine 'tgi'"):
+        run_problem(tmp_path, [], candidates=candidates, engines=["tgi"])

@@ -253,7 +253,7 @@ class SearchConfig:
     keep_blocks: tuple[int, ...] = field(
         default_factory=tuple, metadata=doc("Blocks held at the parent's shape.")
     )
-    engines: tuple[Literal["vllm", "llama.cpp", "transformers"], ...] = field(
+    engines: tuple[Literal["vllm", "llama.cpp", "transformers", "sglang", "trtllm"], ...] = field(
         default_factory=tuple,
         metadata=doc(
             "Serving engines the child must load (e.g. [vllm]): the search leaves out the variants they refuse "

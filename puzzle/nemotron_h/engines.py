@@ -19,6 +19,14 @@ What each engine reads:
   for all MoE blocks; no sliding window (every attention layer attends to the whole context, src/models/
   nemotron-h.cpp); its loader takes a dense MLP block in a model with MoE blocks for a Mamba layer;
   MTP tensors are dropped.
+- SGLang: replayed by `puzzle.nemotron_h.sglang_replay` (its models/nemotron_h.py and configs/nemotron_h.py,
+  commits named there): its own NemotronHPuzzleConfig; Mamba and MLP layers from the globals, attention and
+  MoE layers from `get_nemotron_h_config_for_layer(i)`; `SGLANG_RULES` adds vLLM's relu^2 MLP, no upper dt
+  clamp and (conservatively) one attention shape for its KV pool.
+- TensorRT-LLM: replayed by `puzzle.nemotron_h.trtllm_replay` (its _torch/models/modeling_nemotron_h.py,
+  commit named there): block_configs only for five MoE fields (width, latent size, expert count, top-k,
+  shared-expert width); Mamba, MLP, attention (KV heads included) from the globals. It reads ModelOpt's
+  hf_quant_config.json for quantized checkpoints, which we do not write: a quantized child is refused.
 - transformers without remote code (`NemotronHForCausalLM`): plain nemotron_h only, one shape per kind, no
   quantized MoE block (it misreads nvfp4 routed experts and runs fp8 ones without their activations)
   (`transformers_incompatibilities`). Our trust_remote_code file and `puzzle.load` read every child.
@@ -34,7 +42,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from puzzle.nemotron_h import vllm_replay
+from puzzle.formats import DEFAULT_WEIGHT_FORMAT
+from puzzle.nemotron_h import sglang_replay, trtllm_replay, vllm_replay
 from puzzle.nemotron_h.config import config_from_spec, transformers_incompatibilities
 from puzzle.spec import (
     AttentionSpec,
@@ -49,7 +58,7 @@ from puzzle.spec import (
     without_weight_format,
 )
 
-ENGINES = ("vllm", "llama.cpp", "transformers")
+ENGINES = ("vllm", "llama.cpp", "transformers", "sglang", "trtllm")
 SERVING_ENGINES = ("vllm", "llama.cpp")  # what `export(format="engine")` checks by default
 
 _OURS_ALONE = {"linear": "a linear block (ours alone)", "noop": "a no-op (removed) block (ours alone)"}
@@ -253,6 +262,37 @@ LLAMA_CPP_RULES: dict[type, EngineRule] = {
 }
 
 
+def _trtllm_quantized(block: BlockSpec, model: _Model) -> list[str]:
+    if getattr(block, "weight_format", DEFAULT_WEIGHT_FORMAT) != DEFAULT_WEIGHT_FORMAT:
+        return [
+            f"a {block.weight_format} block: TensorRT-LLM reads ModelOpt hf_quant_config.json for quantized "
+            "checkpoints, and our export writes compressed-tensors quantization_config"
+        ]
+    return []
+
+
+def _trtllm_mamba(block: MambaSpec, model: _Model) -> list[str]:
+    return _vllm_mamba(block, model) + _trtllm_quantized(block, model)
+
+
+def _trtllm_mlp(block: MLPSpec, model: _Model) -> list[str]:
+    return _vllm_mlp(block, model) + _trtllm_quantized(block, model)
+
+
+# What SGLang does that its replay cannot see: as vLLM (relu^2 MLP, no upper dt clamp, one KV-pool shape).
+SGLANG_RULES: dict[type, EngineRule] = dict(VLLM_RULES)
+# TensorRT-LLM: the replay sees attention shapes (global) and MoE fields; beyond it, relu^2, no dt clamp, and
+# no compressed-tensors quantized block.
+TRTLLM_RULES: dict[type, EngineRule] = {
+    MambaSpec: _trtllm_mamba,
+    AttentionSpec: _trtllm_quantized,
+    MoESpec: _trtllm_quantized,
+    MLPSpec: _trtllm_mlp,
+    LinearSpec: _replayed,
+    NoOpSpec: _replayed,
+}
+
+
 def _by_rules(engine: str, rules: dict[type, EngineRule], spec: ModelSpec) -> list[EngineProblem]:
     model = _Model.of(spec)
     return [
@@ -273,6 +313,26 @@ def _vllm(spec: ModelSpec) -> list[EngineProblem]:
     return sorted(problems, key=lambda problem: -1 if problem.block is None else problem.block)
 
 
+def _replayed_engine(
+    engine: str, module: Any, rules: dict[type, EngineRule], spec: ModelSpec
+) -> list[EngineProblem]:
+    config, shapes = vllm_checkpoint(spec)
+    replayed = [
+        EngineProblem(engine, index, spec.blocks[index].kind, reason)
+        for index, reason in module.mismatches(config, shapes, spec)
+    ]
+    problems = replayed + _by_rules(engine, rules, spec)
+    return sorted(problems, key=lambda problem: -1 if problem.block is None else problem.block)
+
+
+def _sglang(spec: ModelSpec) -> list[EngineProblem]:
+    return _replayed_engine("sglang", sglang_replay, SGLANG_RULES, spec)
+
+
+def _trtllm(spec: ModelSpec) -> list[EngineProblem]:
+    return _replayed_engine("trtllm", trtllm_replay, TRTLLM_RULES, spec)
+
+
 def _llama_cpp(spec: ModelSpec) -> list[EngineProblem]:
     return _by_rules("llama.cpp", LLAMA_CPP_RULES, spec)
 
@@ -289,7 +349,13 @@ def _transformers(spec: ModelSpec) -> list[EngineProblem]:
     ]
 
 
-_CHECKS = {"vllm": _vllm, "llama.cpp": _llama_cpp, "transformers": _transformers}
+_CHECKS = {
+    "vllm": _vllm,
+    "llama.cpp": _llama_cpp,
+    "transformers": _transformers,
+    "sglang": _sglang,
+    "trtllm": _trtllm,
+}
 
 
 def engine_problems(spec: ModelSpec, engines: Iterable[str] = SERVING_ENGINES) -> list[EngineProblem]:
@@ -309,6 +375,18 @@ def _llama_cpp_moe_globals(block: MoESpec) -> tuple[Any, ...]:
     return tuple(getattr(block, name) for name in _LLAMA_CPP_SHARED_MOE)
 
 
+def _trtllm_moe_globals(block: MoESpec) -> tuple[Any, ...]:
+    # NemotronHMOE reads n_shared_experts (shared width 0 or not), n_group, topk_group, routed_scaling_factor
+    # from the globals; norm_topk_prob it does not read (DeepseekV3Gate), held here conservatively.
+    return (
+        block.shared_width > 0,
+        block.routed_scaling_factor,
+        block.n_group,
+        block.topk_group,
+        block.norm_topk_prob,
+    )
+
+
 GLOBAL_PARTS: dict[str, dict[type, Callable[[Any], Any]]] = {
     # Mamba layers and their state cache from the globals (the replay); one attention shape (VLLM_RULES)
     "vllm": {MambaSpec: without_weight_format, AttentionSpec: _attention_shape},
@@ -316,6 +394,19 @@ GLOBAL_PARTS: dict[str, dict[type, Callable[[Any], Any]]] = {
         MambaSpec: without_weight_format,
         AttentionSpec: without_weight_format,
         MoESpec: _llama_cpp_moe_globals,
+    },
+    # Mamba and the MLP from the globals (the replay); one attention shape (SGLANG_RULES, as vLLM)
+    "sglang": {
+        MambaSpec: without_weight_format,
+        AttentionSpec: _attention_shape,
+        MLPSpec: without_weight_format,
+    },
+    # Mamba, MLP and attention from the globals (the replay); MoE routing globals (n_shared_experts, routing)
+    "trtllm": {
+        MambaSpec: without_weight_format,
+        AttentionSpec: without_weight_format,
+        MLPSpec: without_weight_format,
+        MoESpec: _trtllm_moe_globals,
     },
     # one shape per kind (transformers_incompatibilities)
     "transformers": dict.fromkeys((MambaSpec, AttentionSpec, MoESpec, MLPSpec), without_weight_format),

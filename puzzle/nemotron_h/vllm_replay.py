@@ -57,7 +57,7 @@ class LayerReplay:
     per_layer: bool = False  # built from get_nemotron_h_config_for_layer(index), not the global config
 
 
-def _config_object(config: Mapping[str, Any]) -> Any:
+def config_object(config: Mapping[str, Any]) -> Any:
     """The config object vLLM's model code reads for `config` (a config.json dict)."""
     if config.get("model_type") == "nemotron_h_puzzle":
         from puzzle.nemotron_h.remote.configuration_nemotron_h_puzzle import NemotronHPuzzleConfig
@@ -79,7 +79,7 @@ def _linear(shapes: Shapes, name: str, out: int, inp: int, bias: bool) -> None:
         shapes[f"{name}.bias"] = (out,)
 
 
-def _mamba(config: Any, hidden: int) -> Shapes:
+def mamba_shapes(config: Any, hidden: int) -> Shapes:
     """MambaMixer2 as NemotronHMambaDecoderLayer builds it, from the global config (ckpt names: A_log, dt_bias)."""
     heads, head_dim = config.mamba_num_heads, config.mamba_head_dim
     inner = heads * head_dim
@@ -95,7 +95,7 @@ def _mamba(config: Any, hidden: int) -> Shapes:
     return shapes
 
 
-def _mlp_width(config: Any, pattern: str, index: int) -> int:
+def mlp_width(config: Any, pattern: str, index: int) -> int:
     """NemotronHMLPDecoderLayer: intermediate_size, or its entry for this MLP layer when it is a list."""
     width = config.intermediate_size
     if isinstance(width, list):
@@ -103,14 +103,14 @@ def _mlp_width(config: Any, pattern: str, index: int) -> int:
     return width
 
 
-def _mlp(config: Any, width: int) -> Shapes:
+def mlp_shapes(config: Any, width: int) -> Shapes:
     shapes: Shapes = {}
     _linear(shapes, "up_proj", width, config.hidden_size, bool(config.mlp_bias))
     _linear(shapes, "down_proj", config.hidden_size, width, bool(config.mlp_bias))
     return shapes
 
 
-def _attention(config: Any) -> Shapes:
+def attention_shapes(config: Any) -> Shapes:
     """NemotronHAttention: head_dim from the config, else hidden / heads; q/k/v/o without bias. It also reads
     `getattr(config, "sliding_window", None)` as the layer's window (no tensor: `_layer` records the field)."""
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -126,7 +126,7 @@ def _attention(config: Any) -> Shapes:
     return shapes
 
 
-def _moe(config: Any) -> tuple[Shapes, str | None]:
+def moe_shapes(config: Any) -> tuple[Shapes, str | None]:
     """NemotronHMoE: router and bias, one fused expert bank of one width, shared experts, latent projections."""
     experts, hidden = config.n_routed_experts, config.hidden_size
     latent = getattr(config, "moe_latent_size", None)
@@ -144,7 +144,7 @@ def _moe(config: Any) -> tuple[Shapes, str | None]:
             shapes[f"experts.{expert}.down_proj.weight"] = (moe_hidden, width)
     if config.n_shared_experts:
         shared = config.moe_shared_expert_intermediate_size * config.n_shared_experts
-        shapes.update({f"shared_experts.{k}": v for k, v in _mlp(config, shared).items()})
+        shapes.update({f"shared_experts.{k}": v for k, v in mlp_shapes(config, shared).items()})
     if latent is not None:
         _linear(shapes, "fc1_latent_proj", latent, hidden, bool(config.mlp_bias))
         _linear(shapes, "fc2_latent_proj", hidden, latent, bool(config.mlp_bias))
@@ -163,13 +163,13 @@ def _layer(config: Any, index: int, char: str, prefix: str, pattern: str) -> Lay
     layer_config = config if char == "M" or get_layer_config is None else get_layer_config(index)
     try:
         if char == "M":
-            mixer = _mamba(config, config.hidden_size)
+            mixer = mamba_shapes(config, config.hidden_size)
         elif char == "-":
-            mixer = _mlp(layer_config, _mlp_width(layer_config, pattern, index))
+            mixer = mlp_shapes(layer_config, mlp_width(layer_config, pattern, index))
         elif char == "*":
-            mixer = _attention(layer_config)
+            mixer = attention_shapes(layer_config)
         else:
-            mixer, layer.unsupported = _moe(layer_config)
+            mixer, layer.unsupported = moe_shapes(layer_config)
             layer.top_k = layer_config.num_experts_per_tok
     except AttributeError as error:  # a field vLLM reads that the config does not have
         layer.unsupported = f"vLLM reads a config field the config lacks: {error}"
@@ -186,7 +186,7 @@ def _layer(config: Any, index: int, char: str, prefix: str, pattern: str) -> Lay
 
 def replay(config: Mapping[str, Any]) -> list[LayerReplay]:
     """Every layer vLLM builds for config.json `config`: the main layers, then the MTP layers (if any)."""
-    obj = _config_object(config)
+    obj = config_object(config)
     pattern = obj.hybrid_override_pattern
     layers = [_layer(obj, i, char, f"backbone.layers.{i}", pattern) for i, char in enumerate(pattern)]
     if getattr(obj, "num_nextn_predict_layers", 0):
@@ -207,12 +207,12 @@ def _layer_tensors(shapes: Mapping[str, tuple[int, ...]], prefix: str) -> Shapes
     }
 
 
-def _read_differences(layer: LayerReplay, block: BlockSpec) -> str | None:
-    """How the block vLLM's config fields describe differs from the child's `block` (None: it does not)."""
+def _read_differences(layer: LayerReplay, block: BlockSpec, engine: str = "vLLM") -> str | None:
+    """How the block `engine`'s config fields describe differs from the child's `block` (None: it does not)."""
     try:
         read = block_spec_from_fields(block.kind, {**DEFAULTS, **layer.fields})
     except (SpecError, KeyError, TypeError) as error:
-        return f"vLLM's config fields for it do not describe a {block.kind} block: {error}"
+        return f"{engine}'s config fields for it do not describe a {block.kind} block: {error}"
     differs = [
         f"{name} {getattr(read, name)!r} (the child: {getattr(block, name)!r})"
         for name in (f.name for f in dataclass_fields(block))
@@ -221,7 +221,7 @@ def _read_differences(layer: LayerReplay, block: BlockSpec) -> str | None:
     if not differs:
         return None
     source = "its per-layer config" if layer.per_layer else "the global fields"
-    return f"vLLM builds it from {source}, which give " + ", ".join(differs)
+    return f"{engine} builds it from {source}, which give " + ", ".join(differs)
 
 
 def mismatches(
@@ -233,8 +233,18 @@ def mismatches(
     num_hidden_layers + j) are compared on the tensors the checkpoint carries for them, as carried
     unchanged from the parent; the main layers on every tensor.
     """
+    return compare(replay(config), shapes, spec)
+
+
+def compare(
+    layers: list[LayerReplay],
+    shapes: Mapping[str, tuple[int, ...]],
+    spec: ModelSpec | None = None,
+    engine: str = "vLLM",
+) -> list[tuple[int, str]]:
+    """`mismatches` for the layers an engine's replay (this one, sglang_replay, trtllm_replay) builds."""
     found = []
-    for layer in replay(config):
+    for layer in layers:
         if layer.unsupported is not None:
             found.append((layer.index, layer.unsupported))
             continue
@@ -243,13 +253,13 @@ def mismatches(
         missing = [name for name in layer.tensors if name not in have and not is_mtp]
         unexpected = [name for name in have if name not in layer.tensors]
         wrong = [
-            f"{name} {list(have[name])} (vLLM allocates {list(shape)})"
+            f"{name} {list(have[name])} ({engine} allocates {list(shape)})"
             for name, shape in layer.tensors.items()
             if name in have and have[name] != shape
         ]
         for label, names in (
             ("missing", missing),
-            ("without a vLLM parameter", unexpected),
+            (f"without a {engine} parameter", unexpected),
             ("shape", wrong),
         ):
             if names:
@@ -259,7 +269,7 @@ def mismatches(
         block = spec.blocks[layer.index] if spec is not None and layer.index < spec.num_blocks else None
         if block is None or _KINDS.get(layer.char) != block.kind:
             continue
-        difference = _read_differences(layer, block)
+        difference = _read_differences(layer, block, engine)
         if difference is not None:
             found.append((layer.index, difference))
     return found
