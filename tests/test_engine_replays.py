@@ -9,6 +9,7 @@ at 00620eb025e7c24895986e1042380bd1be4426d9 (block_configs for five MoE fields, 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -114,3 +115,51 @@ def test_trtllm_refuses_a_quantized_child_and_engine_support_names_both():
     assert "sglang" in ENGINES and "trtllm" in ENGINES
     support = engine_support(SERVED["75b"])
     assert support["sglang"] == [] and support["trtllm"] == []
+
+
+def _moe(**fields):
+    return MoESpec(
+        **{"num_experts": 6, "top_k": 2, "expert_width": 8, "shared_width": 8, "latent_size": 12, **fields}
+    )
+
+
+# README's engine table, row by row: a child that has what the row names (README's first column, as written).
+README_ROWS = {
+    "one shape per kind (plain `nemotron_h`)": _spec(MAMBA, _moe(), ATTENTION, _moe()),
+    "per-block MoE width and top-k, one Mamba state size (the Puzzle-75B shape)": puzzle_75b_shaped(),
+    "per-block expert count, shared or latent size": _spec(
+        MAMBA, _moe(), _moe(num_experts=8), _moe(shared_width=4), _moe(latent_size=6)
+    ),
+    "per-block routing settings (groups, scaling factor), a shared expert in some MoE blocks only": _spec(
+        MAMBA, _moe(), _moe(routed_scaling_factor=2.5)
+    ),
+    "per-block attention heads": _spec(ATTENTION, MAMBA, dataclasses.replace(ATTENTION, num_kv_heads=1)),
+    "per-block Mamba shape or settings (e.g. state sizes, chunk size)": _spec(
+        MAMBA, _moe(), dataclasses.replace(MAMBA, state_size=4)
+    ),
+    "dense MLP blocks in a model with MoE blocks": _spec(MAMBA, _moe(), MLPSpec(width=8)),
+    "MoE without a shared expert": _spec(MAMBA, _moe(shared_width=0), _moe(shared_width=0)),
+    "MoE without latent projection": _spec(MAMBA, _moe(latent_size=None), _moe(latent_size=None)),
+    "a width per expert inside one block, linear or no-op blocks": _spec(
+        MAMBA, _moe(), NoOpSpec(), LinearSpec()
+    ),
+}
+README_COLUMNS = {"vLLM": "vllm", "SGLang": "sglang", "TensorRT-LLM": "trtllm"}
+
+
+def test_the_readme_engine_table_says_what_the_replays_find():
+    lines = (Path(__file__).parents[1] / "README.md").read_text().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("| child | vLLM |"))
+    columns = [cell.strip() for cell in lines[header].strip("|").split("|")]
+    rows = {}
+    for line in lines[header + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        rows[cells[0]] = dict(zip(columns, cells))
+    assert set(README_ROWS) <= set(rows), set(README_ROWS) - set(rows)
+    for row, spec in README_ROWS.items():
+        support = engine_support(spec)
+        for column, engine in README_COLUMNS.items():
+            says_yes = rows[row][column].startswith("yes")
+            assert says_yes == (support[engine] == []), (row, column, support[engine][:1])
