@@ -34,11 +34,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from puzzle.nemotron_h.config import DEFAULTS
 from puzzle.nemotron_h.vllm_replay import (
     VLLM_LAYER_TYPES,
     LayerReplay,
     attention_shapes,
+    built,
     compare,
     config_object,
     mamba_shapes,
@@ -76,13 +76,7 @@ def _layer(config: Any, index: int, char: str, pattern: str) -> LayerReplay:
     except AttributeError as error:
         layer.unsupported = f"SGLang reads a config field the config lacks: {error}"
         return layer
-    layer.per_layer = per_layer
-    layer.fields = {
-        key: getattr(built_from, key) for key in (*DEFAULTS, "hidden_size") if hasattr(built_from, key)
-    }
-    layer.tensors = {f"{prefix}.mixer.{name}": shape for name, shape in mixer.items()}
-    layer.tensors[f"{prefix}.norm.weight"] = (config.hidden_size,)
-    return layer
+    return built(layer, config, built_from, mixer)
 
 
 def replay(config: Mapping[str, Any]) -> list[LayerReplay]:

@@ -174,13 +174,17 @@ def _layer(config: Any, index: int, char: str, prefix: str, pattern: str) -> Lay
     except AttributeError as error:  # a field vLLM reads that the config does not have
         layer.unsupported = f"vLLM reads a config field the config lacks: {error}"
         return layer
-    built_from = config if char == "M" else layer_config
+    return built(layer, config, config if char == "M" else layer_config, mixer)
+
+
+def built(layer: LayerReplay, config: Any, built_from: Any, mixer: Shapes) -> LayerReplay:
+    """`layer` as built from `built_from` (the global `config` or a per-layer copy), its mixer `mixer`."""
     layer.per_layer = built_from is not config
     layer.fields = {
         key: getattr(built_from, key) for key in (*DEFAULTS, "hidden_size") if hasattr(built_from, key)
     }
-    layer.tensors = {f"{prefix}.mixer.{name}": shape for name, shape in mixer.items()}
-    layer.tensors[f"{prefix}.norm.weight"] = (config.hidden_size,)
+    layer.tensors = {f"{layer.prefix}.mixer.{name}": shape for name, shape in mixer.items()}
+    layer.tensors[f"{layer.prefix}.norm.weight"] = (config.hidden_size,)
     return layer
 
 
