@@ -7,8 +7,9 @@ Sections, each skipped with a one-line note when its inputs are missing: the Par
 summed predicted KL against each budget key of the run's solutions (swept by the run's solutions stage
 into frontier.json, `puzzle.problem.frontier_sweep`; the report solves nothing), a per-block map of each chosen architecture (parent row above
 child row, coloured by kind, shaded by active parameters relative to the parent's block, as Figure 6 of
-the Puzzle paper), the rounds of scores in context (run.json's solutions record; only where the run had
-them), the cost breakdown parent vs child, the library's BLD losses, the GKD curves
+the Puzzle paper), the rounds of scores in context and the candidates of `search.rerank` with their
+predicted and measured KL, before and after the short GKD, and how often each source won (run.json's
+solutions record; only where the run had them), the cost breakdown parent vs child, the library's BLD losses, the GKD curves
 (children/{name}/history.json) and measured vs predicted KL (exports/{name}/puzzle.json). Rounds r >= 2
 of an iterative run (round-{r}/) get a report of their own in OUT/round-{r}, linked from the first.
 

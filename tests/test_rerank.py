@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from run_helpers import config_dict, make_inputs, write_config
 
 import puzzle.gkd
@@ -150,6 +151,10 @@ def test_the_choice_equals_brute_force_short_gkd_of_every_candidate(scored, tmp_
     assert record["won_by"] == list(
         dict.fromkeys(source_kind(s) for s in record["candidates"][best]["sources"])
     )
+    # Each candidate leaves its figures, not a copy of the child's weights.
+    left = tmp_path / "run" / "solutions" / "rerank" / NAME
+    assert len(list(left.glob("*/short_gkd.json"))) == len(record["candidates"])
+    assert not list(left.rglob("*.safetensors"))
     # The report shows each candidate's short-GKD KL beside its prediction, and the wins by source.
     report = write_report(tmp_path / "run").read_text()
     assert "## Re-ranking" in report and "greedy" in report
@@ -169,6 +174,7 @@ def test_the_choice_equals_brute_force_short_gkd_of_every_candidate(scored, tmp_
 KILLER = """
 import os, signal, sys
 import torch
+import yaml
 import puzzle.gkd
 from puzzle.cli import main
 torch.set_num_threads(1)
@@ -237,3 +243,42 @@ def test_plan_prices_the_short_gkds(scored):
     assert on.tokens == 5 * distill_stage.tokens // 4
     assert on.flops == pytest.approx(5 / 4 * distill_stage.flops)
     assert on.peak == pytest.approx(distill_stage.peak)
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_choose_as_one(scored, tmp_path):
+    """Under `torchrun --nproc-per-node 2` with GKD sharded (gkd.shard: fsdp) every rank distils each
+    candidate: the candidates and the choice are one process's, the KLs equal up to summation order."""
+    rerank = {"by": "short_gkd", "tokens": 0.25, "candidates": 2}
+    records = {}
+    for ranks in (1, 2):
+        config = _config(scored, tmp_path, f"run{ranks}", rerank=rerank)
+        data = yaml.safe_load(config.read_text())
+        data["gkd"]["shard"] = "fsdp"
+        write_config(config, data)
+        env = {
+            **os.environ,
+            "PUZZLE_PROGRESS": "0",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(sys.path),
+        }
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            str(ranks),
+        ]
+        subprocess.run(
+            [*command, "-m", "puzzle", "run", str(config), "--quiet", "--until", "solutions"],
+            env=env,
+            check=True,
+            timeout=300,
+        )
+        records[ranks] = _rerank_record(tmp_path / f"run{ranks}")["rerank"]
+    one, two = records[1], records[2]
+    assert two["chosen"] == one["chosen"]
+    assert [c["choices"] for c in two["candidates"]] == [c["choices"] for c in one["candidates"]]
+    for want, got in zip(one["candidates"], two["candidates"]):
+        assert got["short_gkd_kl"] == pytest.approx(want["short_gkd_kl"], rel=1e-3)

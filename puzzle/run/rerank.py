@@ -2,22 +2,27 @@
 distilled for a fraction of the GKD's tokens, its KL measured on the held-out tokens after it, the least kept.
 
 It runs as the distill stage runs (`puzzle.run.distill`): each candidate's GKD (`puzzle.gkd.distill`) is a
-collective over every rank, sharded by `gkd.shard`, written to its own directory
-solutions/rerank/{name}/{the child's fingerprint}/ (a finished one of the same inputs is reused without
-training; a killed one resumes from its last checkpoint, `gkd.checkpoint_every`), so a rerun after kill -9
-redoes only the candidate it was in, from its checkpoint, and chooses as an uninterrupted run does.
+collective over every rank, sharded by `gkd.shard`, in its own directory solutions/rerank/{name}/{key}/ (the
+key: the fingerprint of the candidate's choices and of everything its figures depend on). A finished
+candidate leaves its figures there (short_gkd.json) and its GKD's history, not its weights (a copy of the
+child per candidate would be the stage's largest output), and is not trained again; a killed one resumes
+from its last checkpoint (`gkd.checkpoint_every`). So a rerun after kill -9 redoes only the candidate it was
+in, from its checkpoint, and chooses as an uninterrupted run does.
 `puzzle.rerank` holds what does not need a run: the candidates, the short settings, the choice.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from puzzle import dist
 from puzzle.artifacts import fingerprint_json
 from puzzle.baselines import Baselines, budget_column
 from puzzle.config import to_dict
-from puzzle.gkd import distill
+from puzzle.files import atomic_write_bytes
+from puzzle.gkd import WEIGHTS_FILE, distill
 from puzzle.problem import RunProblem
 from puzzle.rerank import (
     architecture_json,
@@ -29,6 +34,9 @@ from puzzle.rerank import (
 from puzzle.run.context import RunContext, on_main
 from puzzle.search.types import Solution
 from puzzle.settings import GKDSettings
+
+# A finished candidate's figures and the key of their inputs, beside its GKD's history (its weights removed).
+RECORD_FILE = "short_gkd.json"
 
 
 def short_settings(run: RunContext) -> GKDSettings:
@@ -85,6 +93,18 @@ def _candidates(
     return candidate_list(pairs)
 
 
+def _finished(directory: Path, key: str) -> dict[str, Any] | None:
+    """The figures of a candidate's finished short GKD in `directory` (its RECORD_FILE, of inputs `key`), or
+    None when there is none of those inputs (never run, killed before the end, or other inputs)."""
+    try:
+        record = json.loads((directory / RECORD_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("key") != key:
+        return None
+    return {name: record[name] for name in ("kl", "kl_before", "tokens", "steps")}
+
+
 def short_gkd_rerank(
     run: RunContext,
     name: str,
@@ -98,10 +118,21 @@ def short_gkd_rerank(
     short GKD). Collective: rank 0 lists the candidates, every rank distils each one."""
     candidates = on_main(lambda: {"list": _candidates(problem, searched, found, context)})["list"]
     settings = short_settings(run)
+    # What each candidate's figures depend on besides its choices (its child is assembled from these).
+    inputs = {
+        "library": run.record("library")["manifest"],
+        "scores": run.record("scores")["manifest"],
+        "parent": run.parent_fingerprint(),
+        **rerank_inputs(run),
+    }
 
     def distil(index: int, payload: dict[str, Any]) -> dict[str, Any]:
+        key = fingerprint_json({**inputs, "choices": payload["choices"]})
+        directory = run.layout.solutions / "rerank" / name / key[:12]
+        done = on_main(lambda: {"record": _finished(directory, key)})["record"]
+        if done is not None:
+            return done
         teacher = run.parent(settings.shard)  # first: the child is then sharded as the teacher is
-        directory = run.layout.solutions / "rerank" / name / fingerprint_json(payload["choices"])[:12]
         result = distill(
             run.child_of(payload),
             teacher,
@@ -115,12 +146,21 @@ def short_gkd_rerank(
             run.resumed.setdefault("solutions", []).append(
                 f"{name} candidate {index + 1} from step {result.resumed_from}"
             )
-        return {
+        measured = {
             "kl": result.kept_eval["kl"],
             "kl_before": result.first_eval["kl"],
             "tokens": result.tokens,
             "steps": result.steps,
         }
+        if dist.is_main():
+            # The figures are all the choice needs: the weights go (a candidate's copy of the child each),
+            # the record stays, so a rerun neither trains nor assembles a finished candidate again.
+            atomic_write_bytes(
+                directory / RECORD_FILE, (json.dumps({"key": key, **measured}) + "\n").encode()
+            )
+            (directory / WEIGHTS_FILE).unlink(missing_ok=True)
+        dist.barrier()
+        return measured
 
     ordered, record = rerank_by_short_gkd(name, candidates, distil)
     return ordered, {**record, "tokens": gkd_tokens(settings, run.config.data.seq_len)}
