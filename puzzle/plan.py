@@ -746,7 +746,9 @@ def _solutions(ctx: _Context) -> StagePlan:
         gkd.tokens,
         gkd.flops,
         gkd.memory,
-        disk=gkd.disk,
+        # One candidate at a time: its checkpoint (GKD's disk per child) and its student file, which goes
+        # once the candidate's figures are written (`puzzle.run.rerank`).
+        disk=gkd.disk / children * 4 / 3,
         host=gkd.host,
         notes=[
             "search.rerank by short_gkd: candidates = the MIP's k best + one per context round + refilled "

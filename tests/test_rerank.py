@@ -243,6 +243,8 @@ def test_plan_prices_the_short_gkds(scored):
     assert on.tokens == 5 * distill_stage.tokens // 4
     assert on.flops == pytest.approx(5 / 4 * distill_stage.flops)
     assert on.peak == pytest.approx(distill_stage.peak)
+    # On disk one candidate at a time: its checkpoint (the distill stage's for one child) and its student.
+    assert on.disk == pytest.approx(4 / 3 * distill_stage.disk)
 
 
 @pytest.mark.slow
