@@ -377,18 +377,13 @@ class Bench:
         disk by `distill` and here): what a search could measure of each candidate before choosing, to predict
         its KL after the full GKD."""
         from puzzle.gkd import distill
+        from puzzle.rerank import short_gkd_settings
 
         record = self.measure(arch, "bld")
         if fraction not in record.setdefault("short_gkd", {}):
             child = self.child(arch, "bld")
-            settings = self.run.config.gkd
-            step = settings.batch_size * self.run.config.data.seq_len  # at least one optimiser step
-            if settings.token_budget is not None:
-                settings = dataclasses.replace(
-                    settings, token_budget=max(step, int(settings.token_budget * fraction))
-                )
-            if settings.steps is not None:
-                settings = dataclasses.replace(settings, steps=max(1, int(settings.steps * fraction)))
+            # The settings `search.rerank: {by: short_gkd, tokens: fraction}` distils its candidates with.
+            settings = short_gkd_settings(self.run.config.gkd, fraction, self.run.config.data.seq_len)
             directory = self.run.layout.root / "ablations" / "gkd-short" / f"{name}-{fraction:g}"
             result = distill(child, self.parent, self.run.data.train, self.held_out, settings, directory)
             chunk = self.run.config.scoring.vocab_chunk

@@ -66,6 +66,13 @@ def same_width(spec: BlockSpec, parent: BlockSpec) -> bool:
     return not isinstance(spec, MoESpec) or spec.expert_width == getattr(parent, "expert_width", None)
 
 
+def budget_column(problem: RunProblem) -> str:
+    """The cost column the baselines trade against under `problem`'s budgets: the first upper-bounded
+    budget's key, else the table's first cost column."""
+    bounded = [limit.key for limit in problem.problem.limits if limit.upper is not None]
+    return bounded[0] if bounded else next(iter(problem.table.costs))
+
+
 class Baselines:
     """The baselines over `problem` (its table, limits and rules). `budget`: the cost column the descent,
     refill and random draws trade against (active_params, params or weight_bytes). `level`: that column's

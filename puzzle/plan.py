@@ -704,20 +704,59 @@ def _solves(ctx: _Context) -> int:
     return sum(len(config.round_limits(r)) for r in range(config.rounds.count)) * config.search.solutions
 
 
+def _rerank_candidates(ctx: _Context) -> tuple[int, int] | None:
+    """(candidates per search at most, tokens of each one's short GKD) of `search.rerank: {by: short_gkd}`,
+    or None without it: the MIP's k best, one child per context round, greedy's and uniform pruning's."""
+    from puzzle.rerank import gkd_tokens, short_gkd_settings
+
+    reranking = ctx.config.search.reranking()
+    if reranking is None or reranking.by != "short_gkd":
+        return None
+    short = short_gkd_settings(ctx.config.gkd, reranking.tokens, ctx.seq_len)
+    tokens = gkd_tokens(short, ctx.seq_len)
+    per_search = reranking.candidates + ctx.config.search.context_rounds + 2
+    return per_search, 0 if tokens is None else tokens
+
+
 def _solutions(ctx: _Context) -> StagePlan:
     config = ctx.config
     searches = sum(len(config.round_limits(r)) for r in range(config.rounds.count))
     solves = _solves(ctx)
     limit = config.search.solver.time_limit_s
+    seconds = None if limit is None else float(limit) * searches
+    reranked = _rerank_candidates(ctx)
+    if reranked is None:
+        return StagePlan(
+            "solutions",
+            f"{solves} architecture(s) from the MIP search (on the CPU of rank 0)",
+            None,
+            0.0,
+            {},
+            disk=0.0,
+            notes=["no GPU memory; time bounded by search.solver.time_limit_s per solve"],
+            seconds=seconds,
+        )
+    per_search, tokens = reranked
+    children = searches * per_search
+    gkd = _gkd_cost(ctx, [], children, tokens)  # a problem of GKD's settings is the distill stage's to report
     return StagePlan(
         "solutions",
-        f"{solves} architecture(s) from the MIP search (on the CPU of rank 0)",
-        None,
-        0.0,
-        {},
-        disk=0.0,
-        notes=["no GPU memory; time bounded by search.solver.time_limit_s per solve"],
-        seconds=None if limit is None else float(limit) * searches,
+        f"{solves} architecture(s) from the MIP search (on the CPU of rank 0), then a short GKD of each of "
+        f"up to {per_search} candidates per search ({_count(tokens)} tokens each, {children} in all)",
+        gkd.tokens,
+        gkd.flops,
+        gkd.memory,
+        # One candidate at a time: its checkpoint (GKD's disk per child) and its student file, which goes
+        # once the candidate's figures are written (`puzzle.run.rerank`).
+        disk=gkd.disk / children * 4 / 3,
+        host=gkd.host,
+        notes=[
+            "search.rerank by short_gkd: candidates = the MIP's k best + one per context round + refilled "
+            "greedy's + uniform pruning's (an upper bound: identical children are distilled once); each short "
+            "GKD costs what a GKD of the distill stage costs per token, with its memory",
+            *gkd.notes,
+            "plus the search: time bounded by search.solver.time_limit_s per solve",
+        ],
     )
 
 
@@ -749,9 +788,19 @@ def _assemble(ctx: _Context) -> StagePlan:
 
 
 def _distill(ctx: _Context, problems: list[str]) -> StagePlan:
+    settings = ctx.config.gkd
+    tokens = settings.token_budget
+    if settings.steps is not None:
+        step_tokens = settings.batch_size * ctx.seq_len
+        tokens = settings.steps * step_tokens if tokens is None else min(tokens, settings.steps * step_tokens)
+    return _gkd_cost(ctx, problems, _solves(ctx), tokens)
+
+
+def _gkd_cost(ctx: _Context, problems: list[str], solutions: int, tokens: int) -> StagePlan:
+    """The distill stage's plan: GKD of `solutions` children for `tokens` each (the short GKDs of
+    `search.rerank` cost the same per token and hold the same memory)."""
     settings, spec, H = ctx.config.gkd, ctx.spec, ctx.spec.hidden_size
     world = ctx.world_of(settings.shard)
-    solutions = _solves(ctx)
     train_bytes = _dtype_bytes(settings.dtype)
     try:
         share, micro = settings.micro_batches(ctx.world)
@@ -786,9 +835,6 @@ def _distill(ctx: _Context, problems: list[str]) -> StagePlan:
         + 2 * local * H * train_bytes,
     }
     step_tokens = settings.batch_size * ctx.seq_len
-    tokens = settings.token_budget
-    if settings.steps is not None:
-        tokens = settings.steps * step_tokens if tokens is None else min(tokens, settings.steps * step_tokens)
     student_passes = 4 if settings.activation_checkpointing else 3  # checkpointing runs each block again
     flops = solutions * tokens * (student_passes * child + 1) * forward_flops_per_token(spec, ctx.seq_len)
     checkpoint = 3 * child * model_params(spec) * train_bytes

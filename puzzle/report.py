@@ -7,8 +7,9 @@ Sections, each skipped with a one-line note when its inputs are missing: the Par
 summed predicted KL against each budget key of the run's solutions (swept by the run's solutions stage
 into frontier.json, `puzzle.problem.frontier_sweep`; the report solves nothing), a per-block map of each chosen architecture (parent row above
 child row, coloured by kind, shaded by active parameters relative to the parent's block, as Figure 6 of
-the Puzzle paper), the rounds of scores in context (run.json's solutions record; only where the run had
-them), the cost breakdown parent vs child, the library's BLD losses, the GKD curves
+the Puzzle paper), the rounds of scores in context and the candidates of `search.rerank` with their
+predicted and measured KL, before and after the short GKD, and how often each source won (run.json's
+solutions record; only where the run had them), the cost breakdown parent vs child, the library's BLD losses, the GKD curves
 (children/{name}/history.json) and measured vs predicted KL (exports/{name}/puzzle.json). Rounds r >= 2
 of an iterative run (round-{r}/) get a report of their own in OUT/round-{r}, linked from the first.
 
@@ -52,6 +53,7 @@ from puzzle.files import (
     swap_directory_into_place,
 )
 from puzzle.layout import CHILDREN_DIR, EXPORTS_DIR, RunDirError, RunLayout
+from puzzle.rerank import rerank_wins
 from puzzle.spec import (
     AttentionSpec,
     BlockSpec,
@@ -268,6 +270,59 @@ def _context(report: _Report, layout: RunLayout) -> None:
         "",
         *_table(["solution", "round", f"predicted {objective}", f"measured {objective}", "note"], rows),
     )
+
+
+def _reranking(report: _Report, layout: RunLayout) -> None:
+    """The candidates of each search `search.rerank` re-ranked, from the solutions record in run.json: each
+    one's sources, its prediction, its KL before GKD and (by short GKD) after the short GKD, the kept one
+    marked; then how often each kind of source won (`puzzle.rerank.rerank_wins`). Nothing without one."""
+    if not layout.manifest.is_file():
+        return
+    stage = (_read_json(layout.manifest).get("stages") or {}).get("solutions") or {}
+    outputs = stage.get("outputs") if stage.get("status") == "done" else None
+    records = {
+        name: entry["rerank"]
+        for name, entry in (outputs if isinstance(outputs, dict) else {}).items()
+        if isinstance(entry, dict) and isinstance(entry.get("rerank"), dict)
+    }
+    if not records:
+        return
+    rows = []
+    for name, record in records.items():
+        for candidate in record.get("candidates") or []:
+            rows.append(
+                [
+                    name,
+                    candidate.get("candidate"),
+                    ", ".join(candidate.get("sources") or ["mip-" + str(candidate.get("candidate"))]),
+                    candidate.get("predicted", candidate.get("objective")),
+                    candidate.get("kl_before", candidate.get("measured_kl")),
+                    candidate.get("short_gkd_kl"),
+                    "kept" if candidate.get("candidate") == record.get("chosen") else "",
+                ]
+            )
+    lines = [
+        "## Re-ranking",
+        "",
+        "The candidates of `search.rerank`: where each came from (mip-k: the MIP's k-th best; round-r: the "
+        "child of context round r; greedy: refilled greedy's; uniform: the best uniform pruning's), the "
+        "objective its source predicted, its KL to the parent on the held-out tokens before GKD and after the "
+        "short GKD (`by: short_gkd`; the least is kept, and the distill stage distils it in full).",
+        "",
+        *_table(
+            ["solution", "candidate", "sources", "predicted", "KL before GKD", "KL after short GKD", "note"],
+            rows,
+        ),
+    ]
+    tally = rerank_wins(records.values())
+    if tally["searches"]:
+        wins = ", ".join(f"{kind} {count}" for kind, count in tally["wins"].items())
+        lines += [
+            f"The kept child's source over {tally['searches']} search(es): {wins} (a child several sources "
+            "proposed counts for each).",
+            "",
+        ]
+    report.add(*lines)
 
 
 def _solutions(layout: RunLayout) -> dict[str, dict[str, Any]]:
@@ -928,6 +983,7 @@ def _write_into(out: Path, layout: RunLayout, parent: ModelSpec, library: Any) -
         rows = [[n, s.get("objective"), s.get("status"), s.get("solver")] for n, s in solutions.items()]
         report.add("## Solutions", "", *_table(["name", "predicted KL", "status", "solver"], rows))
     _context(report, layout)
+    _reranking(report, layout)
     hardware = _hardware(report, layout)
     _frontier(report, layout, solutions)
     _block_map(report, parent, children, solutions)

@@ -634,10 +634,9 @@ def _baselines(problem: Any, solution: Solution) -> dict[str, Any]:
     """{baseline name: {"objective", "choices", "totals"} or None where it meets no architecture} of
     `puzzle.baselines` on `problem`, each trading the first budget's cost column (the search's answer is
     `solution`); totals are those of the budgets' own columns."""
-    from puzzle.baselines import Baselines
+    from puzzle.baselines import Baselines, budget_column
 
-    bounded = [limit.key for limit in problem.problem.limits if limit.upper is not None]
-    column = bounded[0] if bounded else next(iter(problem.table.costs))
+    column = budget_column(problem)
     found = Baselines(problem, budget=column).all(seed=0)
     keys = list(dict.fromkeys(limit.key for limit in problem.problem.limits)) or [column]
     compared: dict[str, Any] = {}

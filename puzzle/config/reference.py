@@ -12,7 +12,7 @@ import re
 import typing
 from collections.abc import Mapping
 
-from puzzle.config.loader import join_key, to_dict, type_hints, type_name
+from puzzle.config.loader import is_union, join_key, to_dict, type_hints, type_name
 from puzzle.config.run import RunConfig
 from puzzle.cost.roofline import Scenario
 from puzzle.search.budget import BUDGET_KEYS
@@ -110,6 +110,10 @@ def _sections(cls: type, key: str, out: list[tuple[str, type]]) -> None:
             tp, child = typing.get_args(tp)[1], join_key(key, item.name) + ".NAME"
         else:
             child = join_key(key, item.name)
+        arms = typing.get_args(tp) if is_union(tp) else ()
+        if arms and all(dataclasses.is_dataclass(arm) or arm in (int, float) for arm in arms):
+            # A number or a mapping (`rerank: int | RerankConfig`): the mapping's keys get a section.
+            tp = next((arm for arm in arms if dataclasses.is_dataclass(arm)), tp)
         if dataclasses.is_dataclass(tp):
             _sections(tp, child, out)
 

@@ -179,6 +179,43 @@ class ImportanceConfig:
 
 
 @dataclass(frozen=True)
+class RerankConfig:
+    """Re-ranking of the search's candidates (`search.rerank` as a mapping). By a short GKD, the candidates
+    are the MIP's k best, the children of the rounds of `search.context_rounds` (those the guard took) and the
+    baselines' children at the same budgets (refilled greedy, the best uniform pruning), identical children
+    once; each is distilled for a few tokens of GKD (the `gkd` section's settings otherwise), its KL to the
+    parent measured on the held-out tokens after it, and the least kept as the budget's solution, which the
+    distill stage then distils in full. Each candidate's short GKD is cached under solutions/rerank/{name}/
+    and resumes from its checkpoints (gkd.checkpoint_every); the run's record lists every candidate with its
+    sources, prediction and KL before and after the short GKD, and the report how often each source won."""
+
+    by: Literal["measured", "short_gkd"] = field(
+        default="short_gkd",
+        metadata=doc(
+            "short_gkd: the KL after a short GKD of each candidate; measured: the KL before GKD of the MIP's "
+            "candidates (as `rerank: K`)."
+        ),
+    )
+    candidates: int = field(default=5, metadata=doc("The MIP's K best architectures among the candidates."))
+    tokens: float = field(
+        default=0.25,
+        metadata=doc(
+            "by short_gkd: the tokens of each candidate's GKD, a fraction of the full GKD's (<= 1: of "
+            "gkd.token_budget, or of gkd.steps' tokens) or a count of tokens (> 1); at least one optimiser step."
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        _at_least(self, "candidates", 1)
+        if not self.tokens > 0:
+            raise ConfigError(
+                f"expected a fraction in (0, 1] or a token count > 1, got {self.tokens!r}", "tokens"
+            )
+        if self.tokens > 1 and not float(self.tokens).is_integer():
+            raise ConfigError(f"expected a whole number of tokens (> 1), got {self.tokens!r}", "tokens")
+
+
+@dataclass(frozen=True)
 class SearchConfig:
     """The architecture search: budgets (or a sweep of one budget), the score to optimise, rules, solver."""
 
@@ -210,13 +247,15 @@ class SearchConfig:
             "With solutions > 1 or rerank > 1: blocks in which each solution differs from every other."
         ),
     )
-    rerank: int = field(
+    rerank: int | RerankConfig = field(
         default=0,
         metadata=doc(
-            "Measured re-ranking: solve for the K best architectures (each differing from the others in "
-            ">= min_diff blocks), assemble each, measure its KL to the parent on the held-out tokens, and keep "
-            "the least measured as the budget's solution (costs K child forwards over the held-out set per "
-            "budget). 0 or 1: off, the MIP's best is the solution."
+            "Re-ranking of the search's candidates by measurement. An integer K: the MIP's K best architectures "
+            "(each differing from the others in >= min_diff blocks) are assembled, their KL to the parent "
+            "measured on the held-out tokens, and the least measured kept as the budget's solution (costs K "
+            "child forwards over the held-out set per budget); 0 or 1: off, the MIP's best is the solution. A "
+            "mapping `{by: short_gkd, tokens: T, candidates: K}` (`search.rerank` below): each candidate is "
+            "distilled shortly and the least KL after it kept."
         ),
     )
     context_rounds: int = field(
@@ -269,7 +308,8 @@ class SearchConfig:
         self.swept()
         _at_least(self, "solutions", 1)
         _at_least(self, "min_diff", 1)
-        _at_least(self, "rerank", 0)
+        if not isinstance(self.rerank, RerankConfig):
+            _at_least(self, "rerank", 0)
         _at_least(self, "context_rounds", 0)
         _at_least(self, "context_changes", 0)
         # A factor is taken both ways (max of predicted/measured and its inverse), so only one above 1 means
@@ -278,7 +318,7 @@ class SearchConfig:
             raise ConfigError(
                 f"expected 0 (off) or a factor > 1, got {self.context_guard!r}", "context_guard"
             )
-        if self.min_diff > 1 and self.solutions == 1 and self.rerank <= 1:
+        if self.min_diff > 1 and self.solutions == 1 and self.reranking() is None:
             raise ConfigError("needs solutions > 1 or rerank > 1 (it spaces the solutions apart)", "min_diff")
         if self.sweep is not None and self.solutions > 1:
             raise ConfigError(
@@ -286,6 +326,19 @@ class SearchConfig:
             )
         if any(block < 0 for block in self.keep_blocks):
             raise ConfigError(f"expected block indices >= 0, got {list(self.keep_blocks)}", "keep_blocks")
+
+    def reranking(self) -> RerankConfig | None:
+        """The re-ranking asked for: `rerank: K` (K > 1) as `{by: measured, candidates: K}`, a mapping as it
+        is, None when off (0 or 1)."""
+        if isinstance(self.rerank, RerankConfig):
+            return self.rerank
+        return RerankConfig(by="measured", candidates=self.rerank) if self.rerank > 1 else None
+
+    def candidates_wanted(self) -> int:
+        """How many of the MIP's best architectures the search solves for: `solutions`, or the re-ranking's
+        candidates where there are more."""
+        reranking = self.reranking()
+        return max(self.solutions, reranking.candidates if reranking is not None else 0)
 
     def swept(self) -> tuple[str, str, list[Value]] | None:
         """(key, side 'upper' / 'lower', values) of the sweep, or None."""

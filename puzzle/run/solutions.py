@@ -1,5 +1,6 @@
 """The solutions stage of a run: one search per budget list (solutions/{name}.json), its rounds of scores in
-context and measured re-ranking, and the frontier record (frontier.json).
+context and re-ranking (measured, or by short GKD: `puzzle.run.rerank`), and the frontier record
+(frontier.json).
 
 `record(run)` declares the stage's inputs and its work, and records its outputs through the run's ledger
 (`RunContext.stage`); `damage(run, outputs)` says how those outputs are checked on disk before they are
@@ -26,7 +27,9 @@ from puzzle.files import atomic_write_bytes
 from puzzle.library import Library, read_library
 from puzzle.model import HybridLM
 from puzzle.problem import RunCandidates, RunProblem, frontier_budgets, frontier_sweep, rerank_by_measurement
+from puzzle.rerank import rerank_wins
 from puzzle.run.context import RunContext, on_main
+from puzzle.run.rerank import rerank_inputs, short_gkd_rerank
 from puzzle.run.scores import score
 from puzzle.scores import Scores
 from puzzle.search import search, search_k
@@ -121,6 +124,12 @@ def solve_all(run: RunContext) -> dict[str, Any]:
     saved: dict[str, Any] = {}
     for name, limits in run.budget_limits().items():
         saved.update(solve_one(run, name, limits))
+    tally = rerank_wins(entry.get("rerank") for entry in saved.values())
+    if tally["searches"]:
+        wins = ", ".join(f"{kind} {count}" for kind, count in tally["wins"].items())
+        _log.info(
+            "re-ranking by short GKD: the winner's source over %d searches: %s", tally["searches"], wins
+        )
     return saved
 
 
@@ -137,12 +146,16 @@ def solve_one(run: RunContext, name: str, budgets: Sequence[str | DeploymentLimi
         for note in problem.notes:
             _log.warning("search %s: %s", name, note)
         limits, rules = problem.problem.limits, problem.problem.rules
-        wanted = max(settings.solutions, settings.rerank)
+        wanted = settings.candidates_wanted()
         return {"found": search_k(problem.table, limits, rules, settings.solver, wanted, settings.min_diff)}
 
-    found = on_main(first)["found"]
-    found, context = _in_context(run, name, budgets, problem, found)
-    payloads, reranked = _rerank(run, name, [solution.to_json() for solution in found])
+    searched = on_main(first)["found"]
+    found, context = _in_context(run, name, budgets, problem, searched)
+    reranking = settings.reranking()
+    if reranking is not None and reranking.by == "short_gkd":
+        payloads, reranked = short_gkd_rerank(run, name, problem, searched, found, context)
+    else:
+        payloads, reranked = _rerank(run, name, [solution.to_json() for solution in found])
     return on_main(lambda: _save(run, name, texts, payloads, reranked, context))
 
 
@@ -176,7 +189,7 @@ def _save(
         saved[name]["rerank"] = reranked
     if context is not None and saved:
         saved[name]["context"] = context
-    wanted = max(settings.solutions, settings.rerank)
+    wanted = settings.candidates_wanted()
     if len(found) < wanted:
         _log.warning(
             "search %s: only %d architectures differ in >= %d blocks", name, len(found), settings.min_diff
@@ -185,15 +198,22 @@ def _save(
 
 
 def _rerank_inputs(run: RunContext, inputs: dict[str, Any]) -> None:
-    """The search record's inputs with re-ranking: it reads the held-out tokens too. Off, the record's
-    inputs are those of a run before the option existed (no `rerank` key), so old runs are reused."""
-    rerank = inputs["search"].pop("rerank", 0)
-    if rerank > 1:
-        inputs["rerank"] = {
-            "k": rerank,
-            "held_out": run.held_out_key(),
-            "vocab_chunk": run.config.scoring.vocab_chunk,
-        }
+    """The search record's inputs with re-ranking: it reads the held-out tokens too (and with a short GKD
+    the training tokens and GKD's settings: `puzzle.run.rerank.rerank_inputs`). Off, the record's inputs are
+    those of a run before the option existed (no `rerank` key), so old runs are reused; `rerank: K` and
+    `{by: measured, candidates: K}` are one input."""
+    inputs["search"].pop("rerank", 0)
+    reranking = run.config.search.reranking()
+    if reranking is None:
+        return
+    if reranking.by == "short_gkd":
+        inputs["rerank"] = rerank_inputs(run)
+        return
+    inputs["rerank"] = {
+        "k": reranking.candidates,
+        "held_out": run.held_out_key(),
+        "vocab_chunk": run.config.scoring.vocab_chunk,
+    }
 
 
 def _rerank(
@@ -201,8 +221,8 @@ def _rerank(
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
     """`found` (solution JSONs, best predicted first) re-ranked by the KL each child measures on the
     held-out tokens (`puzzle.problem.rerank_by_measurement`), one candidate child in memory at a time;
-    as it is, and None, with `search.rerank` <= 1. Every rank calls it (the measurement is a collective)."""
-    if run.config.search.rerank <= 1:
+    as it is, and None, with `search.rerank` off. Every rank calls it (the measurement is a collective)."""
+    if run.config.search.reranking() is None:
         return found, None
 
     def measure(payload: dict[str, Any]) -> dict[str, Any]:
