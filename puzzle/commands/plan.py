@@ -132,12 +132,26 @@ def run(args: argparse.Namespace) -> int:
         print(f"puzzle plan: error: parent.path: {error}", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.render())
+    if args.nodes is not None and not args.json:
+        print(_launch_line(args.nodes, args.gpus_per_node, args.config))
     misfits = plan.misfits()
     if args.disk is not None:
         misfits += plan.disk_misfits(args.disk, "given by --disk")
     for line in misfits:
         print(f"puzzle plan: does not fit: {line}", file=sys.stderr)
     return EXIT_DOES_NOT_FIT if misfits else 0
+
+
+def _launch_line(nodes: int, gpus_per_node: int, config: str) -> str:
+    """The plan's last line: the torchrun command that starts the run it planned (`puzzle.launch`)."""
+    from puzzle.launch import shell_join, torchrun_args
+
+    where = (
+        f"on each of the {nodes} nodes (HEAD_NODE: the first node's host name, JOB_ID: one id for the job)"
+        if nodes > 1
+        else "on the node"
+    )
+    return f"launch {where}: {shell_join(torchrun_args(nodes, gpus_per_node, config))}"
 
 
 def _gpus(args: argparse.Namespace) -> int | None:
