@@ -390,7 +390,7 @@ class _Stream:
         self.data, self.settings = data, settings
         if isinstance(data, TokenSplit):
             self.seq_len = data.seq_len
-            self._global(None)  # fails now, naming the split, if it holds too few sequences
+            self._global(data, None)  # fails now, naming the split, if it holds too few sequences
         else:
             first = next(iter(_iterable(data)), None)
             if first is None:
@@ -420,7 +420,7 @@ class _Stream:
     def iterate(self, position: Mapping[str, Any] | None) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
         """(this rank's rows [share, T], position after them), from `position` (None: the start)."""
         if isinstance(self.data, TokenSplit):
-            stream = self._global(position)
+            stream = self._global(self.data, position)
             for batch in stream:
                 yield dist.local_rows(batch), stream.state_dict()
             return
@@ -431,14 +431,11 @@ class _Stream:
             self._check(batch, index)
             yield dist.local_rows(batch), {"batches": index + 1}
 
-    def _global(self, position: Mapping[str, Any] | None) -> BatchStream:
-        """The split's global batches of `batch_size` (every rank draws the same ones and keeps its rows): the
+    def _global(self, split: TokenSplit, position: Mapping[str, Any] | None) -> BatchStream:
+        """`split`'s global batches of `batch_size` (every rank draws the same ones and keeps its rows): the
         sequences of a step are those of `batch_size` x 1 rank whatever the world, so resuming on other ranks
         continues on the same data."""
-        assert isinstance(self.data, TokenSplit)
-        return self.data.batches(
-            self.settings.batch_size, self.settings.seed, rank=0, world=1, start=position
-        )
+        return split.batches(self.settings.batch_size, self.settings.seed, rank=0, world=1, start=position)
 
 
 def _iterable(data: Sequence[torch.Tensor] | Callable[[], Iterable[torch.Tensor]]) -> Iterable[torch.Tensor]:
