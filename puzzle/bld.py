@@ -115,7 +115,7 @@ from puzzle.resume import (
     read_checkpoint,
     write_checkpoint,
 )
-from puzzle.settings import BLDSettings, learning_rate
+from puzzle.settings import BLDSettings, learning_rate, split_batch
 from puzzle.spec import NoOpSpec, SpecError, Variant
 
 CHECKPOINT_DIR = "bld-checkpoints"
@@ -514,6 +514,9 @@ def build_library(
         raise SpecError("the same variant is listed twice")
     statuses = {v: _classify(parent, v) for v in all_variants}
     first = _first(train_batches)
+    # Each rank trains on its round-robin rows of every batch: a batch smaller than the world leaves a rank
+    # none (an error naming the values that work); one that does not divide by it is shared unevenly.
+    split_batch(first.shape[0], dist.world_size(), None, "the BLD training batch (data.batch_size)")
     if data_fingerprint is None:
         data_fingerprint = fingerprint_tensors([first])
     parent_fp = parent_fp or fingerprint_model(parent)

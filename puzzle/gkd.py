@@ -33,8 +33,11 @@ forward per step and gives the same losses and weights; what it saves is every t
 its backward (at scale the plan's largest GKD term: `puzzle plan`).
 
 Distributed: each optimiser step takes one global batch of `batch_size` sequences; each rank runs its
-share in micro-batches and the loss is normalised by the global counts, so gradients summed over ranks
-and micro-batches are the one-process gradients (2 ranks equal 1 process up to float summation order).
+round-robin rows in micro-batches and the loss is normalised by the global counts, so gradients summed over
+ranks and micro-batches are the one-process gradients (2 ranks equal 1 process up to float summation order).
+The batch need not divide by the ranks: the shares then differ by one row and every rank runs the same
+number of micro-batches (`puzzle.settings.split_batch` chooses the accumulation), a rank short of rows
+running a zero-weight one.
 With `shard="fsdp"` and more than one rank, the teacher is sharded as BLD shards its parent
 (`puzzle.shard.shard_parent`: embeddings, lm_head, each block's mixer; the lm_head is all-gathered with
 `FSDPModule.unshard` around the loss, which reads its weight chunk by chunk) and the student with FSDP2 per
@@ -86,7 +89,7 @@ from puzzle.artifacts import (
     fingerprint_tensors,
     json_writer,
 )
-from puzzle.data import DataError, TokenSplit
+from puzzle.data import BatchStream, DataError, TokenSplit
 from puzzle.logits import (
     KL_SUM,
     NLL_SUM,
@@ -111,7 +114,7 @@ from puzzle.resume import (
     read_checkpoint,
     write_checkpoint,
 )
-from puzzle.settings import BLDSettings, GKDSettings, learning_rate
+from puzzle.settings import BatchSplit, BLDSettings, GKDSettings, learning_rate, split_batch
 
 FORMAT_VERSION = 1
 ARTIFACT_NAME = "gkd"
@@ -380,13 +383,14 @@ def _shard_student(distiller: _Distiller, mode: str) -> None:
 
 
 class _Stream:
-    """This rank's rows of each global batch, and the position to resume from after each of them."""
+    """This rank's rows of each global batch (round-robin, `puzzle.dist.local_rows`: the shares may differ by a
+    row), and the position to resume from after each of them."""
 
-    def __init__(self, data: TrainData, settings: GKDSettings, share: int) -> None:
-        self.data, self.settings, self.share = data, settings, share
+    def __init__(self, data: TrainData, settings: GKDSettings) -> None:
+        self.data, self.settings = data, settings
         if isinstance(data, TokenSplit):
             self.seq_len = data.seq_len
-            data.batches(share, settings.seed)  # fails now, naming the split, if it holds too few sequences
+            self._global(data, None)  # fails now, naming the split, if it holds too few sequences
         else:
             first = next(iter(_iterable(data)), None)
             if first is None:
@@ -416,9 +420,9 @@ class _Stream:
     def iterate(self, position: Mapping[str, Any] | None) -> Iterator[tuple[torch.Tensor, dict[str, Any]]]:
         """(this rank's rows [share, T], position after them), from `position` (None: the start)."""
         if isinstance(self.data, TokenSplit):
-            stream = self.data.batches(self.share, self.settings.seed, start=position)
-            for rows in stream:
-                yield rows, stream.state_dict()
+            stream = self._global(self.data, position)
+            for batch in stream:
+                yield dist.local_rows(batch), stream.state_dict()
             return
         skip = 0 if position is None else int(position["batches"])
         for index, batch in enumerate(_iterable(self.data)):
@@ -426,6 +430,12 @@ class _Stream:
                 continue
             self._check(batch, index)
             yield dist.local_rows(batch), {"batches": index + 1}
+
+    def _global(self, split: TokenSplit, position: Mapping[str, Any] | None) -> BatchStream:
+        """`split`'s global batches of `batch_size` (every rank draws the same ones and keeps its rows): the
+        sequences of a step are those of `batch_size` x 1 rank whatever the world, so resuming on other ranks
+        continues on the same data."""
+        return split.batches(self.settings.batch_size, self.settings.seed, rank=0, world=1, start=position)
 
 
 def _iterable(data: Sequence[torch.Tensor] | Callable[[], Iterable[torch.Tensor]]) -> Iterable[torch.Tensor]:
@@ -458,8 +468,15 @@ def _held_out_batches(held_out: TokenSplit | Sequence[torch.Tensor], batch_size:
     return batches
 
 
-def _micro(rows: torch.Tensor, size: int) -> list[torch.Tensor]:
-    return [rows[i : i + size] for i in range(0, rows.shape[0], size)]
+def _micro(rows: torch.Tensor, split: BatchSplit) -> list[torch.Tensor | None]:
+    """This rank's `rows` cut into `split.steps` micro-batches (`BatchSplit.chunks`); None stands for a
+    zero-weight one, where this rank holds fewer rows than the others run micro-batches."""
+    cut: list[torch.Tensor | None] = []
+    start = 0
+    for size in split.chunks(rows.shape[0]):
+        cut.append(rows[start : start + size] if size else None)
+        start += size
+    return cut
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -518,18 +535,32 @@ def _train_step(
     rows: torch.Tensor,
     lr: float,
     settings: GKDSettings,
-    micro: int,
+    split: BatchSplit,
 ) -> dict[str, float]:
-    """One optimiser step on this rank's `rows` [share, T] of a global batch; returns the global record."""
+    """One optimiser step on this rank's `rows` [share, T] of a global batch; returns the global record.
+
+    Every rank runs `split.steps` micro-batches: where this rank has none left and the models are sharded
+    (every unit's forward and backward are collectives), it runs its first row again at zero weight, whose
+    gradients are zeros and whose sums are not counted."""
     device = distiller.student.embeddings.weight.device
     blocks = len(distiller.student.layers)
     scales = _scales(settings, settings.batch_size, rows.shape[1], blocks)
     sums = torch.zeros(_NUM_SUMS, dtype=torch.float64, device=device)
-    for ids in _micro(rows.to(device), micro):
+    rows = rows.to(device)
+    for ids in _micro(rows, split):
+        if ids is None and not shard.active(settings.shard):
+            continue  # replicated: no collective before the gradients' all-reduce
         with _autocast(settings, device):
-            loss, batch_sums = distiller(ids, teacher, scales, settings.vocab_chunk, True)
+            loss, batch_sums = distiller(
+                rows[:1] if ids is None else ids,
+                teacher,
+                (0.0, 0.0, 0.0) if ids is None else scales,
+                settings.vocab_chunk,
+                True,
+            )
         loss.backward()
-        sums += batch_sums
+        if ids is not None:
+            sums += batch_sums
     params = [p for p in distiller.parameters() if p.requires_grad]
     if not shard.active(settings.shard):  # FSDP's reduce-scatter has summed the sharded gradients
         dist.all_reduce_sum_([p.grad for p in params if p.grad is not None])
@@ -557,21 +588,30 @@ def _evaluate(
     settings: GKDSettings,
     micro: int,
 ) -> dict[str, float]:
-    """KL to the teacher, LM losses, top-1 agreement and the cosine term on every held-out position."""
+    """KL to the teacher, LM losses, top-1 agreement and the cosine term on every held-out position, in
+    micro-batches of at most `micro` rows (under sharding as many on every rank: `_micro`)."""
     device = distiller.student.embeddings.weight.device
     blocks = len(distiller.student.layers)
     was_training = distiller.training
     distiller.eval()
     sums = torch.zeros(_NUM_SUMS, dtype=torch.float64, device=device)
     # Sharded units all-gather in their forward, so every rank must run every batch (its rows of it).
+    sharded = shard.active(settings.shard)
+    world = dist.world_size() if sharded else 1
     batches = (
-        [dist.local_rows(b) for b in held_out] if shard.active(settings.shard) else list(dist.shard(held_out))
+        [(b, dist.local_rows(b)) for b in held_out] if sharded else [(b, b) for b in dist.shard(held_out)]
     )
-    for batch in batches:
-        for ids in _micro(batch.to(device), micro):
+    for whole, batch in batches:
+        batch = batch.to(device)
+        for ids in _micro(batch, split_batch(whole.shape[0], world, micro, "a held-out batch")):
+            if ids is None and not sharded:
+                continue
             with _autocast(settings, device):
-                _, batch_sums = distiller(ids, teacher, (0.0, 0.0, 0.0), settings.vocab_chunk, False)
-            sums += batch_sums
+                _, batch_sums = distiller(
+                    batch[:1] if ids is None else ids, teacher, (0.0, 0.0, 0.0), settings.vocab_chunk, False
+                )
+            if ids is not None:  # a zero-weight micro-batch only keeps step with the other ranks
+                sums += batch_sums
     dist.all_reduce_sum_([sums])
     distiller.train(was_training)
     return _record(sums.cpu(), settings, blocks)
@@ -733,7 +773,7 @@ def distill(
     """
     directory = Path(directory)
     world = dist.world_size()
-    share, micro = settings.micro_batches(world)
+    split = settings.micro_batches(world)
     if (student.spec.num_blocks, student.spec.hidden_size, student.spec.vocab_size) != (
         teacher.spec.num_blocks,
         teacher.spec.hidden_size,
@@ -745,7 +785,7 @@ def distill(
             f"{teacher.spec.num_blocks}, {teacher.spec.hidden_size}, {teacher.spec.vocab_size}"
         )
     _check_not_shared(student, teacher)
-    stream = _Stream(train, settings, share)
+    stream = _Stream(train, settings)
     held = _held_out_batches(held_out, settings.batch_size)
     inputs = {
         "student": fingerprint_model(student),
@@ -798,7 +838,7 @@ def distill(
             shutil.rmtree(_checkpoint_dir(directory), ignore_errors=True)  # another run's, if any
         dist.barrier()
         state.history["eval"].append(
-            {"step": 0, "tokens": 0, **_evaluate(distiller, teacher, held, settings, micro)}
+            {"step": 0, "tokens": 0, **_evaluate(distiller, teacher, held, settings, split.micro)}
         )
         _note_evaluation(state, student, settings)
 
@@ -811,7 +851,7 @@ def distill(
         if stopped_early or state.tokens + tokens_per_step > total:
             break
         lr = learning_rate(schedule, state.tokens)
-        record = _train_step(distiller, teacher, optimizer, rows, lr, settings, micro)
+        record = _train_step(distiller, teacher, optimizer, rows, lr, settings, split)
         state.step += 1
         state.tokens += tokens_per_step
         state.position = position
@@ -820,7 +860,7 @@ def distill(
         rate = (state.tokens - start_tokens) / max(time.perf_counter() - started, 1e-9)
         bar.set_postfix(tok_s=f"{rate:.0f}", loss=f"{record['loss']:.4f}", kl=f"{record['kl']:.4f}")
         if settings.eval_every and state.step % settings.eval_every == 0:
-            evaluation = _evaluate(distiller, teacher, held, settings, micro)
+            evaluation = _evaluate(distiller, teacher, held, settings, split.micro)
             state.history["eval"].append({"step": state.step, "tokens": state.tokens, **evaluation})
             _note_evaluation(state, student, settings)
             stopped_early = _patience_spent(state, settings)
@@ -830,7 +870,7 @@ def distill(
             callback(state.step, record)
     bar.close()
     if state.history["eval"][-1]["step"] != state.step:
-        evaluation = _evaluate(distiller, teacher, held, settings, micro)
+        evaluation = _evaluate(distiller, teacher, held, settings, split.micro)
         state.history["eval"].append({"step": state.step, "tokens": state.tokens, **evaluation})
         _note_evaluation(state, student, settings)
 

@@ -5,7 +5,10 @@ config.json: no weight is read; mixers are built on the meta device only to lear
 Every memory figure is what ONE rank holds under FSDP2 over `gpus` ranks (`puzzle.shard`): each sharded unit
 (the embeddings, each block's mixer, the lm_head) keeps ceil(rows / N) of the first dimension of every
 parameter on a rank, exactly as `fully_shard` splits it; the pre-norms, norm_f and buffers stay replicated.
-A stage whose `shard` setting is "none", or a world of one, holds everything whole.
+A stage whose `shard` setting is "none", or a world of one, holds everything whole. With `gpus_per_node`
+(`puzzle plan --nodes N --gpus-per-node G`) a stage whose `shard` is "hsdp" is planned as `puzzle.shard` runs
+it: each unit sharded over the G ranks of a node and replicated across the N nodes, so its memory per rank is
+that of G ranks, its time that of N x G.
 
 The estimates, and why (docs/SCALE.md shows them on Nemotron-3 Nano and Super):
 - FLOPs: forward = the cost model's prefill FLOPs per token (`puzzle.cost.analytic`: 2 x the matmul weights a
@@ -34,6 +37,7 @@ from typing import Any, Literal
 from puzzle.cost.analytic import model_active_params, model_params, prefill_flops_per_token
 from puzzle.cost.hardware import HardwareProfile
 from puzzle.cost.kinds import block_cost
+from puzzle.settings import split_batch
 from puzzle.shard import shard_numel
 from puzzle.spec import BlockSpec, ModelSpec, NoOpSpec, Variant
 
@@ -302,6 +306,12 @@ class Plan:
     memory_fraction: float
     stages: list[StagePlan]
     problems: list[str] = field(default_factory=list)
+    gpus_per_node: int | None = None  # None: one node of `gpus`
+
+    @property
+    def nodes(self) -> int:
+        """Nodes of `gpus_per_node` ranks (1 without it)."""
+        return 1 if self.gpus_per_node is None else self.gpus // self.gpus_per_node
 
     @property
     def limit(self) -> float:
@@ -348,6 +358,8 @@ class Plan:
         return {
             "hardware": self.hardware.name,
             "gpus": self.gpus,
+            "nodes": self.nodes,
+            "gpus_per_node": self.gpus_per_node or self.gpus,
             "efficiency": self.efficiency,
             "memory_limit_bytes": self.limit,
             "stages": [
@@ -375,7 +387,9 @@ class Plan:
         lines = [
             f"parent: {spec.num_blocks} blocks, {model_params(spec) / 1e9:.2f}B parameters, "
             f"{model_active_params(spec) / 1e9:.2f}B active",
-            f"hardware: {self.gpus} x {self.hardware.name} ({_gib(self.hardware.memory_bytes)} each, "
+            f"hardware: {self.gpus} x {self.hardware.name}"
+            + (f" ({self.nodes} nodes of {self.gpus_per_node})" if self.nodes > 1 else "")
+            + f" ({_gib(self.hardware.memory_bytes)} each, "
             f"usable {_gib(self.limit)} = memory_fraction {self.memory_fraction:g}); "
             f"time at {self.efficiency:.0%} of the dense bf16 peak "
             f"({self.hardware.flops_per_s('bf16') / 1e12:.0f} TFLOP/s per GPU)",
@@ -478,6 +492,7 @@ class _Context:
     dtype_bytes: int
     variants: dict[int, list[Variant]] | None
     usable: float | None = None  # memory per rank the stages may use (BLD's auto waves are sized from it)
+    node: int | None = None  # ranks per node (LOCAL_WORLD_SIZE); None: one node of `world`
 
     @property
     def child_fraction(self) -> float:
@@ -496,11 +511,24 @@ class _Context:
         return self.config.data.seq_len
 
     def world_of(self, mode: str) -> int:
-        """The ranks a stage with shard mode `mode` shards over (1: every rank holds everything whole)."""
-        return self.world if mode == "fsdp" else 1
+        """The ranks a stage with shard mode `mode` shards over (1: every rank holds everything whole): every
+        rank for "fsdp", the ranks of a node for "hsdp" (`puzzle.shard.ways`)."""
+        if mode == "fsdp":
+            return self.world
+        if mode == "hsdp":
+            return min(self.node or self.world, self.world)
+        return 1
 
-    def parent(self, mode: str = "fsdp") -> ParentBytes:
-        return parent_bytes(self.spec, self.dtype_bytes, self.world_of(mode))
+    @property
+    def shared_mode(self) -> str:
+        """How the stages without a `shard` setting of their own (assembly, export) find the shared parent:
+        sharded inside a node when any stage shards it so ("hsdp"), else over every rank."""
+        stages = (self.config.importance, self.config.bld, self.config.scoring, self.config.gkd)
+        return "hsdp" if any(s.shard == "hsdp" for s in stages) else "fsdp"
+
+    def parent(self, mode: str | None = None) -> ParentBytes:
+        """The parent's bytes per rank under shard mode `mode` (None: `shared_mode`)."""
+        return parent_bytes(self.spec, self.dtype_bytes, self.world_of(mode or self.shared_mode))
 
     def largest_block_activations(self, tokens: int, dtype_bytes: int | None = None) -> float:
         H, size = self.spec.hidden_size, dtype_bytes or self.dtype_bytes
@@ -516,7 +544,7 @@ def _importance(ctx: _Context) -> StagePlan:
     tokens = batches * settings.batch_size * ctx.seq_len
     # Data-parallel by whole batches (`puzzle.prune.importance`: a round-robin share per rank), sharded or not.
     local = settings.batch_size * ctx.seq_len
-    parent = ctx.parent()
+    parent = ctx.parent(settings.shard)
     memory = {
         "parent shard": parent.sharded,
         "gathered unit": parent.largest_unit,
@@ -569,6 +597,11 @@ def _library(ctx: _Context, problems: list[str]) -> StagePlan:
     settings, H = ctx.config.bld, ctx.spec.hidden_size
     train_bytes = _dtype_bytes(settings.dtype)
     trained = _trained(ctx)
+    rows = None
+    try:  # BLD runs each rank's round-robin rows of every batch in one forward: no accumulation
+        rows = split_batch(ctx.config.data.batch_size, ctx.world, None, "data.batch_size")
+    except ValueError as error:
+        problems.append(f"stage library: {error}")
     sizes, others, limit = library_grouping(ctx)
     try:
         waves = limit.waves(sizes)
@@ -595,6 +628,11 @@ def _library(ctx: _Context, problems: list[str]) -> StagePlan:
         "(weights and AdamW moments, removed when the library is done)",
     ]
     notes.append(f"waves: {limit.reason}")
+    if rows is not None and rows.largest != rows.smallest:
+        notes.append(
+            f"data.batch_size {rows.batch} over {rows.world} ranks: {rows.smallest}-{rows.largest} rows per rank "
+            f"(round-robin), planned at {rows.largest}"
+        )
     if trained:
         notes.append(f"library bytes by kind: {library_bytes_by_axis(trained, H, store_bytes)}")
     return StagePlan(
@@ -803,10 +841,13 @@ def _gkd_cost(ctx: _Context, problems: list[str], solutions: int, tokens: int) -
     world = ctx.world_of(settings.shard)
     train_bytes = _dtype_bytes(settings.dtype)
     try:
-        share, micro = settings.micro_batches(ctx.world)
+        split = settings.micro_batches(ctx.world)
+        words = split.describe()
+        micro = split.micro
     except ValueError as error:
         problems.append(f"stage distill: {error}")
-        share = micro = rows_per_rank(settings.batch_size, ctx.world)
+        micro = rows_per_rank(settings.batch_size, ctx.world)
+        words = f"{settings.batch_size} sequences cannot be shared by {ctx.world} ranks"
     local = micro * ctx.seq_len
     child = ctx.child_fraction
     student = parent_bytes(spec, train_bytes, world)
@@ -841,7 +882,7 @@ def _gkd_cost(ctx: _Context, problems: list[str], solutions: int, tokens: int) -
     return StagePlan(
         "distill",
         f"{solutions} child(ren) x {_count(tokens)} tokens, {math.ceil(tokens / step_tokens)} steps of "
-        f"{settings.batch_size} x {ctx.seq_len} ({share} sequences per rank in micro-batches of {micro})",
+        f"{settings.batch_size} x {ctx.seq_len} ({words})",
         solutions * tokens,
         flops,
         memory,
@@ -926,14 +967,20 @@ def plan_run(
     memory_fraction: float | None = None,
     efficiency: float = DEFAULT_EFFICIENCY,
     checkpoint: dict[str, Any] | None = None,
+    gpus_per_node: int | None = None,
 ) -> Plan:
     """The plan of `config` (a RunConfig) for the parent `spec` on `gpus` ranks of `hardware`.
 
     `memory_fraction`: the usable share of each GPU (default: the config's hardware.memory_fraction).
-    `checkpoint`: the parent's config.json, for the dtype of `parent.dtype: auto`.
+    `checkpoint`: the parent's config.json, for the dtype of `parent.dtype: auto`. `gpus_per_node`: the
+    ranks of one node (None: one node of `gpus`), which a stage with `shard: hsdp` shards each unit over.
     """
     if gpus < 1:
         raise ValueError(f"gpus must be >= 1, found {gpus}")
+    if gpus_per_node is not None and (gpus_per_node < 1 or gpus % gpus_per_node):
+        raise ValueError(
+            f"{gpus} GPUs are not a whole number of nodes of {gpus_per_node}: give the same GPUs on every node"
+        )
     if not 0 < efficiency <= 1:
         raise ValueError(f"efficiency must be in (0, 1], found {efficiency}")
     fraction = config.hardware.memory_fraction if memory_fraction is None else memory_fraction
@@ -947,7 +994,8 @@ def plan_run(
             f"the variants cannot be listed before importance runs ({error}): not planned",
         )
     usable = hardware.memory_bytes * fraction
-    ctx = _Context(config, spec, gpus, parent_dtype_bytes(config.parent.dtype, checkpoint), variants, usable)
+    dtype_bytes = parent_dtype_bytes(config.parent.dtype, checkpoint)
+    ctx = _Context(config, spec, gpus, dtype_bytes, variants, usable, gpus_per_node)
     ctx, wave_note = _resolve_auto_wave(ctx, usable)
     stages = [
         _importance(ctx),
@@ -971,7 +1019,21 @@ def plan_run(
         stages[0].notes.append(
             f"rounds.count {config.rounds.count}: every stage but the search runs once per round"
         )
-    return Plan(spec, hardware, gpus, efficiency, fraction, stages, problems)
+    if gpus_per_node is not None and gpus_per_node < gpus:
+        nodes = gpus // gpus_per_node
+        for stage, settings in zip(stages, (config.importance, config.bld, config.scoring)):
+            if settings.shard == "hsdp":
+                stage.notes.append(_hsdp_note(nodes, gpus_per_node))
+        if config.gkd.shard == "hsdp":
+            stages[5].notes.append(_hsdp_note(nodes, gpus_per_node))
+    return Plan(spec, hardware, gpus, efficiency, fraction, stages, problems, gpus_per_node)
+
+
+def _hsdp_note(nodes: int, gpus_per_node: int) -> str:
+    return (
+        f"shard hsdp: each unit sharded over the {gpus_per_node} ranks of a node and replicated across the "
+        f"{nodes} nodes (memory per rank as on {gpus_per_node} ranks; all-gathers stay inside a node)"
+    )
 
 
 def plan_config(
@@ -998,6 +1060,16 @@ def plan_hardware(name: str | HardwareProfile, gpus: int | None = None) -> tuple
         return gpus or 1, name
     count, single = split_gpus(name)
     return gpus or count, get_hardware(single)
+
+
+def node_from_env() -> int | None:
+    """The ranks per node torchrun gives this process (LOCAL_WORLD_SIZE), None when it is not set."""
+    import os
+
+    try:
+        return max(1, int(os.environ["LOCAL_WORLD_SIZE"]))
+    except (KeyError, ValueError):
+        return None
 
 
 def world_from_env() -> int:
@@ -1033,8 +1105,12 @@ def run_hardware(config: Any) -> HardwareProfile:
 
 def run_misfits(config: Any, world: int | None = None) -> list[str]:
     """What `puzzle run` refuses before any work: each stage of the plan of `config` on `world` ranks (default:
-    WORLD_SIZE) of `run_hardware` that does not fit, one line each (empty: everything fits)."""
-    plan = plan_config(config, world_from_env() if world is None else world, run_hardware(config))
+    WORLD_SIZE, in nodes of LOCAL_WORLD_SIZE) of `run_hardware` that does not fit, one line each (empty:
+    everything fits)."""
+    world = world_from_env() if world is None else world
+    node = node_from_env()
+    node = node if node is not None and node < world and world % node == 0 else None
+    plan = plan_config(config, world, run_hardware(config), gpus_per_node=node)
     free, written, where = disk_room(Path(config.run_dir))
     return plan.misfits() + plan.disk_misfits(free, where, written)
 
@@ -1127,7 +1203,8 @@ def scoring_wave_size(
     default: every variant of the config's space."""
     if variants is None:
         variants = config.search_space().all_variants(spec)
-    ctx = _Context(config, spec, world, parent_dtype_bytes(config.parent.dtype, checkpoint), variants)
+    dtype_bytes = parent_dtype_bytes(config.parent.dtype, checkpoint)
+    ctx = _Context(config, spec, world, dtype_bytes, variants, node=node_from_env())
     limit = memory_bytes * config.hardware.memory_fraction
     found = auto_wave_size(ctx, limit)
     where = f"{config.hardware.memory_fraction:g} x {_gib(memory_bytes)} per rank, {world} rank(s)"
@@ -1148,7 +1225,9 @@ def bld_waves(
     variants = config.search_space().all_variants(spec)
     usable = memory_bytes * config.hardware.memory_fraction
     dtype_bytes = parent_dtype_bytes(config.parent.dtype, checkpoint)
-    sizes, _, limit = library_grouping(_Context(config, spec, world, dtype_bytes, variants, usable))
+    sizes, _, limit = library_grouping(
+        _Context(config, spec, world, dtype_bytes, variants, usable, node_from_env())
+    )
     return limit.waves(sizes), limit
 
 

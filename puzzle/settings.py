@@ -134,6 +134,82 @@ def _divisors(number: int) -> list[int]:
     return [d for d in range(1, number + 1) if number % d == 0]
 
 
+@dataclass(frozen=True)
+class BatchSplit:
+    """How a global batch of `batch` sequences runs on `world` ranks: round-robin rows (`puzzle.dist.local_rows`:
+    ranks below `batch % world` hold one more), each rank in `steps` micro-batches of at most `micro` rows
+    (the gradient accumulation), the same number on every rank, because a sharded unit all-gathers its
+    weights in each forward and every rank must run as many. The global batch is kept exactly whatever the
+    world: the loss is normalised by the global counts, so the summed gradients are one process's.
+
+    A rank with fewer rows than `steps` (only where the shares differ and micro-batches are small) runs
+    zero-weight micro-batches to keep step with the others (`padding`)."""
+
+    batch: int
+    world: int
+    micro: int
+    steps: int
+
+    @property
+    def largest(self) -> int:
+        """Rows of the ranks that hold the most (ceil(batch / world))."""
+        return -(-self.batch // self.world)
+
+    @property
+    def smallest(self) -> int:
+        """Rows of the ranks that hold the fewest (floor(batch / world))."""
+        return self.batch // self.world
+
+    @property
+    def padding(self) -> int:
+        """Zero-weight micro-batches the ranks with the fewest rows run per step (0: none)."""
+        return max(0, self.steps - self.smallest)
+
+    def rows(self, rank: int) -> int:
+        """Rows rank `rank` holds of the global batch (round-robin)."""
+        return len(range(rank, self.batch, self.world))
+
+    def chunks(self, rows: int) -> list[int]:
+        """The sizes of the `steps` micro-batches of a rank holding `rows` rows, as even as they go, the
+        larger first; 0 is a zero-weight micro-batch (fewer rows than steps)."""
+        base, extra = divmod(rows, self.steps)
+        return [base + (i < extra) for i in range(self.steps)]
+
+    def describe(self) -> str:
+        """The split in words, for the plan: rows per rank, micro-batches and any padding."""
+        if self.largest == self.smallest and self.largest % self.steps == 0:
+            return f"{self.largest} sequences per rank in micro-batches of {self.micro}"
+        words = (
+            f"{self.smallest}-{self.largest} sequences per rank ({self.batch} over {self.world} ranks) "
+            if self.largest != self.smallest
+            else f"{self.largest} sequences per rank "
+        )
+        words += f"in {self.steps} micro-batch(es) of up to {self.micro}"
+        if self.padding:
+            words += f", {self.padding} of them zero-weight on the ranks holding {self.smallest}"
+        return words
+
+
+def split_batch(batch: int, world: int, micro_batch_size: int | None, owner: str) -> BatchSplit:
+    """`BatchSplit` of a global batch of `batch` sequences on `world` ranks, in micro-batches of at most
+    `micro_batch_size` rows (None: each rank's whole share at once). The accumulation is chosen here: as few
+    micro-batches as `micro_batch_size` allows, the same on every rank, so the global batch need not divide
+    by the ranks. ValueError naming `owner` (the setting) and the values that work when some rank would hold
+    no row at all (`batch` < `world`)."""
+    if batch < world:
+        even = ", ".join(str(d) for d in _divisors(batch))
+        raise ValueError(
+            f"{owner} ({batch}) must be at least the number of ranks ({world}): every rank trains on its own "
+            f"rows of each step's batch. On {world} ranks batch_size {world} or more works ({world}, "
+            f"{2 * world}, {3 * world}, ... split evenly); batch_size {batch} works on 1 to {batch} ranks "
+            f"(evenly on {even})"
+        )
+    largest = -(-batch // world)
+    micro = min(micro_batch_size or largest, largest)
+    steps = -(-largest // micro)
+    return BatchSplit(batch, world, -(-largest // steps), steps)
+
+
 def learning_rate(settings: BLDSettings, tokens_seen: int) -> float:
     """BLD's (and GKD's) learning rate of a step that starts after `tokens_seen` tokens: linear warm-up, then cosine."""
     if tokens_seen < settings.warmup_tokens:
@@ -190,9 +266,11 @@ class GKDSettings:
     `lr`: AdamW peak learning rate; `warmup_tokens`: linear warm-up from 0, then cosine decay to
     `min_lr_ratio * lr` at the end of the run; the run ends after `token_budget` tokens or `steps`
     optimiser steps, whichever comes first (None: no limit of that kind; at least one is needed), or when
-    finite training data ends. `batch_size`: sequences per optimiser step; `micro_batch_size`: sequences per
-    forward/backward on one rank (None: the rank's whole share, `batch_size / world`), the gradients
-    accumulate over the share; `clip`: max global gradient norm (0 = none); `kl_weight`, `cosine_weight`,
+    finite training data ends. `batch_size`: sequences per optimiser step; `micro_batch_size`: at most this many
+    sequences per forward/backward on one rank (None: the rank's whole share at once); the ranks share
+    `batch_size` round-robin, which need not divide by them (a rank holds ceil or floor of batch_size / world
+    rows), and the gradients accumulate over as few micro-batches as that allows, the same count on every
+    rank (`split_batch`: the choice `puzzle plan` prints); `clip`: max global gradient norm (0 = none); `kl_weight`, `cosine_weight`,
     `lm_weight`: the loss terms (`puzzle.gkd`); `vocab_chunk`: lm_head rows per chunk (memory);
     `eval_every`: steps between held-out evaluations (0 = only before and after training);
     `checkpoint_every`: steps between checkpoints (0 = never); `seed`: seeds torch and the order of a
@@ -284,21 +362,6 @@ class GKDSettings:
     def to_dict(self) -> dict[str, Any]:
         return {**dataclasses.asdict(self), "betas": list(self.betas)}
 
-    def micro_batches(self, world: int) -> tuple[int, int]:
-        """(sequences per rank and step, sequences per micro-batch) for `world` ranks; errors name the fields."""
-        if self.batch_size % world:
-            ranks = ", ".join(str(d) for d in _divisors(self.batch_size) if d < world)
-            raise ValueError(
-                f"GKDSettings.batch_size ({self.batch_size}) must be a multiple of the number of ranks ({world}): "
-                f"on {world} ranks batch_size {world}, {2 * world}, ... works; batch_size {self.batch_size} "
-                f"works on {ranks} ranks"
-            )
-        share = self.batch_size // world
-        micro = self.micro_batch_size or share
-        if share % micro:
-            works = ", ".join(str(d) for d in _divisors(share))
-            raise ValueError(
-                f"GKDSettings.micro_batch_size ({micro}) must divide each rank's share of the batch "
-                f"(batch_size {self.batch_size} / {world} ranks = {share}): {works} work"
-            )
-        return share, micro
+    def micro_batches(self, world: int) -> BatchSplit:
+        """How each step's global batch runs on `world` ranks (`split_batch`); errors name the fields."""
+        return split_batch(self.batch_size, world, self.micro_batch_size, "GKDSettings.batch_size")

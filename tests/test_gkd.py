@@ -474,6 +474,60 @@ def test_two_gloo_ranks_give_the_single_process_run(uninterrupted, setup, tmp_pa
             torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-5, msg=f"{mode} {name}")
 
 
+# A global batch of 3 on 2 ranks: rows 2 and 1; in micro-batches of 1 rank 1 runs one zero-weight micro-batch.
+UNEVEN = dict(batch_size=3, steps=6, eval_every=3, checkpoint_every=0)
+
+
+def _uneven_held_out() -> list[torch.Tensor]:
+    return [batch[:3] for batch in held_out()]  # uneven on 2 ranks too
+
+
+def _uneven_worker(rank: int, world: int, port: int, setup: str, output: str) -> None:
+    with gloo_rank(rank, world, port):
+        for name, changes in (("fsdp", {"micro_batch_size": 1}), ("none", {"shard": "none"})):
+            parent, child = load_setup(Path(setup))
+            distill(
+                child,
+                parent,
+                train_split(),
+                _uneven_held_out(),
+                settings(**UNEVEN, **changes),
+                Path(output) / name,
+            )
+
+
+@pytest.mark.slow
+def test_a_batch_that_does_not_divide_by_the_ranks_gives_the_single_process_run(setup, tmp_path):
+    """Issue 34: batch_size 3 on 2 ranks, the accumulation chosen automatically (FSDP in micro-batches of 1:
+    rank 1 pads one; replicated: each rank's share at once), equals one process with batch_size 3 in explicit
+    micro-batches of 1. Tolerances as the even 2-rank test's: float summation order only."""
+    parent, child = load_setup(setup)
+    want = distill(
+        child,
+        parent,
+        train_split(),
+        _uneven_held_out(),
+        settings(**UNEVEN, micro_batch_size=1),
+        tmp_path / "one",
+    )
+    spawn_ranks(_uneven_worker, str(setup), str(tmp_path))
+    expected = load_file(str(tmp_path / "one" / WEIGHTS_FILE))
+    for mode in ("fsdp", "none"):
+        history = json.loads((tmp_path / mode / HISTORY_FILE).read_text())
+        for kind in ("train", "eval"):
+            assert len(history[kind]) == len(want.history[kind]) > 1
+            for got, value in zip(history[kind], want.history[kind]):
+                for key in value:
+                    assert got[key] == pytest.approx(value[key], rel=1e-4, abs=1e-6), (mode, kind, key)
+        got = load_file(str(tmp_path / mode / WEIGHTS_FILE))
+        assert got.keys() == expected.keys()
+        for name, value in got.items():
+            torch.testing.assert_close(value, expected[name], rtol=1e-4, atol=1e-5, msg=f"{mode} {name}")
+    # The weights moved: a run that skipped rows or steps would not match.
+    start = load_setup(setup)[1].state_dict()
+    assert any(not torch.equal(expected[k], start[k]) for k in expected if k in start)
+
+
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
@@ -504,18 +558,40 @@ def test_a_student_sharing_tensors_with_the_teacher_is_an_error_naming_them(setu
     assert not any(tmp_path.iterdir())
 
 
-def test_a_batch_that_does_not_split_over_the_ranks_is_an_error_naming_the_fields():
-    """... and says which values work."""
+def test_a_batch_too_small_for_the_ranks_is_an_error_naming_the_values_that_work():
+    """Issue 34: 64 sequences cannot be shared by 128 ranks; the message says which batch sizes work on 128
+    ranks and which worlds work for 64."""
     with pytest.raises(
-        ValueError, match=r"micro_batch_size \(3\) must divide each rank's share.*: 1, 2, 4 work"
+        ValueError,
+        match=r"GKDSettings\.batch_size \(64\) must be at least the number of ranks \(128\).*On 128 ranks "
+        r"batch_size 128 or more works \(128, 256, 384, \.\.\. split evenly\); batch_size 64 works on 1 to 64 "
+        r"ranks \(evenly on 1, 2, 4, 8, 16, 32, 64\)",
     ):
-        GKDSettings(batch_size=8, micro_batch_size=3).micro_batches(2)
-    with pytest.raises(ValueError, match=r"batch_size \(6\) must be a multiple of the number of ranks \(4\)"):
-        GKDSettings(batch_size=6).micro_batches(4)
-    with pytest.raises(
-        ValueError, match=r"on 4 ranks batch_size 4, 8, \.\.\. works; batch_size 6 works on 1, 2, 3 ranks"
-    ):
-        GKDSettings(batch_size=6).micro_batches(4)
+        GKDSettings(batch_size=64).micro_batches(128)
+
+
+@pytest.mark.parametrize(
+    ("batch", "world", "micro", "steps", "chunks"),
+    [
+        (8, 2, None, 1, [[4], [4]]),  # even: each rank's share at once
+        (8, 2, 2, 2, [[2, 2], [2, 2]]),  # even, in micro-batches of 2
+        (8, 2, 3, 2, [[2, 2], [2, 2]]),  # 3 does not divide 4: two micro-batches of 2, not 3 + 1
+        (6, 4, None, 1, [[2], [2], [1], [1]]),  # uneven: shares 2, 2, 1, 1 in one micro-batch each
+        (6, 4, 1, 2, [[1, 1], [1, 1], [1, 0], [1, 0]]),  # uneven in ones: the short ranks pad one
+        (5, 2, 2, 2, [[2, 1], [1, 1]]),
+    ],
+)
+def test_the_accumulation_is_chosen_for_any_batch_the_ranks_can_share(batch, world, micro, steps, chunks):
+    """Every rank runs the same number of micro-batches (sharded forwards are collectives), no larger than
+    micro_batch_size, and together they hold each row of the global batch exactly once."""
+    split = GKDSettings(batch_size=batch, micro_batch_size=micro).micro_batches(world)
+    assert split.steps == steps
+    got = [split.chunks(split.rows(rank)) for rank in range(world)]
+    assert got == chunks
+    assert sum(map(sum, got)) == batch
+    assert all(size <= split.micro <= (micro or batch) for sizes in got for size in sizes)
+    # The rows each rank holds are those `puzzle.dist.local_rows` gives it (round-robin).
+    assert [split.rows(rank) for rank in range(world)] == [len(range(r, batch, world)) for r in range(world)]
 
 
 def test_head_backward_makes_no_second_vocabulary_sized_tensor():

@@ -239,7 +239,7 @@ def test_gkd_activation_checkpointing_lets_super_fit_on_8_b200s():
     whole = {on: plan_config(c, 8, "b200") for on, c in ((True, config), (False, plain))}
     plans = {on: {s.name: s for s in plan.stages}["distill"] for on, plan in whole.items()}
     spec = nemotron3_super()
-    tokens = config.data.seq_len * config.gkd.micro_batches(8)[1]
+    tokens = config.data.seq_len * config.gkd.micro_batches(8).micro
     assert plans[True].memory["saved block inputs"] == spec.num_blocks * tokens * spec.hidden_size * (2 + 2)
     assert plans[False].memory["saved activations"] > 10 * plans[True].memory["saved block inputs"]
     assert plans[True].peak < whole[True].limit < plans[False].peak

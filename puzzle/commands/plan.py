@@ -1,5 +1,7 @@
-"""`puzzle plan CONFIG [--gpus N] [--hardware NAME] [--disk SIZE]`: what each stage of a run will cost,
-before it runs (`--hardware NxNAME`: N ranks of NAME; `--disk`: refuse a run that does not fit SIZE).
+"""`puzzle plan CONFIG [--gpus N | --nodes N --gpus-per-node G] [--hardware NAME] [--disk SIZE]`: what each
+stage of a run will cost, before it runs (`--hardware NxNAME`: N ranks of NAME; `--nodes`: N x G ranks, a stage
+with `shard: hsdp` sharded inside each node of G and replicated across nodes; `--disk`: refuse a run that does
+not fit SIZE).
 
 Reads the run config and the parent's config.json only (no weight, no data): see puzzle/plan.py.
 """
@@ -36,6 +38,20 @@ def register(subparsers: Any) -> None:
         type=positive_int,
         default=None,
         help="ranks (GPUs) the run uses (default: N of an NxNAME hardware, else 1)",
+    )
+    parser.add_argument(
+        "--nodes",
+        type=positive_int,
+        default=None,
+        help="nodes the run uses, with --gpus-per-node: N x G ranks, and a stage whose shard is hsdp is "
+        "planned sharded over the G ranks of a node, replicated across the N nodes",
+    )
+    parser.add_argument(
+        "--gpus-per-node",
+        type=positive_int,
+        default=None,
+        metavar="G",
+        help="ranks (GPUs) per node, with --nodes (torchrun's --nproc-per-node)",
     )
     parser.add_argument(
         "--hardware",
@@ -92,13 +108,14 @@ def run(args: argparse.Namespace) -> int:
             config, parent=dataclasses.replace(config.parent, path=Path(args.parent).absolute())
         )
     try:
-        gpus, hardware = plan_hardware(args.hardware or config.hardware.profile, args.gpus)
+        gpus = _gpus(args)
+        gpus, hardware = plan_hardware(args.hardware or config.hardware.profile, gpus)
         if args.hardware is not None and args.gpus is not None:
             count, single = split_gpus(args.hardware)
-            if count > 1 and count != args.gpus:
+            if count > 1 and count != gpus:
                 raise SpecError(
                     f"--hardware {args.hardware} is {count} GPUs (ranks) of {single}, but --gpus says "
-                    f"{args.gpus}: give --gpus N --hardware {single}"
+                    f"{gpus}: give --gpus N --hardware {single}"
                 )
         plan = plan_config(
             config,
@@ -106,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
             hardware,
             memory_fraction=args.memory_fraction,
             efficiency=args.efficiency or DEFAULT_EFFICIENCY,
+            gpus_per_node=args.gpus_per_node,
         )
     except (SpecError, KeyError) as error:  # an unknown --hardware
         print(f"puzzle plan: error: {error}", file=sys.stderr)
@@ -114,9 +132,40 @@ def run(args: argparse.Namespace) -> int:
         print(f"puzzle plan: error: parent.path: {error}", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.render())
+    if args.nodes is not None and not args.json:
+        print(_launch_line(args.nodes, args.gpus_per_node, args.config))
     misfits = plan.misfits()
     if args.disk is not None:
         misfits += plan.disk_misfits(args.disk, "given by --disk")
     for line in misfits:
         print(f"puzzle plan: does not fit: {line}", file=sys.stderr)
     return EXIT_DOES_NOT_FIT if misfits else 0
+
+
+def _launch_line(nodes: int, gpus_per_node: int, config: str) -> str:
+    """The plan's last line: the torchrun command that starts the run it planned (`puzzle.launch`)."""
+    from puzzle.launch import shell_join, torchrun_args
+
+    where = (
+        f"on each of the {nodes} nodes (HEAD_NODE: the first node's host name, JOB_ID: one id for the job)"
+        if nodes > 1
+        else "on the node"
+    )
+    return f"launch {where}: {shell_join(torchrun_args(nodes, gpus_per_node, config))}"
+
+
+def _gpus(args: argparse.Namespace) -> int | None:
+    """--gpus, or --nodes x --gpus-per-node (given together; --gpus, if also given, must agree)."""
+    from puzzle.spec import SpecError
+
+    if (args.nodes is None) != (args.gpus_per_node is None):
+        raise SpecError("--nodes and --gpus-per-node go together: give both (N nodes of G GPUs) or neither")
+    if args.nodes is None:
+        return args.gpus
+    ranks = args.nodes * args.gpus_per_node
+    if args.gpus is not None and args.gpus != ranks:
+        raise SpecError(
+            f"--gpus {args.gpus} but --nodes {args.nodes} x --gpus-per-node {args.gpus_per_node} is {ranks}: "
+            "give one or the other"
+        )
+    return ranks

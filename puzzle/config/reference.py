@@ -44,9 +44,11 @@ _NOTES.update(
             "betas": "AdamW betas.",
             "token_budget": "Tokens to train on (null: no token limit; the run also ends after `steps`).",
             "steps": "Optimiser steps (null: no step limit); at least one limit is needed.",
-            "batch_size": "Sequences per optimiser step (all ranks together).",
-            "micro_batch_size": "Sequences per forward/backward on one rank (null: the rank's whole share); "
-            "gradients accumulate over the share.",
+            "batch_size": "Sequences per optimiser step (all ranks together, at least one per rank; need not "
+            "divide by the ranks: the shares then differ by one).",
+            "micro_batch_size": "At most this many sequences per forward/backward on one rank (null: the rank's "
+            "whole share); gradients accumulate over the share, the same micro-batch count on every rank "
+            "(`puzzle plan` prints the choice).",
             "clip": "Max global gradient norm (0: none).",
             "kl_weight": "Weight of the logit KL to the parent.",
             "cosine_weight": "Weight of the per-block (1 - cosine) of hidden states.",

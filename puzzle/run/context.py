@@ -302,7 +302,10 @@ class RunContext:
         )
         if sharded:
             _log.info(
-                "parent loaded sharded over %d ranks: this rank holds %d of its %d parameter elements",
+                "parent loaded sharded (%s) over %d of the %d ranks: this rank holds %d of its %d parameter "
+                "elements",
+                mode,
+                shard.ways(mode),  # hsdp: the ranks of a node, replicated across nodes
                 dist.world_size(),
                 shard.local_numel(model),
                 sum(p.numel() for p in model.parameters()),  # a DTensor's numel is the whole tensor's
