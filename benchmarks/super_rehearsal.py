@@ -1,7 +1,7 @@
 """The seed's run, rehearsed (issue 34 §5): examples/nemotron3_super/config.yaml through every stage of
 `puzzle run`, on 2 gloo ranks (torchrun, CPU), on a random tiny parent with Super's 88-block pattern.
 
-    python benchmarks/super_rehearsal.py [--out DIR]
+    python benchmarks/super_rehearsal.py --out DIR   # benchmarks/results/super_rehearsal.json: its summary
 
 What changes from the example, and nothing else (`rehearsal_config`; tests/test_super_rehearsal.py checks it
 key by key): the parent path (the tiny parent), the token counts (`TOKEN_SETTINGS`: sequence length, batch
@@ -237,7 +237,10 @@ def summary(out: Path, seconds: float) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "super_rehearsal")
+    # Required: the run writes its parent, data, library and exports there (tens of MB, never the repository).
+    parser.add_argument(
+        "--out", type=Path, required=True, help="a new folder for the run (summary.json in it)"
+    )
     parser.add_argument("--timeout", type=float, default=3600.0, help="seconds the torchrun may take")
     args = parser.parse_args(argv)
     if args.out.exists() and any(args.out.iterdir()):
