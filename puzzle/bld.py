@@ -196,7 +196,13 @@ def _held_out_nmse(
 
 
 def _dtype_of(mixer: nn.Module, default: torch.dtype) -> torch.dtype:
-    return next((p.dtype for p in mixer.parameters() if p.is_floating_point()), default)
+    """The dtype `mixer` computes in: that of most of its floating-point parameter elements, not its first
+    parameter's (a MoE block keeps its router in fp32 whatever its dtype, `puzzle.blocks.moe`)."""
+    counts: dict[torch.dtype, int] = {}
+    for p in mixer.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.__getitem__) if counts else default
 
 
 def _by_block(mixers: Mapping[Variant, nn.Module]) -> dict[int, list[tuple[Variant, nn.Module]]]:

@@ -748,6 +748,9 @@ def score_variants(
             for v in wave:
                 held[v] = mixer = _get_mixer(parent, mixers, v, context)
                 if sharded:  # one variant at a time is whole, as loaded: shard it before the next
+                    # Scored, never trained: and FSDP wants one dtype over a unit's trainable parameters,
+                    # where a bf16 MoE keeps its router fp32 (`puzzle.blocks.moe`).
+                    mixer.requires_grad_(False)
                     shard.shard_variant(mixer, settings.shard)
             model = parent if context is None else context
             own = [v for v in wave if held[v] is model.layers[v.block_index].mixer]

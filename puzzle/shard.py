@@ -157,10 +157,28 @@ def shard_parent(parent: HybridLM, mode: str = "fsdp") -> None:
 
 def shard_unit(unit: nn.Module, mode: str = "fsdp") -> None:
     """Make `unit` one FSDP unit over `mode`'s mesh, resharded after each forward; a no-op for a module
-    without parameters or one already sharded."""
+    without parameters or one already sharded. Submodules of another dtype are units of their own first
+    (`_shard_other_dtypes`)."""
     if has_params(unit) and not isinstance(unit, FSDPModule):
+        _shard_other_dtypes(unit, mode)
         # Explicit True: each unit is its own FSDP root, which by default stays gathered after forward.
         fully_shard(unit, mesh=mesh(mode), reshard_after_forward=True)
+
+
+def _shard_other_dtypes(unit: nn.Module, mode: str) -> None:
+    """FSDP2 wants one dtype over a unit's trainable parameters, and a bf16 MoE block keeps its router in
+    fp32 (`puzzle.blocks.moe`): each submodule whose own parameters are not in the dtype of most of the
+    unit's elements becomes its own unit, nested in `unit` (gathered in its own forward, as `unit` is)."""
+    counts: dict[torch.dtype, int] = {}
+    for p in unit.parameters():
+        counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    if len(counts) < 2:
+        return
+    main = max(counts, key=counts.__getitem__)
+    for module in list(unit.modules())[1:]:
+        own = list(module.parameters(recurse=False))
+        if own and any(p.dtype != main for p in own) and not isinstance(module, FSDPModule):
+            fully_shard(module, mesh=mesh(mode), reshard_after_forward=True)
 
 
 def shard_variant(mixer: nn.Module, mode: str = "fsdp") -> None:
@@ -173,6 +191,7 @@ def shard_variant(mixer: nn.Module, mode: str = "fsdp") -> None:
     """
     if not has_params(mixer) or isinstance(mixer, FSDPModule):
         return
+    _shard_other_dtypes(mixer, mode)
     fully_shard(mixer, mesh=mesh(mode), reshard_after_forward=True)
     for module in mixer.modules():
         if isinstance(module, FSDPModule):

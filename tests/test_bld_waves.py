@@ -18,7 +18,7 @@ from puzzle.run import Run
 from puzzle.settings import BLDSettings
 
 ROOT = Path(__file__).resolve().parent.parent
-SUPER_H100 = ROOT / "examples" / "configs" / "nemotron3_super_h100.yaml"
+SUPER_H100 = ROOT / "examples" / "nemotron3_super" / "config.yaml"
 OTHERS = {"parent shard": 3 * 2**30, "gathered unit": 2**30, "block input/target": 0}
 
 
@@ -92,7 +92,7 @@ def test_the_super_example_fits_with_default_waves(gpus, hardware):
 
 
 def test_the_super_example_is_refused_on_one_h100_naming_the_stage_and_part(capsys):
-    assert main(["plan", str(SUPER_H100), "--gpus", "1"]) == 2
+    assert main(["plan", str(SUPER_H100), "--gpus", "1", "--hardware", "h100-80gb"]) == 2
     err = capsys.readouterr().err
     assert "does not fit: stage library: peak memory per rank" in err
     assert "the largest part is parent block activations" in err

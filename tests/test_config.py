@@ -42,6 +42,8 @@ from puzzle.search.budget import parse_budget as search_parse_budget
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "configs"
+# Every run config the examples hold: examples/configs/*.yaml and the seed's run, examples/nemotron3_super/.
+EXAMPLE_CONFIGS = [*sorted(EXAMPLES.glob("*.yaml")), ROOT / "examples" / "nemotron3_super" / "config.yaml"]
 
 BASE = {
     "run_dir": "runs/x",
@@ -741,7 +743,7 @@ def test_validating_a_config_imports_no_torch():
     script = f"""
 import json, sys
 import puzzle.config
-configs = [puzzle.config.load_config(path) for path in {[str(p) for p in sorted(EXAMPLES.glob("*.yaml"))]!r}]
+configs = [puzzle.config.load_config(path) for path in {[str(p) for p in EXAMPLE_CONFIGS]!r}]
 puzzle.config.reference_markdown()
 print(json.dumps({{"configs": len(configs), "loaded": [name for name in {stages!r} if name in sys.modules]}}))
 """

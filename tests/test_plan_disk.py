@@ -25,7 +25,8 @@ from puzzle.run.disk import MUCH_BYTES, check_stage_disk, disk_shortfall
 from puzzle.settings import BLDSettings
 
 ROOT = Path(__file__).resolve().parent.parent
-SUPER_H100 = ROOT / "examples" / "configs" / "nemotron3_super_h100.yaml"
+SUPER_H100 = ROOT / "examples" / "nemotron3_super" / "config.yaml"
+H100S = ["--gpus", "64", "--hardware", "h100-80gb"]  # the seed's run trains there (it serves on 8xb200)
 
 
 def _library_stage(config, save_dtype: str):
@@ -81,11 +82,11 @@ def test_bld_stores_the_kept_weights_in_save_dtype(tmp_path):
 
 
 def test_puzzle_plan_disk_refuses_a_run_that_does_not_fit_naming_the_stage_and_axes(capsys):
-    assert main(["plan", str(SUPER_H100), "--gpus", "64", "--disk", "20TB"]) == 0
+    assert main(["plan", str(SUPER_H100), *H100S, "--disk", "20TB"]) == 0
     capsys.readouterr()
-    assert main(["plan", str(SUPER_H100), "--gpus", "64", "--disk", "5TiB"]) == 2
+    assert main(["plan", str(SUPER_H100), *H100S, "--disk", "5TiB"]) == 2
     err = capsys.readouterr().err
-    assert "does not fit: disk: the run writes about 5632.5 GiB, more than the 5120.0 GiB free" in err
+    assert "does not fit: disk: the run writes about 5965.1 GiB, more than the 5120.0 GiB free" in err
     assert "the most is stage library (5066.1 GiB)" in err
     assert "moe 4231.2 GiB (1053 variants over expert_width (7 values) x top_k (4 values))" in err
 

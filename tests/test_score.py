@@ -412,6 +412,43 @@ def test_two_gloo_ranks_give_the_single_process_scores(tmp_path):
                 assert getattr(other, name) == pytest.approx(getattr(score, name), rel=1e-9, abs=1e-12), name
 
 
+def _bf16_worker(rank: int, world: int, port: int, directory: str) -> None:
+    with gloo_rank(rank, world, port):
+        for mode in ("fsdp", "none"):
+            parent = _parent().to(torch.bfloat16)  # its MoE router stays fp32 (puzzle.blocks.moe)
+            # Block 2's variants (a MoE), in bf16 as a bf16 run's library loads them: the router stays fp32.
+            library = {
+                v: m if m is None else m.to(torch.bfloat16)
+                for v, m in _library(parent).items()
+                if v.block_index == 2
+            }
+            scores = score_variants(
+                parent,
+                library,
+                library,
+                _batches(),
+                Path(directory, mode),
+                ScoreSettings(vocab_chunk=16, shard=mode),
+            )
+            records = {f"{v.block_index}:{v.id}": s.to_dict() for v, s in scores.variants.items()}
+            Path(directory, f"{mode}-rank{rank}.json").write_text(json.dumps(records))
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_shard_bf16_moe_variants_whose_router_is_fp32(tmp_path):
+    """A bf16 MoE variant keeps its router in fp32; FSDP2 wants one dtype over a unit's trainable parameters,
+    so scored variants (never trained) are sharded without gradients: FSDP scores equal replicated ones."""
+    spawn_ranks(_bf16_worker, str(tmp_path))
+    sharded, replicated = (
+        json.loads((tmp_path / f"{mode}-rank0.json").read_text()) for mode in ("fsdp", "none")
+    )
+    assert any(":moe:" in name for name in sharded) and sharded.keys() == replicated.keys()
+    for name, record in sharded.items():
+        assert record["tokens"] == replicated[name]["tokens"] > 0
+        for key in ("kl", "lm_loss_delta", "hidden_nmse", "top1", "top5"):
+            assert record[key] == pytest.approx(replicated[name][key], rel=1e-6, abs=1e-9), (name, key)
+
+
 def test_an_unknown_shard_mode_is_an_error_naming_it():
     with pytest.raises(
         ValueError, match=r"ScoreSettings\.shard must be 'fsdp', 'hsdp' or 'none', found 'ddp'"

@@ -523,7 +523,7 @@ def _run_search(args: argparse.Namespace, config: Any) -> _RunSearch:
     )
     mixed = args.mixed_state_sizes
     return _RunSearch(
-        cost_model=CostModel(name, memory_fraction, recipe, scenarios),
+        cost_model=CostModel(name, memory_fraction, recipe, scenarios, hardware.price_as),
         objective=settings.objective if args.objective is None else args.objective,
         keep_blocks=tuple(args.keep_block) or settings.keep_blocks,
         same_attributes=tuple(args.same) or settings.same_attributes,

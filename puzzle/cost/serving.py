@@ -11,6 +11,7 @@ import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from puzzle.cost.analytic import get_recipe
@@ -32,12 +33,17 @@ class CostModel:
     `recipe`: Weight storage for weight_bytes budgets (bf16, fp8, nvfp4, ...).
     `scenarios`: Serving scenarios by name: batch_size, prompt_tokens, generated_tokens and dtypes (see
     Scenario).
+    `price_as`: A model whose shapes price the budgets in place of the parent's: a checkpoint folder or its
+    config.json (null: the parent). Each variant is priced as the same change to that model's block
+    (`puzzle.search.price_as`): a small parent with a full-size model's block pattern is searched under the
+    full-size costs, to rehearse a full-size run.
     """
 
     profile: str | HardwareProfile = DEFAULT_HARDWARE
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
     recipe: str = "bf16"
     scenarios: dict[str, Scenario] = field(default_factory=dict)
+    price_as: Path | None = None
 
     def __post_init__(self) -> None:
         # Messages name the field as `CostModel.FIELD`, which the config loader turns into `hardware.FIELD`.
@@ -65,6 +71,12 @@ class CostModel:
                 )
             named[name] = scenario if scenario.name == name else dataclasses.replace(scenario, name=name)
         object.__setattr__(self, "scenarios", named)
+        if self.price_as is not None:
+            if not isinstance(self.price_as, (str, Path)) or not str(self.price_as).strip():
+                raise BudgetError(
+                    f"CostModel.price_as must be a checkpoint folder or a config.json path, found {self.price_as!r}"
+                )
+            object.__setattr__(self, "price_as", Path(self.price_as).expanduser())
 
 
 # ---------------------------------------------------------------------------------------------- scenarios

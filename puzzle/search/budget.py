@@ -66,6 +66,7 @@ from puzzle.cost.roofline import LatencyFn, RooflineLatency
 # The cost model and the scenario grammar live in puzzle.cost.serving; named here for the budget's callers.
 from puzzle.cost.serving import SCENARIO_FIELDS, SCENARIO_SYNTAX, CostModel, parse_scenario  # noqa: F401
 from puzzle.search.kinds import search_attributes
+from puzzle.search.price_as import priced_model, priced_variants
 from puzzle.search.types import Choice, Rules, SearchError, Table
 from puzzle.spec import BlockSpec, ModelSpec
 
@@ -469,12 +470,16 @@ def priced_table(
     maximize: bool = False,
     objective_name: str = "score",
     attributes: Callable[[BlockSpec], Mapping[str, Hashable]] | None = None,
+    named: Sequence[Sequence[BlockSpec]] | None = None,
 ) -> tuple[Table, list[tuple[Term, Bound]]]:
     """The search table of `variants[i]` (block i's candidates, the parent's block first) scored by
     `scores[i][j]`, with one cost column per term's row and scenario, and the limit each bounded term makes
-    (in the order of `terms`). Every cost comes from the variant's spec through `puzzle.cost`; the rules'
-    attributes from `attributes(spec)` (default `search_attributes`)."""
+    (in the order of `terms`). Every cost comes from the variant's spec through `puzzle.cost`; the choices'
+    names and the rules' attributes (`attributes(spec)`, default `search_attributes`) from `named[i][j]`
+    (default `variants`: with `CostModel.price_as`, the run's own variants, priced as their full-size
+    shapes in `variants`)."""
     attributes = attributes or search_attributes
+    named = variants if named is None else named
     _check_candidates(parent, variants, scores)
     per_block: dict[str, Callable[[BlockSpec], float]] = {}
     fixed: dict[str, float] = {}
@@ -494,17 +499,17 @@ def priced_table(
     for index, (candidates, block_scores) in enumerate(zip(variants, scores)):
         choices = []
         seen: dict[str, int] = {}
-        for spec, score in zip(candidates, block_scores):
+        for spec, own, score in zip(candidates, named[index], block_scores):
             costs = {}
             for column, cost in per_block.items():
                 if (column, spec) not in cache:
                     cache[(column, spec)] = float(cost(spec))
                 costs[column] = cache[(column, spec)]
-            name = spec.short_name()
+            name = own.short_name()
             seen[name] = seen.get(name, 0) + 1
             if seen[name] > 1:
                 name = f"{name}#{seen[name]}"
-            choices.append(Choice(name, float(score), costs, dict(attributes(spec))))
+            choices.append(Choice(name, float(score), costs, dict(attributes(own))))
         blocks[f"block_{index}"] = choices
     table = Table.from_choices(blocks, fixed, maximize, objective_name)
     return table, limits
@@ -664,14 +669,15 @@ def deployment_problem(
     pricing = cost_model_pricing(parent, budget.cost_model, latency_fn)
     terms = [Term(key) for key in reported] + budget.terms()
     table, bounded = priced_table(
-        parent,
-        variants,
+        pricing.parent,
+        priced_variants(parent, variants, pricing.parent),  # `variants` themselves without price_as
         scores,
         terms,
         pricing,
         maximize=maximize,
         objective_name=objective_name,
         attributes=attributes,
+        named=variants,
     )
     sources = {str(made): term.source for term, made in bounded}
     return DeploymentProblem(table, [made for _, made in bounded], budget.rules, sources)
@@ -680,8 +686,10 @@ def deployment_problem(
 def cost_model_pricing(
     parent: ModelSpec, cost_model: CostModel, latency_fn: LatencyFn | None = None
 ) -> _Pricing:
-    """How `cost_model` prices budgets on `parent` (its hardware looked up only when a budget needs it)."""
-    return _Pricing(parent, cost_model.recipe, cost_model.memory_fraction, cost_model.profile, latency_fn)
+    """How `cost_model` prices budgets on `parent`, or on its `price_as` model when it names one (its
+    hardware looked up only when a budget needs it)."""
+    model = priced_model(parent, cost_model)
+    return _Pricing(model, cost_model.recipe, cost_model.memory_fraction, cost_model.profile, latency_fn)
 
 
 def choices_to_spec(
