@@ -18,10 +18,12 @@ from typing import Any
 
 from puzzle.card import model_card
 from puzzle.files import CARD_FILE, card_owner
+from puzzle.kv_cache import kv_scales
 from puzzle.model import HybridLM
 from puzzle.nemotron_h.checkpoint import EXPORT_RECORD, exported_formats, save_pretrained
 from puzzle.nemotron_h.config import CheckpointError, config_from_spec
 from puzzle.nemotron_h.engines import SERVING_ENGINES, engine_problems, engine_support
+from puzzle.nemotron_h.kv_export import kv_model_type
 from puzzle.nemotron_h.weights import DEFAULT_MAX_SHARD_BYTES
 from puzzle.search.types import Solution
 from puzzle.spec import with_weight_formats
@@ -57,7 +59,7 @@ def export_config(
 ) -> dict[str, Any]:
     """The config.json `export` writes for `child` (no weights read: works for a model on the meta device);
     `formats` {block index: format}: the blocks' stored formats (None: their specs')."""
-    model_type = _model_type(child, format, engines)
+    model_type = kv_model_type(child, _model_type(child, format, engines))
     stored = child.spec if formats is None else with_weight_formats(child.spec, formats)
     return config_from_spec(
         stored, child.source_config, dtype=child.embeddings.weight.dtype, model_type=model_type
@@ -87,6 +89,9 @@ def export_record(
     if measured is not None:
         record["measured"] = dict(measured)
     record["spec"] = child.spec.to_dict()
+    scales = kv_scales(child)
+    if scales:  # an fp8 KV cache (`puzzle.kv_cache`): its calibrated scales, by block
+        record["kv_cache"] = {"dtype": "fp8", "scales": {str(i): list(pair) for i, pair in scales.items()}}
     record["engines"] = engine_support(
         child.spec if formats is None else with_weight_formats(child.spec, formats)
     )

@@ -181,7 +181,7 @@ def test_kv_scales_must_fit_the_model():
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     model = calibrated(_parent(), CALIBRATION)
-    path = export(model, tmp_path_factory.mktemp("kv") / "child", format="nemotron_h_puzzle")
+    path = export(model, tmp_path_factory.mktemp("kv") / "child")  # "auto": the remote-code type
     return model, path
 
 
@@ -280,3 +280,52 @@ def test_the_remote_code_applies_the_scales(exported):
         unquantized = plain(HELD_OUT[0]).logits
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
     assert (got - unquantized).abs().max() > 1e-4
+
+
+def test_a_kv_fp8_child_exports_as_the_remote_code_type_and_records_its_scales(tmp_path):
+    """Plain transformers' NemotronHForCausalLM loads a checkpoint's k_scale / v_scale as unexpected keys
+    and runs an unquantized cache, so a KV-fp8 child of a shape it could hold is still written
+    nemotron_h_puzzle, and format="nemotron_h" is refused."""
+    same_heads = ModelSpec(
+        vocab_size=48, hidden_size=16, blocks=(SPEC.blocks[0], SPEC.blocks[1], SPEC.blocks[1])
+    )
+    torch.manual_seed(0)
+    plain = HybridLM(same_heads).eval()
+    assert (
+        json.loads((export(plain, tmp_path / "plain") / "config.json").read_text())["model_type"]
+        == "nemotron_h"
+    )
+    model = calibrated(copy.deepcopy(plain), CALIBRATION)
+    path = export(model, tmp_path / "kv")
+    assert json.loads((path / "config.json").read_text())["model_type"] == "nemotron_h_puzzle"
+    record = json.loads((path / "puzzle.json").read_text())["kv_cache"]
+    assert record == {"dtype": "fp8", "scales": {str(i): list(pair) for i, pair in kv_scales(model).items()}}
+    with pytest.raises(CheckpointError, match="plain nemotron_h config"):
+        export(model, tmp_path / "refused", format="nemotron_h")
+
+
+def test_vllm_gives_each_attention_layer_of_a_75b_shaped_child_its_own_scales():
+    """The Puzzle-75B-A9B-like child (meta weights: no memory), each attention layer given scales of its own:
+    the config.json and scale tensors an export writes, replayed through vLLM's loading."""
+    from puzzle.export import export_config
+    from puzzle.nemotron_h import quantized
+    from puzzle.nemotron_h.kv_export import scale_tensors, with_kv_cache_scheme
+    from puzzle.presets import puzzle_75b_a9b_like
+
+    with torch.device("meta"):
+        child = HybridLM(puzzle_75b_a9b_like())
+    attention = [i for i, block in enumerate(child.spec.blocks) if block.kind == "attention"]
+    set_kv_scales(child, {i: (0.01 * (n + 1), 0.002 * (n + 1)) for n, i in enumerate(attention)})
+    config = export_config(child)
+    assert config["model_type"] == "nemotron_h_puzzle"
+    config["quantization_config"] = with_kv_cache_scheme(
+        quantized.quantization_config(quantized.QuantPlan({}, {}))
+    )
+    tensors = {name: float(t) for name, t in scale_tensors(child).items()}
+    replayed = load_kv_scales(config, tensors)
+    assert replayed.unexpected == []
+    want = {f"model.layers.{i}.mixer.attn": kv_scales(child)[i] for i in attention}
+    assert replayed.scales == want and len(want) == len(attention) > 0
+    print(
+        f"\n75B-shaped child: {len(attention)} attention layers {attention}, each with its own k/v scales in vLLM"
+    )

@@ -179,6 +179,26 @@ class ImportanceConfig:
 
 
 @dataclass(frozen=True)
+class KVCacheConfig:
+    """The KV cache the children are served with (`puzzle.kv_cache`), as the cost model's `kv_dtype` prices it."""
+
+    dtype: Literal["bf16", "fp8"] = field(
+        default="bf16",
+        metadata=doc(
+            "bf16: the model's own dtype. fp8: per attention layer, static k and v scales (amax / 448 of its "
+            "keys and values on calibration tokens of the train split) calibrated on each child; its measured "
+            "KL, GKD and export run with keys and values fake-quantized to fp8 E4M3, and the export carries "
+            "compressed-tensors' kv_cache_scheme and the scales, which vLLM loads (serve it with "
+            "--kv-cache-dtype fp8)."
+        ),
+    )
+    tokens: int = field(default=65_536, metadata=doc("Calibration tokens for the KV scales."))
+
+    def __post_init__(self) -> None:
+        _at_least(self, "tokens", 1)
+
+
+@dataclass(frozen=True)
 class SearchConfig:
     """The architecture search: budgets (or a sweep of one budget), the score to optimise, rules, solver."""
 
@@ -372,6 +392,10 @@ class RunConfig:
     )
     rounds: RoundsConfig = field(default_factory=RoundsConfig, metadata=doc("Iterative Puzzle rounds."))
     hardware: CostModel = field(default_factory=CostModel, metadata=doc("Serving hardware and scenarios."))
+    kv_cache: KVCacheConfig = field(
+        default_factory=KVCacheConfig,
+        metadata=doc("The children's served KV cache (fp8: calibrated scales)."),
+    )
     seed: int = field(
         default=0,
         metadata=doc(

@@ -350,7 +350,7 @@ def save_pretrained(
         raise CheckpointError(f"cannot save a model with tensors on the meta device (e.g. {meta[0]!r})")
     options: dict[str, Any] = {
         "overwrite": overwrite,
-        "model_type": model_type,
+        "model_type": kv_export.kv_model_type(model, model_type),
         "aux_source": aux_source,
         "extra_files": extra_files,
     }

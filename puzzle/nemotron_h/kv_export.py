@@ -61,6 +61,21 @@ def scale_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def kv_model_type(model: nn.Module, model_type: str) -> str:
+    """The model_type a save writes for `model`: a KV-fp8 model's "auto" is "nemotron_h_puzzle", whose
+    remote code applies the scales; plain transformers' NemotronHForCausalLM would load and ignore them (its
+    attention is no module compressed-tensors hooks, and it has no k_scale / v_scale), so "nemotron_h" is
+    refused (CheckpointError). Any other model keeps `model_type`."""
+    if not kv_scales(model):
+        return model_type
+    if model_type == "nemotron_h":
+        raise CheckpointError(
+            "a model with an fp8 KV cache cannot be written as a plain nemotron_h config: transformers' "
+            "NemotronHForCausalLM would ignore its k_scale / v_scale; write nemotron_h_puzzle (or 'auto')"
+        )
+    return "nemotron_h_puzzle"
+
+
 def with_kv_cache_scheme(quantization_config: Mapping[str, Any]) -> dict[str, Any]:
     """A compressed-tensors `quantization_config` with the fp8 `kv_cache_scheme` added."""
     return {**quantization_config, "kv_cache_scheme": dict(KV_CACHE_SCHEME)}
@@ -122,6 +137,7 @@ def read_scales(
 __all__ = [
     "KV_CACHE_SCHEME",
     "check_kv_cache_scheme",
+    "kv_model_type",
     "read_scales",
     "scale_names",
     "scale_tensors",
