@@ -16,7 +16,10 @@ only the window for an attention block with a `sliding_window`, a `DummyLayer` f
 each new token costs one step, not a re-run of the sequence; `use_cache=False` re-runs the whole sequence
 per token (same tokens, O(n^2)). A forward call keeps a cache when given one or `use_cache=True`. Not
 supported: padding (an `attention_mask` must be all ones), fused kernels. Mamba-2 runs as a chunked scan
-in fp32 (a one-token step in its recurrent form), the router in fp32.
+in fp32 (a one-token step in its recurrent form), the router in fp32. A checkpoint whose
+`quantization_config` has a `kv_cache_scheme` (an fp8 KV cache, puzzle's `kv_cache`) gives each attention
+block fp32 `k_scale` / `v_scale`, and its keys and values are stored as fp8 E4M3 with them and read back
+before the cache and the attention, as vLLM's fp8 cache holds them.
 Tested with transformers 5.24 and torch 2.13 (`puzzle`'s tests/test_remote_code.py).
 """
 
