@@ -177,6 +177,9 @@ def test_an_fp8_kv_cache_measures_and_exports_calibrated_children(finished, tmp_
     plain = copy.deepcopy(child)
     set_kv_scales(plain, None)
     assert kv_scales(child) and measured != bf16
+    print(
+        f"\nmeasured KL of {name}: bf16 KV cache {bf16:.6g}, fp8 KV cache {measured:.6g}; scales {kv_scales(child)}"
+    )
     assert measured == pytest.approx(
         measured_kl(child, run.parent(), run.held_out_batches(), 16)["kl"], rel=1e-6
     )
