@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 import puzzle
 from puzzle.assemble import measured_kl
 from puzzle.cli import main
-from puzzle.config import load_config
+from puzzle.config import ConfigError, load_config
 from puzzle.gkd import load_distilled
 from puzzle.layout import STAGES
 from puzzle.nemotron_h.checkpoint import load
@@ -166,10 +166,14 @@ def test_an_fp8_kv_cache_measures_and_exports_calibrated_children(finished, tmp_
         "kl"
     ]
     data["kv_cache"] = {"dtype": "fp8", "tokens": 256}
+    with pytest.raises(ConfigError, match="prices the KV cache in bf16"):  # the search must price it
+        load_config(write_config(tmp_path / "mismatch.yaml", data))
+    data["hardware"]["scenarios"]["chat"]["kv_dtype"] = "fp8"
     config = write_config(tmp_path / "run.yaml", data)
     assert _run(config) == 0
     statuses = _statuses(copied)
-    assert [statuses[s] for s in STAGES] == ["reused"] * 4 + ["done"] * 3
+    # The scenario's KV in fp8 changes its costs: the search solves again, on the same library and scores.
+    assert [statuses[s] for s in STAGES] == ["reused"] * 3 + ["done"] * 4
     run = Run.from_config(config)
     child = run.child(name)
     manifest = json.loads((copied / "run.json").read_text())["stages"]

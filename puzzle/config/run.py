@@ -189,7 +189,7 @@ class KVCacheConfig:
             "keys and values on calibration tokens of the train split) calibrated on each child; its measured "
             "KL, GKD and export run with keys and values fake-quantized to fp8 E4M3, and the export carries "
             "compressed-tensors' kv_cache_scheme and the scales, which vLLM loads (serve it with "
-            "--kv-cache-dtype fp8)."
+            "--kv-cache-dtype fp8). Every hardware scenario must then price its KV cache in fp8 (kv_dtype: fp8)."
         ),
     )
     tokens: int = field(default=65_536, metadata=doc("Calibration tokens for the KV scales."))
@@ -429,6 +429,14 @@ class RunConfig:
                 "rounds.budgets",
                 "search.budgets",
             )
+        if self.kv_cache.dtype == "fp8":  # the children are served so: the search must price their KV so too
+            for name, scenario in self.hardware.scenarios.items():
+                if scenario.kv_dtype != "fp8":
+                    raise ConfigError(
+                        f"kv_cache.dtype is fp8 but scenario {name!r} prices the KV cache in {scenario.kv_dtype}; "
+                        "set its kv_dtype: fp8",
+                        f"hardware.scenarios.{name}.kv_dtype",
+                    )
         # Every budget is read here, once: the search takes these objects (`round_limits`).
         solves = [self._read_solves(r) for r in range(rounds.count)]
         object.__setattr__(self, "_solves", tuple(solves))
