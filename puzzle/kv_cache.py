@@ -28,7 +28,6 @@ import torch
 from torch import nn
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-KV_DTYPES = ("bf16", "fp8")  # what `kv_cache.dtype` of a run config names; bf16: the model's own dtype
 
 
 class KVCacheError(ValueError):
@@ -48,7 +47,7 @@ def quantize_kv_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return quantized
 
 
-def attention_mixers(model: nn.Module) -> dict[int, nn.Module]:
+def _attention_mixers(model: nn.Module) -> dict[int, nn.Module]:
     """{block index: its AttentionMixer} of a HybridLM (blocks whose mixer has `kv_scales`)."""
     return {
         index: block.mixer for index, block in enumerate(model.layers) if hasattr(block.mixer, "kv_scales")
@@ -58,7 +57,7 @@ def attention_mixers(model: nn.Module) -> dict[int, nn.Module]:
 def kv_scales(model: nn.Module) -> dict[int, tuple[float, float]]:
     """{attention block index: (k_scale, v_scale)} the model's KV cache is quantized with; {} for none."""
     out = {}
-    for index, mixer in attention_mixers(model).items():
+    for index, mixer in _attention_mixers(model).items():
         if mixer.kv_scales is not None:
             k, v = mixer.kv_scales.tolist()
             out[index] = (k, v)
@@ -70,7 +69,7 @@ def set_kv_scales(model: nn.Module, scales: Mapping[int, tuple[float, float]] | 
 
     Every attention block needs its scales (a served fp8 cache quantizes every layer): KVCacheError for a
     missing one, an index that is no attention block, or a scale that is not positive and finite."""
-    mixers = attention_mixers(model)
+    mixers = _attention_mixers(model)
     scales = dict(scales or {})
     if scales:
         strays = sorted(set(scales) - set(mixers))
@@ -105,7 +104,7 @@ class _AmaxObserver:
         self.amax = torch.maximum(self.amax, seen.double())
 
 
-def scales_from_amax(amax_k: float, amax_v: float) -> tuple[float, float]:
+def _scales_from_amax(amax_k: float, amax_v: float) -> tuple[float, float]:
     """(k_scale, v_scale) = amax / 448, with 1.0 for an amax of 0 (all-zero keys or values)."""
     return tuple(a / FP8_MAX if a > 0 else 1.0 for a in (amax_k, amax_v))  # type: ignore[return-value]
 
@@ -113,9 +112,9 @@ def scales_from_amax(amax_k: float, amax_v: float) -> tuple[float, float]:
 @torch.no_grad()
 def calibrate_kv_scales(model: nn.Module, batches: Iterable[torch.Tensor]) -> dict[int, tuple[float, float]]:
     """{attention block index: (k_scale, v_scale)} from a forward of `model` over `batches` (token ids
-    [b, t]): ``amax / 448`` of each layer's keys and values (`scales_from_amax`). The model runs with its
+    [b, t]): ``amax / 448`` of each layer's keys and values (1.0 where it is 0). The model runs with its
     KV cache unquantized during calibration (any scales it had are restored afterwards)."""
-    mixers = attention_mixers(model)
+    mixers = _attention_mixers(model)
     observers = {index: _AmaxObserver() for index in mixers}
     saved = {index: mixer.kv_scales for index, mixer in mixers.items()}
     try:
@@ -130,7 +129,7 @@ def calibrate_kv_scales(model: nn.Module, batches: Iterable[torch.Tensor]) -> di
     finally:
         for index, mixer in mixers.items():
             mixer.kv_scales, mixer.kv_observer = saved[index], None
-    return {index: scales_from_amax(*observer.amax.tolist()) for index, observer in observers.items()}
+    return {index: _scales_from_amax(*observer.amax.tolist()) for index, observer in observers.items()}
 
 
 def calibrated(model: nn.Module, batches: Iterable[torch.Tensor]) -> nn.Module:
@@ -141,12 +140,9 @@ def calibrated(model: nn.Module, batches: Iterable[torch.Tensor]) -> nn.Module:
 __all__ = [
     "FP8_MAX",
     "KVCacheError",
-    "KV_DTYPES",
-    "attention_mixers",
     "calibrate_kv_scales",
     "calibrated",
     "kv_scales",
     "quantize_kv_fp8",
-    "scales_from_amax",
     "set_kv_scales",
 ]
