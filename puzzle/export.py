@@ -23,7 +23,7 @@ from puzzle.model import HybridLM
 from puzzle.nemotron_h.checkpoint import EXPORT_RECORD, exported_formats, save_pretrained
 from puzzle.nemotron_h.config import CheckpointError, config_from_spec
 from puzzle.nemotron_h.engines import SERVING_ENGINES, engine_problems, engine_support
-from puzzle.nemotron_h.kv_export import kv_model_type
+from puzzle.nemotron_h.kv_export import kv_engine_problems, kv_model_type
 from puzzle.nemotron_h.weights import DEFAULT_MAX_SHARD_BYTES
 from puzzle.search.types import Solution
 from puzzle.spec import with_weight_formats
@@ -40,7 +40,14 @@ def _model_type(child: HybridLM, format: str, engines: Iterable[str]) -> str:
     if format not in FORMATS:
         raise ExportError(f"unknown export format {format!r}; choose one of {list(FORMATS)}")
     if format == "engine":
-        problems = engine_problems(child.spec, engines)
+        engines = tuple(engines)
+        problems = [str(problem) for problem in engine_problems(child.spec, engines)]
+        problems += [  # an fp8 KV cache an engine would not serve with its scales
+            f"{engine}: {reason}"
+            for engine, reasons in kv_engine_problems(child).items()
+            if engine in engines
+            for reason in reasons
+        ]
         if problems:
             listed = "\n  ".join(str(problem) for problem in problems)
             raise ExportError(
@@ -95,6 +102,8 @@ def export_record(
     record["engines"] = engine_support(
         child.spec if formats is None else with_weight_formats(child.spec, formats)
     )
+    for engine, reasons in kv_engine_problems(child).items():
+        record["engines"][engine] = [*record["engines"][engine], *reasons]
     if "mtp" not in record:
         record["mtp"] = {
             "handling": "not assembled by puzzle: extra tensors carried as loaded",

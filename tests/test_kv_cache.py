@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 import puzzle
 from puzzle.compare import compare_models
-from puzzle.export import export
+from puzzle.export import ExportError, export
 from puzzle.kv_cache import (
     FP8_MAX,
     KVCacheError,
@@ -302,6 +302,15 @@ def test_a_kv_fp8_child_exports_as_the_remote_code_type_and_records_its_scales(t
     assert record == {"dtype": "fp8", "scales": {str(i): list(pair) for i, pair in kv_scales(model).items()}}
     with pytest.raises(CheckpointError, match="plain nemotron_h config"):
         export(model, tmp_path / "refused", format="nemotron_h")
+    # Who serves the scales: vLLM (replayed) and SGLang read them; the others are named with their reason.
+    engines = json.loads((path / "puzzle.json").read_text())["engines"]
+    plain_engines = json.loads((tmp_path / "plain" / "puzzle.json").read_text())["engines"]
+    changed = {engine for engine in engines if engines[engine] != plain_engines[engine]}
+    assert changed == {"llama.cpp", "transformers", "trtllm"}
+    assert any("hf_quant_config.json" in reason for reason in engines["trtllm"])
+    with pytest.raises(ExportError, match=r"llama.cpp: an fp8 KV cache"):
+        export(model, tmp_path / "engine", format="engine")
+    assert export(model, tmp_path / "vllm", format="engine", engines=("vllm",)).is_dir()
 
 
 def test_vllm_gives_each_attention_layer_of_a_75b_shaped_child_its_own_scales():

@@ -76,6 +76,27 @@ def kv_model_type(model: nn.Module, model_type: str) -> str:
     return "nemotron_h_puzzle"
 
 
+# What each engine of `puzzle.nemotron_h.engines.ENGINES` does with these scales, where it does not serve them.
+# vLLM: `puzzle.nemotron_h.vllm_kv_replay`. SGLang (models/nemotron_h.py 02c60328, `load_weights`: `backbone.` ->
+# `model.`, `maybe_remap_kv_scale_name` for a `*_scale` it has no parameter for, onto RadixAttention's
+# `attn.k_scale`) reads them by the same names; not replayed here.
+KV_ENGINE_PROBLEMS = {
+    "llama.cpp": "an fp8 KV cache with per-layer scales: llama.cpp's cache types (f16, q8_0, q4_0, ...) take "
+    "no scales; export the child without them for llama.cpp",
+    "transformers": "an fp8 KV cache: plain NemotronHForCausalLM loads k_scale / v_scale as unexpected keys and "
+    "runs an unquantized cache, so the export is nemotron_h_puzzle (trust_remote_code applies them)",
+    "trtllm": "an fp8 KV cache: TensorRT-LLM takes KV cache quantization from ModelOpt's hf_quant_config.json "
+    "(kv_cache_quant_algo), not compressed-tensors' kv_cache_scheme",
+}
+
+
+def kv_engine_problems(model: nn.Module) -> dict[str, list[str]]:
+    """{engine: [why it does not serve `model`'s fp8 KV cache as puzzle computes it]} ({} without one)."""
+    if not kv_scales(model):
+        return {}
+    return {engine: [reason] for engine, reason in KV_ENGINE_PROBLEMS.items()}
+
+
 def with_kv_cache_scheme(quantization_config: Mapping[str, Any]) -> dict[str, Any]:
     """A compressed-tensors `quantization_config` with the fp8 `kv_cache_scheme` added."""
     return {**quantization_config, "kv_cache_scheme": dict(KV_CACHE_SCHEME)}
@@ -136,7 +157,9 @@ def read_scales(
 
 __all__ = [
     "KV_CACHE_SCHEME",
+    "KV_ENGINE_PROBLEMS",
     "check_kv_cache_scheme",
+    "kv_engine_problems",
     "kv_model_type",
     "read_scales",
     "scale_names",
