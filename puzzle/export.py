@@ -18,10 +18,12 @@ from typing import Any
 
 from puzzle.card import model_card
 from puzzle.files import CARD_FILE, card_owner
+from puzzle.kv_cache import kv_scales
 from puzzle.model import HybridLM
 from puzzle.nemotron_h.checkpoint import EXPORT_RECORD, exported_formats, save_pretrained
 from puzzle.nemotron_h.config import CheckpointError, config_from_spec
 from puzzle.nemotron_h.engines import SERVING_ENGINES, engine_problems, engine_support
+from puzzle.nemotron_h.kv_export import kv_engine_problems, kv_model_type
 from puzzle.nemotron_h.weights import DEFAULT_MAX_SHARD_BYTES
 from puzzle.search.types import Solution
 from puzzle.spec import with_weight_formats
@@ -38,7 +40,14 @@ def _model_type(child: HybridLM, format: str, engines: Iterable[str]) -> str:
     if format not in FORMATS:
         raise ExportError(f"unknown export format {format!r}; choose one of {list(FORMATS)}")
     if format == "engine":
-        problems = engine_problems(child.spec, engines)
+        engines = tuple(engines)
+        problems = [str(problem) for problem in engine_problems(child.spec, engines)]
+        problems += [  # an fp8 KV cache an engine would not serve with its scales
+            f"{engine}: {reason}"
+            for engine, reasons in kv_engine_problems(child).items()
+            if engine in engines
+            for reason in reasons
+        ]
         if problems:
             listed = "\n  ".join(str(problem) for problem in problems)
             raise ExportError(
@@ -57,7 +66,7 @@ def export_config(
 ) -> dict[str, Any]:
     """The config.json `export` writes for `child` (no weights read: works for a model on the meta device);
     `formats` {block index: format}: the blocks' stored formats (None: their specs')."""
-    model_type = _model_type(child, format, engines)
+    model_type = kv_model_type(child, _model_type(child, format, engines))
     stored = child.spec if formats is None else with_weight_formats(child.spec, formats)
     return config_from_spec(
         stored, child.source_config, dtype=child.embeddings.weight.dtype, model_type=model_type
@@ -87,9 +96,14 @@ def export_record(
     if measured is not None:
         record["measured"] = dict(measured)
     record["spec"] = child.spec.to_dict()
+    scales = kv_scales(child)
+    if scales:  # an fp8 KV cache (`puzzle.kv_cache`): its calibrated scales, by block
+        record["kv_cache"] = {"dtype": "fp8", "scales": {str(i): list(pair) for i, pair in scales.items()}}
     record["engines"] = engine_support(
         child.spec if formats is None else with_weight_formats(child.spec, formats)
     )
+    for engine, reasons in kv_engine_problems(child).items():
+        record["engines"][engine] = [*record["engines"][engine], *reasons]
     if "mtp" not in record:
         record["mtp"] = {
             "handling": "not assembled by puzzle: extra tensors carried as loaded",

@@ -90,6 +90,7 @@ from puzzle.artifacts import (
     json_writer,
 )
 from puzzle.data import BatchStream, DataError, TokenSplit
+from puzzle.kv_cache import kv_scales
 from puzzle.logits import (
     KL_SUM,
     NLL_SUM,
@@ -794,6 +795,8 @@ def distill(
         "held_out": fingerprint_tensors(held),
         "settings": fingerprint_json(settings.to_dict()),
     }
+    if kv_scales(student):  # a student with an fp8 KV cache trains another forward (`puzzle.kv_cache`)
+        inputs["student_kv_scales"] = fingerprint_json({str(i): p for i, p in kv_scales(student).items()})
     artifact = Artifact(directory, ARTIFACT_NAME, FORMAT_VERSION)
     if artifact.load_if_current(inputs) is not None:
         _load_file(student, artifact.path(WEIGHTS_FILE))

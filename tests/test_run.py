@@ -20,8 +20,9 @@ from run_helpers import config_dict, make_inputs, write_config
 from safetensors.torch import load_file
 
 import puzzle
+from puzzle.assemble import measured_kl
 from puzzle.cli import main
-from puzzle.config import load_config
+from puzzle.config import ConfigError, load_config
 from puzzle.gkd import load_distilled
 from puzzle.layout import STAGES
 from puzzle.nemotron_h.checkpoint import load
@@ -145,6 +146,51 @@ def test_a_new_budget_resolves_without_retraining(finished, tmp_path):
 
     report = write_report(copied).read_text()
     assert "active_params-le-0.7x" in report and "active_params-le-0.8x" not in report
+
+
+def test_an_fp8_kv_cache_measures_and_exports_calibrated_children(finished, tmp_path):
+    """kv_cache.dtype fp8: the library and scores stand; each child is measured, distilled and exported with
+    its KV cache fake-quantized under scales calibrated on its own keys and values (the distilled child's
+    for the export, which carries them for vLLM)."""
+    from puzzle.kv_cache import calibrate_kv_scales, kv_scales, set_kv_scales
+
+    run_dir, _ = finished
+    copied = tmp_path / "run"
+    shutil.copytree(run_dir, copied)
+    data = config_dict(run_dir.parent, run_dir=str(copied))
+    data["search"]["budgets"] = ["active_params<=0.97x"]  # a child that keeps its attention block
+    config = write_config(tmp_path / "bf16.yaml", data)
+    assert _run(config) == 0
+    (name,) = [p.stem for p in (copied / "solutions").glob("*.json") if "0.97x" in p.stem]
+    bf16 = json.loads((copied / "run.json").read_text())["stages"]["assemble"]["outputs"][name]["measured"][
+        "kl"
+    ]
+    data["kv_cache"] = {"dtype": "fp8", "tokens": 256}
+    with pytest.raises(ConfigError, match="prices the KV cache in bf16"):  # the search must price it
+        load_config(write_config(tmp_path / "mismatch.yaml", data))
+    data["hardware"]["scenarios"]["chat"]["kv_dtype"] = "fp8"
+    config = write_config(tmp_path / "run.yaml", data)
+    assert _run(config) == 0
+    statuses = _statuses(copied)
+    # The scenario's KV in fp8 changes its costs: the search solves again, on the same library and scores.
+    assert [statuses[s] for s in STAGES] == ["reused"] * 3 + ["done"] * 4
+    run = Run.from_config(config)
+    child = run.child(name)
+    manifest = json.loads((copied / "run.json").read_text())["stages"]
+    measured = manifest["assemble"]["outputs"][name]["measured"]["kl"]
+    plain = copy.deepcopy(child)
+    set_kv_scales(plain, None)
+    assert kv_scales(child) and measured != bf16
+    print(
+        f"\nmeasured KL of {name}: bf16 KV cache {bf16:.6g}, fp8 KV cache {measured:.6g}; scales {kv_scales(child)}"
+    )
+    assert measured == pytest.approx(
+        measured_kl(child, run.parent(), run.held_out_batches(), 16)["kl"], rel=1e-6
+    )
+    distilled = load_distilled(copied / "children" / name, plain)
+    want = calibrate_kv_scales(distilled, run.calibration_batches(256, data["importance"]["batch_size"]))
+    exported = puzzle.load(copied / "exports" / name)
+    assert kv_scales(exported) == {i: tuple(torch.tensor(p).tolist()) for i, p in want.items()}
 
 
 def _counts(directory: Path, pid: int) -> dict[str, int]:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from puzzle.blocks.tensors import TensorInfo, linear_tensors
+from puzzle.kv_cache import quantize_kv_fp8
 from puzzle.spec import AttentionSpec, SpecError
 
 # `enable_gqa` lets SDPA read each KV head for its group of query heads without materialising copies.
@@ -155,7 +156,14 @@ class AttentionMixer(nn.Module):
     NoPE by default, as Nemotron-H; RoPE on the first `rotary_fraction` of each head when
     `spec.rope_theta` is set, positions counted from the cache length. With `spec.window` W a query
     sees the last W tokens (its own included) and the cache keeps only those. `norm_eps` is unused.
+
+    `kv_scales` (fp32 [2]: k_scale, v_scale; None by default): the block's KV cache is fp8 with these static
+    scales (`puzzle.kv_cache`): keys and values are fake-quantized before they are cached or attended to, as
+    a served fp8 cache stores them. `kv_observer` (a callable of k, v): sees them, for calibration.
     """
+
+    kv_scales: torch.Tensor | None = None
+    kv_observer = None
 
     def __init__(self, spec: AttentionSpec, hidden_size: int, norm_eps: float = 1e-5) -> None:
         super().__init__()
@@ -214,6 +222,10 @@ class AttentionMixer(nn.Module):
             positions = torch.arange(position, position + t, device=x.device)
             q = apply_rope(q, positions, spec.rope_theta, self.rotary_dim)
             k = apply_rope(k, positions, spec.rope_theta, self.rotary_dim)
+        if self.kv_observer is not None:
+            self.kv_observer(k, v)
+        if self.kv_scales is not None:  # what the fp8 cache holds (and the kernel reads) in place of k, v
+            k, v = quantize_kv_fp8(k, self.kv_scales[0]), quantize_kv_fp8(v, self.kv_scales[1])
         if cache is not None:
             k, v = cache.append(k, v)
         y = causal_attention(q, k, v, k.shape[2] - t, spec.window)

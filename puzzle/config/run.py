@@ -216,6 +216,26 @@ class RerankConfig:
 
 
 @dataclass(frozen=True)
+class KVCacheConfig:
+    """The KV cache the children are served with (`puzzle.kv_cache`), as the cost model's `kv_dtype` prices it."""
+
+    dtype: Literal["bf16", "fp8"] = field(
+        default="bf16",
+        metadata=doc(
+            "bf16: the model's own dtype. fp8: per attention layer, static k and v scales (amax / 448 of its "
+            "keys and values on calibration tokens of the train split) calibrated on each child; its measured "
+            "KL, GKD and export run with keys and values fake-quantized to fp8 E4M3, and the export carries "
+            "compressed-tensors' kv_cache_scheme and the scales, which vLLM loads (serve it with "
+            "--kv-cache-dtype fp8). Every hardware scenario must then price its KV cache in fp8 (kv_dtype: fp8)."
+        ),
+    )
+    tokens: int = field(default=65_536, metadata=doc("Calibration tokens for the KV scales."))
+
+    def __post_init__(self) -> None:
+        _at_least(self, "tokens", 1)
+
+
+@dataclass(frozen=True)
 class SearchConfig:
     """The architecture search: budgets (or a sweep of one budget), the score to optimise, rules, solver."""
 
@@ -425,6 +445,10 @@ class RunConfig:
     )
     rounds: RoundsConfig = field(default_factory=RoundsConfig, metadata=doc("Iterative Puzzle rounds."))
     hardware: CostModel = field(default_factory=CostModel, metadata=doc("Serving hardware and scenarios."))
+    kv_cache: KVCacheConfig = field(
+        default_factory=KVCacheConfig,
+        metadata=doc("The children's served KV cache (fp8: calibrated scales)."),
+    )
     seed: int = field(
         default=0,
         metadata=doc(
@@ -458,6 +482,14 @@ class RunConfig:
                 "rounds.budgets",
                 "search.budgets",
             )
+        if self.kv_cache.dtype == "fp8":  # the children are served so: the search must price their KV so too
+            for name, scenario in self.hardware.scenarios.items():
+                if scenario.kv_dtype != "fp8":
+                    raise ConfigError(
+                        f"kv_cache.dtype is fp8 but scenario {name!r} prices the KV cache in {scenario.kv_dtype}; "
+                        "set its kv_dtype: fp8",
+                        f"hardware.scenarios.{name}.kv_dtype",
+                    )
         # Every budget is read here, once: the search takes these objects (`round_limits`).
         solves = [self._read_solves(r) for r in range(rounds.count)]
         object.__setattr__(self, "_solves", tuple(solves))

@@ -32,8 +32,9 @@ from puzzle.files import (
     remove_stale_staging,
     swap_directory_into_place,
 )
+from puzzle.kv_cache import KVCacheError, set_kv_scales
 from puzzle.model import HybridLM
-from puzzle.nemotron_h import quantized
+from puzzle.nemotron_h import kv_export, quantized
 from puzzle.nemotron_h.config import (
     CONFIG_NAME,
     CheckpointError,
@@ -154,6 +155,11 @@ def load(
     with contextlib.ExitStack() as stack:
         handles = {file: stack.enter_context(open_safetensors(file)) for file in weight_files(path)}
         sources, extras, prefix = map_checkpoint(handles)
+        sources, kv_sources = kv_export.take_scales(sources)  # an fp8 KV cache's scales: no model tensors
+        if kv_export.check_kv_cache_scheme(config, str(path / CONFIG_NAME)) and not kv_sources:
+            raise CheckpointError(
+                f"{path}: config.json has a kv_cache_scheme but the weights hold no k_scale / v_scale"
+            )
         if quantized_formats is not None:  # puzzle's compressed-tensors export: weights read back dequantized
             sources, spec = quantized.read_back(sources, spec, str(path))
         with torch.device("meta"):
@@ -205,6 +211,12 @@ def load(
                 if tensor.data_ptr() % 64:  # file data sits at any offset; CPU matmuls round by alignment
                     tensor = tensor.clone()
             _assign(model, key, tensor)
+        kv_scales = kv_export.read_scales(handles, kv_sources, str(path)) if kv_sources else {}
+    if kv_scales:
+        try:
+            set_kv_scales(model, kv_scales)
+        except KVCacheError as error:
+            raise CheckpointError(f"{path}: {error}") from None
     if spec.tie_embeddings:
         model.lm_head.weight = model.embeddings.weight
     leftover = [name for name, value in [*model.named_parameters(), *model.named_buffers()] if value.is_meta]
@@ -338,7 +350,7 @@ def save_pretrained(
         raise CheckpointError(f"cannot save a model with tensors on the meta device (e.g. {meta[0]!r})")
     options: dict[str, Any] = {
         "overwrite": overwrite,
-        "model_type": model_type,
+        "model_type": kv_export.kv_model_type(model, model_type),
         "aux_source": aux_source,
         "extra_files": extra_files,
     }
@@ -356,6 +368,11 @@ def save_pretrained(
         weights = functools.partial(
             quantized.stream_quantized, model, max_shard_bytes=max_shard_bytes, quant_plan=quant_plan
         )
+    if kv_export.scale_tensors(model):  # an fp8 KV cache: its scheme, beside the weights' groups if any
+        base = options.get("quantization_config") or quantized.quantization_config(
+            quantized.QuantPlan({}, {})
+        )
+        options["quantization_config"] = kv_export.with_kv_cache_scheme(base)
     written_plain = _quantized_blocks_written_plain(model, formats)
     if written_plain:  # the values those blocks multiply by, so a plain load computes as the model does
         weights = functools.partial(_effective_weights, weights, written_plain)

@@ -49,7 +49,7 @@ from torch import nn
 
 from puzzle.formats import NVFP4_BLOCK, NVFP4_SHARED_SCALE
 from puzzle.nemotron_h.config import CheckpointError
-from puzzle.nemotron_h.stream import Entry, Unit, model_entries, model_units, write_streamed
+from puzzle.nemotron_h.stream import Entry, Unit, model_entries, model_units, saved_extras, write_streamed
 from puzzle.nemotron_h.weights import TensorSource, read_tensor
 from puzzle.quant import (
     QuantError,
@@ -264,7 +264,7 @@ def stream_quantized(
 ) -> list[str]:
     """`puzzle.nemotron_h.stream.stream_weights` with the planned weights stored quantized (same files layout,
     same streaming: one tensor gathered at a time, a block's q/k/v at most held together)."""
-    extras = getattr(model, "extra_tensors", {})
+    extras = saved_extras(model)
     entries = quantized_entries(model_entries(model, extras), quant_plan)
     units = model_units(model, extras, directory is not None)
     if directory is not None:  # other ranks of a sharded save only gather

@@ -30,6 +30,7 @@ from torch import nn
 from puzzle import gathers
 from puzzle.blocks.moe import ExpertBank, expert_banks
 from puzzle.nemotron_h.config import CheckpointError
+from puzzle.nemotron_h.kv_export import scale_tensors
 from puzzle.nemotron_h.weights import (
     INDEX_FILE,
     SAFETENSORS_DTYPES,
@@ -302,6 +303,12 @@ def model_units(
         yield _extra_unit(key, tensor, main)
 
 
+def saved_extras(model: nn.Module) -> dict[str, torch.Tensor | LazyTensor]:
+    """The tensors a save writes after the model's own: its extra tensors (e.g. MTP), then its KV cache
+    scales when its cache is fp8 (`puzzle.nemotron_h.kv_export`)."""
+    return {**getattr(model, "extra_tensors", {}), **scale_tensors(model)}
+
+
 def stream_weights(model: nn.Module, directory: Path | None, max_shard_bytes: int) -> list[str]:
     """Write `model`'s weights (`hub_state`: hub names, experts one by one, extra tensors) into `directory`
     tensor by tensor, byte-identical to `save_file` of each whole shard of `hub_state(model)`; returns the file names.
@@ -310,7 +317,7 @@ def stream_weights(model: nn.Module, directory: Path | None, max_shard_bytes: in
     directory on rank 0 and None on the others, which gather and drop. Peak memory per rank is the largest
     tensor (a bank's `up` or `down`), plus one expert's transposed copy on rank 0.
     """
-    extras = getattr(model, "extra_tensors", {})
+    extras = saved_extras(model)
     entries = model_entries(model, extras)
     return write_streamed(
         entries, model_units(model, extras, directory is not None), directory, max_shard_bytes

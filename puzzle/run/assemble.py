@@ -12,6 +12,7 @@ from typing import Any
 
 from puzzle.artifacts import fingerprint_json
 from puzzle.assemble import measured_kl
+from puzzle.config import to_dict
 from puzzle.run.context import RunContext
 
 # The progress lines of every stage are the run's (`puzzle.run`): users filter on that logger.
@@ -29,11 +30,16 @@ def assembled(run: RunContext, name: str) -> dict[str, Any]:
 
 
 def _inputs(run: RunContext) -> dict[str, Any]:
-    return {
+    inputs = {
         "library": run.record("library")["manifest"],
         "held_out": run.held_out_key(),
         "vocab_chunk": run.config.scoring.vocab_chunk,
     }
+    if (
+        run.config.kv_cache.dtype != "bf16"
+    ):  # the children measured with a quantized cache (bf16 runs keep their keys)
+        inputs["kv_cache"] = to_dict(run.config.kv_cache)
+    return inputs
 
 
 def _measure(run: RunContext, name: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -38,6 +38,7 @@ from puzzle.config import RunConfig, dump_config, load_config_data
 from puzzle.cost.serving import CostModel
 from puzzle.data import TokenData, tokenizer_files
 from puzzle.files import atomic_write_bytes
+from puzzle.kv_cache import calibrated
 from puzzle.layout import STAGES, RunDirError, RunLayout
 from puzzle.ledger import Ledger, RunError, peak_rss_mib
 from puzzle.library import read_library
@@ -464,7 +465,7 @@ class RunContext:
     def child_of(self, data: Mapping[str, Any], sharded: bool | None = None) -> HybridLM:
         """The assembled child of a solution's JSON `data` (as `_child`)."""
         choice = {int(block.rsplit("_", 1)[1]): variant for block, variant in data["choices"].items()}
-        return assemble_child(
+        child = assemble_child(
             choice,
             read_library(self.layout.library),
             self.parent(),
@@ -472,3 +473,20 @@ class RunContext:
             parent_fp=self.parent_fingerprint(),
             shard_child=sharded,
         )
+        return self.with_kv_cache(child)
+
+    def calibration_batches(self, tokens: int, batch_size: int) -> Iterator[torch.Tensor]:
+        """About `tokens` calibration tokens from the train split, batches of `batch_size` sequences (the run's
+        seed, the same on every rank), on this rank's device."""
+        split = self.data.train
+        count = max(1, math.ceil(tokens / (batch_size * split.seq_len)))
+        stream = split.batches(batch_size, self.config.seed, rank=0, world=1)
+        return (batch.to(dist.device()) for _, batch in zip(range(count), stream))
+
+    def with_kv_cache(self, model: HybridLM) -> HybridLM:
+        """`model` with the run's KV cache (`kv_cache`): for fp8, scales calibrated on its own keys and values
+        over `kv_cache.tokens` calibration tokens (`puzzle.kv_cache.calibrated`); bf16: as it is."""
+        settings = self.config.kv_cache
+        if settings.dtype != "fp8":
+            return model
+        return calibrated(model, self.calibration_batches(settings.tokens, self.config.importance.batch_size))

@@ -33,6 +33,7 @@ def export_one(run: RunContext, name: str, source: str, out: Path) -> dict[str, 
     child = run.child(name)
     if source == "distill":
         child = load_distilled(run.layout.child(name), child)  # into each rank's shards
+        child = run.with_kv_cache(child)  # an fp8 cache's scales, of the distilled weights
     if shard.local_numel(child) < sum(p.numel() for p in child.parameters()):  # sharded: a collective
         return {name: _write(run, name, source, child, out)}
     return on_main(lambda: {name: _write(run, name, source, child, out)})  # whole: rank 0 writes

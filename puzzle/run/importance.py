@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from puzzle import dist
 from puzzle.config import to_dict
 from puzzle.prune.importance import importance_for
 from puzzle.run.context import RunContext, manifest_fp
@@ -57,9 +55,6 @@ def record(run: RunContext) -> dict[str, Any]:
 
 
 def _calibration(run: RunContext) -> Iterator[torch.Tensor]:
-    settings = run.config.importance
-    split = run.data.train
-    count = max(1, math.ceil(settings.tokens / (settings.batch_size * split.seq_len)))
-    stream = split.batches(settings.batch_size, run.config.seed, rank=0, world=1)
     # On the model's device: collect_importance runs the batches as given.
-    return (batch.to(dist.device()) for _, batch in zip(range(count), stream))
+    settings = run.config.importance
+    return run.calibration_batches(settings.tokens, settings.batch_size)

@@ -16,7 +16,10 @@ only the window for an attention block with a `sliding_window`, a `DummyLayer` f
 each new token costs one step, not a re-run of the sequence; `use_cache=False` re-runs the whole sequence
 per token (same tokens, O(n^2)). A forward call keeps a cache when given one or `use_cache=True`. Not
 supported: padding (an `attention_mask` must be all ones), fused kernels. Mamba-2 runs as a chunked scan
-in fp32 (a one-token step in its recurrent form), the router in fp32.
+in fp32 (a one-token step in its recurrent form), the router in fp32. A checkpoint whose
+`quantization_config` has a `kv_cache_scheme` (an fp8 KV cache, puzzle's `kv_cache`) gives each attention
+block fp32 `k_scale` / `v_scale`, and its keys and values are stored as fp8 E4M3 with them and read back
+before the cache and the attention, as vLLM's fp8 cache holds them.
 Tested with transformers 5.24 and torch 2.13 (`puzzle`'s tests/test_remote_code.py).
 """
 
@@ -192,6 +195,24 @@ def band_mask(t: int, total: int, window: int | None, device: torch.device) -> t
     return (distance >= 0) & (distance < window) if window is not None else distance >= 0
 
 
+def fp8_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x` stored in fp8 E4M3 with one static `scale` and read back: e4m3(clamp(x / scale, +-448)) * scale, in fp32."""
+    scale = scale.to(device=x.device, dtype=torch.float32).reshape(())
+    stored = (x.float() / scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    return (stored.float() * scale).to(x.dtype)
+
+
+def kv_cache_scheme(config) -> dict | None:
+    """The `kv_cache_scheme` of the config's compressed-tensors `quantization_config` (a dict, or the object
+    transformers makes of it), or None."""
+    quantization = getattr(config, "quantization_config", None)
+    if quantization is None:
+        return None
+    if not isinstance(quantization, dict):
+        quantization = quantization.to_dict()
+    return quantization.get("kv_cache_scheme")
+
+
 class NemotronHPuzzleAttention(nn.Module):
     """Causal grouped-query attention without positional encoding (NoPE), as in Nemotron-H.
 
@@ -212,12 +233,20 @@ class NemotronHPuzzleAttention(nn.Module):
         self.v_proj = nn.Linear(hidden, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=bias)
 
+    def use_fp8_kv_cache(self) -> None:
+        """Store keys and values as an fp8 cache does (the checkpoint's `kv_cache_scheme`): `k_scale` and
+        `v_scale` (fp32 [1], loaded from `backbone.layers.{i}.mixer.k_scale` / `.v_scale`)."""
+        self.k_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
+        self.v_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
+
     def forward(self, x: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
         """x [b, t, H]; with a `cache`, attends to its keys and values too and appends this step's."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if hasattr(self, "k_scale"):  # an fp8 cache holds these in place of k, v (vLLM's fp8 KV cache)
+            k, v = fp8_per_tensor(k, self.k_scale), fp8_per_tensor(v, self.v_scale)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)  # the kept keys (a window's last N - 1), then these
         repeat = self.num_heads // self.num_kv_heads
@@ -362,6 +391,8 @@ class NemotronHPuzzleBlock(nn.Module):
             return
         self.norm = NemotronHPuzzleRMSNorm(config.hidden_size, config.layer_norm_epsilon)
         self.mixer = MIXERS[kind](config.block_fields(index), index)
+        if kind == "attention" and kv_cache_scheme(config) is not None:
+            self.mixer.use_fp8_kv_cache()
 
     def forward(self, x: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
         if self.mixer is None:
@@ -421,7 +452,13 @@ class NemotronHPuzzlePreTrainedModel(PreTrainedModel):
     _no_split_modules: ClassVar[list[str]] = ["NemotronHPuzzleBlock"]
     _supports_sdpa = True
     # The router decides which experts run: keep its weight and bias in fp32, as transformers' NemotronH.
-    _keep_in_fp32_modules_strict: ClassVar[list[str]] = ["e_score_correction_bias", "gate.weight"]
+    # So do an fp8 KV cache's scales: a bf16 copy of a scale would quantize with another one.
+    _keep_in_fp32_modules_strict: ClassVar[list[str]] = [
+        "e_score_correction_bias",
+        "gate.weight",
+        "k_scale",
+        "v_scale",
+    ]
     # MTP weights are not part of this model; older puzzle files kept a removed block's unused norm.
     _keys_to_ignore_on_load_unexpected: ClassVar[list[str]] = [
         r"^mtp\.",
