@@ -1,7 +1,7 @@
 """The run config's `eval` section (puzzle/run/evaluate.py): a tiny `puzzle run` evaluates the parent and each
 child, assembled and distilled, records lm-eval's results in eval/{model}.json and run.json, equal to lm-eval
-run directly on the parent checkpoint and on the exported child; a rerun reuses them, a damaged file or a
-new limit redoes them alone; `Run.evaluate` returns them; the report tabulates and plots them; bad `eval`
+run directly on the parent checkpoint and on the exported child; a rerun reuses them, a damaged file redoes
+that one alone; `Run.evaluate` returns them; the report tabulates and plots them; bad `eval`
 sections are refused naming the key. Real lm-eval, offline, on the local task, tiny fp32 models."""
 
 from __future__ import annotations
@@ -115,8 +115,8 @@ def test_the_report_tables_and_plots_accuracy_beside_kl(finished):
     assert "(accuracy.png)" in section and (root / "run" / "report" / "accuracy.png").is_file()
 
 
-def test_a_rerun_reuses_the_evaluations_and_redoes_a_damaged_or_changed_one(finished, tmp_path):
-    root, config, data = finished
+def test_a_rerun_reuses_the_evaluations_and_redoes_a_damaged_one(finished):
+    root, config, _ = finished
     run_dir = root / "run"
     before = _stages(run_dir)
     (solution,) = before["solutions"]["outputs"]
@@ -147,16 +147,6 @@ def test_a_rerun_reuses_the_evaluations_and_redoes_a_damaged_or_changed_one(fini
         == before["eval/parent"]["outputs"]["parent"]["summary"]
     )
     assert {again[n]["status"] for n in evals if n != "eval/parent"} == {"reused"}
-
-    # Another limit: every evaluation again, every other stage reused.
-    write_config(config, {**data, "eval": {**EVAL, "limit": 4}})
-    assert main(["run", str(config), "--quiet"]) == 0
-    changed = _stages(run_dir)
-    assert {changed[n]["status"] for n in evals} == {"done"}
-    assert {r["status"] for n, r in changed.items() if not n.startswith("eval/")} == {"reused"}
-    saved = json.loads((run_dir / "eval" / "parent.json").read_text())
-    assert saved["n-samples"]["puzzle_next_line"]["effective"] == 4
-    write_config(config, data)
 
 
 @pytest.mark.parametrize(
