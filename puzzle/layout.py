@@ -17,6 +17,8 @@
                          solutions (`puzzle.problem.frontier_sweep`), drawn by the report
       children/{name}/   GKD of the assembled child of solution {name}: checkpoints, history.json, weights
       exports/{name}/    the exported checkpoint of solution {name} (config.json, safetensors, puzzle.json)
+      eval/{model}.json  lm-eval's results of the run's `eval.tasks` (`puzzle.run.evaluate`): parent.json,
+                         {name}.assembled.json and {name}.distilled.json of each solution
       report/            `puzzle report`: report.md and its PNG plots
       logs/              one log file per process (rank), rank{r}.log
       round-{r}/         round r >= 2 of an iterative run: the same layout, its parent the previous
@@ -50,6 +52,7 @@ RUN_MANIFEST_FILE = "run.json"
 IMPORTANCE_DIR = "importance"
 CHILDREN_DIR = "children"
 EXPORTS_DIR = "exports"
+EVAL_DIR = "eval"
 REPORT_DIR = "report"
 FRONTIER_FILE = "frontier.json"
 LOGS_DIR = "logs"
@@ -75,6 +78,7 @@ _OWN_ENTRIES = frozenset(
         SOLUTIONS_DIR,
         CHILDREN_DIR,
         EXPORTS_DIR,
+        EVAL_DIR,
         REPORT_DIR,
         LOGS_DIR,
         "tokens",
@@ -224,6 +228,10 @@ class RunLayout:
     def export(self, name: str) -> Path:
         """The exported checkpoint of solution `name`."""
         return self.root / EXPORTS_DIR / name
+
+    def evaluation(self, model: str) -> Path:
+        """lm-eval's results of `model` ("parent", "{name}.assembled", "{name}.distilled")."""
+        return self.root / EVAL_DIR / f"{model}.json"
 
     def round(self, number: int) -> RunLayout:
         """Round `number` of an iterative run: round 1 is this directory, round r >= 2 `round-{r}/`."""

@@ -10,7 +10,9 @@ child row, coloured by kind, shaded by active parameters relative to the parent'
 the Puzzle paper), the rounds of scores in context and the candidates of `search.rerank` with their
 predicted and measured KL, before and after the short GKD, and how often each source won (run.json's
 solutions record; only where the run had them), the cost breakdown parent vs child, the library's BLD losses, the GKD curves
-(children/{name}/history.json) and measured vs predicted KL (exports/{name}/puzzle.json). Rounds r >= 2
+(children/{name}/history.json), measured vs predicted KL (exports/{name}/puzzle.json) and the task
+accuracy of the parent and the children beside their KL and active parameters (run.json's eval records:
+`eval.tasks`). Rounds r >= 2
 of an iterative run (round-{r}/) get a report of their own in OUT/round-{r}, linked from the first.
 
 Plots need matplotlib (the optional `plot` extra); each is drawn on its own `Figure` with the Agg canvas,
@@ -52,7 +54,7 @@ from puzzle.files import (
     remove_stale_staging,
     swap_directory_into_place,
 )
-from puzzle.layout import CHILDREN_DIR, EXPORTS_DIR, RunDirError, RunLayout
+from puzzle.layout import CHILDREN_DIR, EVAL_DIR, EXPORTS_DIR, RunDirError, RunLayout
 from puzzle.rerank import rerank_wins
 from puzzle.spec import (
     AttentionSpec,
@@ -810,6 +812,121 @@ def _measured(report: _Report, layout: RunLayout) -> None:
     report.save(figure, "kl_measured.png", "measured vs predicted KL")
 
 
+def _eval_rows(layout: RunLayout) -> dict[str, list[dict[str, Any]]]:
+    """{model: its summary rows (task, metric, value, stderr)} of run.json's finished `eval/{model}` records."""
+    if not layout.manifest.is_file():
+        return {}
+    stages = _read_json(layout.manifest).get("stages") or {}
+    found: dict[str, list[dict[str, Any]]] = {}
+    for name, record in stages.items():
+        if not name.startswith(f"{EVAL_DIR}/") or record.get("status") not in ("done", "reused"):
+            continue
+        for model, entry in (record.get("outputs") or {}).items():
+            if isinstance(entry, dict) and isinstance(entry.get("summary"), list):
+                found[model] = entry["summary"]
+    return found
+
+
+def _recorded_kl(layout: RunLayout, solution: str, weights: str) -> Any:
+    """The KL to the parent run.json records for a child: measured once assembled (the assemble record), or
+    GKD's evaluation of the weights it kept (the distill record); None when not recorded."""
+    stages = _read_json(layout.manifest).get("stages") or {}
+    stage = "assemble" if weights == "assembled" else "distill"
+    for name in (stage, f"{stage}/{solution}"):
+        entry = ((stages.get(name) or {}).get("outputs") or {}).get(solution)
+        if isinstance(entry, dict):
+            figures = entry.get("measured") if stage == "assemble" else entry.get("kept_eval")
+            return (figures or {}).get("kl")
+    return None
+
+
+def _accuracy(report: _Report, layout: RunLayout, parent: ModelSpec, children: dict[str, ModelSpec]) -> None:
+    report.add("## Task accuracy", "")
+    evaluated = _eval_rows(layout)
+    models: list[tuple[str, str, str, ModelSpec]] = []  # (model, solution, weights, spec)
+    if "parent" in evaluated:
+        models.append(("parent", "parent", "parent", parent))
+    for solution, spec in children.items():
+        for weights in ("assembled", "distilled"):
+            if f"{solution}.{weights}" in evaluated:
+                models.append((f"{solution}.{weights}", solution, weights, spec))
+    if not models:
+        report.add(
+            f"_Skipped: no task evaluation in {layout.manifest.name} (the run config's eval.tasks)._", ""
+        )
+        return
+    metrics = list(dict.fromkeys((r["task"], r["metric"]) for m, *_ in models for r in evaluated[m]))
+    kls = {
+        m: 0.0 if weights == "parent" else _recorded_kl(layout, solution, weights)
+        for m, solution, weights, _ in models
+    }
+    report.add(
+        "lm-evaluation-harness on the run's eval.tasks (eval/MODEL.json holds lm-eval's results): the parent and "
+        "each child with the library's weights (assembled, before GKD) and with the weights GKD kept "
+        "(distilled), value +- lm-eval's stderr, beside the child's KL (nats/token) to the parent on the "
+        "run's held-out tokens.",
+        "",
+    )
+    rows = []
+    for model, _, _, spec in models:
+        cells: dict[tuple[str, str], str] = {}
+        for row in evaluated[model]:
+            stderr = row.get("stderr")
+            shown = f"{row['value']:.3f}" + (f" +- {stderr:.3f}" if isinstance(stderr, (int, float)) else "")
+            cells[(row["task"], row["metric"])] = shown
+        rows.append([model, model_active_params(spec), kls[model], *(cells.get(k, "-") for k in metrics)])
+    header = ["model", "active params", "KL to the parent", *(f"{t} {m}" for t, m in metrics)]
+    report.add(*_table(header, rows))
+    if report.figure is None:
+        report.plot_note()
+        return
+    figure = report.figure(figsize=(10, 4))
+    accuracy, divergence = figure.subplots(1, 2)
+    markers = {"parent": "*", "assembled": "o", "distilled": "v"}
+    # A colour per task metric, the right panel's marker per weights, nudged apart so the bars do not overlap.
+    nudge = {"parent": 1.0, "assembled": 0.985, "distilled": 1.015}
+    for index, (task, metric) in enumerate(metrics):
+        labelled = False
+        for weights, marker in markers.items():
+            points = [
+                (model_active_params(spec), row["value"], row.get("stderr") or 0.0)
+                for model, _, w, spec in models
+                if w == weights
+                for row in evaluated[model]
+                if (row["task"], row["metric"]) == (task, metric)
+            ]
+            if points:
+                accuracy.errorbar(
+                    [p[0] * nudge[weights] for p in points],
+                    [p[1] for p in points],
+                    yerr=[p[2] for p in points],
+                    fmt=marker,
+                    color=f"C{index % 10}",
+                    capsize=3,
+                    label=None if labelled else f"{task} {metric}",
+                )
+                labelled = True
+    accuracy.set_xlabel("active parameters")
+    accuracy.set_ylabel("task metric (+- stderr; markers as on the right)")
+    accuracy.legend(fontsize=SMALL_FONT)
+    accuracy.grid(alpha=0.3)
+    for weights, marker in markers.items():
+        points = [
+            (model_active_params(spec), kls[model])
+            for model, _, w, spec in models
+            if w == weights and isinstance(kls[model], (int, float))
+        ]
+        if points:
+            divergence.scatter(
+                [p[0] for p in points], [p[1] for p in points], marker=marker, color="k", label=weights
+            )
+    divergence.set_xlabel("active parameters")
+    divergence.set_ylabel("KL to the parent (nats/token)")
+    divergence.legend(fontsize=SMALL_FONT)
+    divergence.grid(alpha=0.3)
+    report.save(figure, "accuracy.png", "task accuracy and KL against active parameters")
+
+
 def _stage_plan(layout: RunLayout, parent: ModelSpec, ranks: int) -> tuple[dict[str, Any], str | None]:
     """{plan stage name: StagePlan} of the run's saved config on `ranks` ranks of its hardware profile (the
     run's calibration for "this-machine"), or ({}, why not)."""
@@ -991,6 +1108,7 @@ def _write_into(out: Path, layout: RunLayout, parent: ModelSpec, library: Any) -
     _bld(report, library)
     _gkd(report, layout, list(solutions))
     _measured(report, layout)
+    _accuracy(report, layout, parent, children)
     _stage_costs(report, layout, parent)
     _rounds(report, layout, out)
     atomic_write_bytes(out / REPORT_FILE, "\n".join(report.lines).encode())

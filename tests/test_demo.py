@@ -37,6 +37,7 @@ TINY = DemoSize(
     decode_prompt=8,
     decode_steps=4,
     decode_repeats=2,
+    eval_limit=4,
     space={
         "mamba": {"state_size": [8], "noop": True},
         "moe": {"top_k": [1], "expert_width_fraction": [0.5], "noop": True},
@@ -81,6 +82,16 @@ def test_the_demo_compresses_for_two_budgets_and_tables_the_exports(demo):
         assert list(solution["choices"].values()) == row.blocks
         assert solution["objective"] == pytest.approx(row.kl_predicted)
     table = result.table.read_text()
+    # puzzle_next_line's acc_norm (with lm-eval's stderr) of every model, before and after GKD, as recorded.
+    stages = json.loads((result.out / "run.json").read_text())["stages"]
+    for row in result.rows:
+        model = "parent" if row.name == "parent" else f"{row.name}.distilled"
+        rows = stages[f"eval/{model}"]["outputs"][model]["summary"]
+        recorded = next(r for r in rows if r["metric"] == "acc_norm")
+        assert row.accuracy == (recorded["value"], recorded["stderr"])
+        assert (row.accuracy_before_gkd is None) == (row.name == "parent")
+        assert f"{row.accuracy[0]:.3f} +- {row.accuracy[1]:.3f}" in table
+    assert "KL and accuracy rank the children" in table
     for row in result.rows:
         assert f"| {row.name} |" in table and f"{row.active_params:,}" in table
     saved = json.loads((result.out / DEMO_JSON).read_text())

@@ -179,7 +179,7 @@ def test_every_stage_declares_how_its_outputs_are_checked():
     from puzzle.layout import STAGES
     from puzzle.run import Run
 
-    assert set(Run.OUTPUT_CHECKS) == {*STAGES, "frontier"}
+    assert set(Run.OUTPUT_CHECKS) == {*STAGES, "frontier", "eval"}
     run = Run.__new__(Run)  # the table is the class's: no run directory is needed to consult it
     with pytest.raises(ValueError, match="no output check for stage 'bogus'"):
         run.output_damage("bogus/x", {})

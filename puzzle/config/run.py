@@ -411,6 +411,56 @@ class RoundsConfig:
 
 
 @dataclass(frozen=True)
+class EvalConfig:
+    """Task accuracy of the parent and the children through lm-evaluation-harness (`puzzle.eval`)."""
+
+    tasks: tuple[str, ...] = field(
+        default_factory=tuple,
+        metadata=doc(
+            "lm-eval task names (its registry's, the local puzzle_next_line and puzzle_identifiers, or those "
+            "under include_path) on which `puzzle run` evaluates the parent and every child, assembled and "
+            "distilled, into eval/{model}.json; the report tabulates them. Empty: no evaluation. Needs the "
+            "eval extra."
+        ),
+    )
+    limit: int | None = field(
+        default=None, metadata=doc("At most this many documents per task (null: every document).")
+    )
+    batch_size: int = field(default=8, metadata=doc("Requests per forward (lm-eval's batch size)."))
+    include_path: Path | None = field(
+        default=None,
+        metadata=doc("A folder of extra lm-eval task YAMLs and their local data files (null: none)."),
+    )
+
+    def __post_init__(self) -> None:
+        for index, task in enumerate(self.tasks):
+            if not task.strip() or "," in task:
+                raise ConfigError(f"expected one task name, got {task!r}", f"tasks[{index}]")
+        if len(set(self.tasks)) != len(self.tasks):
+            raise ConfigError(f"a task is named twice: {list(self.tasks)}", "tasks")
+        if self.limit is not None:
+            _at_least(self, "limit", 1)
+        _at_least(self, "batch_size", 1)
+
+    def check_tasks(self) -> None:
+        """ConfigError (naming eval.tasks or eval.include_path) unless lm-eval is installed and knows every
+        task: checked before a run starts, as indexing the tasks takes seconds and a run hours."""
+        if not self.tasks:
+            return
+        if self.include_path is not None and not self.include_path.is_dir():
+            raise ConfigError(f"task folder {self.include_path} does not exist", "eval.include_path")
+        from puzzle.eval import EvalError, UnknownTaskError, check_tasks, task_manager
+
+        try:
+            check_tasks(list(self.tasks), task_manager(self.include_path))
+        except UnknownTaskError as error:
+            where = f"eval.tasks[{self.tasks.index(error.name)}]"
+            raise ConfigError(str(error), where) from None
+        except EvalError as error:
+            raise ConfigError(str(error), "eval.tasks") from None
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """A whole Puzzle run: one YAML file. Relative paths are relative to the file's folder."""
 
@@ -444,6 +494,10 @@ class RunConfig:
         metadata=doc("Global knowledge distillation of the child (puzzle.gkd.GKDSettings)."),
     )
     rounds: RoundsConfig = field(default_factory=RoundsConfig, metadata=doc("Iterative Puzzle rounds."))
+    eval: EvalConfig = field(
+        default_factory=EvalConfig,
+        metadata=doc("Task accuracy of the parent and the children (lm-evaluation-harness)."),
+    )
     hardware: CostModel = field(default_factory=CostModel, metadata=doc("Serving hardware and scenarios."))
     kv_cache: KVCacheConfig = field(
         default_factory=KVCacheConfig,
@@ -615,6 +669,7 @@ class RunConfig:
             raise ConfigError(
                 f"blocks {beyond} do not exist: the parent has {spec.num_blocks}", "search.keep_blocks"
             )
+        self.eval.check_tasks()
         return spec
 
     def _check_output_dirs(self, sources: list[Path]) -> None:

@@ -13,6 +13,7 @@ it is the starting point for one's own experiments (every key is in docs/CONFIG.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -35,6 +36,11 @@ DEMO_JSON = "demo.json"
 DEMO_CONFIG = "config.yaml"
 PROGRESS_ENV = "PUZZLE_PROGRESS"
 SWEEP = "active_params<=0.75x,0.5x"  # the two children: 3/4 and 1/2 of the parent's active parameters
+# The local lm-eval task the demo's table reports (puzzle/eval_tasks: offline), and its chance-level metric:
+# acc prefers short choices (a sum of log-probabilities), acc_norm divides by the choice's length.
+EVAL_TASK = "puzzle_next_line"
+EVAL_METRIC = "acc_norm"
+EVAL_CHANCE = 0.25  # four choices
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,9 @@ class DemoSize:
     decode_steps: int = 32
     decode_repeats: int = 7
     space: dict[str, Any] = field(default_factory=dict)
+    # Documents of the local task EVAL_TASK per model (None: all 300); the parent and each child, before
+    # and after GKD, are evaluated: five models, the demo's slowest part on a CPU after GKD.
+    eval_limit: int | None = 40
 
 
 FULL = DemoSize(
@@ -60,6 +69,7 @@ FULL = DemoSize(
     bld_tokens=49_152,
     gkd_tokens=98_304,
     batch_size=8,
+    eval_limit=None,
     space={
         "mamba": {"state_size": [8], "num_heads": [2], "noop": True},
         "moe": {"top_k": [2, 1], "expert_width_fraction": [0.5], "num_experts": [8], "noop": True},
@@ -75,6 +85,7 @@ QUICK = DemoSize(
     batch_size=8,
     decode_steps=16,
     decode_repeats=5,
+    eval_limit=100,
     space={
         "mamba": {"state_size": [8], "noop": True},
         "moe": {"top_k": [1], "expert_width_fraction": [0.5]},
@@ -128,6 +139,7 @@ def demo_config(
             "checkpoint_every": 20,
             "shard": "none",
         },
+        "eval": {"tasks": [EVAL_TASK], "limit": size.eval_limit, "batch_size": 16},
         "hardware": {
             "profile": "this-machine",
             "scenarios": {
@@ -164,6 +176,10 @@ class ModelRow:
     measured_tokens_per_s: float
     blocks: list[str]
     mixes_tokens: bool = True  # some block is Mamba or attention (`puzzle.report.mixes_tokens`)
+    # EVAL_TASK's EVAL_METRIC (value, lm-eval's stderr) of the weights in the table (after GKD) and of the
+    # assembled child (before GKD); None where not evaluated.
+    accuracy: tuple[float, float] | None = None
+    accuracy_before_gkd: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -279,6 +295,7 @@ def measure(pipeline: Run, size: DemoSize, stages: dict[str, Any] | None = None)
     from puzzle.cost.roofline import model_performance
     from puzzle.nemotron_h.checkpoint import load
     from puzzle.report import mixes_tokens
+    from puzzle.run.evaluate import model_name
 
     manifest = stages if stages is not None else pipeline.manifest()["stages"]
     distilled = manifest["distill"]["outputs"]
@@ -338,9 +355,24 @@ def measure(pipeline: Run, size: DemoSize, stages: dict[str, Any] | None = None)
                 measured_tokens_per_s=1.0 / statistics.median(measured[name]),
                 blocks=[block.short_name() for block in spec.blocks],
                 mixes_tokens=mixes_tokens(spec),
+                accuracy=task_accuracy(manifest, model_name(None if name == "parent" else name)),
+                accuracy_before_gkd=(
+                    None if name == "parent" else task_accuracy(manifest, model_name(name, "assemble"))
+                ),
             )
         )
     return rows
+
+
+def task_accuracy(stages: dict[str, Any], model: str) -> tuple[float, float] | None:
+    """(value, stderr) of EVAL_TASK's EVAL_METRIC in run.json's finished `eval/{model}` record, or None."""
+    record = stages.get(f"eval/{model}") or {}
+    if record.get("status") not in ("done", "reused"):
+        return None
+    for row in record["outputs"][model]["summary"]:
+        if (row["task"], row["metric"]) == (EVAL_TASK, EVAL_METRIC):
+            return row["value"], row["stderr"] if row["stderr"] is not None else math.nan
+    return None
 
 
 def render_table(
@@ -373,9 +405,10 @@ def render_table(
         f"Whole demo: {seconds:.0f} s.",
         "",
         "| model | budget | params | active params | weights (fp32) | KL predicted | KL assembled | KL after GKD "
+        f"| {EVAL_TASK} {EVAL_METRIC} assembled | after GKD "
         "| LM loss (run's held-out) | top-1 agreement | decode tok/s measured | predicted "
         "| speed-up measured / predicted |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         predicted = f"{row.kl_predicted:.4f}" if row.kl_predicted is not None else "-"
@@ -385,7 +418,8 @@ def render_table(
         lines.append(
             f"| {row.name} | {readable_budget(row.budget)} | {row.params:,} ({row.params / parent.params:.0%}) "
             f"| {row.active_params:,} ({row.active_params / parent.active_params:.0%}) "
-            f"| {row.weight_bytes / 2**20:.2f} MiB | {predicted} | {before} | {row.kl:.4f} | {row.lm_loss:.3f} "
+            f"| {row.weight_bytes / 2**20:.2f} MiB | {predicted} | {before} | {row.kl:.4f} "
+            f"| {_shown(row.accuracy_before_gkd)} | {_shown(row.accuracy)} | {row.lm_loss:.3f} "
             f"| {row.top1:.1%} "
             f"| {row.measured_tokens_per_s:,.0f} | {row.predicted_tokens_per_s:,.0f} "
             f"| {speedup:.2f}x / {predicted_speedup:.2f}x |"
@@ -399,6 +433,7 @@ def render_table(
         ]
         lines.append(f"| {index} | " + " | ".join(cells) + " |")
     lines += _no_token_mixer_notes(rows[1:])
+    lines += _accuracy_notes(rows, size)
     lines += [
         "",
         "Report with plots: [report/report.md](report/report.md). Exported children: "
@@ -407,6 +442,48 @@ def render_table(
         "",
     ]
     return "\n".join(lines)
+
+
+def _shown(accuracy: tuple[float, float] | None) -> str:
+    """A task accuracy cell: value +- stderr, or "-" where not evaluated."""
+    return "-" if accuracy is None else f"{accuracy[0]:.3f} +- {accuracy[1]:.3f}"
+
+
+def _accuracy_notes(rows: list[ModelRow], size: DemoSize) -> list[str]:
+    """The closing note on task accuracy: each model's EVAL_TASK EVAL_METRIC with its stderr next to its KL,
+    and whether KL (after GKD, lower first) and accuracy (after GKD, higher first) rank the children the
+    same way, and whether their accuracies differ by more than the stderr of the difference."""
+    parent, children = rows[0], rows[1:]
+    if parent.accuracy is None or any(row.accuracy is None for row in children):
+        return []
+    items = "every item" if size.eval_limit is None else f"the first {size.eval_limit} items"
+    lines = [
+        "",
+        f"Task accuracy (lm-evaluation-harness, the local task {EVAL_TASK}: the true next line of this "
+        f"repository's Python source, held out from the parent's corpus, against three lines of other files; "
+        f"{EVAL_METRIC} +- lm-eval's stderr on {items}; chance {EVAL_CHANCE}): parent {_shown(parent.accuracy)}"
+        + "".join(
+            f"; {row.name} {_shown(row.accuracy)} after GKD (KL {row.kl:.4f}), "
+            f"{_shown(row.accuracy_before_gkd)} assembled"
+            + (f" (KL {row.kl_before_gkd:.4f})" if row.kl_before_gkd is not None else "")
+            for row in children
+        )
+        + ".",
+    ]
+    by_kl = [row.name for row in sorted(children, key=lambda r: r.kl)]
+    by_accuracy = [row.name for row in sorted(children, key=lambda r: -r.accuracy[0])]  # type: ignore[index]
+    first, second = (next(r for r in children if r.name == n) for n in by_kl[:2])
+    gap = first.accuracy[0] - second.accuracy[0]  # type: ignore[index]
+    spread = math.hypot(first.accuracy[1], second.accuracy[1])  # type: ignore[index]
+    same = "the same way" if by_kl == by_accuracy else "differently"
+    lines.append(
+        f"KL and accuracy rank the children {same} (by KL after GKD, least first: {', '.join(by_kl)}; by "
+        f"accuracy, highest first: {', '.join(by_accuracy)}); the accuracy gap between the two of least KL, "
+        f"{gap:+.3f}, is {'more' if abs(gap) > 2 * spread else 'less'} than twice its stderr ({spread:.3f})"
+        + ("" if abs(gap) > 2 * spread else ": on this task the difference does not show")
+        + "."
+    )
+    return lines
 
 
 def _no_token_mixer_notes(children: list[ModelRow]) -> list[str]:

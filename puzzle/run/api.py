@@ -9,12 +9,15 @@
     child = run.assemble(best)               # HybridLM          (puzzle.assemble, its KL measured)
     child = run.distill(child)               # HybridLM          (puzzle.gkd)
     path = run.export(child)                 # Path              (puzzle.export; default exports/{name}/)
+    results = run.evaluate(child)            # lm-eval's results (puzzle.eval; eval/{name}.distilled.json)
     run.all()                                # every stage of every round, as `puzzle run` does
 
 Stages, in order (`STAGES`): importance (importance/), library (library/), scores (scores/), solutions (one
 search per budget list / sweep point and `search.solutions`, saved to solutions/{name}.json as `puzzle
 search --json` prints it), assemble (each solution's child and its measured KL to the parent), distill
-(GKD into children/{name}/) and export (exports/{name}/). `Run.record(stage)` is the manifest layer: a
+(GKD into children/{name}/) and export (exports/{name}/); then, when the config's `eval.tasks` names lm-eval
+tasks, the parent and each child assembled and distilled are evaluated on them (records `eval/{model}`,
+files eval/{model}.json: `puzzle.run.evaluate`). `Run.record(stage)` is the manifest layer: a
 stage's recorded outputs (dicts of file fingerprints and figures); the typed calls load their objects from
 what it recorded.
 
@@ -70,6 +73,7 @@ from puzzle.model import HybridLM
 from puzzle.prune.importance import ModelImportance, load_importance
 from puzzle.run import assemble as assemble_stage
 from puzzle.run import distill as distill_stage
+from puzzle.run import evaluate as evaluate_stage
 from puzzle.run import export as export_stage
 from puzzle.run import importance as importance_stage
 from puzzle.run import library as library_stage
@@ -158,6 +162,7 @@ class Run(RunContext):
                 "assemble": assemble_stage.damage,
                 "distill": distill_stage.damage,
                 "export": export_stage.damage,
+                "eval": evaluate_stage.damage,
             }
         )
     )
@@ -298,15 +303,28 @@ class Run(RunContext):
             entry = self.stage(f"export/{name}", inputs, lambda: export_one(self, name, source, out))[name]
         return self.layout.root / entry["path"]
 
+    def evaluate(self, model: HybridLM | None = None) -> dict[str, Any]:
+        """lm-eval's results dict of `model` (from `run.assemble` or `run.distill`; None: the parent) on the
+        config's `eval` tasks, recorded as run.json's `eval/{model}` and eval/{model}.json ("parent",
+        "{name}.assembled", "{name}.distilled") and reused like any stage's. RunError when `eval.tasks`
+        is empty or the model is not one this Run returned."""
+        name = evaluate_stage.PARENT if model is None else evaluate_stage.model_name(*self._source(model))
+        return evaluate_stage.results(self, name)
+
     def run(self, until: str | None = None) -> dict[str, Any]:
-        """Every stage of this round in order (up to and including `until`); returns their recorded outputs."""
+        """Every stage of this round in order (up to and including `until`); returns their recorded outputs.
+        A whole round (no `until`, or `until="export"`) then evaluates its models on `eval.tasks`, if any
+        (returned under "eval": {model: its record entry})."""
         if until is not None and until not in STAGES:
             raise ValueError(f"unknown stage {until!r}; stages: {', '.join(STAGES)}")
         for stage in STAGES:
             self.record(stage)
             if stage == until:
                 break
-        return {stage: self._results[stage] for stage in STAGES if stage in self._results}
+        done = {stage: self._results[stage] for stage in STAGES if stage in self._results}
+        if until in (None, STAGES[-1]) and self.config.eval.tasks:
+            done["eval"] = evaluate_stage.record(self)
+        return done
 
     def all(self, until: str | None = None) -> list[Run]:
         """Every stage of every round (`rounds.count`); returns the rounds' Runs. Round r >= 2's parent is
