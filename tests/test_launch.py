@@ -20,7 +20,7 @@ from puzzle.launch import sbatch_script, shell_join, torchrun_args
 ROOT = Path(__file__).resolve().parents[1]
 SBATCH = ROOT / "examples" / "slurm" / "puzzle_run.sbatch"
 SCALE = ROOT / "docs" / "SCALE.md"
-SUPER = "examples/configs/nemotron3_super_h100.yaml"
+SUPER = "examples/nemotron3_super/config.yaml"
 RANK_ARGS = [
     "-u",
     "-m",

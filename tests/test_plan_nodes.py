@@ -16,7 +16,7 @@ from puzzle.plan import parent_bytes, plan_config
 from puzzle.presets import nemotron3_super
 
 ROOT = Path(__file__).resolve().parent.parent
-SUPER = ROOT / "examples" / "configs" / "nemotron3_super_h100.yaml"
+SUPER = ROOT / "examples" / "nemotron3_super" / "config.yaml"
 SHARDED = ("importance", "bld", "scoring", "gkd")  # the sections with a `shard` setting
 
 
