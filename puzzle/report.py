@@ -841,7 +841,6 @@ def _recorded_kl(layout: RunLayout, solution: str, weights: str) -> Any:
 
 
 def _accuracy(report: _Report, layout: RunLayout, parent: ModelSpec, children: dict[str, ModelSpec]) -> None:
-    report.add("## Task accuracy", "")
     evaluated = _eval_rows(layout)
     models: list[tuple[str, str, str, ModelSpec]] = []  # (model, solution, weights, spec)
     if "parent" in evaluated:
@@ -850,11 +849,9 @@ def _accuracy(report: _Report, layout: RunLayout, parent: ModelSpec, children: d
         for weights in ("assembled", "distilled"):
             if f"{solution}.{weights}" in evaluated:
                 models.append((f"{solution}.{weights}", solution, weights, spec))
-    if not models:
-        report.add(
-            f"_Skipped: no task evaluation in {layout.manifest.name} (the run config's eval.tasks)._", ""
-        )
+    if not models:  # a run without eval.tasks: no section, as a run without rerank has none
         return
+    report.add("## Task accuracy", "")
     metrics = list(dict.fromkeys((r["task"], r["metric"]) for m, *_ in models for r in evaluated[m]))
     kls = {
         m: 0.0 if weights == "parent" else _recorded_kl(layout, solution, weights)
