@@ -185,7 +185,7 @@ def _held_out_nmse(
             sums[-1, index] += target.pow(2).sum().double().cpu()
             for variant, mixer in by_block[index]:
                 with _autocast(settings, device):
-                    out = mixer(h.to(_dtype_of(mixer, h.dtype)))
+                    out = mixer(h.to(shard.main_dtype(mixer) or h.dtype))
                 sums[position[variant], index] += (out.float() - target).pow(2).sum().double().cpu()
     dist.all_reduce_sum_([sums])
     result: dict[Variant, float | None] = {}
@@ -193,16 +193,6 @@ def _held_out_nmse(
         value = float(sums[position[variant], variant.block_index] / sums[-1, variant.block_index])
         result[variant] = value if math.isfinite(value) else None
     return result
-
-
-def _dtype_of(mixer: nn.Module, default: torch.dtype) -> torch.dtype:
-    """The dtype `mixer` computes in: that of most of its floating-point parameter elements, not its first
-    parameter's (a MoE block keeps its router in fp32 whatever its dtype, `puzzle.blocks.moe`)."""
-    counts: dict[torch.dtype, int] = {}
-    for p in mixer.parameters():
-        if p.is_floating_point():
-            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
-    return max(counts, key=counts.__getitem__) if counts else default
 
 
 def _by_block(mixers: Mapping[Variant, nn.Module]) -> dict[int, list[tuple[Variant, nn.Module]]]:
@@ -267,7 +257,7 @@ def _train_step(
         dist.all_reduce_sum_([scale])  # the global normaliser: N ranks = 1 process
         for variant, mixer in by_block[index]:
             with _autocast(settings, device):
-                out = mixer(h.detach().to(_dtype_of(mixer, h.dtype)))
+                out = mixer(h.detach().to(shard.main_dtype(mixer) or h.dtype))
             loss = (out.float() - target).pow(2).sum() / scale
             loss.backward()
             losses[variant] = loss.detach()

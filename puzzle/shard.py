@@ -165,16 +165,23 @@ def shard_unit(unit: nn.Module, mode: str = "fsdp") -> None:
         fully_shard(unit, mesh=mesh(mode), reshard_after_forward=True)
 
 
+def main_dtype(module: nn.Module) -> torch.dtype | None:
+    """The dtype of most of `module`'s floating-point parameter elements (None without any): the dtype it
+    computes in, not its first parameter's (a bf16 MoE block keeps its router in fp32, `puzzle.blocks.moe`)."""
+    counts: dict[torch.dtype, int] = {}
+    for p in module.parameters():
+        if p.is_floating_point():
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
+    return max(counts, key=counts.__getitem__) if counts else None
+
+
 def _shard_other_dtypes(unit: nn.Module, mode: str) -> None:
     """FSDP2 wants one dtype over a unit's trainable parameters, and a bf16 MoE block keeps its router in
     fp32 (`puzzle.blocks.moe`): each submodule whose own parameters are not in the dtype of most of the
     unit's elements becomes its own unit, nested in `unit` (gathered in its own forward, as `unit` is)."""
-    counts: dict[torch.dtype, int] = {}
-    for p in unit.parameters():
-        counts[p.dtype] = counts.get(p.dtype, 0) + p.numel()
-    if len(counts) < 2:
+    main = main_dtype(unit)
+    if main is None or all(p.dtype == main for p in unit.parameters()):
         return
-    main = max(counts, key=counts.__getitem__)
     for module in list(unit.modules())[1:]:
         own = list(module.parameters(recurse=False))
         if own and any(p.dtype != main for p in own) and not isinstance(module, FSDPModule):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -120,6 +121,19 @@ def config_dict(root: Path, run_dir: str = "run") -> dict:
 def write_config(path: Path, data: dict) -> Path:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
+
+
+def torchrun_puzzle(ranks: int, *args: str, timeout: float = 300) -> None:
+    """`torchrun --standalone --nproc-per-node RANKS -m puzzle ARGS...` on gloo, quiet and single-threaded
+    per rank (two ranks on two cores), failing the calling test on a non-zero exit."""
+    env = {
+        **os.environ,
+        "PUZZLE_PROGRESS": "0",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(sys.path),
+    }
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+    subprocess.run([*launcher, "-m", "puzzle", *args], env=env, check=True, timeout=timeout)
 
 
 def main(config: Path, stage: str, call: int) -> int:

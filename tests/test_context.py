@@ -70,7 +70,7 @@ def test_the_kept_round_measured_lowest_and_is_the_first_of_equals():
 
 
 def test_a_prediction_below_zero_or_beyond_the_factor_is_refused_with_its_reason():
-    # The case of issue 36: two rounds predicted a KL of -0.62, then -0.033.
+    # The case an independent re-run hit: two rounds predicted a KL of -0.62, then -0.033.
     for predicted in (-0.62, -0.033):
         reason = implausible_prediction(predicted, 0.41, 3.0)
         assert reason is not None and "below zero" in reason

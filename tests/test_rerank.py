@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from run_helpers import config_dict, make_inputs, write_config
+from run_helpers import config_dict, make_inputs, torchrun_puzzle, write_config
 
 import puzzle.gkd
 from puzzle.assemble import measured_kl
@@ -258,26 +258,7 @@ def test_two_gloo_processes_choose_as_one(scored, tmp_path):
         data = yaml.safe_load(config.read_text())
         data["gkd"]["shard"] = "fsdp"
         write_config(config, data)
-        env = {
-            **os.environ,
-            "PUZZLE_PROGRESS": "0",
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(sys.path),
-        }
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(ranks),
-        ]
-        subprocess.run(
-            [*command, "-m", "puzzle", "run", str(config), "--quiet", "--until", "solutions"],
-            env=env,
-            check=True,
-            timeout=300,
-        )
+        torchrun_puzzle(ranks, "run", str(config), "--quiet", "--until", "solutions")
         records[ranks] = _rerank_record(tmp_path / f"run{ranks}")["rerank"]
     one, two = records[1], records[2]
     assert two["chosen"] == one["chosen"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from run_helpers import config_dict, make_inputs, write_config
+from run_helpers import config_dict, make_inputs, torchrun_puzzle, write_config
 from safetensors.torch import load_file
 
 import puzzle
@@ -368,16 +368,7 @@ def test_two_gloo_processes_under_torchrun_match_one(finished, tmp_path):
     run_dir, _ = finished
     data = config_dict(run_dir.parent, run_dir=str(tmp_path / "run"))
     config = write_config(tmp_path / "run.yaml", data)
-    env = {
-        **os.environ,
-        "PUZZLE_PROGRESS": "0",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join(sys.path),
-    }
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    subprocess.run(
-        [*command, "-m", "puzzle", "run", str(config), "--quiet"], env=env, check=True, timeout=300
-    )
+    torchrun_puzzle(2, "run", str(config), "--quiet")
     other = tmp_path / "run"
     assert sorted(p.name for p in (other / "logs").iterdir()) == ["rank0.log", "rank1.log"]
     assert _statuses(other) == {stage: "done" for stage in STAGES}
@@ -668,15 +659,7 @@ def test_rerank_under_two_gloo_processes_matches_one(finished, tmp_path):
         if ranks == 1:
             assert _run(config, "--until", "solutions") == 0
         else:
-            env = {**os.environ, "PUZZLE_PROGRESS": "0", "OMP_NUM_THREADS": "1"}
-            env["PYTHONPATH"] = os.pathsep.join(sys.path)
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-            subprocess.run(
-                [*command, "-m", "puzzle", "run", str(config), "--quiet", "--until", "solutions"],
-                env=env,
-                check=True,
-                timeout=300,
-            )
+            torchrun_puzzle(2, "run", str(config), "--quiet", "--until", "solutions")
         stages = json.loads((tmp_path / f"run{ranks}" / "run.json").read_text())["stages"]
         records[ranks] = stages["solutions"]["outputs"]["active_params-le-0.8x"]["rerank"]
     one, two = records[1], records[2]
@@ -916,26 +899,7 @@ def test_scores_in_context_under_two_gloo_processes_match_one(finished, tmp_path
         data = config_dict(run_dir.parent, run_dir=str(copied))
         data["search"]["context_rounds"] = 2
         config = write_config(tmp_path / f"run{ranks}.yaml", data)
-        env = {
-            **os.environ,
-            "PUZZLE_PROGRESS": "0",
-            "OMP_NUM_THREADS": "1",
-            "PYTHONPATH": os.pathsep.join(sys.path),
-        }
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            str(ranks),
-        ]
-        subprocess.run(
-            [*command, "-m", "puzzle", "run", str(config), "--quiet", "--until", "solutions"],
-            env=env,
-            check=True,
-            timeout=300,
-        )
+        torchrun_puzzle(ranks, "run", str(config), "--quiet", "--until", "solutions")
         stages = json.loads((copied / "run.json").read_text())["stages"]
         records[ranks] = stages["solutions"]["outputs"]["active_params-le-0.8x"]["context"]
     one, two = records[1], records[2]
