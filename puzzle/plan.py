@@ -354,6 +354,11 @@ class Plan:
             line += f"; the library's {by_axis[0][len('library ') :]}: fewer values on an axis shrink it"
         return [line]
 
+    def gpu_hours(self, stage: StagePlan) -> float | None:
+        """GPU-hours of `stage`: its time on every rank (None where its time is not known). The search runs
+        on rank 0's CPU while the other ranks wait, so it holds every GPU too."""
+        return None if stage.seconds is None else stage.seconds * self.gpus / 3600
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "hardware": self.hardware.name,
@@ -369,6 +374,7 @@ class Plan:
                     "tokens": s.tokens,
                     "flops": s.flops,
                     "seconds": s.seconds,
+                    "gpu_hours": self.gpu_hours(s),
                     "memory": dict(s.memory),
                     "peak_bytes": s.peak,
                     "host_memory": dict(s.host),
@@ -414,6 +420,12 @@ class Plan:
             lines += [f"  note: {n}" for n in stage.notes]
         lines.append("")
         lines.append(f"total time {_duration(total)}; disk {_gib(self.disk)}")
+        hours = [(stage.name, self.gpu_hours(stage)) for stage in self.stages]
+        lines.append(
+            f"GPU-hours on {self.gpus} x {self.hardware.name}: "
+            + ", ".join(f"{name} {_hours(h)}" for name, h in hours if h is not None)
+            + f"; total {_hours(sum(h for _, h in hours if h is not None))}"
+        )
         lines += [f"does not fit: {m}" for m in self.misfits()]
         return "\n".join(lines)
 
@@ -427,6 +439,11 @@ def _count(value: float) -> str:
         if value >= size:
             return f"{value / size:.3g}{suffix}"
     return f"{value:g}"
+
+
+def _hours(gpu_hours: float) -> str:
+    """GPU-hours as the plan prints them: 3 significant figures, at least one decimal below 100."""
+    return f"{gpu_hours:,.0f}" if gpu_hours >= 100 else f"{gpu_hours:.3g}"
 
 
 def _duration(seconds: float) -> str:
