@@ -14,7 +14,9 @@ The estimates, and why (docs/SCALE.md shows them on Nemotron-3 Nano and Super):
 - FLOPs: forward = the cost model's prefill FLOPs per token (`puzzle.cost.analytic`: 2 x the matmul weights a
   token runs through, plus attention scores and the Mamba scan at the configured sequence length), plus
   2 x H x V for the logits where a stage computes them; backward = 2 x forward. Time = FLOPs / (N x the
-  hardware's dense bf16 peak x `efficiency`): an assumed model-FLOPs utilisation, printed with the plan.
+  hardware's dense bf16 peak x `efficiency`): an assumed model-FLOPs utilisation, printed with the plan. On an
+  eager profile (this CPU) the time is instead each stage's `StageWork` (its block calls, heads, AdamW steps
+  and cycle collections, as the run makes them) timed by the calibrated cost model (`puzzle.plan_time`).
 - Memory per rank = sharded parent parameters (parent dtype) + the largest unit all-gathered for its forward
   + what the stage trains (parameters, gradients and both AdamW moments, all in the training dtype as
   torch's AdamW keeps them, sharded) + activations of the sequences a rank runs at once (its rows of each
