@@ -62,9 +62,10 @@ def _reset_device_peak() -> None:
         torch.cuda.reset_peak_memory_stats()
 
 
-def stage_measurement(seconds: float) -> dict[str, Any]:
+def stage_measurement(seconds: float, cpu_seconds: float | None = None) -> dict[str, Any]:
     """What a stage that ran cost, for run.json (collective: every rank calls it): `seconds` of wall time on
-    rank 0, the ranks, each rank's peak resident memory (MiB: the process's running peak, ru_maxrss, so a
+    rank 0, `cpu_seconds` of CPU time rank 0's process used meanwhile (every thread's; on a CPU shared with
+    other jobs, what the stage would take alone at one thread, which `puzzle plan` prices), the ranks, each rank's peak resident memory (MiB: the process's running peak, ru_maxrss, so a
     later stage's is at least an earlier one's) and, on CUDA, each rank's peak allocated memory in this stage
     (MiB). `puzzle report` sets them beside the plan's (`puzzle.plan`)."""
     import torch
@@ -75,6 +76,7 @@ def stage_measurement(seconds: float) -> dict[str, Any]:
     ranks = dist.all_gather_object(own)
     measured: dict[str, Any] = {
         "seconds": round(seconds, 3),
+        **({} if cpu_seconds is None else {"cpu_seconds": round(cpu_seconds, 3)}),
         "ranks": len(ranks),
         "peak_rss_mib": [rank["rss"] for rank in ranks],
     }
@@ -162,7 +164,7 @@ class Ledger:
         shard.free_dropped_units()  # an earlier stage's sharded modules, dropped but not yet collected
         gathers.COUNTER.reset_peak()
         _reset_device_peak()
-        clock = time.perf_counter()
+        clock, cpu_clock = time.perf_counter(), time.process_time()
         started = now()
         running = {"status": "running", "inputs_hash": key, "inputs": inputs, "started": started}
         self.update(name, running)
@@ -173,7 +175,7 @@ class Ledger:
             raise
         outputs = dist.broadcast_object(outputs)
         shard.free_dropped_units()
-        measured = stage_measurement(time.perf_counter() - clock)
+        measured = stage_measurement(time.perf_counter() - clock, time.process_time() - cpu_clock)
         finished = {**running, "status": "done", "finished": now(), "measured": measured, "outputs": outputs}
         self.update(name, finished)
         dist.barrier()

@@ -14,7 +14,9 @@ The estimates, and why (docs/SCALE.md shows them on Nemotron-3 Nano and Super):
 - FLOPs: forward = the cost model's prefill FLOPs per token (`puzzle.cost.analytic`: 2 x the matmul weights a
   token runs through, plus attention scores and the Mamba scan at the configured sequence length), plus
   2 x H x V for the logits where a stage computes them; backward = 2 x forward. Time = FLOPs / (N x the
-  hardware's dense bf16 peak x `efficiency`): an assumed model-FLOPs utilisation, printed with the plan.
+  hardware's dense bf16 peak x `efficiency`): an assumed model-FLOPs utilisation, printed with the plan. On an
+  eager profile (this CPU) the time is instead each stage's `StageWork` (its block calls, heads, AdamW steps
+  and cycle collections, as the run makes them) timed by the calibrated cost model (`puzzle.plan_time`).
 - Memory per rank = sharded parent parameters (parent dtype) + the largest unit all-gathered for its forward
   + what the stage trains (parameters, gradients and both AdamW moments, all in the training dtype as
   torch's AdamW keeps them, sharded) + activations of the sequences a rank runs at once (its rows of each
@@ -37,6 +39,7 @@ from typing import Any, Literal
 from puzzle.cost.analytic import model_active_params, model_params, prefill_flops_per_token
 from puzzle.cost.hardware import HardwareProfile
 from puzzle.cost.kinds import block_cost
+from puzzle.plan_time import StageWork
 from puzzle.settings import split_batch
 from puzzle.shard import shard_numel
 from puzzle.spec import BlockSpec, ModelSpec, NoOpSpec, Variant
@@ -284,6 +287,7 @@ class StagePlan:
     notes: list[str] = field(default_factory=list)
     seconds: float | None = None  # set by plan_run from flops (or given, for the search)
     host: dict[str, float] = field(default_factory=dict)
+    work: StageWork | None = None  # its passes, which price it on an eager profile (`puzzle.plan_time`)
 
     @property
     def peak(self) -> float:
@@ -354,6 +358,11 @@ class Plan:
             line += f"; the library's {by_axis[0][len('library ') :]}: fewer values on an axis shrink it"
         return [line]
 
+    def gpu_hours(self, stage: StagePlan) -> float | None:
+        """GPU-hours of `stage`: its time on every rank (None where its time is not known). The search runs
+        on rank 0's CPU while the other ranks wait, so it holds every GPU too."""
+        return None if stage.seconds is None else stage.seconds * self.gpus / 3600
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "hardware": self.hardware.name,
@@ -369,6 +378,7 @@ class Plan:
                     "tokens": s.tokens,
                     "flops": s.flops,
                     "seconds": s.seconds,
+                    "gpu_hours": self.gpu_hours(s),
                     "memory": dict(s.memory),
                     "peak_bytes": s.peak,
                     "host_memory": dict(s.host),
@@ -391,8 +401,12 @@ class Plan:
             + (f" ({self.nodes} nodes of {self.gpus_per_node})" if self.nodes > 1 else "")
             + f" ({_gib(self.hardware.memory_bytes)} each, "
             f"usable {_gib(self.limit)} = memory_fraction {self.memory_fraction:g}); "
-            f"time at {self.efficiency:.0%} of the dense bf16 peak "
-            f"({self.hardware.flops_per_s('bf16') / 1e12:.0f} TFLOP/s per GPU)",
+            + (
+                "time from its calibrated eager cost model, pass by pass (puzzle.plan_time)"
+                if self.hardware.eager
+                else f"time at {self.efficiency:.0%} of the dense bf16 peak "
+                f"({self.hardware.flops_per_s('bf16') / 1e12:.0f} TFLOP/s per GPU)"
+            ),
             "",
         ]
         total = 0.0
@@ -414,6 +428,12 @@ class Plan:
             lines += [f"  note: {n}" for n in stage.notes]
         lines.append("")
         lines.append(f"total time {_duration(total)}; disk {_gib(self.disk)}")
+        hours = [(stage.name, self.gpu_hours(stage)) for stage in self.stages]
+        lines.append(
+            f"GPU-hours on {self.gpus} x {self.hardware.name}: "
+            + ", ".join(f"{name} {_hours(h)}" for name, h in hours if h is not None)
+            + f"; total {_hours(sum(h for _, h in hours if h is not None))}"
+        )
         lines += [f"does not fit: {m}" for m in self.misfits()]
         return "\n".join(lines)
 
@@ -427,6 +447,11 @@ def _count(value: float) -> str:
         if value >= size:
             return f"{value / size:.3g}{suffix}"
     return f"{value:g}"
+
+
+def _hours(gpu_hours: float) -> str:
+    """GPU-hours as the plan prints them: 3 significant figures, at least one decimal below 100."""
+    return f"{gpu_hours:,.0f}" if gpu_hours >= 100 else f"{gpu_hours:.3g}"
 
 
 def _duration(seconds: float) -> str:
@@ -493,6 +518,7 @@ class _Context:
     variants: dict[int, list[Variant]] | None
     usable: float | None = None  # memory per rank the stages may use (BLD's auto waves are sized from it)
     node: int | None = None  # ranks per node (LOCAL_WORLD_SIZE); None: one node of `world`
+    collects: int = 2  # cycle collections around every stage record (`puzzle.ledger.Ledger.run`)
 
     @property
     def child_fraction(self) -> float:
@@ -537,6 +563,19 @@ class _Context:
     def held_out_tokens(self) -> int | None:
         return self.config.data.held_out_tokens
 
+    def held_out_batches(self) -> int | None:
+        """Held-out batches of data.eval_batch_size the stages measure on (`RunContext.held_out_batches`),
+        None when data.held_out_tokens is null."""
+        tokens = self.held_out_tokens()
+        return (
+            None if tokens is None else math.ceil(tokens / (self.config.data.eval_batch_size * self.seq_len))
+        )
+
+    def work(self, dtype: str | None = None) -> StageWork:
+        """An empty `StageWork` of this parent and sequence length (the parent's dtype unless `dtype`)."""
+        name = dtype or {4: "float32", 8: "float64"}.get(self.dtype_bytes, "bfloat16")
+        return StageWork(self.spec.hidden_size, self.seq_len, name, collects=self.collects)
+
 
 def _importance(ctx: _Context) -> StagePlan:
     settings, H = ctx.config.importance, ctx.spec.hidden_size
@@ -551,6 +590,8 @@ def _importance(ctx: _Context) -> StagePlan:
         "residual stream": 2 * local * H * ctx.dtype_bytes,
         "block activations": ctx.largest_block_activations(local),
     }
+    work = ctx.work()
+    work.forward(ctx.spec.blocks, settings.batch_size, math.ceil(batches / ctx.world))
     return StagePlan(
         "importance",
         f"{batches} calibration batches of {settings.batch_size} x {ctx.seq_len} (forward only)",
@@ -558,6 +599,7 @@ def _importance(ctx: _Context) -> StagePlan:
         tokens * forward_flops_per_token(ctx.spec, ctx.seq_len, logits=False),
         memory,
         notes=["each rank runs whole calibration batches, its round-robin share of them"],
+        work=work,
     )
 
 
@@ -635,6 +677,7 @@ def _library(ctx: _Context, problems: list[str]) -> StagePlan:
         )
     if trained:
         notes.append(f"library bytes by kind: {library_bytes_by_axis(trained, H, store_bytes)}")
+    work = _library_work(ctx, trained, waves, rows.largest if rows is not None else 1)
     return StagePlan(
         "library",
         f"{len(trained)} variants to train ({by_kind or 'none'}) in {len(waves)} waves "
@@ -644,7 +687,36 @@ def _library(ctx: _Context, problems: list[str]) -> StagePlan:
         memory,
         disk=library_disk + wave_disk,
         notes=notes,
+        work=work,
     )
+
+
+def _library_work(ctx: _Context, trained: list[Variant], waves: list[list[Variant]], rows: int) -> StageWork:
+    """BLD's passes (`puzzle.bld.build_library`): per wave and step the parent's blocks up to the wave's last
+    and every variant's forward and backward on its rows, then an AdamW step per variant; the held-out nMSE
+    of the variants at init and at the end (the parent's blocks again), of the untrained ones once; a cycle
+    collection after each wave."""
+    settings, H = ctx.config.bld, ctx.spec.hidden_size
+    work = ctx.work(settings.dtype)
+    steps = settings.token_budget / (ctx.config.data.batch_size * ctx.seq_len)
+    held = ctx.held_out_batches() or 0
+    held_calls = math.ceil(held / ctx.world) if ctx.world_of(settings.shard) == 1 else held
+    eval_rows = ctx.config.data.eval_batch_size
+    for wave in waves:
+        last = max(v.block_index for v in wave)
+        work.forward(ctx.spec.blocks[: last + 1], rows, steps)
+        work.forward(ctx.spec.blocks[: last + 1], eval_rows, 2 * held_calls)
+        for variant in wave:
+            shapes, _ = _mixer_shapes(variant.spec, H)
+            work.forward([variant.spec], rows, steps, passes=3, whose="variant")
+            work.forward([variant.spec], eval_rows, 2 * held_calls, whose="variant")
+            work.optimizer(sum(math.prod(shape) for shape in shapes), len(shapes), steps)
+    untrained = [v for listed in (ctx.variants or {}).values() for v in listed if v not in set(trained)]
+    if untrained:
+        work.forward(ctx.spec.blocks, eval_rows, held_calls)
+        work.forward([v.spec for v in untrained], eval_rows, held_calls, whose="variant")
+    work.collects += len(waves)
+    return work
 
 
 def library_bytes_by_axis(trained: Sequence[Variant], hidden_size: int, store_bytes: int) -> str:
@@ -725,6 +797,22 @@ def _scores(ctx: _Context) -> StagePlan:
             if v.spec != spec.blocks[v.block_index]
         )
         flops = tokens * (len(waves) * per_wave + per_variant)
+    work = ctx.work()
+    held = ctx.held_out_batches() or 0
+    calls = held if world > 1 else math.ceil(held / ctx.world)
+    for wave in waves:  # the parent's pass over the held-out batches, its logits the reference
+        work.forward(spec.blocks, batch, calls)
+        work.head(spec.vocab_size, batch, calls, buffers=SCORE_LOGIT_BUFFERS)
+        own = [v for v in wave if v.spec == spec.blocks[v.block_index]]
+        if own and calls:  # the wave's check: its first parent variant through the suffix, on the first batch
+            first = min(own, key=lambda v: (v.block_index, v.id))
+            work.forward(spec.blocks[first.block_index :], batch, 1)
+            work.head(spec.vocab_size, batch, 1, buffers=SCORE_LOGIT_BUFFERS)
+    for v in variants:
+        if v.spec != spec.blocks[v.block_index]:
+            work.forward([v.spec], batch, calls, whose="variant")
+            work.forward(spec.blocks[v.block_index + 1 :], batch, calls)
+            work.head(spec.vocab_size, batch, calls, buffers=SCORE_LOGIT_BUFFERS)
     return StagePlan(
         "scores",
         f"{len(variants)} variants in {len(waves)} waves of up to {size} (scoring.variants_per_wave), "
@@ -734,6 +822,7 @@ def _scores(ctx: _Context) -> StagePlan:
         memory,
         disk=1024.0 * len(variants),
         notes=[*notes, "a variant costs its block, the parent's blocks after it and one lm_head pass"],
+        work=work,
     )
 
 
@@ -815,6 +904,14 @@ def _assemble(ctx: _Context) -> StagePlan:
     }
     tokens = ctx.held_out_tokens()
     flops = 0.0 if tokens is None else solutions * tokens * 2 * forward_flops_per_token(spec, ctx.seq_len)
+    # Each child's measured KL: the parent's and the child's passes over the held-out batches (the child
+    # priced as the parent scaled by its share), a KL head on both.
+    work = ctx.work()
+    held = ctx.held_out_batches() or 0
+    calls, rows = solutions * math.ceil(held / ctx.world), ctx.config.data.eval_batch_size
+    work.forward(spec.blocks, rows, calls)
+    work.forward(spec.blocks, rows, calls * child, whose="child")
+    work.head(spec.vocab_size, rows, 2 * calls, buffers=SCORE_LOGIT_BUFFERS)
     return StagePlan(
         "assemble",
         f"{solutions} child(ren) built from the library, measured KL on the held-out tokens",
@@ -822,6 +919,7 @@ def _assemble(ctx: _Context) -> StagePlan:
         flops,
         memory,
         notes=[_child_note(child)],
+        work=work,
     )
 
 
@@ -879,6 +977,7 @@ def _gkd_cost(ctx: _Context, problems: list[str], solutions: int, tokens: int) -
     student_passes = 4 if settings.activation_checkpointing else 3  # checkpointing runs each block again
     flops = solutions * tokens * (student_passes * child + 1) * forward_flops_per_token(spec, ctx.seq_len)
     checkpoint = 3 * child * model_params(spec) * train_bytes
+    work = _gkd_work(ctx, solutions, tokens, micro, student_passes)
     return StagePlan(
         "distill",
         f"{solutions} child(ren) x {_count(tokens)} tokens, {math.ceil(tokens / step_tokens)} steps of "
@@ -889,6 +988,7 @@ def _gkd_cost(ctx: _Context, problems: list[str], solutions: int, tokens: int) -
         disk=solutions * checkpoint,
         # keep_best: a host copy of this rank's shards of the best evaluation's weights (puzzle.gkd._snapshot).
         host={"best weights (host copy)": student.sharded if settings.keep_best else 0},
+        work=work,
         notes=[
             _child_note(child),
             f"AdamW keeps m and v in the training dtype ({settings.dtype}); activations are the parent's "
@@ -906,6 +1006,36 @@ def _gkd_cost(ctx: _Context, problems: list[str], solutions: int, tokens: int) -
             "teacher forward (1x) per token; evaluations excluded",
         ],
     )
+
+
+def _gkd_work(ctx: _Context, solutions: int, tokens: int, micro: int, student_passes: int) -> StageWork:
+    """GKD's passes per child (`puzzle.gkd.distill`): per step and micro-batch the teacher's forward and the
+    student's forward and backward (`student_passes` forwards' worth, the child priced as the parent scaled
+    by its share), the KL head forward and backward, an AdamW step of the student; its held-out evaluations
+    (before the first step, every gkd.eval_every steps and after the last), a teacher and a student pass
+    with their heads."""
+    settings, spec = ctx.config.gkd, ctx.spec
+    work = ctx.work(settings.dtype)
+    steps = math.floor(tokens / (settings.batch_size * ctx.seq_len))
+    micros = steps * math.ceil(rows_per_rank(settings.batch_size, ctx.world) / micro)
+    child = ctx.child_fraction
+    work.forward(spec.blocks, micro, solutions * micros)  # the teacher
+    work.forward(spec.blocks, micro, solutions * micros * child, passes=student_passes, whose="child")
+    work.head(spec.vocab_size, micro, solutions * micros, passes=3, buffers=GKD_LOGIT_BUFFERS)
+    params = model_params(spec) * child
+    tensors = sum(len(_mixer_shapes(b, spec.hidden_size)[0]) + 1 for b in spec.blocks) + 3
+    work.optimizer(params, tensors * child, solutions * steps)
+    evaluations = 1 + (steps // settings.eval_every if settings.eval_every else 0)
+    if not settings.eval_every or steps % settings.eval_every:
+        evaluations += 1  # the last step's
+    held = ctx.held_out_batches() or 0
+    eval_rows = min(micro, ctx.config.data.eval_batch_size)
+    calls = solutions * evaluations * held * math.ceil(ctx.config.data.eval_batch_size / eval_rows)
+    calls = calls if ctx.world_of(settings.shard) > 1 else math.ceil(calls / ctx.world)
+    work.forward(spec.blocks, eval_rows, calls)
+    work.forward(spec.blocks, eval_rows, calls * child, whose="child")
+    work.head(spec.vocab_size, eval_rows, calls, passes=2, buffers=GKD_LOGIT_BUFFERS)
+    return work
 
 
 def _gkd_head(
@@ -1013,7 +1143,9 @@ def plan_run(
         stages[2].notes.append(unknown)
     rate = gpus * hardware.flops_per_s("bf16") * efficiency
     for stage in stages:
-        if stage.seconds is None and stage.flops:
+        if stage.seconds is None and hardware.eager and stage.work is not None:
+            stage.seconds = stage.work.seconds(hardware)  # this CPU: the calibrated cost model, pass by pass
+        elif stage.seconds is None and stage.flops:
             stage.seconds = stage.flops / rate
     if config.rounds.count > 1:
         stages[0].notes.append(

@@ -955,7 +955,9 @@ def _stage_costs(report: _Report, layout: RunLayout, parent: ModelSpec) -> None:
         "Wall time and peak memory per rank of each stage as it last ran (run.json), beside `puzzle plan`'s "
         "for the run's config on the same ranks of its hardware profile. Peak resident memory is the "
         "process's running peak (a later stage's is at least an earlier one's). Tokens/s: the plan's "
-        "tokens over the measured time." + (f" _No plan: {problem}._" if problem else ""),
+        "tokens over the measured time. CPU s: rank 0's CPU time in the stage (on a CPU shared with other "
+        "jobs, what one thread would take alone; benchmarks/plan_vs_measured.py compares the plan with it)."
+        + (f" _No plan: {problem}._" if problem else ""),
         "",
     )
     rows = []
@@ -967,12 +969,13 @@ def _stage_costs(report: _Report, layout: RunLayout, parent: ModelSpec) -> None:
         tokens = None if stage is None or not stage.tokens or not seconds else stage.tokens / seconds
         peak = max(m.get("peak_cuda_mib") or m.get("peak_rss_mib") or [0.0])
         plan_peak = None if stage is None else stage.resident / 2**20
-        rows.append([name, seconds, plan_seconds, ratio, tokens, peak, plan_peak])
+        rows.append([name, seconds, m.get("cpu_seconds"), plan_seconds, ratio, tokens, peak, plan_peak])
     report.add(
         *_table(
             [
                 "stage",
                 "measured s",
+                "CPU s",
                 "planned s",
                 "measured / planned",
                 "tokens/s",

@@ -28,7 +28,7 @@ import pytest
 import yaml
 
 from puzzle.cli import main
-from puzzle.plan import _count, _duration, _gib
+from puzzle.plan import _count, _duration, _gib, _hours
 
 ROOT = Path(__file__).resolve().parents[1]
 SCALE = ROOT / "docs" / "SCALE.md"
@@ -36,8 +36,8 @@ HEADING = re.compile(r"^### (?P<title>[^:]+): `(?P<command>puzzle plan [^`]+)` \
 WITH = re.compile(r"\s+# with (?P<keys>.+)$")
 FIGURE = re.compile(r"\b\d+\.\d (?:GiB|h|d|min|s)\b")
 TABLE_HEADER = (
-    "| stage | work | tokens | time | peak / rank | largest part | fits | disk |",
-    "|---|---|---|---|---|---|---|---|",
+    "| stage | work | tokens | time | GPU-hours | peak / rank | largest part | fits | disk |",
+    "|---|---|---|---|---|---|---|---|---|",
 )
 
 
@@ -86,6 +86,7 @@ def table_for(plan: dict[str, Any]) -> list[str]:
             stage["units"],
             "-" if stage["tokens"] is None else _count(stage["tokens"]),
             "-" if stage["seconds"] is None else _duration(stage["seconds"]),
+            "-" if stage["gpu_hours"] is None else _hours(stage["gpu_hours"]),
             _gib(stage["peak_bytes"]),
             "-" if largest is None else f"{largest} {_gib(memory[largest])}",
             "yes" if stage["peak_bytes"] <= limit else "**no**",

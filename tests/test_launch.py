@@ -128,6 +128,9 @@ def test_the_plan_prints_the_launch_line_for_its_nodes(capsys):
     )
     assert main(["plan", SUPER, "--gpus", "16", "--hardware", "b200"]) == 0
     assert "launch" not in capsys.readouterr().out  # without --nodes the nodes are not known
+    # A plan that refuses (exit 2: one H100 per node cannot hold the library) prints no launch line.
+    assert main(["plan", SUPER, "--nodes", "2", "--gpus-per-node", "1", "--hardware", "h100"]) == 2
+    assert "launch" not in capsys.readouterr().out
 
 
 def test_bad_sizes_are_errors():

@@ -921,10 +921,11 @@ def test_each_stage_records_what_it_cost_and_the_report_sets_it_beside_the_plan(
     for record in ran.values():
         measured = record["measured"]
         assert measured["seconds"] >= 0 and measured["ranks"] == 1
+        assert 0 <= measured["cpu_seconds"]  # rank 0's CPU time in the stage
         assert len(measured["peak_rss_mib"]) == 1 and measured["peak_rss_mib"][0] > 0
     text = write_report(run_dir, tmp_path / "report").read_text()
     section = text.split("## Stages, planned and measured")[1].split("\n## ")[0]
     assert "_No plan" not in section
     library = next(line for line in section.splitlines() if line.startswith("| library "))
-    ratio = library.split(" | ")[3]
+    ratio = library.split(" | ")[4]  # stage, measured s, CPU s, planned s, measured / planned
     assert ratio not in ("-", "") and float(ratio.replace(",", "")) > 0

@@ -132,11 +132,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"puzzle plan: error: parent.path: {error}", file=sys.stderr)
         return EXIT_DOES_NOT_FIT
     print(json.dumps(plan.to_dict(), indent=2) if args.json else plan.render())
-    if args.nodes is not None and not args.json:
-        print(_launch_line(args.nodes, args.gpus_per_node, args.config))
     misfits = plan.misfits()
     if args.disk is not None:
         misfits += plan.disk_misfits(args.disk, "given by --disk")
+    if args.nodes is not None and not args.json and not misfits:  # no launch line for a run it refuses
+        print(_launch_line(args.nodes, args.gpus_per_node, args.config))
     for line in misfits:
         print(f"puzzle plan: does not fit: {line}", file=sys.stderr)
     return EXIT_DOES_NOT_FIT if misfits else 0

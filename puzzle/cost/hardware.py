@@ -1,7 +1,7 @@
 """Accelerator profiles for the roofline model: peak dense FLOP/s per dtype, memory bandwidth and capacity.
 
 Published datacenter GPUs, plus "this-machine": the current CPU, calibrated once per process by a
-short measurement (fp32 matmul rate, copy bandwidth, per-op dispatch overhead; well under 2 s). A run
+short measurement (fp32 matmul rate, copy bandwidth, per-op dispatch overhead, a cycle collection; about 2 s). A run
 directory keeps its own calibration (`stored_calibration`, RUN_DIR/hardware.json), measured once and read
 back by every later stage and command, so that its figures do not change with the machine's load.
 """
@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import json
 import logging
 import os
 import re
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +54,12 @@ class HardwareProfile:
     `gpus` > 1: a server of that many devices serving one model copy with tensor and expert parallelism
     (`multi_gpu`): FLOP/s, bandwidth and memory are the devices' sums, and each block's output is
     all-reduced over the interconnect, `interconnect_bandwidth` bytes/s per device and direction.
+
+    `collect_s`: one full run of Python's cycle collector in the calibrating process (`puzzle run` collects
+    between stages to free dropped FSDP units; `puzzle.plan_time` prices it on eager profiles; a GPU plan
+    leaves it out, negligible next to its stages). `stream_bandwidth`: bytes/s of a copy far larger than
+    the caches (`memory_bandwidth` is a cache-resident one's; 0: not measured, the same), at which a training
+    step's activations move: the backward reads what the forward wrote long before.
     """
 
     name: str
@@ -63,6 +72,8 @@ class HardwareProfile:
     source: str = ""
     gpus: int = 1
     interconnect_bandwidth: float = 0.0
+    collect_s: float = 0.0
+    stream_bandwidth: float = 0.0
 
     def matmul_flops_per_s(self, dtype: str = "bf16", rows: int | None = None) -> float:
         """FLOP/s of a matmul with `rows` rows (tokens); the few-rows rate where the profile has one."""
@@ -157,8 +168,12 @@ def _physical_memory_bytes() -> int:
 
 
 @functools.lru_cache(maxsize=1)
-def calibrate_this_machine() -> HardwareProfile:
-    """Measure this process's CPU as the CPU reference path sees it (cached per process, ~0.3 s).
+def calibrate_this_machine(clock: Callable[[], float] = time.perf_counter) -> HardwareProfile:
+    """Measure this process's CPU as the CPU reference path sees it (cached per process, ~2 s).
+
+    `clock`: wall time (the default), or `time.process_time` for the CPU time alone, as one thread would run
+    on an idle machine (benchmarks/plan_vs_measured.py compares the plan with run.json's `cpu_seconds` so
+    on a CPU other jobs share).
 
     Each figure is a median of timed calls after warm-up, the statistic `measure.py` reports, so that
     on a CPU shared with other processes prediction and measurement see the same load. Sized for
@@ -185,23 +200,30 @@ def calibrate_this_machine() -> HardwareProfile:
             for _ in range(products):
                 torch.mm(a, b, out=out)
 
-        matmul_s = median_seconds(matmuls, 5) / products
+        matmul_s = median_seconds(matmuls, 5, clock=clock) / products
         matmul_flops = 2.0 * n**3 / matmul_s
 
         rows = torch.randn(4, n)
         weight = torch.randn(4 * n, n)  # 4 MiB, like a small block's projection
-        few_rows_s = median_seconds(lambda: torch.nn.functional.linear(rows, weight), 9)
+        few_rows_s = median_seconds(lambda: torch.nn.functional.linear(rows, weight), 9, clock=clock)
         few_rows_flops = 2.0 * rows.shape[0] * weight.numel() / few_rows_s
 
         src = torch.ones(MIB)  # 4 MiB of fp32
         dst = torch.empty_like(src)
-        copy_s = median_seconds(lambda: dst.copy_(src), 9)
+        copy_s = median_seconds(lambda: dst.copy_(src), 9, clock=clock)
         bandwidth = 2.0 * src.numel() * src.element_size() / copy_s
+        big = torch.ones(16 * MIB)  # 64 MiB of fp32: past the caches, as DRAM streams it
+        big_out = torch.empty_like(big)
+        stream_s = median_seconds(lambda: big_out.copy_(big), 5, clock=clock)
+        stream_bandwidth = 2.0 * big.numel() * big.element_size() / stream_s
 
         layers = 10
         chain = nn.Sequential(*[module for _ in range(layers) for module in (nn.Linear(16, 16), nn.ReLU())])
         tiny = torch.randn(2, 16)
-        overhead_s = median_seconds(lambda: chain(tiny), 15) / (2 * layers)
+        overhead_s = median_seconds(lambda: chain(tiny), 15, clock=clock) / (2 * layers)
+    # The cycle collector's cost grows with the objects the process holds: measured here, it is that of the
+    # process calibrating (the run's own when the run stores its calibration, RUN_DIR/hardware.json).
+    collect_s = median_seconds(gc.collect, 3, warmup=1, clock=clock)
 
     return HardwareProfile(
         name="this-machine",
@@ -211,7 +233,10 @@ def calibrate_this_machine() -> HardwareProfile:
         op_overhead_s=overhead_s,
         eager=True,
         few_rows_flops=few_rows_flops,
-        source=f"calibrated in-process ({torch.get_num_threads()} torch threads)",
+        source=f"calibrated in-process ({torch.get_num_threads()} torch threads"
+        + (", CPU time)" if clock is time.process_time else ")"),
+        collect_s=collect_s,
+        stream_bandwidth=stream_bandwidth,
     )
 
 
