@@ -9,8 +9,10 @@ row scaled to O(1)) let through. The oracle enumerates every architecture and ch
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -128,3 +130,31 @@ def test_a_bound_no_architecture_meets_to_its_tolerance_is_infeasible():
     for options, shared in PATHS.values():
         with pytest.raises(InfeasibleError):
             search(table, [bound], Rules(shared_state_size=shared), options)
+
+
+SUPER = Path(__file__).resolve().parents[1] / "examples" / "parents" / "nemotron3_super"
+
+
+def test_the_cost_models_batch_at_a_speed_and_requests_that_fit_hold_the_same_tolerance():
+    """Super on 8 x B200 at 8K in / 64K out: a speed 5e-10 above what its largest batch reaches still keeps
+    that batch (the search's `user_speed` row takes it), 5e-9 above does not; the same for memory: usable
+    memory 5e-10 short of R requests still holds R, 5e-9 short does not."""
+    from puzzle import nemotron_h
+    from puzzle.cost import Scenario, max_batch_at_speed, max_concurrent_requests, model_performance
+    from puzzle.cost.analytic import model_weight_bytes, state_bytes_per_request
+    from puzzle.cost.hardware import get_hardware
+
+    spec = nemotron_h.spec_from_config(nemotron_h.read_config(SUPER))
+    scenario = Scenario(1, 8192, 65536, recipe="nvfp4", compute_dtype="nvfp4")
+    first = max_batch_at_speed(spec, scenario, "8xb200", user_speed=500.0)
+    assert first.limited_by == "speed" and first.batch > 1
+    at_batch = model_performance(spec, dataclasses.replace(scenario, batch_size=first.batch), "8xb200")
+    reached = at_batch.per_user_tokens_per_s
+    assert max_batch_at_speed(spec, scenario, "8xb200", user_speed=reached * (1 + 5e-10)).batch == first.batch
+    assert max_batch_at_speed(spec, scenario, "8xb200", user_speed=reached * (1 + 5e-9)).batch < first.batch
+
+    context, capacity = 1_000_000, get_hardware("h100-80gb").memory_bytes
+    need = model_weight_bytes(spec, "nvfp4") + 3 * state_bytes_per_request(spec, context, "fp8")
+    for short, expected in ((5e-10, 3), (5e-9, 2)):
+        fraction = need / (1 + short) / capacity
+        assert max_concurrent_requests(spec, "h100-80gb", context, "nvfp4", "fp8", fraction) == expected
