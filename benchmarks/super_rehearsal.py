@@ -181,14 +181,19 @@ def full_size_child(child_dir: Path) -> Any:
 
 
 def budget_check(child: Any, parent: Any, config: dict[str, Any]) -> dict[str, Any]:
-    """The child's full-size figures for the seed's budgets, from the cost model's whole-model functions."""
+    """The child's full-size figures for the seed's budgets, from the cost model's whole-model functions, and
+    `meets`: {budget text: whether the child meets it}, judged by `within_bounds` (the relative tolerance the
+    search holds every budget to) on those figures, not on the search's table."""
     from puzzle.cost import (
         Scenario,
         max_batch_at_speed,
         max_concurrent_requests,
         model_active_params,
         model_params,
+        model_weight_bytes,
+        state_bytes_per_request,
     )
+    from puzzle.cost.limits import Relative, parse_limit, within_bounds
 
     hardware = config["hardware"]
     fraction = hardware["memory_fraction"]
@@ -201,12 +206,34 @@ def budget_check(child: Any, parent: Any, config: dict[str, Any]) -> dict[str, A
     def requests(spec: Any) -> int:
         return max_concurrent_requests(spec, "h100-80gb", context, million.recipe, million.kv_dtype, fraction)
 
+    def memory(spec: Any) -> float:
+        """memory_bytes[million_h100]: weights + the scenario's batch of 1M-token requests' KV and state."""
+        per_request = state_bytes_per_request(
+            spec, context, million.kv_dtype, million.ssm_dtype, million.conv_dtype
+        )
+        return model_weight_bytes(spec, million.recipe) + million.batch_size * per_request
+
+    figures = {
+        "throughput_at_speed[out_64k]": (child_point.throughput, parent_point.throughput),
+        "memory_bytes[million_h100]": (memory(child), memory(parent)),
+    }
+    meets = {}
+    for text in config["search"]["budgets"]:
+        bound = parse_limit(text)
+        value, of_parent = figures[bound.key]  # a KeyError names a budget this check does not know
+        lower, upper = (
+            None if side is None else side.resolve(of_parent) if isinstance(side, Relative) else float(side)
+            for side in (bound.lower, bound.upper)
+        )
+        meets[text] = bool(within_bounds(value, lower, upper))
     return {
         "params": model_params(child),
         "active_params": model_active_params(child),
         "throughput_gain_at_500_tok_s": child_point.throughput / parent_point.throughput,
         "batch_at_speed": [parent_point.batch, child_point.batch],  # [Super's, the child's]
         "million_token_requests_on_h100": [requests(parent), requests(child)],
+        "memory_bytes_million_h100": [memory(parent), memory(child)],
+        "meets": meets,
     }
 
 

@@ -2,6 +2,10 @@
 
 A relative value is a factor of the parent's total for that key (the sum over the first variant of every
 block plus the fixed part). The same syntax is used wherever the command line takes a budget.
+
+A total meets a bound to `BOUND_RTOL` of the bound's magnitude (`within_bounds`): the one tolerance the search's
+answer, the baselines and every other check of a child against its budgets hold it to, whatever the unit (a
+decode step of 0.002 s and a memory of 8e10 bytes alike).
 """
 
 from __future__ import annotations
@@ -10,6 +14,26 @@ import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# A child meets `total <= bound` when total <= bound + BOUND_RTOL * |bound|: float64 round-off of a sum over
+# blocks (~1e-14 of it) passes, a solver's feasibility tolerance (1e-7 .. 1e-6 of the row) does not.
+BOUND_RTOL = 1e-9
+
+
+def within_bounds(total: Any, lower: float | None, upper: float | None) -> Any:
+    """Whether `total` (a number, or an array of them) meets `lower <= total <= upper` (None: that side is
+    unbounded), each side to `BOUND_RTOL` of that bound's magnitude: relative, so the same in seconds and
+    in bytes. A bool for a number, a bool array for an array; NaN meets nothing."""
+    total = np.asarray(total, dtype=np.float64)
+    ok = ~np.isnan(total)
+    if upper is not None:
+        ok &= total <= upper + BOUND_RTOL * abs(upper)
+    if lower is not None:
+        ok &= total >= lower - BOUND_RTOL * abs(lower)
+    return bool(ok) if ok.ndim == 0 else ok
 
 
 class BudgetError(ValueError):

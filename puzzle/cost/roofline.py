@@ -36,6 +36,7 @@ from puzzle.cost.analytic import (
 )
 from puzzle.cost.hardware import DEFAULT_MEMORY_FRACTION, HardwareProfile, get_hardware
 from puzzle.cost.kinds import block_cost
+from puzzle.cost.limits import BOUND_RTOL, within_bounds
 from puzzle.spec import BlockSpec, ModelSpec, SpecError
 
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16", "fp8", "nvfp4")
@@ -377,8 +378,8 @@ def max_concurrent_requests(
 ) -> int:
     """How many requests of `context_len` tokens fit in memory beside the weights (0 if the weights don't fit).
 
-    floor((memory_fraction x capacity - weight bytes - reserved_bytes) / state bytes per request), where a
-    request holds KV for every token and one recurrent state per Mamba block. `memory_fraction` is
+    floor((memory_fraction x capacity - weight bytes - reserved_bytes) / state bytes per request) (the usable
+    memory to a relative `BOUND_RTOL`, as the search's budgets are held to it), where a request holds KV for every token and one recurrent state per Mamba block. `memory_fraction` is
     the share of the device an engine may use (vLLM's gpu_memory_utilization, default 0.9);
     `reserved_bytes` covers activations / workspace if known.
     """
@@ -392,7 +393,10 @@ def max_concurrent_requests(
         raise SpecError(
             "the model keeps no per-request state (no attention or Mamba block): memory does not bound it"
         )
-    free = memory_fraction * hardware.memory_bytes - model_weight_bytes(spec, recipe) - reserved_bytes
+    usable = memory_fraction * hardware.memory_bytes
+    # R requests fit when weights + R x state <= usable to the relative BOUND_RTOL the search holds its
+    # `concurrent_requests` row to (`within_bounds`), so the count agrees with the search's verdict.
+    free = usable * (1.0 + BOUND_RTOL) - model_weight_bytes(spec, recipe) - reserved_bytes
     return max(0, math.floor(free / per_request))
 
 
@@ -429,7 +433,9 @@ def max_batch_at_speed(
     """The largest batch of `scenario` (its own batch size ignored) whose per-user decode speed, 1 / decode
     step at the mean decode context, is at least `user_speed` (default: the scenario's), and that fits in
     memory: that many requests of prompt + generated tokens, KV cache and recurrent state in the scenario's
-    dtypes, beside the weights in its recipe (`max_concurrent_requests`).
+    dtypes, beside the weights in its recipe (`max_concurrent_requests`). "At least" is to the relative
+    `BOUND_RTOL` the search holds a budget to (`puzzle.cost.limits.within_bounds`), so a child the search
+    returns under `user_speed` or `throughput_at_speed` carries the batch it was priced at.
 
     The decode step does not shrink as the batch grows (more weights touched, more state read, more
     FLOPs), so the speed is monotone in the batch and a bisection over [1, max concurrent] finds the
@@ -460,16 +466,20 @@ def max_batch_at_speed(
             model_spec, dataclasses.replace(scenario, batch_size=batch), hardware, latency_fn
         )
 
+    def meets_speed(performance: ModelPerformance) -> bool:
+        """At least the speed, to the relative tolerance the search's `user_speed` row is held to."""
+        return within_bounds(performance.per_user_tokens_per_s, float(speed), None)
+
     if fits < 1:
         return SpeedPoint(float(speed), 0, fits, "none-fits", None)
-    if at(1).per_user_tokens_per_s < speed:
+    if not meets_speed(at(1)):
         return SpeedPoint(float(speed), 0, fits, "speed", None)
     low, high = 1, fits  # at(low) meets the speed; the answer is in [low, high]
-    if at(high).per_user_tokens_per_s >= speed:
+    if meets_speed(at(high)):
         return SpeedPoint(float(speed), high, fits, "memory", at(high))
     while high - low > 1:  # at(high) misses the speed
         middle = (low + high) // 2
-        if at(middle).per_user_tokens_per_s >= speed:
+        if meets_speed(at(middle)):
             low = middle
         else:
             high = middle

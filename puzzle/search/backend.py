@@ -20,7 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from puzzle.cost.limits import BOUND_RTOL
 from puzzle.search.types import SearchError
+
+# The MIP back ends hold rows and integrality to this (HiGHS's mip_feasibility_tolerance and
+# primal_feasibility_tolerance, CBC's primal and integer tolerances; their defaults are 1e-6 / 1e-7). On
+# rows scaled to a bound of 1 (`puzzle.search.mip.row_scale`) it is the relative tolerance `within_bounds`
+# judges the answer by: at the defaults an answer just outside a bound is taken as an incumbent, prunes the
+# nodes holding the true optimum, and is dropped at the end, leaving a worse architecture called optimal.
+FEASIBILITY_TOLERANCE = BOUND_RTOL
 
 if TYPE_CHECKING:
     import pulp
@@ -245,8 +253,16 @@ def _pulp_solver(
     import pulp
 
     if name == "highs":
+        tolerances = {
+            "mip_feasibility_tolerance": FEASIBILITY_TOLERANCE,
+            "primal_feasibility_tolerance": FEASIBILITY_TOLERANCE,
+        }
         return pulp.HiGHS(
-            msg=False, mip=integer, gapRel=gap_rel, timeLimit=time_limit, **(highs_options or {})
+            msg=False,
+            mip=integer,
+            gapRel=gap_rel,
+            timeLimit=time_limit,
+            **{**tolerances, **(highs_options or {})},
         )
     with (
         warnings.catch_warnings()
@@ -258,6 +274,10 @@ def _pulp_solver(
             gapRel=gap_rel,
             timeLimit=None if time_limit is None else max(1, math.ceil(time_limit)),
             logPath=log_path,
+            options=[
+                f"primalTolerance {FEASIBILITY_TOLERANCE:g}",
+                f"integerTolerance {FEASIBILITY_TOLERANCE:g}",
+            ],
         )
 
 

@@ -16,6 +16,12 @@ Without highspy (or with heuristics off) step 3-4 become: fix r > g for a guesse
 the answer z when z - z_LP <= g; otherwise set g = z - z_LP and solve once more (which then certifies).
 The gap reported is proven: the least of the bounds behind each fixing (z_inc, or z_LP + g) and the
 reduced MIP's dual bound, never below z_LP; "optimal" means that gap is within gap_rel.
+
+The answer is then checked on the table's un-scaled float64 sums (`puzzle.search.mip.broken_limits`), to
+`puzzle.cost.limits.BOUND_RTOL` of each bound: the solvers hold the (scaled) rows to their own feasibility
+tolerance, ~1e-6 of the row, and an optimum exploits it. An answer that breaks a budget is solved again with
+that budget tightened by a few times its excess (at least 1e-7 of the row, growing each try), at most
+`RETIGHTEN` times, then refused. Only architectures within that margin of the bound are lost by it.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from puzzle.cost.limits import Bound
+from puzzle.cost.limits import BOUND_RTOL, Bound, within_bounds
 from puzzle.search import mckp
 from puzzle.search.backend import (
     REDUCED_MIP_HIGHS_OPTIONS,
@@ -39,7 +45,15 @@ from puzzle.search.backend import (
     solve_with_pulp,
 )
 from puzzle.search.heuristics import dive, improve, probe, rows_hold
-from puzzle.search.mip import Problem, build_problem, feasible_choices, resolve_limits, tolerance
+from puzzle.search.mip import (
+    Broken,
+    Problem,
+    broken_limits,
+    build_problem,
+    feasible_choices,
+    resolve_limits,
+    row_scale,
+)
 from puzzle.search.types import InfeasibleError, Rules, SearchError, Solution, SolverOptions, Table
 
 _log = logging.getLogger(__name__)
@@ -325,22 +339,48 @@ def search(
     started = time.perf_counter()
     deadline = None if options.time_limit_s is None else started + options.time_limit_s
     resolved = resolve_limits(table, limits)
-    bounds = [(str(limit), table.cost(limit.key), lower, upper) for limit, lower, upper in resolved]
-    problem = build_problem(
-        table, _objective_vector(table), bounds, rules, previous, min_diff, options.presolve
-    )
-    outcome = _solve_problem(problem, options, deadline)
-    if outcome.choices is None:
-        if outcome.status == "infeasible":
-            if previous:
-                raise InfeasibleError(
-                    f"no further architecture differs from the {len(previous)} found in >= {min_diff} blocks",
-                    None,
-                    None,
-                    [],
-                )
-            raise _diagnose(table, resolved, rules, options)
-        raise SearchError(f"the solver stopped without a solution (status {outcome.status})")
+    solving = list(resolved)  # what the solver is given: `resolved`, tightened where an answer broke it
+    broken: list[Broken] = []
+    for attempt in range(RETIGHTEN + 1):
+        bounds = [(str(limit), table.cost(limit.key), lower, upper) for limit, lower, upper in solving]
+        problem = build_problem(
+            table, _objective_vector(table), bounds, rules, previous, min_diff, options.presolve
+        )
+        outcome = _solve_problem(problem, options, deadline)
+        if outcome.choices is None:
+            if outcome.status == "infeasible":
+                if previous:
+                    raise InfeasibleError(
+                        f"no further architecture differs from the {len(previous)} found in >= {min_diff} "
+                        "blocks",
+                        None,
+                        None,
+                        [],
+                    )
+                if broken:  # the budgets are met only within the solvers' tolerance, if at all
+                    first = broken[0]
+                    raise InfeasibleError(
+                        "no architecture meets "
+                        + "; ".join(_broken_text(resolved, item) for item in broken)
+                        + f" to the relative {BOUND_RTOL:g} a budget is held to: the solver's best answer "
+                        "breaks it by that much, and none is found with the bound tightened",
+                        str(resolved[first.index][0]),
+                        first.total,
+                        [(str(resolved[item.index][0]), item.total) for item in broken],
+                    )
+                raise _diagnose(table, resolved, rules, options)
+            raise SearchError(f"the solver stopped without a solution (status {outcome.status})")
+        broken = broken_limits(table, outcome.choices, resolved)
+        if not broken:
+            break
+        if attempt == RETIGHTEN:
+            raise SearchError(
+                f"the solver's answer {list(outcome.choices)} breaks "
+                + "; ".join(_broken_text(resolved, item) for item in broken)
+                + f" beyond the relative {BOUND_RTOL:g} a budget is held to, after {RETIGHTEN} re-solves "
+                "with it tightened; try solver 'cbc' or 'highs' (the other one), or loosen the budget"
+            )
+        solving = _tightened(table, resolved, solving, broken, attempt)
     _check(table, outcome.choices, resolved, rules)
     return _make_solution(
         table,
@@ -350,6 +390,44 @@ def search(
         time.perf_counter() - started,
         problem.dropped,
     )
+
+
+# How many times `search` solves again with a broken budget tightened before it refuses the answer.
+RETIGHTEN = 4
+
+
+def _broken_text(resolved, item: Broken) -> str:
+    limit = resolved[item.index][0]
+    side = "<=" if item.total > item.bound else ">="
+    return (
+        f"{limit} (total {item.total!r}, bound {side} {item.bound!r}: off by {item.excess:.3g}, "
+        f"{item.relative:.3g} of the bound)"
+    )
+
+
+def _tightened(table: Table, resolved, solving, broken: Sequence[Broken], attempt: int) -> list:
+    """`solving` with each broken limit's bound moved inside the budget (`resolved`'s) by a margin of at
+    least twice the excess and 1e-7 of the row, times 4 per earlier attempt: beyond the solvers' tolerances
+    after a try or two, and never looser than the bound before."""
+    solving = list(solving)
+    for item in broken:
+        limit, lower, upper = resolved[item.index]
+        _, solve_lower, solve_upper = solving[item.index]
+        scale = row_scale(table, table.cost(limit.key), lower, upper)
+        margin = max(2.0 * item.excess, 1e-7 * scale) * 4.0**attempt
+        if item.total > item.bound:
+            solve_upper = min(solve_upper, upper - margin)
+        else:
+            solve_lower = max(solve_lower, lower + margin)
+        solving[item.index] = (limit, solve_lower, solve_upper)
+        _log.info(
+            "search: the solver's answer breaks %s; solving again with the bound tightened by %.3g "
+            "(%.3g of it)",
+            _broken_text(resolved, item),
+            margin,
+            margin / abs(item.bound) if item.bound else math.inf,
+        )
+    return solving
 
 
 def search_k(
@@ -398,10 +476,12 @@ def _diagnose(table: Table, resolved, rules: Rules, options: SolverOptions) -> I
             "the global rules cannot be met by this library, whatever the budgets", None, None, []
         )
 
-    def misses(lower, upper, low_best, high_best) -> bool:
-        return (upper is not None and low_best > upper + tolerance(upper)) or (
-            lower is not None and high_best < lower - tolerance(lower)
-        )
+    def upper_misses(upper, low_best, fixed) -> bool:
+        """The smallest reachable total breaks the upper bound (as `within_bounds` judges the answer)."""
+        return upper is not None and not within_bounds(low_best + fixed, None, upper + fixed)
+
+    def lower_misses(lower, high_best, fixed) -> bool:
+        return lower is not None and not within_bounds(high_best + fixed, lower + fixed, None)
 
     def best_pair(index: int, others) -> tuple[float, float, float]:
         limit, lower, upper = resolved[index]
@@ -427,10 +507,10 @@ def _diagnose(table: Table, resolved, rules: Rules, options: SolverOptions) -> I
             low, high, fixed = best_pair(index, others)
             if not math.isfinite(low) and not math.isfinite(high):
                 continue
-            if misses(lower, upper, low, high):
-                upper_misses = upper is not None and low > upper + tolerance(upper)
-                best = low if upper_misses else high
-                target = f"<= {upper + fixed:g}" if upper_misses else f">= {lower + fixed:g}"
+            upper_missed = upper_misses(upper, low, fixed)
+            if upper_missed or lower_misses(lower, high, fixed):
+                best = low if upper_missed else high
+                target = f"<= {upper + fixed:g}" if upper_missed else f">= {lower + fixed:g}"
                 details.append((str(limit), best + fixed, target))
         if details:
             name, best, target = details[0]

@@ -1,7 +1,10 @@
 """The search MIP as rows and columns: one binary per variant, one-per-block rows, budget rows, rule rows.
 
 `build_problem` turns a `Table`, bounds and `Rules` into a `Problem` (a `RowModel` the back ends solve),
-after a dominance presolve that drops per block the variants another one beats in every respect.
+after a dominance presolve that drops per block the variants another one beats in every respect. Each budget
+row is divided by its `row_scale`, so that the solvers' absolute feasibility tolerances (1e-7 .. 1e-6) are
+relative to the bound, in seconds as in bytes; `feasible_choices` and `broken_limits` judge a choice on the
+un-scaled sums, to `puzzle.cost.limits.BOUND_RTOL` of each bound.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from puzzle.cost.limits import Bound
+from puzzle.cost.limits import Bound, within_bounds
 from puzzle.search.backend import Row, RowModel
 from puzzle.search.types import Rules, SearchError, Table
 
@@ -30,10 +33,6 @@ class Problem(RowModel):
     round_off: float = 1e-9  # objective differences below this are solver round-off (1e-9 of its range)
 
 
-def tolerance(value: float) -> float:
-    return 1e-9 * max(1.0, abs(value))
-
-
 def resolve_limits(table: Table, limits: Sequence[Bound]) -> list[tuple[Bound, float | None, float | None]]:
     """(limit, lower, upper) on the blocks' sum: absolute totals minus the fixed part."""
     resolved = []
@@ -47,6 +46,11 @@ def resolve_limits(table: Table, limits: Sequence[Bound]) -> list[tuple[Bound, f
     return resolved
 
 
+def _absolute(bound: float | None, fixed: float) -> float | None:
+    """A bound on the blocks' sum (`resolve_limits`) back on the whole total, as the budget states it."""
+    return None if bound is None else bound + fixed
+
+
 def feasible_choices(
     table: Table,
     choices: np.ndarray | Sequence[Sequence[int]],
@@ -54,17 +58,16 @@ def feasible_choices(
     rules: Rules,
 ) -> np.ndarray:
     """Which rows of `choices` ([N, blocks], a variant index within each block) meet the `resolve_limits`
-    bounds, to a relative 1e-6 (what a solver's answer is held to), and the rules' shared attributes (one value
-    among the chosen variants that have one). Vectorised: baselines test thousands of architectures at once."""
+    bounds and the rules' shared attributes (one value among the chosen variants that have one). A bound
+    holds on the whole total (blocks plus the fixed part) to a relative `BOUND_RTOL` of the bound
+    (`within_bounds`), in any unit. Vectorised: baselines test thousands of architectures at once."""
     choices = np.atleast_2d(np.asarray(choices, dtype=np.int64))
     rows = table.offsets[:-1][None, :] + choices
     ok = np.ones(len(choices), dtype=bool)
     for limit, lower, upper in resolved:
-        total = table.cost(limit.key)[rows].sum(axis=1)
-        if upper is not None:
-            ok &= total <= upper + 1e-6 * max(1.0, abs(upper))
-        if lower is not None:
-            ok &= total >= lower - 1e-6 * max(1.0, abs(lower))
+        fixed = table.fixed.get(limit.key, 0.0)
+        total = table.cost(limit.key)[rows].sum(axis=1) + fixed
+        ok &= within_bounds(total, _absolute(lower, fixed), _absolute(upper, fixed))
     for attr in rules.shared_attributes():
         values = table.attrs.get(attr)
         if values is None:
@@ -75,6 +78,54 @@ def feasible_choices(
         high = coded.max(axis=1)  # -1 where no chosen variant has the attribute
         ok &= (high < 0) | (low == high)
     return ok
+
+
+@dataclass(frozen=True)
+class Broken:
+    """A limit that one choice breaks: its index in the `resolve_limits` list, the choice's whole total and
+    the bound it breaks, as the budget states them (fixed part included), and by how much (> 0)."""
+
+    index: int
+    total: float
+    bound: float
+    excess: float
+
+    @property
+    def relative(self) -> float:
+        """The excess as a fraction of the bound."""
+        return self.excess / abs(self.bound) if self.bound else math.inf
+
+
+def broken_limits(
+    table: Table, choices: Sequence[int], resolved: Sequence[tuple[Bound, float | None, float | None]]
+) -> list[Broken]:
+    """The limits of `resolved` that `choices` (a variant index per block) do not meet as `feasible_choices`
+    judges them, with the side each breaks (exact float64 sums of the table's un-scaled costs)."""
+    rows = table.offsets[:-1] + np.asarray(choices, dtype=np.int64)
+    broken = []
+    for index, (limit, lower, upper) in enumerate(resolved):
+        fixed = table.fixed.get(limit.key, 0.0)
+        total = float(table.cost(limit.key)[rows].sum()) + fixed
+        low, high = _absolute(lower, fixed), _absolute(upper, fixed)
+        if within_bounds(total, low, high):
+            continue
+        if high is not None and total > high:
+            broken.append(Broken(index, total, high, total - high))
+        else:
+            broken.append(Broken(index, total, low, low - total))
+    return broken
+
+
+def row_scale(table: Table, costs: np.ndarray, lower: float | None, upper: float | None) -> float:
+    """What a budget row is divided by before a solver sees it: its bounds' largest magnitude, so the scaled
+    bound is 1 and a solver's feasibility tolerance (`backend.FEASIBILITY_TOLERANCE`) is relative to the
+    bound, as `within_bounds` is; without a nonzero bound, the largest sum its costs reach (each block's
+    largest |cost|); for a row of zeros, 1."""
+    bounds = [abs(bound) for bound in (lower, upper) if bound is not None and math.isfinite(bound)]
+    if bounds and max(bounds) > 0:
+        return max(bounds)
+    reach = float(np.maximum.reduceat(np.abs(costs), table.offsets[:-1]).sum()) if len(costs) else 0.0
+    return reach if reach > 0 else 1.0
 
 
 def _keep_indices(table: Table, rules: Rules) -> list[int]:
@@ -141,12 +192,15 @@ def build_problem(
             Row(cols, np.ones(len(cols)), 1.0, 1.0, f"one variant for block {table.block_names[block]!r}")
         )
     for label, costs, lower, upper in bounds:
+        # Scaled to O(1): HiGHS's and CBC's feasibility tolerances are absolute (1e-6 / 1e-7), which on a
+        # decode step of 0.002 s let a 0.03% overshoot through and on 8e10 bytes mean nothing at all.
+        scale = row_scale(table, costs, lower, upper)
         rows.append(
             Row(
                 np.arange(n_var),
-                costs,
-                -math.inf if lower is None else lower,
-                math.inf if upper is None else upper,
+                costs / scale,
+                -math.inf if lower is None else lower / scale,
+                math.inf if upper is None else upper / scale,
                 label,
             )
         )
