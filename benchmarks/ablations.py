@@ -131,6 +131,9 @@ SPACE = {
     "attention": {"num_kv_heads": [1], "noop": True},
 }
 DEFAULT = dataclasses.replace(QUICK, space=SPACE)
+# The share of the parent's held-out files (the demo's 5%) that make the test split: on this Python's stdlib 16
+# files (380k tokens) for the test split and 21 (373k) for the scoring held-out.
+TEST_SHARE = 0.5
 SMOKE = DemoSize(
     seq_len=64,
     held_out_tokens=1024,
@@ -204,24 +207,28 @@ class PrunedLibrary(Library):
 
 
 def test_split(run: Run, tokens: int) -> list[torch.Tensor]:
-    """The test split: batches of the held-out split after those the run scores and measures on
-    (`Run.held_out_batches`: the scores, GKD's evaluations and best-checkpoint choice), up to `tokens`. Used
-    only to report numbers, so that no choice (search, re-ranking, GKD's kept step) has seen them. The same
-    shuffled stream of one epoch: no sequence is in both. Raises ValueError when the split has none left."""
+    """The test split: batches of the run's test documents (`data.test_fraction`, `puzzle.data.TokenData.test`:
+    held-out files that neither the parent's training nor any stage of the run reads: not the scores, the
+    search, GKD's evaluations or its best-checkpoint choice), up to `tokens`, in the seeded order of one epoch.
+    Used only to report numbers, so that no choice has seen them. Raises ValueError when the run has no test
+    split or too few test tokens for one batch."""
     settings = run.config.data
-    split = run.data.held_out
-    used = len(run.held_out_batches())
+    split = run.data.test
+    if split is None:
+        raise ValueError(
+            f"no test split in the data of {settings.sources}: data.test_fraction is 0; set it (below "
+            f"data.held_out_fraction = {settings.held_out_fraction}) to report on held-out files no stage reads"
+        )
     per_batch = settings.eval_batch_size * split.seq_len
-    available = len(split) // settings.eval_batch_size - used
-    wanted = min(available, math.ceil(tokens / per_batch))
+    wanted = min(len(split) // settings.eval_batch_size, math.ceil(tokens / per_batch))
     if wanted < 1:
         raise ValueError(
-            f"no test split left in the held-out split of {settings.sources}: its {len(split)} sequences of "
-            f"{split.seq_len} make {len(split) // settings.eval_batch_size} batches, all {used} used by the "
-            "scoring held-out (data.held_out_tokens); lower it or raise data.held_out_fraction"
+            f"no test batch in the test split of {settings.sources}: its {len(split)} sequences of "
+            f"{split.seq_len} (data.test_fraction = {settings.test_fraction}) make no batch of "
+            f"{settings.eval_batch_size}; raise data.test_fraction"
         )
     stream = split.batches(settings.eval_batch_size, run.config.seed, rank=0, world=1, epochs=1)
-    return [batch for index, batch in zip(range(used + wanted), stream) if index >= used]
+    return [batch for _, batch in zip(range(wanted), stream)]
 
 
 def measure_batches(
@@ -1170,6 +1177,8 @@ def prepare(parent: Any, size: DemoSize, run_dir: Path, seed: int = 0) -> Run:
 def prepare_config(parent: Any, size: DemoSize, run_dir: Path, seed: int = 0) -> tuple[Run, dict[str, Any]]:
     """`prepare`, and the run's config data (what `additivity` varies)."""
     data = demo_config(parent.path, parent.corpus.path, run_dir, size, seed)
+    # The test split (`test_split`): a share of the parent's held-out files, out of every stage's reach.
+    data["data"]["test_fraction"] = data["data"]["held_out_fraction"] * TEST_SHARE
     run = Run(run_dir, load_config_data(data))
     run.run(until="scores")
     return run, data
@@ -1267,6 +1276,9 @@ REPLICATE = (("quick", 0), ("quick", 1), ("quick", 2), ("deep", 0))
 REPLICATE_LEVELS = LEVELS
 REPLICATE_GKD = ("puzzle", "homogeneous", "greedy", "random", "mip_lm_loss")
 REPLICATE_RANDOM = 2
+# GKD seeds per distilled child in the replication: its claims "beyond the noise" rest on intervals over the
+# seeds (`ablation_stats.hierarchical_ratio`), which two seeds cannot give.
+REPLICATE_GKD_SEEDS = 3
 REPLICATE_HOURS = (
     1.0  # one parent at a time on 2 cores (not timed: two at a time took 21 min + a 4.5 min pass)
 )
@@ -1862,6 +1874,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"the full replication: parents {REPLICATE}, levels {REPLICATE_LEVELS}, then --additivity on the "
         f"deep parent (about {REPLICATE_HOURS:g} h on 2 shared cores); outputs in benchmarks/results/replicate/",
     )
+    parser.add_argument(
+        "--only",
+        action="append",
+        metavar="PART",
+        help="with --replicate: run only this part (a parent's tag, e.g. quick-s1, or 'additivity'; repeatable), "
+        "so that parts run side by side in the same directories; the summary then reads the others' JSON",
+    )
     group.add_argument(
         "--additivity",
         action="store_true",
@@ -1964,16 +1983,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_additivity(setup, args.cache, command, args.threads, level)
         return 0
     if args.replicate:
-        return replicate(setup, args.cache, command, args.threads)
+        return replicate(setup, args.cache, command, args.threads, args.only)
     run_setup(setup, args.cache, command, args.threads)
     return 0
 
 
-def replicate(base: Setup, cache: Path | None, command: str, threads: int) -> int:
+def replicate(
+    base: Setup, cache: Path | None, command: str, threads: int, only: Sequence[str] | None = None
+) -> int:
     """The full replication (`--replicate`): each parent of REPLICATE at REPLICATE_LEVELS, then the search
-    options on the deep parent at 40%; everything under benchmarks/results/replicate/."""
+    options on the deep parent at 40%, REPLICATE_GKD_SEEDS GKD seeds each; everything under
+    benchmarks/results/replicate/. `only`: these parts (parent tags, "additivity"); the summary is written
+    when every parent has its JSON."""
     started = time.perf_counter()
     out = HERE / "results" / "replicate"
+    parts = [f"{name}-s{seed}" for name, seed in REPLICATE] + ["additivity"]
+    unknown = sorted(set(only or ()) - set(parts))
+    if unknown:
+        raise SystemExit(f"--only {', '.join(unknown)}: the replication's parts are {', '.join(parts)}")
+    wanted = set(only or parts)
     results = {}
     for name, seed in REPLICATE:
         setup = dataclasses.replace(
@@ -1984,6 +2012,7 @@ def replicate(base: Setup, cache: Path | None, command: str, threads: int) -> in
             size=DEFAULT,
             gkd=REPLICATE_GKD,
             seeds=REPLICATE_RANDOM,
+            gkd_seeds=REPLICATE_GKD_SEEDS,
         )
         setup.run_dir = ROOT / "runs" / f"ablations-{setup.tag}"
         setup.output, setup.doc, setup.png = (
@@ -1991,12 +2020,19 @@ def replicate(base: Setup, cache: Path | None, command: str, threads: int) -> in
             out / f"{setup.tag}.md",
             out / f"{setup.tag}.png",
         )
-        results[setup.tag] = run_setup(setup, cache, command, threads)
-    deep = dataclasses.replace(base, parent="deep", parent_seed=0, size=DEFAULT)
-    deep.run_dir, deep.output = ROOT / "runs" / "ablations-deep-s0", out / "additivity-deep-s0.json"
-    run_additivity(deep, cache, command, threads, 0.4)
-    atomic_write_bytes(out / "README.md", replication_summary(results).encode())
-    print(f"wrote {out / 'README.md'} ({time.perf_counter() - started:.0f} s)")
+        if setup.tag in wanted:
+            results[setup.tag] = run_setup(setup, cache, command, threads)
+        elif setup.output.is_file():
+            results[setup.tag] = json.loads(setup.output.read_text())
+    if "additivity" in wanted:
+        deep = dataclasses.replace(
+            base, parent="deep", parent_seed=0, size=DEFAULT, gkd_seeds=REPLICATE_GKD_SEEDS
+        )
+        deep.run_dir, deep.output = ROOT / "runs" / "ablations-deep-s0", out / "additivity-deep-s0.json"
+        run_additivity(deep, cache, command, threads, 0.4)
+    if len(results) == len(REPLICATE):
+        atomic_write_bytes(out / "README.md", replication_summary(results).encode())
+        print(f"wrote {out / 'README.md'} ({time.perf_counter() - started:.0f} s)")
     return 0
 
 
