@@ -100,6 +100,7 @@ from ablation_stats import (  # noqa: E402  (a sibling module)
     REACH,
     bootstrap_crossover,
     fine_space,
+    hierarchical_ratio,
     interpolate,
     paired_ratio,
     spearman,
@@ -964,7 +965,8 @@ def equal_size(data: dict[str, Any], budget: str = "active_params") -> dict[str,
 
 def paired_ratios(data: dict[str, Any]) -> dict[str, Any]:
     """Each method's test-split KL over Puzzle's at each level (active parameters), per GKD seed, with 95%
-    intervals over the test batches (`paired_ratio`): {method: {level: {"before": r, "after": [r per seed]}}}.
+    intervals over the test batches (`paired_ratio`), and over the seeds and batches together
+    (`over_seeds`): {method: {level: {"before": r, "after": [r per seed], "after_pooled": r}}}.
     Random architectures are left out (one draw per seed is not one method's child)."""
     out: dict[str, Any] = {}
     for lv in data["meta"]["levels"]:
@@ -982,8 +984,21 @@ def paired_ratios(data: dict[str, Any]) -> dict[str, Any]:
             entry = {"before": paired_ratio(r["before"]["kl_batches"], puzzle["before"]["kl_batches"])}
             mine, theirs = r.get("after_seeds") or [], puzzle.get("after_seeds") or []
             entry["after"] = [paired_ratio(a["kl_batches"], b["kl_batches"]) for a, b in zip(mine, theirs)]
+            pooled = over_seeds(mine, theirs)
+            if pooled is not None:
+                entry["after_pooled"] = pooled
             out.setdefault(method, {})[str(lv)] = entry
     return out
+
+
+def over_seeds(mine: Sequence[dict[str, Any]], theirs: Sequence[dict[str, Any]]) -> dict[str, float] | None:
+    """One method's test KL over another's after GKD over every GKD seed they share (`after_seeds` records,
+    paired by seed index and test batch), with the hierarchical 95% interval (`hierarchical_ratio`: seeds,
+    then batches, resampled); None without a seed in common."""
+    pairs = list(zip(mine, theirs))
+    if not pairs:
+        return None
+    return hierarchical_ratio([a["kl_batches"] for a, _ in pairs], [b["kl_batches"] for _, b in pairs])
 
 
 def crossovers(data: dict[str, Any], other: str = "homogeneous", draws: int = 2000) -> dict[str, Any]:
@@ -1046,22 +1061,28 @@ def evidence_sections(data: dict[str, Any]) -> list[str]:
             "## Paired ratios to Puzzle on the test split (> 1: Puzzle better)",
             "",
             "Each method's mean KL over Puzzle's on the same test batches, with a 95% interval (delta method, "
-            "paired over batches); after GKD one per GKD seed, each method paired with Puzzle's child of the "
-            "same seed. `*`: the interval excludes 1.",
+            "paired over batches); after GKD over every GKD seed, with a hierarchical bootstrap interval "
+            "(seeds, then their batches, resampled; paired by seed and batch: `ablation_stats.hierarchical_ratio`), "
+            "then one per seed (batches only), each method paired with Puzzle's child of the same seed. `*`: the "
+            'interval excludes 1; after GKD, the one over the seeds is what "beyond the noise" rests on.',
             "",
             "| method | "
-            + " | ".join(f"{lv:.0%} before | {lv:.0%} after GKD, per seed" for lv in levels)
+            + " | ".join(
+                f"{lv:.0%} before | {lv:.0%} after GKD, over the seeds | {lv:.0%} after GKD, per seed"
+                for lv in levels
+            )
             + " |",
-            "|---|" + "---:|---:|" * len(levels),
+            "|---|" + "---:|---:|---:|" * len(levels),
         ]
         for method, by_level in paired.items():
             cells = []
             for lv in levels:
                 entry = by_level.get(str(lv))
                 if entry is None:
-                    cells += ["-", "-"]
+                    cells += ["-", "-", "-"]
                     continue
                 cells.append(_ratio_text(entry["before"]))
+                cells.append(_ratio_text(entry["after_pooled"]) if entry.get("after_pooled") else "-")
                 cells.append("; ".join(_ratio_text(r) for r in entry["after"]) or "-")
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
         lines.append("")
@@ -1446,10 +1467,13 @@ def additivity(
             paired_ratio(g["kl_batches"], m["kl_batches"])
             for g, m in zip(greedy["test_after"], mine["test_after"])
         ]
+        mine["greedy_ratio_after_pooled"] = over_seeds(greedy["test_after"], mine["test_after"])
+        pooled = mine["greedy_ratio_after_pooled"]
         mine["goals"] = {
             "spearman_within_0.8": figures["spearman_within"] >= 0.8,
             "measured_within_1.5x": mine["measured_over_predicted"] <= 1.5,
             "beats_greedy_every_seed": all(r["low"] > 1 for r in mine["greedy_ratio_after"]),
+            "beats_greedy_over_the_seeds": pooled is not None and pooled["low"] > 1,
         }
     return {"level": level, "options": list(options), "gkd_seeds": gkd_seeds, "figures": figures}
 
@@ -1466,7 +1490,7 @@ def gkd_rerank(
     (`archs`): each one's KL before GKD and after a short GKD (`fraction` of the tokens, on the scoring
     held-out: what a search could measure), against the full GKD's test KL (mean over `seeds`). Spearman of
     each against the full GKD's, and the child each would pick, as its full-GKD KL over the best child's and
-    over refilled greedy's (paired 95% per seed)."""
+    over refilled greedy's (paired 95% per seed, and over the seeds: `over_seeds`)."""
     before = [bench.measure(arch, "bld")["scoring"]["kl"] for arch in archs]
     shorts = [bench.short_gkd(arch, f"additivity-{level:.2f}-{i}", fraction) for i, arch in enumerate(archs)]
     short = [record["kl"] for record in shorts]
@@ -1498,6 +1522,7 @@ def gkd_rerank(
             entry["greedy_ratio_after"] = [
                 paired_ratio(g["kl_batches"], m["kl_batches"]) for g, m in zip(theirs, after[picked])
             ]
+            entry["greedy_ratio_after_pooled"] = over_seeds(theirs, after[picked])
         out[name] = entry
     return out
 
@@ -1588,13 +1613,15 @@ def gkd_rerank_text(study: dict[str, Any] | None) -> list[str]:
         f"({study['fraction']:g} of the tokens, on the scoring held-out), against their test KL after the full "
         "GKD (mean of the seeds):",
         "",
-        "| ranked by | Spearman with after GKD | pick's after GKD / best | refilled greedy / pick, after GKD, per seed (95%) |",
-        "|---|---:|---:|---|",
+        "| ranked by | Spearman with after GKD | pick's after GKD / best | refilled greedy / pick, after GKD, over the "
+        "seeds (95%) | per seed (95%) |",
+        "|---|---:|---:|---|---|",
     ]
     for name, label in (("before", "KL before GKD"), ("short_gkd", "KL after the short GKD")):
         r = study[name]
         ratios = "; ".join(_ratio_text(x) for x in r.get("greedy_ratio_after", [])) or "-"
-        lines.append(f"| {label} | {_fmt(r['spearman'], 2)} | {r['pick']:.2f} | {ratios} |")
+        pooled = _ratio_text(r["greedy_ratio_after_pooled"]) if r.get("greedy_ratio_after_pooled") else "-"
+        lines.append(f"| {label} | {_fmt(r['spearman'], 2)} | {r['pick']:.2f} | {pooled} | {ratios} |")
     return [*lines, ""]
 
 
@@ -1614,19 +1641,20 @@ def additivity_markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
         *rankings_table(f.get("rankings")),
         *gkd_rerank_text(f.get("gkd_rerank")),
         "| search | active | predicted KL | measured KL | measured / predicted (goal <= 1.5) | test KL | "
-        "after GKD, per seed | greedy / this after GKD, per seed (95%) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "after GKD, per seed | greedy / this after GKD, over the seeds (95%) | per seed (95%) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in [*result["options"], "greedy", "greedy-norefill"]:
         r = f.get(name, {})
         if not r.get("feasible"):
-            lines.append(f"| {name} | infeasible | | | | | | |")
+            lines.append(f"| {name} | infeasible | | | | | | | |")
             continue
         after = "; ".join(f"{a['kl']:.4f}" for a in r["test_after"])
         ratios = "; ".join(_ratio_text(x) for x in r.get("greedy_ratio_after", [])) or "-"
+        pooled = _ratio_text(r["greedy_ratio_after_pooled"]) if r.get("greedy_ratio_after_pooled") else "-"
         lines.append(
             f"| {name} | {r['active_fraction']:.1%} | {r['predicted_kl']:.4f} | {r['measured_kl']:.4f} | "
-            f"{r['measured_over_predicted']:.2f} | {r['test_before']['kl']:.4f} | {after} | {ratios} |"
+            f"{r['measured_over_predicted']:.2f} | {r['test_before']['kl']:.4f} | {after} | {pooled} | {ratios} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -1770,7 +1798,7 @@ def replication_summary(results: dict[str, dict[str, Any]]) -> str:
     """One page over the replication's runs: per parent, the within-level and pooled Spearman and the
     crossover against uniform pruning (details: each run's own page beside it)."""
     lines = [
-        "# Replication: every parent, two GKD seeds, a test split",
+        f"# Replication: every parent, {REPLICATE_GKD_SEEDS} GKD seeds, a test split of held-out files",
         "",
         "```",
         "python benchmarks/ablations.py --replicate",
@@ -1799,24 +1827,24 @@ def replication_summary(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _verdict(entries: Sequence[dict[str, float]]) -> str:
-    """One cell over a method's paired ratios to Puzzle (one per GKD seed): the mean ratio, then `+` when
-    Puzzle is lower beyond the noise in every seed, `-` when the method is, `~` otherwise."""
-    if not entries:
+def _verdict(entry: dict[str, Any] | None) -> str:
+    """One cell over a method's ratio to Puzzle: the ratio, then `+` when its interval is above 1 (Puzzle
+    lower beyond the noise), `-` when below, `~` otherwise."""
+    if not entry:
         return "-"
-    mean = sum(e["ratio"] for e in entries) / len(entries)
-    mark = "+" if all(e["low"] > 1 for e in entries) else "-" if all(e["high"] < 1 for e in entries) else "~"
-    return f"{mean:.2f} {mark}"
+    mark = "+" if entry["low"] > 1 else "-" if entry["high"] < 1 else "~"
+    return f"{entry['ratio']:.2f} {mark}"
 
 
 def verdict_table(results: dict[str, dict[str, Any]], phase: str = "after") -> list[str]:
-    """Each method's KL over Puzzle's per parent and level on the test split (`paired_ratios`; after GKD: the
-    mean over GKD seeds), marked + (Puzzle lower beyond the noise in every seed), - (the method lower beyond
-    it in every seed) or ~; random: the mean over its draws of their KL over Puzzle's, unmarked."""
+    """Each method's KL over Puzzle's per parent and level on the test split (`paired_ratios`; after GKD: over
+    every GKD seed's batches, with the hierarchical interval), marked + (Puzzle lower beyond the noise), - (the
+    method lower beyond it) or ~; random: the mean over its draws of their KL over Puzzle's, unmarked."""
     levels = sorted({lv for data in results.values() for lv in data["meta"]["levels"]}, reverse=True)
     lines = [
-        f"KL over Puzzle's ({'after GKD, mean of the GKD seeds' if phase == 'after' else 'assembled'}); "
-        "+ Puzzle lower beyond the noise in every seed, - the method lower beyond it in every seed, ~ neither:",
+        f"KL over Puzzle's ({'after GKD, over the GKD seeds' if phase == 'after' else 'assembled'}); "
+        "+ Puzzle lower beyond the noise (the 95% interval"
+        f"{' over seeds and batches' if phase == 'after' else ''} above 1), - the method lower beyond it, ~ neither:",
         "",
         "| method | parent | " + " | ".join(f"{lv:.0%}" for lv in levels) + " |",
         "|---|---|" + "---:|" * len(levels),
@@ -1834,7 +1862,7 @@ def verdict_table(results: dict[str, dict[str, Any]], phase: str = "after") -> l
                 cells.append(
                     "-"
                     if entry is None
-                    else _verdict(entry["after"] if phase == "after" else [entry["before"]])
+                    else _verdict(entry.get("after_pooled") if phase == "after" else entry["before"])
                 )
             if any(c != "-" for c in cells):
                 lines.append(f"| {method} | {tag} | " + " | ".join(cells) + " |")
@@ -1983,18 +2011,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_additivity(setup, args.cache, command, args.threads, level)
         return 0
     if args.replicate:
-        return replicate(setup, args.cache, command, args.threads, args.only)
+        gkd = None if args.gkd is None else tuple(args.gkd)
+        return replicate(setup, args.cache, command, args.threads, args.only, gkd)
     run_setup(setup, args.cache, command, args.threads)
     return 0
 
 
 def replicate(
-    base: Setup, cache: Path | None, command: str, threads: int, only: Sequence[str] | None = None
+    base: Setup,
+    cache: Path | None,
+    command: str,
+    threads: int,
+    only: Sequence[str] | None = None,
+    gkd: Sequence[str] | None = None,
 ) -> int:
     """The full replication (`--replicate`): each parent of REPLICATE at REPLICATE_LEVELS, then the search
     options on the deep parent at 40%, REPLICATE_GKD_SEEDS GKD seeds each; everything under
     benchmarks/results/replicate/. `only`: these parts (parent tags, "additivity"); the summary is written
-    when every parent has its JSON."""
+    when every parent has its JSON. `gkd`: the methods distilled instead of REPLICATE_GKD (--gkd)."""
     started = time.perf_counter()
     out = HERE / "results" / "replicate"
     parts = [f"{name}-s{seed}" for name, seed in REPLICATE] + ["additivity"]
@@ -2010,7 +2044,7 @@ def replicate(
             parent_seed=seed,
             levels=REPLICATE_LEVELS,
             size=DEFAULT,
-            gkd=REPLICATE_GKD,
+            gkd=REPLICATE_GKD if gkd is None else tuple(gkd),
             seeds=REPLICATE_RANDOM,
             gkd_seeds=REPLICATE_GKD_SEEDS,
         )
