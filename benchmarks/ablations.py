@@ -1669,6 +1669,7 @@ class Setup:
     grid: str = "fine"
     levels: Sequence[float] = LEVELS
     seeds: int = 5  # random architectures per level
+    methods: Sequence[str] = METHODS
     gkd: Sequence[str] = GKD_METHODS
     gkd_seeds: int = 2
     test_tokens: int | None = None  # None: as many as the scoring held-out
@@ -1717,7 +1718,7 @@ def run_setup(setup: Setup, cache: Path | None, command: str, threads: int) -> d
     data = ablate(
         run,
         setup.levels,
-        METHODS,
+        setup.methods,
         setup.gkd,
         setup.seeds,
         speedups=setup.speedups,
@@ -1753,9 +1754,11 @@ def run_setup(setup: Setup, cache: Path | None, command: str, threads: int) -> d
         "seconds": time.perf_counter() - started,
         "machine": f"{platform.machine()} CPU, {threads} torch thread(s)",
     }
+    setup.output.parent.mkdir(parents=True, exist_ok=True)
+    # The measurements first, so that an analysis that fails loses no run (`--render` computes it again).
+    atomic_write_bytes(setup.output, (json.dumps(data, indent=2, default=str) + "\n").encode())
     data["findings"] = findings(data)
     data["analysis"] = analysis(data)
-    setup.output.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(setup.output, (json.dumps(data, indent=2, default=str) + "\n").encode())
     print(f"wrote {setup.output}")
     write_outputs(data, setup.output, setup.png, setup.doc)
@@ -1927,6 +1930,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--seeds", type=int, help="random architectures per level (default 5, 2 with --quick)"
     )
     parser.add_argument("--gkd", nargs="*", default=None, help=f"methods distilled (default {GKD_METHODS})")
+    parser.add_argument(
+        "--methods", nargs="+", choices=METHODS, help="methods assembled and measured (default: every one)"
+    )
     parser.add_argument("--gkd-seeds", type=int, default=2, help="GKD runs per distilled child (default 2)")
     parser.add_argument(
         "--test-tokens", type=int, help="the test split's tokens (default: the scoring held-out's; 0: none)"
@@ -1979,6 +1985,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         grid=args.grid,
         levels=args.levels or ((0.7, 0.4) if args.quick else LEVELS),
         seeds=args.seeds or (2 if args.quick else 5),
+        methods=METHODS if args.methods is None else tuple(args.methods),
         gkd=GKD_METHODS if args.gkd is None else tuple(args.gkd),
         gkd_seeds=args.gkd_seeds,
         test_tokens=args.test_tokens,
@@ -2011,8 +2018,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_additivity(setup, args.cache, command, args.threads, level)
         return 0
     if args.replicate:
-        gkd = None if args.gkd is None else tuple(args.gkd)
-        return replicate(setup, args.cache, command, args.threads, args.only, gkd)
+        given = {
+            "levels": args.levels,
+            "methods": args.methods,
+            "gkd": args.gkd,
+            "params_methods": args.total_params,
+        }
+        overrides = {k: tuple(v) for k, v in given.items() if v is not None}
+        return replicate(setup, args.cache, command, args.threads, args.only, overrides)
     run_setup(setup, args.cache, command, args.threads)
     return 0
 
@@ -2023,12 +2036,13 @@ def replicate(
     command: str,
     threads: int,
     only: Sequence[str] | None = None,
-    gkd: Sequence[str] | None = None,
+    overrides: dict[str, Any] | None = None,
 ) -> int:
     """The full replication (`--replicate`): each parent of REPLICATE at REPLICATE_LEVELS, then the search
     options on the deep parent at 40%, REPLICATE_GKD_SEEDS GKD seeds each; everything under
     benchmarks/results/replicate/. `only`: these parts (parent tags, "additivity"); the summary is written
-    when every parent has its JSON. `gkd`: the methods distilled instead of REPLICATE_GKD (--gkd)."""
+    when every parent has its JSON. `overrides`: Setup fields given on the command line (--levels, --methods,
+    --gkd, --total-params) instead of the replication's, to run less of it."""
     started = time.perf_counter()
     out = HERE / "results" / "replicate"
     parts = [f"{name}-s{seed}" for name, seed in REPLICATE] + ["additivity"]
@@ -2044,10 +2058,11 @@ def replicate(
             parent_seed=seed,
             levels=REPLICATE_LEVELS,
             size=DEFAULT,
-            gkd=REPLICATE_GKD if gkd is None else tuple(gkd),
+            gkd=REPLICATE_GKD,
             seeds=REPLICATE_RANDOM,
             gkd_seeds=REPLICATE_GKD_SEEDS,
         )
+        setup = dataclasses.replace(setup, **(overrides or {}))
         setup.run_dir = ROOT / "runs" / f"ablations-{setup.tag}"
         setup.output, setup.doc, setup.png = (
             out / f"{setup.tag}.json",
