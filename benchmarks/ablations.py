@@ -1826,8 +1826,33 @@ def replication_summary(results: dict[str, dict[str, Any]]) -> str:
             f"| [{tag}]({tag}.md) | {_fmt(summary['spearman_bld'], 2)} | {within} | {cells[0]} | {cells[1]} | "
             f"{data['meta']['seconds']:.0f} |"
         )
-    lines += ["", *verdict_table(results)]
+    lines += ["", *verdict_table(results), "", *interval_table(results)]
     return "\n".join(lines) + "\n"
+
+
+def interval_table(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Each method's KL over Puzzle's after GKD per parent and level with its 95% interval over the GKD seeds
+    and test batches (`over_seeds`), then each seed's ratio alone: the figures the verdicts rest on."""
+    levels = sorted({lv for data in results.values() for lv in data["meta"]["levels"]}, reverse=True)
+    lines = [
+        "After GKD, KL over Puzzle's over every GKD seed [95%, seeds and test batches resampled]; in brackets "
+        "after it, each seed's ratio alone:",
+        "",
+        "| method | parent | " + " | ".join(f"{lv:.0%}" for lv in levels) + " |",
+        "|---|---|" + "---|" * len(levels),
+    ]
+    for method in (m for m in METHODS if m not in ("puzzle", "random")):
+        for tag, data in results.items():
+            paired = ((data.get("analysis") or {}).get("paired") or {}).get(method, {})
+            cells = []
+            for lv in levels:
+                entry = paired.get(str(lv)) or {}
+                pooled = entry.get("after_pooled")
+                seeds = ", ".join(f"{r['ratio']:.2f}" for r in entry.get("after") or [])
+                cells.append(f"{_ratio_text(pooled)} ({seeds})" if pooled else "-")
+            if any(c != "-" for c in cells):
+                lines.append(f"| {method} | {tag} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def _verdict(entry: dict[str, Any] | None) -> str:
