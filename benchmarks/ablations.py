@@ -14,11 +14,13 @@ than the demo's (QUICK_PARENT, ~164k tokens), with any `--parent-seed`; `deep`, 
 Mamba, MoE and attention mixed, hidden 64, ~246k tokens); `full`, the full demo parent. The space is the fine
 grid by default (`ablation_stats.fine_space`: widths and state sizes at 0.875 ... 0.25 of the parent's and the
 expert count, one axis at a time, so that uniform pruning meets each budget within about 1%); `--grid coarse`
-is the earlier one-step-per-axis SPACE. Every reported KL is measured on a test split (`test_split`: the
-held-out split's batches after the scoring ones, which no search, re-ranking or GKD checkpoint choice saw);
-the additivity figures (predicted vs measured) use the scoring held-out. Each distilled child is distilled
-once per GKD seed (`--gkd-seeds`, default 2). The analysis (`analysis`): each method's KL over Puzzle's on the
-same test batches per GKD seed with 95% intervals (`ablation_stats.paired_ratio`), each method at equal size
+is the earlier one-step-per-axis SPACE. Every reported KL is measured on a test split (`test_split`: whole
+held-out files, `data.test_fraction`, that no stage read: not the scores, the search, re-ranking or GKD's
+checkpoint choice); the additivity figures (predicted vs measured) use the scoring held-out. Each distilled
+child is distilled once per GKD seed (`--gkd-seeds`, default 2; the replication: REPLICATE_GKD_SEEDS). The
+analysis (`analysis`): each method's KL over Puzzle's on the same test batches per GKD seed with 95%
+intervals (`ablation_stats.paired_ratio`) and over every seed with an interval over seeds and batches
+together (`ablation_stats.hierarchical_ratio`: what "beyond the noise" rests on), each method at equal size
 (its KL over Puzzle's KL-vs-size curve at the size it reached, and its own curve at the budget), the
 compression where Puzzle starts to beat uniform pruning with a bootstrap interval over test batches and GKD
 seeds, the Spearman within each level next to the pooled one, and budgets on total parameters (`params`)
