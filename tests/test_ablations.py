@@ -441,8 +441,14 @@ def test_the_search_options_against_the_mip_and_refilled_greedy(fine):
             "spearman_within_0.8",
             "measured_within_1.5x",
             "beats_greedy_every_seed",
+            "beats_greedy_over_the_seeds",
         }
         assert len(f[name]["greedy_ratio_after"]) == 1
+        pooled = f[name]["greedy_ratio_after_pooled"]  # one GKD seed: the batch bootstrap alone
+        assert pooled["seeds"] == 1 and pooled["ratio"] == pytest.approx(
+            f[name]["greedy_ratio_after"][0]["ratio"]
+        )
+        assert f[name]["goals"]["beats_greedy_over_the_seeds"] == (pooled["low"] > 1)
     text = ablations.additivity_markdown(result, {"parent": "tiny", "command": "x", "seconds": 1.0})
     assert "| rerank |" in text and "| greedy |" in text
 
