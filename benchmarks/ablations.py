@@ -14,11 +14,13 @@ than the demo's (QUICK_PARENT, ~164k tokens), with any `--parent-seed`; `deep`, 
 Mamba, MoE and attention mixed, hidden 64, ~246k tokens); `full`, the full demo parent. The space is the fine
 grid by default (`ablation_stats.fine_space`: widths and state sizes at 0.875 ... 0.25 of the parent's and the
 expert count, one axis at a time, so that uniform pruning meets each budget within about 1%); `--grid coarse`
-is the earlier one-step-per-axis SPACE. Every reported KL is measured on a test split (`test_split`: the
-held-out split's batches after the scoring ones, which no search, re-ranking or GKD checkpoint choice saw);
-the additivity figures (predicted vs measured) use the scoring held-out. Each distilled child is distilled
-once per GKD seed (`--gkd-seeds`, default 2). The analysis (`analysis`): each method's KL over Puzzle's on the
-same test batches per GKD seed with 95% intervals (`ablation_stats.paired_ratio`), each method at equal size
+is the earlier one-step-per-axis SPACE. Every reported KL is measured on a test split (`test_split`: whole
+held-out files, `data.test_fraction`, that no stage read: not the scores, the search, re-ranking or GKD's
+checkpoint choice); the additivity figures (predicted vs measured) use the scoring held-out. Each distilled
+child is distilled once per GKD seed (`--gkd-seeds`, default 2; the replication: REPLICATE_GKD_SEEDS). The
+analysis (`analysis`): each method's KL over Puzzle's on the same test batches per GKD seed with 95%
+intervals (`ablation_stats.paired_ratio`) and over every seed with an interval over seeds and batches
+together (`ablation_stats.hierarchical_ratio`: what "beyond the noise" rests on), each method at equal size
 (its KL over Puzzle's KL-vs-size curve at the size it reached, and its own curve at the budget), the
 compression where Puzzle starts to beat uniform pruning with a bootstrap interval over test batches and GKD
 seeds, the Spearman within each level next to the pooled one, and budgets on total parameters (`params`)
@@ -100,6 +102,7 @@ from ablation_stats import (  # noqa: E402  (a sibling module)
     REACH,
     bootstrap_crossover,
     fine_space,
+    hierarchical_ratio,
     interpolate,
     paired_ratio,
     spearman,
@@ -131,6 +134,9 @@ SPACE = {
     "attention": {"num_kv_heads": [1], "noop": True},
 }
 DEFAULT = dataclasses.replace(QUICK, space=SPACE)
+# The share of the parent's held-out files (the demo's 5%) that make the test split: on this Python's stdlib 16
+# files (380k tokens) for the test split and 21 (373k) for the scoring held-out.
+TEST_SHARE = 0.5
 SMOKE = DemoSize(
     seq_len=64,
     held_out_tokens=1024,
@@ -204,24 +210,28 @@ class PrunedLibrary(Library):
 
 
 def test_split(run: Run, tokens: int) -> list[torch.Tensor]:
-    """The test split: batches of the held-out split after those the run scores and measures on
-    (`Run.held_out_batches`: the scores, GKD's evaluations and best-checkpoint choice), up to `tokens`. Used
-    only to report numbers, so that no choice (search, re-ranking, GKD's kept step) has seen them. The same
-    shuffled stream of one epoch: no sequence is in both. Raises ValueError when the split has none left."""
+    """The test split: batches of the run's test documents (`data.test_fraction`, `puzzle.data.TokenData.test`:
+    held-out files that neither the parent's training nor any stage of the run reads: not the scores, the
+    search, GKD's evaluations or its best-checkpoint choice), up to `tokens`, in the seeded order of one epoch.
+    Used only to report numbers, so that no choice has seen them. Raises ValueError when the run has no test
+    split or too few test tokens for one batch."""
     settings = run.config.data
-    split = run.data.held_out
-    used = len(run.held_out_batches())
+    split = run.data.test
+    if split is None:
+        raise ValueError(
+            f"no test split in the data of {settings.sources}: data.test_fraction is 0; set it (below "
+            f"data.held_out_fraction = {settings.held_out_fraction}) to report on held-out files no stage reads"
+        )
     per_batch = settings.eval_batch_size * split.seq_len
-    available = len(split) // settings.eval_batch_size - used
-    wanted = min(available, math.ceil(tokens / per_batch))
+    wanted = min(len(split) // settings.eval_batch_size, math.ceil(tokens / per_batch))
     if wanted < 1:
         raise ValueError(
-            f"no test split left in the held-out split of {settings.sources}: its {len(split)} sequences of "
-            f"{split.seq_len} make {len(split) // settings.eval_batch_size} batches, all {used} used by the "
-            "scoring held-out (data.held_out_tokens); lower it or raise data.held_out_fraction"
+            f"no test batch in the test split of {settings.sources}: its {len(split)} sequences of "
+            f"{split.seq_len} (data.test_fraction = {settings.test_fraction}) make no batch of "
+            f"{settings.eval_batch_size}; raise data.test_fraction"
         )
     stream = split.batches(settings.eval_batch_size, run.config.seed, rank=0, world=1, epochs=1)
-    return [batch for index, batch in zip(range(used + wanted), stream) if index >= used]
+    return [batch for _, batch in zip(range(wanted), stream)]
 
 
 def measure_batches(
@@ -957,7 +967,8 @@ def equal_size(data: dict[str, Any], budget: str = "active_params") -> dict[str,
 
 def paired_ratios(data: dict[str, Any]) -> dict[str, Any]:
     """Each method's test-split KL over Puzzle's at each level (active parameters), per GKD seed, with 95%
-    intervals over the test batches (`paired_ratio`): {method: {level: {"before": r, "after": [r per seed]}}}.
+    intervals over the test batches (`paired_ratio`), and over the seeds and batches together
+    (`over_seeds`): {method: {level: {"before": r, "after": [r per seed], "after_pooled": r}}}.
     Random architectures are left out (one draw per seed is not one method's child)."""
     out: dict[str, Any] = {}
     for lv in data["meta"]["levels"]:
@@ -975,8 +986,21 @@ def paired_ratios(data: dict[str, Any]) -> dict[str, Any]:
             entry = {"before": paired_ratio(r["before"]["kl_batches"], puzzle["before"]["kl_batches"])}
             mine, theirs = r.get("after_seeds") or [], puzzle.get("after_seeds") or []
             entry["after"] = [paired_ratio(a["kl_batches"], b["kl_batches"]) for a, b in zip(mine, theirs)]
+            pooled = over_seeds(mine, theirs)
+            if pooled is not None:
+                entry["after_pooled"] = pooled
             out.setdefault(method, {})[str(lv)] = entry
     return out
+
+
+def over_seeds(mine: Sequence[dict[str, Any]], theirs: Sequence[dict[str, Any]]) -> dict[str, float] | None:
+    """One method's test KL over another's after GKD over every GKD seed they share (`after_seeds` records,
+    paired by seed index and test batch), with the hierarchical 95% interval (`hierarchical_ratio`: seeds,
+    then batches, resampled); None without a seed in common."""
+    pairs = list(zip(mine, theirs))
+    if not pairs:
+        return None
+    return hierarchical_ratio([a["kl_batches"] for a, _ in pairs], [b["kl_batches"] for _, b in pairs])
 
 
 def crossovers(data: dict[str, Any], other: str = "homogeneous", draws: int = 2000) -> dict[str, Any]:
@@ -1039,22 +1063,28 @@ def evidence_sections(data: dict[str, Any]) -> list[str]:
             "## Paired ratios to Puzzle on the test split (> 1: Puzzle better)",
             "",
             "Each method's mean KL over Puzzle's on the same test batches, with a 95% interval (delta method, "
-            "paired over batches); after GKD one per GKD seed, each method paired with Puzzle's child of the "
-            "same seed. `*`: the interval excludes 1.",
+            "paired over batches); after GKD over every GKD seed, with a hierarchical bootstrap interval "
+            "(seeds, then their batches, resampled; paired by seed and batch: `ablation_stats.hierarchical_ratio`), "
+            "then one per seed (batches only), each method paired with Puzzle's child of the same seed. `*`: the "
+            'interval excludes 1; after GKD, the one over the seeds is what "beyond the noise" rests on.',
             "",
             "| method | "
-            + " | ".join(f"{lv:.0%} before | {lv:.0%} after GKD, per seed" for lv in levels)
+            + " | ".join(
+                f"{lv:.0%} before | {lv:.0%} after GKD, over the seeds | {lv:.0%} after GKD, per seed"
+                for lv in levels
+            )
             + " |",
-            "|---|" + "---:|---:|" * len(levels),
+            "|---|" + "---:|---:|---:|" * len(levels),
         ]
         for method, by_level in paired.items():
             cells = []
             for lv in levels:
                 entry = by_level.get(str(lv))
                 if entry is None:
-                    cells += ["-", "-"]
+                    cells += ["-", "-", "-"]
                     continue
                 cells.append(_ratio_text(entry["before"]))
+                cells.append(_ratio_text(entry["after_pooled"]) if entry.get("after_pooled") else "-")
                 cells.append("; ".join(_ratio_text(r) for r in entry["after"]) or "-")
             lines.append(f"| {method} | " + " | ".join(cells) + " |")
         lines.append("")
@@ -1170,6 +1200,8 @@ def prepare(parent: Any, size: DemoSize, run_dir: Path, seed: int = 0) -> Run:
 def prepare_config(parent: Any, size: DemoSize, run_dir: Path, seed: int = 0) -> tuple[Run, dict[str, Any]]:
     """`prepare`, and the run's config data (what `additivity` varies)."""
     data = demo_config(parent.path, parent.corpus.path, run_dir, size, seed)
+    # The test split (`test_split`): a share of the parent's held-out files, out of every stage's reach.
+    data["data"]["test_fraction"] = data["data"]["held_out_fraction"] * TEST_SHARE
     run = Run(run_dir, load_config_data(data))
     run.run(until="scores")
     return run, data
@@ -1267,6 +1299,9 @@ REPLICATE = (("quick", 0), ("quick", 1), ("quick", 2), ("deep", 0))
 REPLICATE_LEVELS = LEVELS
 REPLICATE_GKD = ("puzzle", "homogeneous", "greedy", "random", "mip_lm_loss")
 REPLICATE_RANDOM = 2
+# GKD seeds per distilled child in the replication: its claims "beyond the noise" rest on intervals over the
+# seeds (`ablation_stats.hierarchical_ratio`), which two seeds cannot give.
+REPLICATE_GKD_SEEDS = 3
 REPLICATE_HOURS = (
     1.0  # one parent at a time on 2 cores (not timed: two at a time took 21 min + a 4.5 min pass)
 )
@@ -1434,10 +1469,13 @@ def additivity(
             paired_ratio(g["kl_batches"], m["kl_batches"])
             for g, m in zip(greedy["test_after"], mine["test_after"])
         ]
+        mine["greedy_ratio_after_pooled"] = over_seeds(greedy["test_after"], mine["test_after"])
+        pooled = mine["greedy_ratio_after_pooled"]
         mine["goals"] = {
             "spearman_within_0.8": figures["spearman_within"] >= 0.8,
             "measured_within_1.5x": mine["measured_over_predicted"] <= 1.5,
             "beats_greedy_every_seed": all(r["low"] > 1 for r in mine["greedy_ratio_after"]),
+            "beats_greedy_over_the_seeds": pooled is not None and pooled["low"] > 1,
         }
     return {"level": level, "options": list(options), "gkd_seeds": gkd_seeds, "figures": figures}
 
@@ -1454,7 +1492,7 @@ def gkd_rerank(
     (`archs`): each one's KL before GKD and after a short GKD (`fraction` of the tokens, on the scoring
     held-out: what a search could measure), against the full GKD's test KL (mean over `seeds`). Spearman of
     each against the full GKD's, and the child each would pick, as its full-GKD KL over the best child's and
-    over refilled greedy's (paired 95% per seed)."""
+    over refilled greedy's (paired 95% per seed, and over the seeds: `over_seeds`)."""
     before = [bench.measure(arch, "bld")["scoring"]["kl"] for arch in archs]
     shorts = [bench.short_gkd(arch, f"additivity-{level:.2f}-{i}", fraction) for i, arch in enumerate(archs)]
     short = [record["kl"] for record in shorts]
@@ -1486,6 +1524,7 @@ def gkd_rerank(
             entry["greedy_ratio_after"] = [
                 paired_ratio(g["kl_batches"], m["kl_batches"]) for g, m in zip(theirs, after[picked])
             ]
+            entry["greedy_ratio_after_pooled"] = over_seeds(theirs, after[picked])
         out[name] = entry
     return out
 
@@ -1576,13 +1615,15 @@ def gkd_rerank_text(study: dict[str, Any] | None) -> list[str]:
         f"({study['fraction']:g} of the tokens, on the scoring held-out), against their test KL after the full "
         "GKD (mean of the seeds):",
         "",
-        "| ranked by | Spearman with after GKD | pick's after GKD / best | refilled greedy / pick, after GKD, per seed (95%) |",
-        "|---|---:|---:|---|",
+        "| ranked by | Spearman with after GKD | pick's after GKD / best | refilled greedy / pick, after GKD, over the "
+        "seeds (95%) | per seed (95%) |",
+        "|---|---:|---:|---|---|",
     ]
     for name, label in (("before", "KL before GKD"), ("short_gkd", "KL after the short GKD")):
         r = study[name]
         ratios = "; ".join(_ratio_text(x) for x in r.get("greedy_ratio_after", [])) or "-"
-        lines.append(f"| {label} | {_fmt(r['spearman'], 2)} | {r['pick']:.2f} | {ratios} |")
+        pooled = _ratio_text(r["greedy_ratio_after_pooled"]) if r.get("greedy_ratio_after_pooled") else "-"
+        lines.append(f"| {label} | {_fmt(r['spearman'], 2)} | {r['pick']:.2f} | {pooled} | {ratios} |")
     return [*lines, ""]
 
 
@@ -1602,19 +1643,20 @@ def additivity_markdown(result: dict[str, Any], meta: dict[str, Any]) -> str:
         *rankings_table(f.get("rankings")),
         *gkd_rerank_text(f.get("gkd_rerank")),
         "| search | active | predicted KL | measured KL | measured / predicted (goal <= 1.5) | test KL | "
-        "after GKD, per seed | greedy / this after GKD, per seed (95%) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "after GKD, per seed | greedy / this after GKD, over the seeds (95%) | per seed (95%) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name in [*result["options"], "greedy", "greedy-norefill"]:
         r = f.get(name, {})
         if not r.get("feasible"):
-            lines.append(f"| {name} | infeasible | | | | | | |")
+            lines.append(f"| {name} | infeasible | | | | | | | |")
             continue
         after = "; ".join(f"{a['kl']:.4f}" for a in r["test_after"])
         ratios = "; ".join(_ratio_text(x) for x in r.get("greedy_ratio_after", [])) or "-"
+        pooled = _ratio_text(r["greedy_ratio_after_pooled"]) if r.get("greedy_ratio_after_pooled") else "-"
         lines.append(
             f"| {name} | {r['active_fraction']:.1%} | {r['predicted_kl']:.4f} | {r['measured_kl']:.4f} | "
-            f"{r['measured_over_predicted']:.2f} | {r['test_before']['kl']:.4f} | {after} | {ratios} |"
+            f"{r['measured_over_predicted']:.2f} | {r['test_before']['kl']:.4f} | {after} | {pooled} | {ratios} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -1629,6 +1671,7 @@ class Setup:
     grid: str = "fine"
     levels: Sequence[float] = LEVELS
     seeds: int = 5  # random architectures per level
+    methods: Sequence[str] = METHODS
     gkd: Sequence[str] = GKD_METHODS
     gkd_seeds: int = 2
     test_tokens: int | None = None  # None: as many as the scoring held-out
@@ -1677,7 +1720,7 @@ def run_setup(setup: Setup, cache: Path | None, command: str, threads: int) -> d
     data = ablate(
         run,
         setup.levels,
-        METHODS,
+        setup.methods,
         setup.gkd,
         setup.seeds,
         speedups=setup.speedups,
@@ -1713,9 +1756,11 @@ def run_setup(setup: Setup, cache: Path | None, command: str, threads: int) -> d
         "seconds": time.perf_counter() - started,
         "machine": f"{platform.machine()} CPU, {threads} torch thread(s)",
     }
+    setup.output.parent.mkdir(parents=True, exist_ok=True)
+    # The measurements first, so that an analysis that fails loses no run (`--render` computes it again).
+    atomic_write_bytes(setup.output, (json.dumps(data, indent=2, default=str) + "\n").encode())
     data["findings"] = findings(data)
     data["analysis"] = analysis(data)
-    setup.output.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(setup.output, (json.dumps(data, indent=2, default=str) + "\n").encode())
     print(f"wrote {setup.output}")
     write_outputs(data, setup.output, setup.png, setup.doc)
@@ -1758,7 +1803,7 @@ def replication_summary(results: dict[str, dict[str, Any]]) -> str:
     """One page over the replication's runs: per parent, the within-level and pooled Spearman and the
     crossover against uniform pruning (details: each run's own page beside it)."""
     lines = [
-        "# Replication: every parent, two GKD seeds, a test split",
+        f"# Replication: every parent, {REPLICATE_GKD_SEEDS} GKD seeds, a test split of held-out files",
         "",
         "```",
         "python benchmarks/ablations.py --replicate",
@@ -1783,28 +1828,53 @@ def replication_summary(results: dict[str, dict[str, Any]]) -> str:
             f"| [{tag}]({tag}.md) | {_fmt(summary['spearman_bld'], 2)} | {within} | {cells[0]} | {cells[1]} | "
             f"{data['meta']['seconds']:.0f} |"
         )
-    lines += ["", *verdict_table(results)]
+    lines += ["", *verdict_table(results), "", *interval_table(results)]
     return "\n".join(lines) + "\n"
 
 
-def _verdict(entries: Sequence[dict[str, float]]) -> str:
-    """One cell over a method's paired ratios to Puzzle (one per GKD seed): the mean ratio, then `+` when
-    Puzzle is lower beyond the noise in every seed, `-` when the method is, `~` otherwise."""
-    if not entries:
+def interval_table(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Each method's KL over Puzzle's after GKD per parent and level with its 95% interval over the GKD seeds
+    and test batches (`over_seeds`), then each seed's ratio alone: the figures the verdicts rest on."""
+    levels = sorted({lv for data in results.values() for lv in data["meta"]["levels"]}, reverse=True)
+    lines = [
+        "After GKD, KL over Puzzle's over every GKD seed [95%, seeds and test batches resampled]; in brackets "
+        "after it, each seed's ratio alone:",
+        "",
+        "| method | parent | " + " | ".join(f"{lv:.0%}" for lv in levels) + " |",
+        "|---|---|" + "---|" * len(levels),
+    ]
+    for method in (m for m in METHODS if m not in ("puzzle", "random")):
+        for tag, data in results.items():
+            paired = ((data.get("analysis") or {}).get("paired") or {}).get(method, {})
+            cells = []
+            for lv in levels:
+                entry = paired.get(str(lv)) or {}
+                pooled = entry.get("after_pooled")
+                seeds = ", ".join(f"{r['ratio']:.2f}" for r in entry.get("after") or [])
+                cells.append(f"{_ratio_text(pooled)} ({seeds})" if pooled else "-")
+            if any(c != "-" for c in cells):
+                lines.append(f"| {method} | {tag} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _verdict(entry: dict[str, Any] | None) -> str:
+    """One cell over a method's ratio to Puzzle: the ratio, then `+` when its interval is above 1 (Puzzle
+    lower beyond the noise), `-` when below, `~` otherwise."""
+    if not entry:
         return "-"
-    mean = sum(e["ratio"] for e in entries) / len(entries)
-    mark = "+" if all(e["low"] > 1 for e in entries) else "-" if all(e["high"] < 1 for e in entries) else "~"
-    return f"{mean:.2f} {mark}"
+    mark = "+" if entry["low"] > 1 else "-" if entry["high"] < 1 else "~"
+    return f"{entry['ratio']:.2f} {mark}"
 
 
 def verdict_table(results: dict[str, dict[str, Any]], phase: str = "after") -> list[str]:
-    """Each method's KL over Puzzle's per parent and level on the test split (`paired_ratios`; after GKD: the
-    mean over GKD seeds), marked + (Puzzle lower beyond the noise in every seed), - (the method lower beyond
-    it in every seed) or ~; random: the mean over its draws of their KL over Puzzle's, unmarked."""
+    """Each method's KL over Puzzle's per parent and level on the test split (`paired_ratios`; after GKD: over
+    every GKD seed's batches, with the hierarchical interval), marked + (Puzzle lower beyond the noise), - (the
+    method lower beyond it) or ~; random: the mean over its draws of their KL over Puzzle's, unmarked."""
     levels = sorted({lv for data in results.values() for lv in data["meta"]["levels"]}, reverse=True)
     lines = [
-        f"KL over Puzzle's ({'after GKD, mean of the GKD seeds' if phase == 'after' else 'assembled'}); "
-        "+ Puzzle lower beyond the noise in every seed, - the method lower beyond it in every seed, ~ neither:",
+        f"KL over Puzzle's ({'after GKD, over the GKD seeds' if phase == 'after' else 'assembled'}); "
+        "+ Puzzle lower beyond the noise (the 95% interval"
+        f"{' over seeds and batches' if phase == 'after' else ''} above 1), - the method lower beyond it, ~ neither:",
         "",
         "| method | parent | " + " | ".join(f"{lv:.0%}" for lv in levels) + " |",
         "|---|---|" + "---:|" * len(levels),
@@ -1822,7 +1892,7 @@ def verdict_table(results: dict[str, dict[str, Any]], phase: str = "after") -> l
                 cells.append(
                     "-"
                     if entry is None
-                    else _verdict(entry["after"] if phase == "after" else [entry["before"]])
+                    else _verdict(entry.get("after_pooled") if phase == "after" else entry["before"])
                 )
             if any(c != "-" for c in cells):
                 lines.append(f"| {method} | {tag} | " + " | ".join(cells) + " |")
@@ -1862,6 +1932,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help=f"the full replication: parents {REPLICATE}, levels {REPLICATE_LEVELS}, then --additivity on the "
         f"deep parent (about {REPLICATE_HOURS:g} h on 2 shared cores); outputs in benchmarks/results/replicate/",
     )
+    parser.add_argument(
+        "--only",
+        action="append",
+        metavar="PART",
+        help="with --replicate: run only this part (a parent's tag, e.g. quick-s1, or 'additivity'; repeatable), "
+        "so that parts run side by side in the same directories; the summary then reads the others' JSON",
+    )
     group.add_argument(
         "--additivity",
         action="store_true",
@@ -1880,6 +1957,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--seeds", type=int, help="random architectures per level (default 5, 2 with --quick)"
     )
     parser.add_argument("--gkd", nargs="*", default=None, help=f"methods distilled (default {GKD_METHODS})")
+    parser.add_argument(
+        "--methods", nargs="+", choices=METHODS, help="methods assembled and measured (default: every one)"
+    )
     parser.add_argument("--gkd-seeds", type=int, default=2, help="GKD runs per distilled child (default 2)")
     parser.add_argument(
         "--test-tokens", type=int, help="the test split's tokens (default: the scoring held-out's; 0: none)"
@@ -1932,6 +2012,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         grid=args.grid,
         levels=args.levels or ((0.7, 0.4) if args.quick else LEVELS),
         seeds=args.seeds or (2 if args.quick else 5),
+        methods=METHODS if args.methods is None else tuple(args.methods),
         gkd=GKD_METHODS if args.gkd is None else tuple(args.gkd),
         gkd_seeds=args.gkd_seeds,
         test_tokens=args.test_tokens,
@@ -1964,16 +2045,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         run_additivity(setup, args.cache, command, args.threads, level)
         return 0
     if args.replicate:
-        return replicate(setup, args.cache, command, args.threads)
+        given = {
+            "levels": args.levels,
+            "methods": args.methods,
+            "gkd": args.gkd,
+            "params_methods": args.total_params,
+        }
+        overrides = {k: tuple(v) for k, v in given.items() if v is not None}
+        return replicate(setup, args.cache, command, args.threads, args.only, overrides)
     run_setup(setup, args.cache, command, args.threads)
     return 0
 
 
-def replicate(base: Setup, cache: Path | None, command: str, threads: int) -> int:
+def replicate(
+    base: Setup,
+    cache: Path | None,
+    command: str,
+    threads: int,
+    only: Sequence[str] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> int:
     """The full replication (`--replicate`): each parent of REPLICATE at REPLICATE_LEVELS, then the search
-    options on the deep parent at 40%; everything under benchmarks/results/replicate/."""
+    options on the deep parent at 40%, REPLICATE_GKD_SEEDS GKD seeds each; everything under
+    benchmarks/results/replicate/. `only`: these parts (parent tags, "additivity"); the summary is written
+    when every parent has its JSON. `overrides`: Setup fields given on the command line (--levels, --methods,
+    --gkd, --total-params) instead of the replication's, to run less of it."""
     started = time.perf_counter()
     out = HERE / "results" / "replicate"
+    parts = [f"{name}-s{seed}" for name, seed in REPLICATE] + ["additivity"]
+    unknown = sorted(set(only or ()) - set(parts))
+    if unknown:
+        raise SystemExit(f"--only {', '.join(unknown)}: the replication's parts are {', '.join(parts)}")
+    wanted = set(only or parts)
     results = {}
     for name, seed in REPLICATE:
         setup = dataclasses.replace(
@@ -1984,19 +2087,28 @@ def replicate(base: Setup, cache: Path | None, command: str, threads: int) -> in
             size=DEFAULT,
             gkd=REPLICATE_GKD,
             seeds=REPLICATE_RANDOM,
+            gkd_seeds=REPLICATE_GKD_SEEDS,
         )
+        setup = dataclasses.replace(setup, **(overrides or {}))
         setup.run_dir = ROOT / "runs" / f"ablations-{setup.tag}"
         setup.output, setup.doc, setup.png = (
             out / f"{setup.tag}.json",
             out / f"{setup.tag}.md",
             out / f"{setup.tag}.png",
         )
-        results[setup.tag] = run_setup(setup, cache, command, threads)
-    deep = dataclasses.replace(base, parent="deep", parent_seed=0, size=DEFAULT)
-    deep.run_dir, deep.output = ROOT / "runs" / "ablations-deep-s0", out / "additivity-deep-s0.json"
-    run_additivity(deep, cache, command, threads, 0.4)
-    atomic_write_bytes(out / "README.md", replication_summary(results).encode())
-    print(f"wrote {out / 'README.md'} ({time.perf_counter() - started:.0f} s)")
+        if setup.tag in wanted:
+            results[setup.tag] = run_setup(setup, cache, command, threads)
+        elif setup.output.is_file():
+            results[setup.tag] = json.loads(setup.output.read_text())
+    if "additivity" in wanted:
+        deep = dataclasses.replace(
+            base, parent="deep", parent_seed=0, size=DEFAULT, gkd_seeds=REPLICATE_GKD_SEEDS
+        )
+        deep.run_dir, deep.output = ROOT / "runs" / "ablations-deep-s0", out / "additivity-deep-s0.json"
+        run_additivity(deep, cache, command, threads, 0.4)
+    if len(results) == len(REPLICATE):
+        atomic_write_bytes(out / "README.md", replication_summary(results).encode())
+        print(f"wrote {out / 'README.md'} ({time.perf_counter() - started:.0f} s)")
     return 0
 
 

@@ -11,7 +11,9 @@ followed by the tokenizer's EOS token.
 
 Documents are split into train and held-out by a seeded hash of their tokens, so the two never share a
 document, a repeated document lands on one side only, and a document keeps its side when more data is
-added. Each split's documents are packed end to end into one stream and cut into sequences of `seq_len`
+added. A test split (`test_fraction`, optional) takes the held-out documents whose hash falls under a smaller
+threshold out of the held-out split, so it shares no document with it or with train (the demo corpus's
+documents are its files), and train is the same with or without it. Each split's documents are packed end to end into one stream and cut into sequences of `seq_len`
 tokens (the tail shorter than one sequence is dropped). Batches are `[batch_size, seq_len]` int64 in a
 seeded order per epoch; under torch.distributed each step's global batch of `batch_size * world`
 sequences is cut into one slice per rank, so the ranks' shares are disjoint, their union is the step's
@@ -576,17 +578,34 @@ class TokenData:
     """Token documents from one or more sources, split into `train` and `held_out` packed sequences."""
 
     def __init__(
-        self, documents: Documents, held_out: torch.Tensor, seq_len: int, fingerprint: str, description: str
+        self,
+        documents: Documents,
+        held_out: torch.Tensor,
+        seq_len: int,
+        fingerprint: str,
+        description: str,
+        test: torch.Tensor | None = None,
     ):
+        """`held_out` / `test`: [documents] bool, which documents each split takes (`test` None: no test
+        split); a test document is in neither train nor held_out whatever `held_out` says of it."""
         self.documents = documents
         self.seq_len = seq_len
         self._fingerprint = fingerprint
-        token_held = torch.repeat_interleave(held_out, documents.offsets.diff())
+        lengths = documents.offsets.diff()
+        testing = torch.zeros_like(held_out) if test is None else test
+        token_held = torch.repeat_interleave(held_out & ~testing, lengths)
+        token_test = torch.repeat_interleave(testing, lengths)
         self.train = TokenSplit(
-            "train", _pack(documents.tokens[~token_held], seq_len), fingerprint, description
+            "train", _pack(documents.tokens[~token_held & ~token_test], seq_len), fingerprint, description
         )
         self.held_out = TokenSplit(
             "held_out", _pack(documents.tokens[token_held], seq_len), fingerprint, description
+        )
+        self.test_documents = testing  # [documents] bool, for checks that no other split reads them
+        self.test: TokenSplit | None = (
+            None
+            if test is None
+            else TokenSplit("test", _pack(documents.tokens[token_test], seq_len), fingerprint, description)
         )
 
     @classmethod
@@ -602,12 +621,14 @@ class TokenData:
         dataset_split: str | None = None,
         held_out_fraction: float = 0.05,
         split_seed: int = 0,
+        test_fraction: float = 0.0,
     ) -> TokenData:
         """Read, tokenise (cached in `cache_dir` when given) and split `sources` into sequences of `seq_len`.
 
         `tokenizer` is a directory with the parent's tokenizer files (needed for text; for token files it
         bounds the ids). `held_out_fraction` of the documents (in expectation) go to `held_out`, chosen by
-        a hash seeded with `split_seed`. Under torch.distributed rank 0 tokenises and fills the cache
+        a hash seeded with `split_seed`; `test_fraction` (below `held_out_fraction`; 0: none) of them, by the
+        same hash, go to `test` instead, and never to `held_out`. Under torch.distributed rank 0 tokenises and fills the cache
         first, then the other ranks read it. Raises FileNotFoundError for missing paths and DataError for
         empty or malformed sources or fewer tokens than one sequence.
         """
@@ -615,6 +636,11 @@ class TokenData:
             raise ValueError(f"seq_len must be >= 1, found {seq_len}")
         if not 0 <= held_out_fraction < 1:
             raise ValueError(f"held_out_fraction must be in [0, 1), found {held_out_fraction}")
+        if test_fraction < 0 or (test_fraction and test_fraction >= held_out_fraction):
+            raise ValueError(
+                f"test_fraction must be in [0, held_out_fraction = {held_out_fraction}) (the test documents "
+                f"are some of the held-out ones), found {test_fraction}"
+            )
         paths = resolve_sources(sources)
         tokenizer_dir = Path(tokenizer) if tokenizer is not None else None
         loaded_tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir is not None else None
@@ -658,10 +684,14 @@ class TokenData:
                 "seq_len": seq_len,
                 "held_out_fraction": held_out_fraction,
                 "split_seed": split_seed,
+                # Only when set, so that the data of runs made before the test split keep their fingerprint.
+                **({"test_fraction": test_fraction} if test_fraction else {}),
             }
         )
         held_out = held_out_documents(documents, held_out_fraction, split_seed)
-        return cls(documents, held_out, seq_len, fingerprint, description)
+        # The same hash under a lower threshold: a subset of the held-out documents, so train stays the same.
+        test = held_out_documents(documents, test_fraction, split_seed) if test_fraction else None
+        return cls(documents, held_out, seq_len, fingerprint, description, test)
 
     def fingerprint(self) -> str:
         """sha256 of the source files, the tokenizer files and the settings (for `puzzle.artifacts` reuse keys)."""

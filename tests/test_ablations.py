@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from ablation_helpers import benchmark_module, tiny_parent, tiny_size
 
+from puzzle.data import held_out_documents
 from puzzle.spec import MambaSpec, MoESpec
 
 ablations = benchmark_module("ablations")
@@ -297,19 +298,28 @@ def fine(tmp_path_factory):
     return data, run, config
 
 
-def test_the_test_split_is_disjoint_from_the_scoring_held_out(fine):
+def test_the_test_split_is_held_out_files_the_scoring_never_reads(fine):
     _, run, _ = fine
     scoring, test = run.held_out_batches(), ablations.test_split(run, 512)
     assert test and sum(b.numel() for b in test) >= 512
+    assert run.config.data.test_fraction == pytest.approx(
+        run.config.data.held_out_fraction * ablations.TEST_SHARE
+    )
+    # Whole files (the demo corpus's documents) of the parent's held-out ones, so the parent never trained
+    # on them (tests/test_test_split.py: no stage of a run reads them). Rows are compared with the scoring
+    # held-out only: train has rows of 32 spaces too, the same bytes from other files.
+    settings = run.config.data
+    tested = run.data.test_documents
+    parents = held_out_documents(run.data.documents, settings.held_out_fraction, settings.split_seed)
+    assert int(tested.sum()) >= 1 and bool((parents | ~tested).all())
     seen = {tuple(row.tolist()) for batch in scoring for row in batch}
     assert not any(tuple(row.tolist()) in seen for batch in test for row in batch)
 
 
-def test_a_held_out_split_used_up_by_the_scoring_leaves_no_test_split(fine, monkeypatch):
+def test_a_run_without_test_files_has_no_test_split(fine, monkeypatch):
     _, run, _ = fine
-    batches = len(run.data.held_out) // run.config.data.eval_batch_size
-    monkeypatch.setattr(run, "held_out_batches", lambda: [None] * batches)  # the scoring takes every batch
-    with pytest.raises(ValueError, match="no test split left"):
+    monkeypatch.setattr(run.data, "test", None)  # data.test_fraction 0
+    with pytest.raises(ValueError, match="no test split"):
         ablations.test_split(run, 512)
 
 
@@ -431,8 +441,14 @@ def test_the_search_options_against_the_mip_and_refilled_greedy(fine):
             "spearman_within_0.8",
             "measured_within_1.5x",
             "beats_greedy_every_seed",
+            "beats_greedy_over_the_seeds",
         }
         assert len(f[name]["greedy_ratio_after"]) == 1
+        pooled = f[name]["greedy_ratio_after_pooled"]  # one GKD seed: the batch bootstrap alone
+        assert pooled["seeds"] == 1 and pooled["ratio"] == pytest.approx(
+            f[name]["greedy_ratio_after"][0]["ratio"]
+        )
+        assert f[name]["goals"]["beats_greedy_over_the_seeds"] == (pooled["low"] > 1)
     text = ablations.additivity_markdown(result, {"parent": "tiny", "command": "x", "seconds": 1.0})
     assert "| rerank |" in text and "| greedy |" in text
 
@@ -477,12 +493,40 @@ def test_rankings_give_each_predictors_spearman_and_pick_per_group():
     assert out["far"]["wrong"]["pick"] == 5.0 / 4.0
 
 
-def test_the_replication_verdicts_mark_only_margins_beyond_the_noise_in_every_seed():
+def test_the_replication_verdicts_rest_on_the_interval_over_the_gkd_seeds():
     beyond = {"ratio": 1.5, "low": 1.2, "high": 1.8}
     within = {"ratio": 1.1, "low": 0.9, "high": 1.3}
     below = {"ratio": 0.6, "low": 0.5, "high": 0.7}
-    assert ablations._verdict([beyond, beyond]) == "1.50 +"
-    assert ablations._verdict([beyond, within]) == "1.30 ~"  # one seed within the noise: no claim
-    assert ablations._verdict([below, below]) == "0.60 -"
-    assert ablations._verdict([beyond, below]) == "1.05 ~"  # the seeds disagree
-    assert ablations._verdict([]) == "-"
+    assert ablations._verdict(beyond) == "1.50 +"
+    assert ablations._verdict(within) == "1.10 ~"
+    assert ablations._verdict(below) == "0.60 -"
+    assert ablations._verdict(None) == "-"
+    # The case: greedy's child 0.97x, 0.87x and 0.92x Puzzle's after three GKD seeds, each seed's
+    # batch interval below 1 (the old verdict: "-", greedy lower beyond the noise in every seed). Over the
+    # seeds the interval holds 1: no claim. Uniform pruning 1.5x in every seed stays "+".
+    rng = np.random.default_rng(0)
+    batches = rng.lognormal(0.0, 0.4, size=(3, 16))
+
+    def row(method, ratios):
+        kls = [b * k * rng.lognormal(0.0, 0.01, 16) for b, k in zip(batches, ratios)]
+        seeds = [{"kl": float(v.mean()), "kl_batches": list(v)} for v in kls]
+        return {
+            "method": method,
+            "level": 0.7,
+            "budget": "active_params",
+            "feasible": True,
+            "before": {"kl": float(batches[0].mean()), "kl_batches": list(batches[0])},
+            "after_seeds": seeds,
+        }
+
+    data = {
+        "meta": {"levels": [0.7]},
+        "rows": [row("puzzle", (1, 1, 1)), row("greedy", (0.97, 0.87, 0.92)), row("homogeneous", (1.5,) * 3)],
+    }
+    data["analysis"] = {"paired": ablations.paired_ratios(data)}
+    greedy = data["analysis"]["paired"]["greedy"]["0.7"]
+    assert all(r["high"] < 1 for r in greedy["after"])  # every seed alone: "beyond the noise"
+    assert greedy["after_pooled"]["low"] < 1 < greedy["after_pooled"]["high"]
+    table = "\n".join(ablations.verdict_table({"quick-s0": data}))
+    assert "| greedy | quick-s0 | 0.92 ~ |" in table
+    assert "| homogeneous | quick-s0 | 1.49 + |" in table  # 1.5x times the per-cell noise

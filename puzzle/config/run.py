@@ -97,6 +97,14 @@ class DataConfig:
             "Share of documents held out for scoring and evaluation, chosen by a seeded hash of each document."
         ),
     )
+    test_fraction: float = field(
+        default=0.0,
+        metadata=doc(
+            "Share of documents set aside as a test split, taken from the held-out ones by the same hash "
+            "(below held_out_fraction; 0: none): no stage reads it (not scoring, search, GKD's evaluations "
+            "or checkpoint choice), so numbers reported on it are free of every choice."
+        ),
+    )
     split_seed: int = field(
         default=0,
         metadata=doc("Seed of the held-out split (independent of `seed`, so the split stays put)."),
@@ -128,6 +136,12 @@ class DataConfig:
             raise ConfigError(
                 f"expected a fraction in (0, 1), got {self.held_out_fraction!r}", "held_out_fraction"
             )
+        if not 0 <= self.test_fraction < self.held_out_fraction:
+            raise ConfigError(
+                f"expected a fraction in [0, held_out_fraction = {self.held_out_fraction}) (the test documents "
+                f"are some of the held-out ones), got {self.test_fraction!r}",
+                "test_fraction",
+            )
 
     def token_data_kwargs(self, tokenizer: Path | None) -> dict[str, Any]:
         """Keyword arguments of `puzzle.data.TokenData.load` for these settings and `tokenizer`."""
@@ -141,6 +155,7 @@ class DataConfig:
             "dataset_split": self.dataset_split,
             "held_out_fraction": self.held_out_fraction,
             "split_seed": self.split_seed,
+            "test_fraction": self.test_fraction,
         }
 
 
