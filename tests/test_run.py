@@ -200,7 +200,7 @@ def _exported_files(export: Path) -> tuple[dict, dict[str, tuple[int, ...]]]:
     shapes = {}
     for path in sorted(export.glob("*.safetensors")):
         with safe_open(str(path), "pt") as weights:
-            shapes.update({name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()})
+            shapes.update({name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()})  # noqa: SIM118
     return json.loads((export / "config.json").read_text()), shapes
 
 
