@@ -134,8 +134,9 @@ def export(
     loaded from), and `puzzle.json` (`export_record`: parent path and fingerprint, solution block by
     block, predicted costs and KL, the search's `solution` (a `Solution`, or its saved JSON as `puzzle
     search --json` and a run's solutions/{name}.json hold it, recorded as it is), `measured` (e.g. `puzzle.assemble.measured_kl`, default the child's
-    `assembly.measured`), MTP handling, which engines can serve it). `format`: see the module docstring;
-    `engines`: those `format="engine"` checks. Never writes into `parent_dir` or the parent's
+    `assembly.measured`), MTP handling, which engines can serve it; with `format="engine"`,
+    `checked_engines`: those it was checked for). `format`: see the module docstring; `engines`: those
+    `format="engine"` checks. Never writes into `parent_dir` or the parent's
     directory (CheckpointError); `overwrite` as in `save_pretrained`.
 
     `weight_formats`: {module-name prefix, e.g. "backbone.layers.3.mixer": "bf16" | "fp8" | "nvfp4"}: those
@@ -160,6 +161,8 @@ def export(
     if measured is None and getattr(child, "assembly", None) is not None and child.assembly.measured:
         measured = child.assembly.measured
     record = export_record(child, config, parent or child.source_path, solution, measured, formats)
+    if format == "engine":  # what was checked, beside `engines` (every engine's verdict)
+        record["checked_engines"] = list(engines)
     if run_info is not None:
         record["run"] = dict(run_info)
     if weight_formats is not None or formats:

@@ -711,7 +711,8 @@ def test_the_examples_load_and_fit_their_parents():
     ]
     assert nano.bld.dtype == "bfloat16" and nano.hardware.profile == "h100-80gb"
     demo = load_config(EXAMPLES / "demo.yaml")
-    assert demo.round_budgets() == [["active_params<=0.75x"], ["active_params<=0.5x"]]  # two budgets
+    assert demo.round_budgets() == [["active_params<=0.85x"], ["active_params<=0.7x"]]  # two budgets
+    assert demo.search.engines == ("vllm", "llama.cpp")  # children both engines serve
     # Every block of the demo parent has variants.
     demo_variants = demo.search_space().all_variants(demo_parent_spec())
     assert all(len(v) > 1 for v in demo_variants.values())

@@ -338,3 +338,26 @@ def test_vllm_gives_each_attention_layer_of_a_75b_shaped_child_its_own_scales():
     print(
         f"\n75B-shaped child: {len(attention)} attention layers {attention}, each with its own k/v scales in vLLM"
     )
+
+
+def test_puzzle_costs_of_a_kv_fp8_export_prices_its_cache_in_fp8(exported, tmp_path, capsys):
+    """`puzzle costs DIR` of an export whose config.json has the fp8 kv_cache_scheme prices its KV cache in
+    fp8 unless told otherwise; an export without one stays at bf16."""
+    from puzzle.cli import main
+    from puzzle.cost.analytic import kv_bytes_per_token
+
+    model, path = exported
+
+    def costs(target: Path, *argv: str) -> dict:
+        assert main(["costs", str(target), "--json", *argv]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    fp8 = costs(path)
+    assert fp8["kv_dtype"] == "fp8"
+    assert fp8["kv_bytes_per_token"] == kv_bytes_per_token(model.spec, "fp8") > 0
+    assert costs(path / "config.json")["kv_dtype"] == "fp8"  # the config.json itself too
+    bf16 = costs(path, "--kv-dtype", "bf16")  # what the user asks for wins
+    assert bf16["kv_dtype"] == "bf16" and bf16["kv_bytes_per_token"] == 2 * fp8["kv_bytes_per_token"]
+    plain = copy.deepcopy(model)
+    set_kv_scales(plain, None)
+    assert costs(export(plain, tmp_path / "plain"))["kv_dtype"] == "bf16"

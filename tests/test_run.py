@@ -193,6 +193,64 @@ def test_an_fp8_kv_cache_measures_and_exports_calibrated_children(finished, tmp_
     assert kv_scales(exported) == {i: tuple(torch.tensor(p).tolist()) for i, p in want.items()}
 
 
+def _exported_files(export: Path) -> tuple[dict, dict[str, tuple[int, ...]]]:
+    """config.json and {tensor name: shape} of the weight files, as an engine reads them off disk."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for path in sorted(export.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as weights:
+            shapes.update({name: tuple(weights.get_slice(name).get_shape()) for name in weights.keys()})  # noqa: SIM118
+    return json.loads((export / "config.json").read_text()), shapes
+
+
+def test_a_run_held_to_an_engine_exports_what_its_replay_loads(finished, tmp_path):
+    """search.engines [vllm]: the search leaves out the no-op blocks the run's own space offers, the child
+    is exported with format "engine", and vLLM's loader, replayed on the written config.json and tensor
+    shapes, builds it as it is; the run's child without the engine has a no-op block the replay refuses."""
+    from puzzle.nemotron_h import vllm_replay
+
+    run_dir, _ = finished
+    copied = tmp_path / "run"
+    shutil.copytree(run_dir, copied)
+    data = config_dict(run_dir.parent, run_dir=str(copied))
+    data["search"] = {"budgets": ["active_params<=0.9x"], "engines": ["vllm"]}
+    assert _run(write_config(tmp_path / "run.yaml", data)) == 0
+    (name,) = [p.stem for p in (copied / "solutions").glob("*.json") if "0.9x" in p.stem]
+    export = copied / "exports" / name
+    record = json.loads((export / "puzzle.json").read_text())
+    assert record["checked_engines"] == ["vllm"] and record["engines"]["vllm"] == []
+    config, shapes = _exported_files(export)
+    assert vllm_replay.mismatches(config, shapes, puzzle.load(export).spec) == []
+    # The oracle can fail: the run's own child without the engine (0.8x: within what vLLM serves, 0.9x is
+    # the least) has a no-op block, and the replay refuses its export.
+    (free,) = [p.stem for p in (run_dir / "solutions").glob("*.json")]
+    assert "noop" in json.loads((run_dir / "solutions" / f"{free}.json").read_text())["choices"].values()
+    config, shapes = _exported_files(run_dir / "exports" / free)
+    assert vllm_replay.mismatches(config, shapes, puzzle.load(run_dir / "exports" / free).spec)
+
+
+def test_a_run_held_to_an_engine_stops_at_a_child_the_engine_refuses(finished, tmp_path, caplog):
+    """search.engines [transformers] with an fp8 KV cache: the search serves every block, but plain
+    transformers ignores the cache's scales, so the export stage refuses the child (exit 1, the reason
+    logged) and writes no checkpoint."""
+    run_dir, _ = finished
+    copied = tmp_path / "run"
+    shutil.copytree(run_dir, copied)
+    data = config_dict(run_dir.parent, run_dir=str(copied))
+    data["search"] = {"budgets": ["active_params<=0.97x"], "engines": ["transformers"]}
+    data["kv_cache"] = {"dtype": "fp8", "tokens": 256}
+    data["hardware"]["scenarios"]["chat"]["kv_dtype"] = "fp8"
+    assert _run(write_config(tmp_path / "run.yaml", data)) == 1
+    statuses = _statuses(copied)
+    assert statuses["distill"] == "done" and statuses["export"] != "done"
+    (name,) = [p.stem for p in (copied / "solutions").glob("*.json") if "0.97x" in p.stem]
+    assert not (copied / "exports" / name).exists()
+    logged = (copied / "logs" / "rank0.log").read_text()
+    assert f"child {name!r} of a run with search.engines ['transformers']" in logged
+    assert "refusing an engine export" in logged and "an fp8 KV cache" in logged
+
+
 def _counts(directory: Path, pid: int) -> dict[str, int]:
     return json.loads((directory / f"counts-{pid}.json").read_text())
 

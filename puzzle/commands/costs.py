@@ -90,9 +90,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--kv-dtype",
-        default="bf16",
+        default=None,
         choices=STATE_DTYPES,
-        help=f"KV cache storage, {DTYPE_UNITS} (default %(default)s)",
+        help=f"KV cache storage, {DTYPE_UNITS} (default %(default)s: the checkpoint's own, fp8 for an export "
+        "whose config.json has a kv_cache_scheme, else bf16)",
     )
     parser.add_argument(
         "--ssm-dtype",
@@ -153,6 +154,26 @@ def load_target(target: str) -> tuple[ModelSpec, str]:
     if path.suffix == ".json" or "/" in target:
         raise SpecError(f"{target} does not exist")
     return get_preset(target), f"preset {target}"
+
+
+def target_kv_dtype(target: str) -> str:
+    """The KV cache dtype `target` is served with: "fp8" for a checkpoint directory or config.json whose
+    `quantization_config` has puzzle's fp8 `kv_cache_scheme` (`puzzle.nemotron_h.kv_export`: an export of a
+    KV-fp8 child, whose scales vLLM loads), else "bf16" (a preset, a spec JSON, any other checkpoint)."""
+    from puzzle import nemotron_h
+
+    path = Path(target)
+    if path.is_dir():
+        config, where = nemotron_h.read_config(path), str(path / nemotron_h.CONFIG_NAME)
+    elif path.is_file() and _model_spec_file(path) is None:
+        config, where = nemotron_h.read_config_file(path), str(path)
+    else:
+        return "bf16"
+    if not config.get("quantization_config"):
+        return "bf16"
+    from puzzle.nemotron_h.kv_export import check_kv_cache_scheme  # late: torch, for a quantized config only
+
+    return "fp8" if check_kv_cache_scheme(config, where) else "bf16"
 
 
 def _checkpoint_spec(directory: Path, config: dict[str, Any], where: str) -> ModelSpec:
@@ -332,6 +353,8 @@ def run(args: argparse.Namespace) -> int:
     """`puzzle costs`: print the table (or JSON) for args.target; exit code 2 with a message on bad input."""
     try:
         spec, title = load_target(args.target)
+        if args.kv_dtype is None:  # the export's own cache (an fp8 one carries its scales), else bf16
+            args.kv_dtype = target_kv_dtype(args.target)
         costs = compute_costs(
             spec,
             args.hardware,

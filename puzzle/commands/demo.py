@@ -21,8 +21,8 @@ def register(subparsers: Any) -> None:
         "demo",
         help="compress the built-in demo model end to end on this CPU",
         description="Train (or find in the per-user cache) a small NemotronH-shaped hybrid on the Python "
-        "standard library's source, then run the whole pipeline on it for two budgets (3/4 and 1/2 of its "
-        "active parameters): importance, block library (BLD), scores, search, assembly, distillation (GKD) and "
+        "standard library's source, then run the whole pipeline on it for two budgets (85% and 70% of its "
+        "active parameters), held to what vLLM and llama.cpp serve: importance, block library (BLD), scores, search, assembly, distillation (GKD) and "
         "export. Writes DIR/demo.md (parent vs children: size, held-out KL and loss, decode tokens/s measured "
         "here and predicted), DIR/report/ and DIR/exports/. On 2 CPU cores about 10 minutes, --quick 0.5 to 2.5 "
         "(more on a busy machine); the last line says how long it took. "

@@ -1,4 +1,5 @@
-"""The export stage of a run: each distilled child as a checkpoint with its model card (exports/{name}/).
+"""The export stage of a run: each distilled child as a checkpoint with its model card (exports/{name}/);
+with `search.engines`, in the export format "engine" for those engines (a child one refuses stops the run).
 
 `record(run)` declares the stage's inputs and its work, and records its outputs through the run's ledger
 (`RunContext.stage`); `damage(run, outputs)` says how those outputs are checked on disk before they are
@@ -14,6 +15,7 @@ from typing import Any
 
 from puzzle import dist, shard
 from puzzle.artifacts import file_digest, fingerprint_json
+from puzzle.export import ExportError
 from puzzle.export import export as export_checkpoint
 from puzzle.gkd import load_distilled
 from puzzle.ledger import DONE
@@ -63,15 +65,25 @@ def _card_info(run: RunContext, name: str, source: str) -> dict[str, Any]:
 
 
 def _write(run: RunContext, name: str, source: str, child: HybridLM, out: Path) -> dict[str, Any]:
-    written = export_checkpoint(
-        child,
-        out,
-        parent_dir=run.config.parent.path,
-        solution=run.solution_json(name),  # as saved: the search's table is not rebuilt to read it
-        measured=assembled(run, name)["measured"],
-        overwrite=True,
-        run_info=_card_info(run, name, source),
-    )
+    # A search held to engines (search.engines) exports for them: format "engine" refuses a child any of
+    # them could not load (e.g. an fp8 KV cache one of them does not read), so the run stops here loudly
+    # rather than hand over a checkpoint the engine it was searched for refuses.
+    engines = tuple(run.config.search.engines)
+    try:
+        written = export_checkpoint(
+            child,
+            out,
+            parent_dir=run.config.parent.path,
+            solution=run.solution_json(name),  # as saved: the search's table is not rebuilt to read it
+            measured=assembled(run, name)["measured"],
+            overwrite=True,
+            run_info=_card_info(run, name, source),
+            **({"format": "engine", "engines": engines} if engines else {}),
+        )
+    except ExportError as error:
+        if not engines:
+            raise
+        raise ExportError(f"child {name!r} of a run with search.engines {list(engines)}: {error}") from None
     root = run.layout.root
     entry: dict[str, Any] = {
         "path": str(written.relative_to(root)) if written.is_relative_to(root) else str(written)
