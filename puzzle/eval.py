@@ -328,3 +328,43 @@ def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
                 }
             )
     return rows
+
+
+def request_tokens(
+    tasks: list[str],
+    tokenizer: Any,
+    *,
+    limit: int | None = None,
+    include_path: str | Path | list[str | Path] | None = None,
+    max_length: int = DEFAULT_MAX_LENGTH,
+) -> dict[str, list[int] | str]:
+    """{task: the token count of each of its requests} as lm-eval builds them (its documents up to `limit`;
+    a multiple-choice document is one request per choice), or {task: why they cannot be counted here}
+    (its data needs the hub). A loglikelihood request is one forward of context + continuation; a
+    generation, of the context and its max_gen_toks (default 256); each cut to `max_length` as HFLM cuts."""
+    manager = task_manager(include_path)
+    check_tasks(tasks, manager)
+    counts: dict[str, list[int] | str] = {}
+    for name in tasks:
+        try:
+            loaded = manager.load_task_or_group([name])
+        except Exception as error:  # a hub dataset offline, most often: the plan says so and goes on
+            counts[name] = " ".join(str(error).split())[:200] or type(error).__name__
+            continue
+        pending = list(loaded.values())
+        while pending:
+            task = pending.pop()
+            if isinstance(task, dict):  # a group: its tasks
+                pending += list(task.values())
+                continue
+            task.build_all_requests(limit=limit, rank=0, world_size=1)
+            lengths = counts.setdefault(task.config.task, [])
+            for instance in task.instances:
+                context, second = instance.arguments[0], instance.arguments[1]
+                tokens = len(tokenizer.encode(context, add_special_tokens=False))
+                if isinstance(second, str):
+                    tokens += len(tokenizer.encode(second, add_special_tokens=False))
+                else:
+                    tokens += int((second or {}).get("max_gen_toks", 256))
+                lengths.append(min(tokens, max_length))
+    return counts
