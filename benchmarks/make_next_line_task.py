@@ -32,9 +32,9 @@ OUTPUT = ROOT / "puzzle" / "eval_tasks" / "next_line.jsonl"
 IDENTIFIER_ITEMS = 300
 IDENTIFIER_SEED = 38
 PREFIX_CHARS = (
-    3  # of the identifier, given: the model completes the rest by finding it earlier in the context
+    4  # of the identifier, given: the model completes the rest by finding it earlier in the context
 )
-MIN_IDENTIFIER_CHARS = 5  # at least 2 characters to complete; short names (`x`, `i`) are guessed, not copied
+MIN_IDENTIFIER_CHARS = 5  # at least 1 character to complete; short names (`x`, `i`) are guessed, not copied
 MAX_IDENTIFIER_CHARS = 24
 IDENTIFIER_OUTPUT = ROOT / "puzzle" / "eval_tasks" / "identifiers.jsonl"
 _IDENTIFIER = re.compile(r"(?<![\w.'\"])[A-Za-z_][A-Za-z0-9_]*")
@@ -115,8 +115,7 @@ def build_identifier_items(files: dict[str, list[str]]) -> list[dict]:
     PREFIX_CHARS characters, the completion the rest of it. One item per line at most.
 
     The whole identifier is in the context (checked after the cut), so the task is a copy: a model that
-    finds the earlier occurrence from its first characters completes it; one that does not rarely guesses
-    two or more bytes exactly (the demo's quick parent completes about one in seven, shuffled weights none).
+    finds the earlier occurrence from its first characters completes it; shuffled weights complete none.
     """
     rng = random.Random(IDENTIFIER_SEED)
     positions = [

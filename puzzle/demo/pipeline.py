@@ -483,7 +483,7 @@ def _accuracy_notes(rows: list[ModelRow], size: DemoSize) -> list[str]:
     ]
     if parent.copy_accuracy is not None and all(row.copy_accuracy is not None for row in children):
         lines[-1] += (
-            f" {COPY_TASK} (the rest of an identifier the context already holds, given its first 3 "
+            f" {COPY_TASK} (the rest of an identifier the context already holds, given its first 4 "
             f"characters; greedy exact match, {COPY_METRIC} +- stderr; chance about 0): parent "
             f"{_shown(parent.copy_accuracy)}"
             + "".join(f"; {row.name} {_shown(row.copy_accuracy)} after GKD" for row in children)
@@ -494,9 +494,12 @@ def _accuracy_notes(rows: list[ModelRow], size: DemoSize) -> list[str]:
     first, second = (next(r for r in children if r.name == n) for n in by_kl[:2])
     gap = first.accuracy[0] - second.accuracy[0]  # type: ignore[index]
     spread = math.hypot(first.accuracy[1], second.accuracy[1])  # type: ignore[index]
-    same = "the same way" if by_kl == by_accuracy else "differently"
+    same = "rank the children the same way" if by_kl == by_accuracy else "rank the children differently"
+    if len({row.accuracy[0] for row in children}) < len(children):  # type: ignore[index]
+        # a stable sort keeps tied children in KL's order: that is no agreement
+        same = "do not rank the children alike: some children's accuracies tie, which KL separates"
     lines.append(
-        f"KL and accuracy rank the children {same} (by KL after GKD, least first: {', '.join(by_kl)}; by "
+        f"KL and accuracy {same} (by KL after GKD, least first: {', '.join(by_kl)}; by "
         f"accuracy, highest first: {', '.join(by_accuracy)}); the accuracy gap between the two of least KL, "
         f"{gap:+.3f}, is {'more' if abs(gap) > 2 * spread else 'less'} than twice its stderr ({spread:.3f})"
         + ("" if abs(gap) > 2 * spread else ": on this task the difference does not show")
