@@ -4,8 +4,9 @@
 (through `git show`, so the items do not move as the code does) and writes ITEMS items. Each item is the last
 few lines of a file up to some point (`context`), the true next line, and CHOICES - 1 lines of similar length
 drawn from other files. The demo parent trains on the standard library, so these files are held out from it.
-It also writes IDENTIFIER_ITEMS items of identifiers.jsonl (task puzzle_identifiers): the code before
-an identifier that the preceding lines already use, and that identifier, scored as a greedy exact match.
+It also writes IDENTIFIER_ITEMS items of identifiers.jsonl (task puzzle_identifiers): the code up to an
+identifier that the preceding lines already use, with its first PREFIX_CHARS characters, and the rest of
+it to complete (a copy from the context), scored as a greedy exact match.
 Deterministic: the same commit and constants give the same bytes.
 """
 
@@ -28,9 +29,12 @@ MAX_LINE_CHARS = 100
 SEED = 37
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT = ROOT / "puzzle" / "eval_tasks" / "next_line.jsonl"
-IDENTIFIER_ITEMS = 200
+IDENTIFIER_ITEMS = 300
 IDENTIFIER_SEED = 38
-MIN_IDENTIFIER_CHARS = 4  # short names (`x`, `i`) are guessed, not completed
+PREFIX_CHARS = (
+    4  # of the identifier, given: the model completes the rest by finding it earlier in the context
+)
+MIN_IDENTIFIER_CHARS = 5  # at least 1 character to complete; short names (`x`, `i`) are guessed, not copied
 MAX_IDENTIFIER_CHARS = 24
 IDENTIFIER_OUTPUT = ROOT / "puzzle" / "eval_tasks" / "identifiers.jsonl"
 _IDENTIFIER = re.compile(r"(?<![\w.'\"])[A-Za-z_][A-Za-z0-9_]*")
@@ -105,9 +109,14 @@ def build_items(files: dict[str, list[str]]) -> list[dict]:
 
 
 def build_identifier_items(files: dict[str, list[str]]) -> list[dict]:
-    """IDENTIFIER_ITEMS items {"id", "file", "context", "identifier"}: an identifier of 4-24 characters (no
-    keyword, not after a '.' or in a string's first character) that the CONTEXT_LINES lines before it
-    already hold, and the code up to it (at most MAX_CONTEXT_CHARS); one item per line at most."""
+    """IDENTIFIER_ITEMS items {"id", "file", "context", "identifier", "completion"}: an identifier of 5-24
+    characters (no keyword, not after a '.' or in a string's first character) that the CONTEXT_LINES lines
+    before it already hold; the context is the code up to it (at most MAX_CONTEXT_CHARS) and its first
+    PREFIX_CHARS characters, the completion the rest of it. One item per line at most.
+
+    The whole identifier is in the context (checked after the cut), so the task is a copy: a model that
+    finds the earlier occurrence from its first characters completes it; shuffled weights complete none.
+    """
     rng = random.Random(IDENTIFIER_SEED)
     positions = [
         (name, index)
@@ -133,12 +142,22 @@ def build_identifier_items(files: dict[str, list[str]]) -> list[dict]:
         if not candidates:
             continue
         match = rng.choice(candidates)
-        context = (before + lines[index][: match.start()])[-MAX_CONTEXT_CHARS:]
+        identifier = match.group()
+        context = (before + lines[index][: match.start() + PREFIX_CHARS])[-MAX_CONTEXT_CHARS:]
         # the identifier must still be in the context the model sees, after the cut to MAX_CONTEXT_CHARS
-        if (context, match.group()) in seen or not re.search(rf"\b{re.escape(match.group())}\b", context):
+        earlier = context[:-PREFIX_CHARS]
+        if (context, identifier) in seen or not re.search(rf"\b{re.escape(identifier)}\b", earlier):
             continue
-        seen.add((context, match.group()))
-        items.append({"id": len(items), "file": name, "context": context, "identifier": match.group()})
+        seen.add((context, identifier))
+        items.append(
+            {
+                "id": len(items),
+                "file": name,
+                "context": context,
+                "identifier": identifier,
+                "completion": identifier[PREFIX_CHARS:],
+            }
+        )
     return items
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from puzzle import dist
 from puzzle.model import HybridLM
 
 LOCAL_TASKS = Path(__file__).parent / "eval_tasks"
@@ -210,9 +211,42 @@ def evaluate(
         if _hub_error(error):
             raise HubDataError(hub_datasets(names, manager), error) from error
         raise
-    if results is None:  # only on a non-zero rank of a distributed run
-        return {}
-    return dict(results)
+    # Every rank ran every request (HFLM given a model instance is one process to lm-eval; a sharded model's
+    # forwards are collectives in step), but lm-eval returns the results on local rank 0 alone: rank 0's go
+    # to all. As plain JSON data (what the run writes): the task configs' callables do not pickle.
+    plain = None if results is None else json.loads(json.dumps(results, default=str))
+    return dist.broadcast_object(plain) if dist.world_size() > 1 else plain
+
+
+def metric_value(results: dict[str, Any], task: str, metric: str) -> tuple[float, bool]:
+    """(value, higher_is_better) of `task`'s `metric` in a results dict: "acc" reads "acc,none" (or the one
+    filter the task has); "exact_match,strict-match" names its filter. EvalError naming the task's
+    metrics when it has no such one."""
+    metrics = results.get("results", {}).get(task)
+    if metrics is None:
+        raise EvalError(f"the results hold no task {task!r} (tasks: {sorted(results.get('results', {}))})")
+    name, _, _ = metric.partition(",")
+    keys = [metric] if "," in metric else [k for k in metrics if k.partition(",")[0] == metric]
+    keys = [k for k in keys if k in metrics and not k.partition(",")[0].endswith("_stderr")]
+    if len(keys) != 1:
+        found = sorted({k for k in metrics if "," in k and "_stderr" not in k})
+        raise EvalError(
+            f"task {task!r} has {'several' if keys else 'no'} metric {metric!r} "
+            f"(it has: {', '.join(found)}): name one as METRIC or METRIC,FILTER"
+        )
+    higher = results.get("higher_is_better", {}).get(task, {}).get(name, True)
+    return float(metrics[keys[0]]), bool(True if higher is None else higher)
+
+
+def task_files(folder: Path) -> dict[str, str]:
+    """{file: sha256} of the task YAMLs and data files under `folder`: what a local task reads."""
+    from puzzle.artifacts import fingerprint_file
+
+    return {
+        str(path.relative_to(folder)): fingerprint_file(path)
+        for path in sorted(folder.rglob("*"))
+        if path.is_file() and path.suffix in {".yaml", ".yml", ".jsonl", ".json", ".py", ".csv", ".txt"}
+    }
 
 
 def load_target(path: str | Path, dtype: str | torch.dtype = "float32") -> tuple[nn.Module, Any]:
@@ -294,3 +328,43 @@ def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
                 }
             )
     return rows
+
+
+def request_tokens(
+    tasks: list[str],
+    tokenizer: Any,
+    *,
+    limit: int | None = None,
+    include_path: str | Path | list[str | Path] | None = None,
+    max_length: int = DEFAULT_MAX_LENGTH,
+) -> dict[str, list[int] | str]:
+    """{task: the token count of each of its requests} as lm-eval builds them (its documents up to `limit`;
+    a multiple-choice document is one request per choice), or {task: why they cannot be counted here}
+    (its data needs the hub). A loglikelihood request is one forward of context + continuation; a
+    generation, of the context and its max_gen_toks (default 256); each cut to `max_length` as HFLM cuts."""
+    manager = task_manager(include_path)
+    check_tasks(tasks, manager)
+    counts: dict[str, list[int] | str] = {}
+    for name in tasks:
+        try:
+            loaded = manager.load_task_or_group([name])
+        except Exception as error:  # a hub dataset offline, most often: the plan says so and goes on
+            counts[name] = " ".join(str(error).split())[:200] or type(error).__name__
+            continue
+        pending = list(loaded.values())
+        while pending:
+            task = pending.pop()
+            if isinstance(task, dict):  # a group: its tasks
+                pending += list(task.values())
+                continue
+            task.build_all_requests(limit=limit, rank=0, world_size=1)
+            lengths = counts.setdefault(task.config.task, [])
+            for instance in task.instances:
+                context, second = instance.arguments[0], instance.arguments[1]
+                tokens = len(tokenizer.encode(context, add_special_tokens=False))
+                if isinstance(second, str):
+                    tokens += len(tokenizer.encode(second, add_special_tokens=False))
+                else:
+                    tokens += int((second or {}).get("max_gen_toks", 256))
+                lengths.append(min(tokens, max_length))
+    return counts

@@ -24,7 +24,8 @@ the evaluated weights with the lowest held-out KL (`keep_best`; the assembled ch
 any step, included), so GKD never hands back a child worse on the held-out set than it was given; a host
 copy of each rank's student shard holds the best weights between evaluations. `early_stop_patience`
 evaluations without a lower KL end the run early. The kept step is in history.json (`kept_step`) and the
-manifest's info.
+manifest's info. With `select_by: TASK/METRIC` "best" is a task metric instead (`Selector`: lm-eval's score
+of the student at each evaluation, recorded in the evaluation as `select`), and so is early stopping's.
 
 Activation checkpointing (`activation_checkpointing`, on by default): each student block's forward in
 training saves only its input; the backward runs the block again (non-reentrant `torch.utils.checkpoint`;
@@ -132,6 +133,18 @@ _COSINE_SUM, _TOKENS = NUM_HEAD_SUMS, NUM_HEAD_SUMS + 1
 _NUM_SUMS = NUM_HEAD_SUMS + 2
 
 TrainData = TokenSplit | Sequence[torch.Tensor] | Callable[[], Iterable[torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class Selector:
+    """GKD's measure of "best" when `GKDSettings.select_by` is a task metric: `score(student)` -> (value,
+    higher_is_better) at each evaluation; `name` is the select_by it serves, `fingerprint` what the score
+    depends on beyond the weights (tasks, data, limit), for reuse and resume. `puzzle.eval.task_selector`
+    makes one from lm-eval; the student is in eval mode and without gradients while it is scored."""
+
+    name: str
+    score: Callable[[HybridLM], tuple[float, bool]]
+    fingerprint: str
 
 
 @dataclass
@@ -492,10 +505,10 @@ class _State:
     history: dict[str, list[dict[str, Any]]] = dataclasses.field(
         default_factory=lambda: {"train": [], "eval": []}
     )
-    # The evaluation with the lowest held-out KL so far (`keep_best`) and this rank's part of its weights,
-    # copied to the host.
+    # The best evaluation so far (`keep_best`; the lowest `_rank_key`: KL, or the selector's metric) and
+    # this rank's part of its weights, copied to the host.
     best_step: int | None = None
-    best_kl: float = math.inf
+    best_key: float = math.inf
     best_weights: dict[str, torch.Tensor] | None = None
 
     def evaluations_since_best(self) -> int:
@@ -646,14 +659,43 @@ def _snapshot_as_student(student: HybridLM, snapshot: Mapping[str, torch.Tensor]
     return {name: shard.local_like(value, state[name]) for name, value in snapshot.items()}
 
 
-def _note_evaluation(state: _State, student: HybridLM, settings: GKDSettings) -> None:
-    """After the evaluation just appended to the history: is it the best so far (lowest held-out KL)? Then
-    its step, KL and (with `keep_best`) a host copy of the weights become the best."""
-    evaluation = state.history["eval"][-1]
-    kl = float(evaluation["kl"])
-    if state.best_step is None or kl < state.best_kl:
-        state.best_step, state.best_kl = int(evaluation["step"]), kl
-        state.best_weights = _snapshot(student) if settings.keep_best else None
+def _rank_key(evaluation: Mapping[str, Any]) -> float:
+    """Lower is better: the held-out KL, or the selector's metric (`select`) signed by higher_is_better."""
+    select = evaluation.get("select")
+    if select is None:
+        return float(evaluation["kl"])
+    return -float(select["value"]) if select["higher_is_better"] else float(select["value"])
+
+
+@torch.no_grad()
+def _append_evaluation(
+    state: _State,
+    distiller: _Distiller,
+    teacher: HybridLM,
+    held: Sequence[torch.Tensor],
+    settings: GKDSettings,
+    micro: int,
+    selector: Selector | None,
+) -> None:
+    """Evaluate the student now (held-out KL and the rest; the selector's score when there is one), append
+    it to the history, and keep it as the best when it ranks first so far (strictly: ties keep the
+    earlier): its step, key and (with `keep_best`) a host copy of the weights."""
+    evaluation: dict[str, Any] = {
+        "step": state.step,
+        "tokens": state.tokens,
+        **_evaluate(distiller, teacher, held, settings, micro),
+    }
+    if selector is not None:
+        was_training = distiller.training
+        distiller.eval()
+        value, higher_is_better = selector.score(distiller.student)
+        distiller.train(was_training)
+        evaluation["select"] = {"by": selector.name, "value": value, "higher_is_better": higher_is_better}
+    state.history["eval"].append(evaluation)
+    key = _rank_key(evaluation)
+    if state.best_step is None or key < state.best_key:
+        state.best_step, state.best_key = state.step, key
+        state.best_weights = _snapshot(distiller.student) if settings.keep_best else None
 
 
 def _checkpoint_dir(directory: Path) -> Path:
@@ -682,7 +724,7 @@ def _save_checkpoint(
         "tokens": state.tokens,
         "position": state.position,
         "history": state.history,
-        "best": {"step": state.best_step, "kl": state.best_kl},
+        "best": {"step": state.best_step, "key": state.best_key},
     }
     name = f"step{state.step}.safetensors"
     write_checkpoint(_checkpoint_dir(directory), "checkpoint.json", name, tensors, record)
@@ -708,7 +750,10 @@ def _load_checkpoint(
         if "rng/cuda" in tensors and torch.cuda.is_available():
             torch.cuda.set_rng_state(tensors["rng/cuda"])
         state = _State(int(record["step"]), int(record["tokens"]), record["position"], record["history"])
-        state.best_step, state.best_kl = int(record["best"]["step"]), float(record["best"]["kl"])
+        state.best_step, state.best_key = (
+            int(record["best"]["step"]),
+            float(record["best"].get("key", record["best"].get("kl"))),
+        )
         if settings.keep_best:
             state.best_weights = _best_weights(student, tensors)
     return state
@@ -752,6 +797,7 @@ def distill(
     data_fingerprint: str | None = None,
     callback: Callable[[int, dict[str, Any]], None] | None = None,
     teacher_fp: str | None = None,
+    selector: Selector | None = None,
 ) -> GKDResult:
     """Distil `teacher` into `student` (trained in place) and write the output to `directory`; returns it.
 
@@ -765,6 +811,7 @@ def distill(
     is called on every rank after each optimiser step (and its evaluation and checkpoint, if any).
     `teacher_fp` names the teacher for those checks (`puzzle.Run` passes its parent's fingerprint, from
     its files); default `fingerprint_model(teacher)`, which gathers a sharded teacher's every tensor.
+    `selector`: required when `settings.select_by` names a task metric (and then its `name`), else None.
 
     At the end the student holds the distilled weights, the evaluated ones with the lowest held-out KL with
     `settings.keep_best` (`GKDResult.kept_step`; DTensor shards under FSDP: use `load_distilled` for a
@@ -773,6 +820,11 @@ def distill(
     the same arguments).
     """
     directory = Path(directory)
+    if (selector.name if selector is not None else "kl") != settings.select_by:
+        raise ValueError(
+            f"GKD: settings.select_by is {settings.select_by!r} but the selector given is "
+            f"{selector.name if selector is not None else None!r}: a task metric needs its Selector, kl none"
+        )
     world = dist.world_size()
     split = settings.micro_batches(world)
     if (student.spec.num_blocks, student.spec.hidden_size, student.spec.vocab_size) != (
@@ -795,6 +847,8 @@ def distill(
         "held_out": fingerprint_tensors(held),
         "settings": fingerprint_json(settings.to_dict()),
     }
+    if selector is not None:
+        inputs["selector"] = selector.fingerprint
     if kv_scales(student):  # a student with an fp8 KV cache trains another forward (`puzzle.kv_cache`)
         inputs["student_kv_scales"] = fingerprint_json({str(i): p for i, p in kv_scales(student).items()})
     artifact = Artifact(directory, ARTIFACT_NAME, FORMAT_VERSION)
@@ -840,10 +894,7 @@ def distill(
         if dist.is_main():
             shutil.rmtree(_checkpoint_dir(directory), ignore_errors=True)  # another run's, if any
         dist.barrier()
-        state.history["eval"].append(
-            {"step": 0, "tokens": 0, **_evaluate(distiller, teacher, held, settings, split.micro)}
-        )
-        _note_evaluation(state, student, settings)
+        _append_evaluation(state, distiller, teacher, held, settings, split.micro, selector)
 
     resumed_note = f" (resumed at step {resumed_from})" if resumed_from is not None else ""
     bar = progress_bar(f"GKD{resumed_note}", total=int(total), unit="tok")
@@ -863,9 +914,7 @@ def distill(
         rate = (state.tokens - start_tokens) / max(time.perf_counter() - started, 1e-9)
         bar.set_postfix(tok_s=f"{rate:.0f}", loss=f"{record['loss']:.4f}", kl=f"{record['kl']:.4f}")
         if settings.eval_every and state.step % settings.eval_every == 0:
-            evaluation = _evaluate(distiller, teacher, held, settings, split.micro)
-            state.history["eval"].append({"step": state.step, "tokens": state.tokens, **evaluation})
-            _note_evaluation(state, student, settings)
+            _append_evaluation(state, distiller, teacher, held, settings, split.micro, selector)
             stopped_early = _patience_spent(state, settings)
         if settings.checkpoint_every and state.step % settings.checkpoint_every == 0:
             _save_checkpoint(directory, state, student, optimizer, inputs)
@@ -873,9 +922,7 @@ def distill(
             callback(state.step, record)
     bar.close()
     if state.history["eval"][-1]["step"] != state.step:
-        evaluation = _evaluate(distiller, teacher, held, settings, split.micro)
-        state.history["eval"].append({"step": state.step, "tokens": state.tokens, **evaluation})
-        _note_evaluation(state, student, settings)
+        _append_evaluation(state, distiller, teacher, held, settings, split.micro, selector)
 
     kept = state.step
     if settings.keep_best and state.best_weights is not None:

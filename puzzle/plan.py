@@ -1079,6 +1079,68 @@ def _export(ctx: _Context) -> StagePlan:
     )
 
 
+def _eval(ctx: _Context) -> StagePlan | None:
+    """lm-eval on the parent and each child, assembled and distilled (`eval.tasks`): each task's requests
+    counted and tokenised as lm-eval builds them (`puzzle.eval.request_tokens`), one forward each; a child
+    priced at the child's share of the parent's forward. None without eval tasks."""
+    settings = ctx.config.eval
+    if not settings.tasks:
+        return None
+    solutions = _solves(ctx)
+    models = 1 + 2 * solutions * ctx.child_fraction  # in parent forwards
+    notes = [
+        f"the parent and {solutions} child(ren) twice (assembled, distilled): {models:.2f} parent forwards per "
+        "request; one process's work: every rank runs every request (lm-eval sees one process)"
+    ]
+    try:
+        from puzzle.data import load_tokenizer
+        from puzzle.eval import request_tokens
+
+        counts = request_tokens(
+            list(settings.tasks),
+            load_tokenizer(ctx.config.tokenizer_dir),
+            limit=settings.limit,
+            include_path=settings.include_path,
+        )
+    except Exception as error:  # no lm-eval, no tokenizer files: the rest of the plan still stands
+        return StagePlan(
+            "eval",
+            f"tasks {', '.join(settings.tasks)}: not priced ({' '.join(str(error).split())[:200]})",
+            None,
+            0.0,
+            {},
+            notes=notes,
+        )
+    flops, tokens, parts = 0.0, 0, []
+    for task, lengths in counts.items():
+        if isinstance(lengths, str):
+            parts.append(f"{task}: not priced ({lengths})")
+            continue
+        task_flops = models * sum(n * forward_flops_per_token(ctx.spec, max(n, 1)) for n in lengths)
+        flops += task_flops
+        tokens += sum(lengths)
+        parts.append(f"{task}: {len(lengths)} requests, {sum(lengths):,} tokens, {task_flops:.3g} FLOPs")
+    notes.insert(0, "; ".join(parts))
+    longest = max((max(v) for v in counts.values() if not isinstance(v, str) and v), default=0)
+    memory = {
+        "parent (whole, unsharded)": ctx.parent().whole,
+        "logits": FP32 * settings.batch_size * longest * ctx.spec.vocab_size,
+    }
+    if ctx.config.gkd.select_task is not None:
+        notes.append(
+            f"gkd.select_by {ctx.config.gkd.select_by}: GKD also runs that task on the student at each of its "
+            "evaluations (not counted here)"
+        )
+    return StagePlan(
+        "eval",
+        f"tasks {', '.join(settings.tasks)} on {1 + 2 * solutions} models (limit {settings.limit})",
+        int(models * tokens),
+        flops,
+        memory,
+        notes=notes,
+    )
+
+
 def _child_note(fraction: float) -> str:
     if fraction < 1:
         return (
@@ -1136,6 +1198,9 @@ def plan_run(
         _distill(ctx, problems),
         _export(ctx),
     ]
+    evaluation = _eval(ctx)
+    if evaluation is not None:
+        stages.append(evaluation)
     if wave_note is not None:
         stages[2].notes.append(wave_note)
     if unknown is not None:

@@ -39,11 +39,12 @@ def gkd_tokens(settings: GKDSettings, seq_len: int) -> int | None:
 def short_gkd_settings(settings: GKDSettings, tokens: float, seq_len: int) -> GKDSettings:
     """`settings` for a short GKD of `tokens`: a fraction (<= 1) of the full GKD's token budget and steps
     (each bound scaled), or a token count (> 1); at least one optimiser step either way. The other settings
-    (learning rate, warm-up, evaluations, checkpoints) stay the full GKD's."""
+    (learning rate, warm-up, evaluations, checkpoints) stay the full GKD's, except `select_by`: kl, as the
+    candidates are ranked by the KL they reach (a task metric would need its scorer, at each evaluation)."""
     step = settings.batch_size * seq_len
     if tokens > 1:
-        return dataclasses.replace(settings, token_budget=max(step, int(tokens)), steps=None)
-    changes: dict[str, Any] = {}
+        return dataclasses.replace(settings, token_budget=max(step, int(tokens)), steps=None, select_by="kl")
+    changes: dict[str, Any] = {"select_by": "kl"}
     if settings.token_budget is not None:
         changes["token_budget"] = max(step, int(settings.token_budget * tokens))
     if settings.steps is not None:

@@ -282,7 +282,10 @@ class GKDSettings:
     one; it costs a host copy of each rank's student shard; `early_stop_patience`: stop after this many
     evaluations without a lower held-out KL (0 = never); `activation_checkpointing`: keep only each student
     block's input for the backward and recompute the block's activations there (one more student forward
-    per step; the same result).
+    per step; the same result); `select_by`: what "best" means for `keep_best` and `early_stop_patience`:
+    "kl" (the lowest held-out KL) or "TASK/METRIC", an lm-eval task metric of the student at each
+    evaluation (its best by lm-eval's higher_is_better; `puzzle.gkd.Selector` scores it, the run builds
+    one from its `eval` section, which must list TASK).
     """
 
     lr: float = 1e-5
@@ -308,9 +311,15 @@ class GKDSettings:
     keep_best: bool = True
     early_stop_patience: int = 0
     activation_checkpointing: bool = True
+    select_by: str = "kl"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
+        if self.select_by != "kl" and not _task_metric(self.select_by):
+            raise ValueError(
+                f"GKDSettings.select_by must be 'kl' or 'TASK/METRIC' (an lm-eval task and one of its metrics, "
+                f"e.g. puzzle_next_line/acc_norm), found {self.select_by!r}"
+            )
         if not (isinstance(self.lr, (int, float)) and self.lr > 0 and math.isfinite(self.lr)):
             raise ValueError(f"GKDSettings.lr must be a positive number, found {self.lr!r}")
         for name in ("min_lr_ratio", "kl_weight", "cosine_weight", "lm_weight", "weight_decay", "clip"):
@@ -360,8 +369,24 @@ class GKDSettings:
         return getattr(torch, self.dtype)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "betas": list(self.betas)}
+        data = {**dataclasses.asdict(self), "betas": list(self.betas)}
+        if self.select_by == "kl":  # the default left out: records made before the field existed stay current
+            del data["select_by"]
+        return data
+
+    @property
+    def select_task(self) -> tuple[str, str] | None:
+        """(task, metric) of a `select_by` of "TASK/METRIC"; None for "kl"."""
+        return _task_metric(self.select_by)
 
     def micro_batches(self, world: int) -> BatchSplit:
         """How each step's global batch runs on `world` ranks (`split_batch`); errors name the fields."""
         return split_batch(self.batch_size, world, self.micro_batch_size, "GKDSettings.batch_size")
+
+
+def _task_metric(text: Any) -> tuple[str, str] | None:
+    """("task", "metric") of a "task/metric" string (both parts non-empty, no space), else None."""
+    if not isinstance(text, str) or text.count("/") != 1 or any(c.isspace() for c in text):
+        return None
+    task, metric = text.split("/")
+    return (task, metric) if task and metric else None

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from torch import nn
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")  # lm-eval's HF model class imports it
@@ -240,7 +241,7 @@ def test_cli_evaluates_a_run_directory_parent_and_children(
     assert value == pytest.approx(printed["parent"]["puzzle_next_line"]["acc,none"], abs=5e-5)
 
 
-def _greedy_match(model: HybridLM, tokenizer, context: str, continuation: str) -> bool:
+def _greedy_match(model: nn.Module, tokenizer, context: str, continuation: str) -> bool:
     """Whether every token of `continuation` is the argmax of one forward of context + continuation."""
     ctx = tokenizer.encode(context, add_special_tokens=False)
     cont = tokenizer.encode(continuation, add_special_tokens=False)
@@ -249,12 +250,50 @@ def _greedy_match(model: HybridLM, tokenizer, context: str, continuation: str) -
     return logits[len(ctx) - 1 :].argmax(-1).tolist() == cont
 
 
-def test_identifier_task_is_a_greedy_exact_match_over_its_regenerated_items(
+class _Copier(nn.Module):
+    """A brute-force copying model in the shape HFLM takes (`.config`, `.device`, `forward(ids).logits`): at each
+    position it predicts the token that followed the longest earlier match of the text ending there (the
+    latest such match), as an induction head would; no match: token 0."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        from transformers import PretrainedConfig
+
+        self.config = PretrainedConfig(max_position_embeddings=2048, vocab_size=vocab)
+        self.vocab = vocab
+        self.anchor = nn.Parameter(torch.zeros(()))  # a parameter, for the device
+
+    @property
+    def device(self) -> torch.device:
+        return self.anchor.device
+
+    def tie_weights(self) -> None:
+        """Nothing to tie."""
+
+    def forward(self, input_ids: torch.Tensor, **_: object) -> object:
+        logits = torch.zeros(*input_ids.shape, self.vocab)
+        for row, ids in enumerate(input_ids.tolist()):
+            length = [0] * len(ids)  # length[j]: the match of the text ending at j with the one ending at i
+            for i in range(len(ids)):
+                # new[j] = length[j - 1] + 1 where ids[j] == ids[i] (the matches ending at j and at i grow)
+                length = [
+                    (length[j - 1] + 1 if j and ids[j] == ids[i] else int(ids[j] == ids[i])) for j in range(i)
+                ]
+                if length and max(length) > 0:
+                    best = max(range(i), key=lambda j: (length[j], j))
+                    logits[row, i, ids[best + 1]] = 1.0
+                else:
+                    logits[row, i, 0] = 1.0
+        return type("Output", (), {"logits": logits})()
+
+
+def test_identifier_task_is_a_copy_that_a_copier_completes_and_shuffled_weights_do_not(
     model: HybridLM, tokenizer, manager
 ) -> None:
-    """puzzle_identifiers: 200 items that benchmarks/make_next_line_task.py rebuilds identically from this
-    repository's history, each an identifier the lines before it use; lm-eval's acc on 40 of them is the
-    share our own greedy decoding completes exactly."""
+    """puzzle_identifiers: 300 items that benchmarks/make_next_line_task.py rebuilds identically from this
+    repository's history, each the code up to an identifier the lines before it use and its first 3
+    characters, the rest to complete. lm-eval's acc is the share our own greedy decoding completes exactly:
+    well above 0 for a model that copies from the context (a brute-force copier), 0 for shuffled weights."""
     import importlib.util
     import subprocess
 
@@ -263,10 +302,11 @@ def test_identifier_task_is_a_greedy_exact_match_over_its_regenerated_items(
     maker = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(maker)
     items = [json.loads(line) for line in maker.IDENTIFIER_OUTPUT.read_text().splitlines()]
-    assert len(items) == 200
+    assert len(items) == 300
     for item in items:
-        assert 4 <= len(item["identifier"]) <= 24
-        assert item["identifier"] in item["context"]
+        identifier, prefix = item["identifier"], maker.PREFIX_CHARS
+        assert 5 <= len(identifier) <= 24 and item["completion"] == identifier[prefix:]
+        assert item["context"].endswith(identifier[:prefix]) and identifier in item["context"][:-prefix]
     try:
         files = maker.source_files()
     except (subprocess.CalledProcessError, FileNotFoundError):
@@ -274,8 +314,15 @@ def test_identifier_task_is_a_greedy_exact_match_over_its_regenerated_items(
     if files is not None:
         assert maker.build_identifier_items(files) == items
 
-    model = _shuffled(model, seed=5)  # weights of some scale, so that a few identifiers may complete
     limit = 40
-    results = evaluate(model, tokenizer, ["puzzle_identifiers"], limit=limit, batch_size=8, manager=manager)
-    expected = sum(_greedy_match(model, tokenizer, i["context"], i["identifier"]) for i in items[:limit])
-    assert results["results"]["puzzle_identifiers"]["acc,none"] == pytest.approx(expected / limit, abs=1e-9)
+    scores = {}
+    for name, candidate in [("copier", _Copier(TINY.vocab_size)), ("shuffled", _shuffled(model, seed=5))]:
+        results = evaluate(
+            candidate, tokenizer, ["puzzle_identifiers"], limit=limit, batch_size=8, manager=manager
+        )
+        expected = sum(
+            _greedy_match(candidate, tokenizer, i["context"], i["completion"]) for i in items[:limit]
+        )
+        scores[name] = results["results"]["puzzle_identifiers"]["acc,none"]
+        assert scores[name] == pytest.approx(expected / limit, abs=1e-9)
+    assert scores["copier"] >= 0.5 and scores["shuffled"] == 0.0, scores

@@ -65,6 +65,9 @@ _NOTES.update(
             "early_stop_patience": "Stop after this many evaluations without a lower held-out KL (0: never).",
             "activation_checkpointing": "Keep only each student block's input for the backward and recompute "
             "the block there: the same result, one more student forward per step, far less memory.",
+            "select_by": "What keep_best and early_stop_patience call best: kl (the lowest held-out KL) or "
+            "TASK/METRIC, an lm-eval task metric of the student at each evaluation (e.g. "
+            "puzzle_next_line/acc_norm; TASK must be in eval.tasks, scored with eval's limit and batch size).",
         }.items()
     }
 )

@@ -551,6 +551,13 @@ class RunConfig:
                 "rounds.budgets",
                 "search.budgets",
             )
+        selected = self.gkd.select_task
+        if selected is not None and selected[0] not in self.eval.tasks:
+            raise ConfigError(
+                f"{self.gkd.select_by!r} names task {selected[0]!r}, which eval.tasks does not list "
+                f"({list(self.eval.tasks)}): GKD scores it with the eval section's limit and batch size",
+                "gkd.select_by",
+            )
         if self.kv_cache.dtype == "fp8":  # the children are served so: the search must price their KV so too
             for name, scenario in self.hardware.scenarios.items():
                 if scenario.kv_dtype != "fp8":

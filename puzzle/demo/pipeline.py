@@ -47,6 +47,10 @@ ENGINES = ("vllm", "llama.cpp")
 EVAL_TASK = "puzzle_next_line"
 EVAL_METRIC = "acc_norm"
 EVAL_CHANCE = 0.25  # four choices
+# The second local task, beside the first in the closing note: the rest of an identifier the context already
+# holds, given its first characters (a greedy exact match: chance about 0).
+COPY_TASK = "puzzle_identifiers"
+COPY_METRIC = "acc"
 
 
 @dataclass(frozen=True)
@@ -65,8 +69,8 @@ class DemoSize:
     space: dict[str, Any] = field(default_factory=dict)
     # The budgets (a tiny test parent, mostly embeddings, reaches less than the demo's parents).
     sweep: str = SWEEP
-    # Documents of the local task EVAL_TASK per model (None: all 300); the parent and each child, before
-    # and after GKD, are evaluated: five models, the demo's slowest part on a CPU after GKD.
+    # Documents of each local task (EVAL_TASK, COPY_TASK) per model (None: all 300); the parent and each
+    # child, before and after GKD, are evaluated: five models, the demo's slowest part on a CPU after GKD.
     eval_limit: int | None = 40
 
 
@@ -151,7 +155,7 @@ def demo_config(
             "checkpoint_every": 20,
             "shard": "none",
         },
-        "eval": {"tasks": [EVAL_TASK], "limit": size.eval_limit, "batch_size": 16},
+        "eval": {"tasks": [EVAL_TASK, COPY_TASK], "limit": size.eval_limit, "batch_size": 16},
         "hardware": {
             "profile": "this-machine",
             "scenarios": {
@@ -192,6 +196,8 @@ class ModelRow:
     # assembled child (before GKD); None where not evaluated.
     accuracy: tuple[float, float] | None = None
     accuracy_before_gkd: tuple[float, float] | None = None
+    # COPY_TASK's COPY_METRIC (value, stderr) of the weights in the table; None where not evaluated.
+    copy_accuracy: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -368,6 +374,9 @@ def measure(pipeline: Run, size: DemoSize, stages: dict[str, Any] | None = None)
                 blocks=[block.short_name() for block in spec.blocks],
                 mixes_tokens=mixes_tokens(spec),
                 accuracy=task_accuracy(manifest, model_name(None if name == "parent" else name)),
+                copy_accuracy=task_accuracy(
+                    manifest, model_name(None if name == "parent" else name), COPY_TASK, COPY_METRIC
+                ),
                 accuracy_before_gkd=(
                     None if name == "parent" else task_accuracy(manifest, model_name(name, "assemble"))
                 ),
@@ -376,13 +385,15 @@ def measure(pipeline: Run, size: DemoSize, stages: dict[str, Any] | None = None)
     return rows
 
 
-def task_accuracy(stages: dict[str, Any], model: str) -> tuple[float, float] | None:
-    """(value, stderr) of EVAL_TASK's EVAL_METRIC in run.json's finished `eval/{model}` record, or None."""
+def task_accuracy(
+    stages: dict[str, Any], model: str, task: str = EVAL_TASK, metric: str = EVAL_METRIC
+) -> tuple[float, float] | None:
+    """(value, stderr) of `task`'s `metric` in run.json's finished `eval/{model}` record, or None."""
     record = stages.get(f"eval/{model}") or {}
     if record.get("status") not in ("done", "reused"):
         return None
     for row in record["outputs"][model]["summary"]:
-        if (row["task"], row["metric"]) == (EVAL_TASK, EVAL_METRIC):
+        if (row["task"], row["metric"]) == (task, metric):
             return row["value"], row["stderr"] if row["stderr"] is not None else math.nan
     return None
 
@@ -482,14 +493,25 @@ def _accuracy_notes(rows: list[ModelRow], size: DemoSize) -> list[str]:
         )
         + ".",
     ]
+    if parent.copy_accuracy is not None and all(row.copy_accuracy is not None for row in children):
+        lines[-1] += (
+            f" {COPY_TASK} (the rest of an identifier the context already holds, given its first 4 "
+            f"characters; greedy exact match, {COPY_METRIC} +- stderr; chance about 0): parent "
+            f"{_shown(parent.copy_accuracy)}"
+            + "".join(f"; {row.name} {_shown(row.copy_accuracy)} after GKD" for row in children)
+            + "."
+        )
     by_kl = [row.name for row in sorted(children, key=lambda r: r.kl)]
     by_accuracy = [row.name for row in sorted(children, key=lambda r: -r.accuracy[0])]  # type: ignore[index]
     first, second = (next(r for r in children if r.name == n) for n in by_kl[:2])
     gap = first.accuracy[0] - second.accuracy[0]  # type: ignore[index]
     spread = math.hypot(first.accuracy[1], second.accuracy[1])  # type: ignore[index]
-    same = "the same way" if by_kl == by_accuracy else "differently"
+    same = "rank the children the same way" if by_kl == by_accuracy else "rank the children differently"
+    if len({row.accuracy[0] for row in children}) < len(children):  # type: ignore[index]
+        # a stable sort keeps tied children in KL's order: that is no agreement
+        same = "do not rank the children alike: some children's accuracies tie, which KL separates"
     lines.append(
-        f"KL and accuracy rank the children {same} (by KL after GKD, least first: {', '.join(by_kl)}; by "
+        f"KL and accuracy {same} (by KL after GKD, least first: {', '.join(by_kl)}; by "
         f"accuracy, highest first: {', '.join(by_accuracy)}); the accuracy gap between the two of least KL, "
         f"{gap:+.3f}, is {'more' if abs(gap) > 2 * spread else 'less'} than twice its stderr ({spread:.3f})"
         + ("" if abs(gap) > 2 * spread else ": on this task the difference does not show")

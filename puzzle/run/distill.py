@@ -14,6 +14,7 @@ from typing import Any
 from puzzle import dist
 from puzzle.artifacts import fingerprint_json
 from puzzle.config import to_dict
+from puzzle.gkd import Selector
 from puzzle.gkd import distill as distill_child
 from puzzle.run.assemble import assembled
 from puzzle.run.context import RunContext, manifest_fp
@@ -37,12 +38,63 @@ def distilled(run: RunContext, name: str) -> dict[str, Any]:
 
 
 def _inputs(run: RunContext) -> dict[str, Any]:
-    return {
+    inputs = {
         "data": run.data.train.fingerprint(),
         "held_out": run.held_out_key(),
         "gkd": to_dict(run.config.gkd),
         "world": dist.world_size(),
     }
+    if run.config.gkd.select_task is not None:  # the kept checkpoint depends on how the task is scored
+        inputs["select"] = _selector_fingerprint(run)
+    return inputs
+
+
+def _selector_fingerprint(run: RunContext) -> str:
+    """What a task metric's score depends on beyond the weights: the eval settings, lm-eval's version and
+    the task files (ours and include_path's)."""
+    from importlib.metadata import version
+
+    from puzzle.eval import LOCAL_TASKS, task_files
+
+    settings = run.config.eval
+    return fingerprint_json(
+        {
+            "select_by": run.config.gkd.select_by,
+            "eval": to_dict(settings),
+            "lm_eval": version("lm-eval"),
+            "local_tasks": task_files(LOCAL_TASKS),
+            "include_path": None if settings.include_path is None else task_files(settings.include_path),
+        }
+    )
+
+
+def selector(run: RunContext) -> Selector | None:
+    """GKD's Selector for the config's `gkd.select_by` (None for kl): lm-eval's TASK/METRIC of the student,
+    on the eval section's limit, batch size and include_path, the task index built once."""
+    selected = run.config.gkd.select_task
+    if selected is None:
+        return None
+    from puzzle.data import load_tokenizer
+    from puzzle.eval import evaluate, metric_value, task_manager
+
+    task, metric = selected
+    settings = run.config.eval
+    tokenizer = load_tokenizer(run.config.tokenizer_dir)
+    manager = task_manager(settings.include_path)
+
+    def score(student: Any) -> tuple[float, bool]:
+        results = evaluate(
+            student,
+            tokenizer,
+            [task],
+            limit=settings.limit,
+            batch_size=settings.batch_size,
+            include_path=settings.include_path,
+            manager=manager,
+        )
+        return metric_value(results, task, metric)
+
+    return Selector(run.config.gkd.select_by, score, _selector_fingerprint(run))
 
 
 def _distill_one(run: RunContext, name: str) -> dict[str, Any]:
@@ -55,6 +107,7 @@ def _distill_one(run: RunContext, name: str) -> dict[str, Any]:
         run.config.gkd,
         run.layout.child(name),
         teacher_fp=run.parent_fingerprint(),
+        selector=selector(run),
     )
     if result.resumed_from is not None:
         run.resumed.setdefault("distill", []).append(f"{name} from step {result.resumed_from}")

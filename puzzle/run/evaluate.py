@@ -7,7 +7,7 @@ model of the config's solutions, as `puzzle run` does once the children are expo
 outputs)` says how a record's file is checked; `puzzle.run.Run.evaluate` gives the typed call. A model is
 "parent", "{solution}.assembled" (the child with the library's weights) or "{solution}.distilled" (the
 weights GKD kept). Every rank runs the same evaluation (lm-eval sees one process; a sharded model's
-forwards are collectives in step), rank 0 writes the file.
+forwards are collectives in step) and gets rank 0's results (`puzzle.eval.evaluate`), rank 0 writes the file.
 """
 
 from __future__ import annotations
@@ -15,13 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from pathlib import Path
 from typing import Any
 
 from puzzle import dist
-from puzzle.artifacts import fingerprint_file, fingerprint_json
+from puzzle.artifacts import fingerprint_json
 from puzzle.config import to_dict
-from puzzle.eval import LOCAL_TASKS, evaluate, summary
+from puzzle.eval import LOCAL_TASKS, evaluate, summary, task_files
 from puzzle.files import atomic_write_bytes
 from puzzle.gkd import load_distilled
 from puzzle.ledger import RunError
@@ -60,15 +59,6 @@ def _split(model: str) -> tuple[str, str]:
     return solution, weights
 
 
-def _task_files(folder: Path) -> dict[str, str]:
-    """{file: sha256} of the task YAMLs and data files under `folder`: what a local task reads."""
-    return {
-        str(path.relative_to(folder)): fingerprint_file(path)
-        for path in sorted(folder.rglob("*"))
-        if path.is_file() and path.suffix in {".yaml", ".yml", ".jsonl", ".json", ".py", ".csv", ".txt"}
-    }
-
-
 def _inputs(run: RunContext, model: str) -> dict[str, Any]:
     """What model `model`'s evaluation depends on: the eval settings, the local tasks' files, lm-eval's
     version and the model's weights (the parent's files, the assembled child's record, GKD's manifest)."""
@@ -77,12 +67,12 @@ def _inputs(run: RunContext, model: str) -> dict[str, Any]:
     settings = run.config.eval
     inputs: dict[str, Any] = {
         "eval": to_dict(settings),
-        "local_tasks": fingerprint_json(_task_files(LOCAL_TASKS)),
+        "local_tasks": fingerprint_json(task_files(LOCAL_TASKS)),
         "lm_eval": version("lm-eval"),
         "parent": run.parent_fingerprint(),
     }
     if settings.include_path is not None:
-        inputs["include_path"] = fingerprint_json(_task_files(settings.include_path))
+        inputs["include_path"] = fingerprint_json(task_files(settings.include_path))
     if model != PARENT:
         solution, weights = _split(model)
         inputs["solution"] = run.solution_fp(solution)
