@@ -1200,6 +1200,9 @@ def prepare(parent: Any, size: DemoSize, run_dir: Path, seed: int = 0) -> Run:
 def prepare_config(parent: Any, size: DemoSize, run_dir: Path, seed: int = 0) -> tuple[Run, dict[str, Any]]:
     """`prepare`, and the run's config data (what `additivity` varies)."""
     data = demo_config(parent.path, parent.corpus.path, run_dir, size, seed)
+    # The ablations search their own space, no-op blocks included, as the published studies did: not held to
+    # the engines the demo serves with (`puzzle.demo.pipeline.ENGINES`), which leaves no-op blocks out.
+    data["search"].pop("engines", None)
     # The test split (`test_split`): a share of the parent's held-out files, out of every stage's reach.
     data["data"]["test_fraction"] = data["data"]["held_out_fraction"] * TEST_SHARE
     run = Run(run_dir, load_config_data(data))
