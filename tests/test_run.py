@@ -979,7 +979,7 @@ def test_each_stage_records_what_it_cost_and_the_report_sets_it_beside_the_plan(
     for record in ran.values():
         measured = record["measured"]
         assert measured["seconds"] >= 0 and measured["ranks"] == 1
-        assert 0 <= measured["cpu_seconds"]  # rank 0's CPU time in the stage
+        assert measured["cpu_seconds"] >= 0  # rank 0's CPU time in the stage
         assert len(measured["peak_rss_mib"]) == 1 and measured["peak_rss_mib"][0] > 0
     text = write_report(run_dir, tmp_path / "report").read_text()
     section = text.split("## Stages, planned and measured")[1].split("\n## ")[0]
