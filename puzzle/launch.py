@@ -40,14 +40,19 @@ def torchrun_args(
     if nodes < 1 or gpus_per_node < 1:
         raise ValueError(f"nodes and gpus_per_node must be >= 1, found {nodes} and {gpus_per_node}")
     if nodes == 1:
-        head = ["torchrun", "--standalone", "--nproc-per-node", str(gpus_per_node)]
-    elif static:
-        head = [
+        return [
             "torchrun",
-            "--nnodes",
-            str(nodes),
+            "--standalone",
             "--nproc-per-node",
             str(gpus_per_node),
+            "-m",
+            "puzzle",
+            "run",
+            config,
+        ]
+    head = ["torchrun", "--nnodes", str(nodes), "--nproc-per-node", str(gpus_per_node)]
+    if static:
+        rendezvous = [
             "--node-rank",
             "$NODE_RANK",
             "--master-addr",
@@ -56,20 +61,8 @@ def torchrun_args(
             "$MASTER_PORT",
         ]
     else:
-        head = [
-            "torchrun",
-            "--nnodes",
-            str(nodes),
-            "--nproc-per-node",
-            str(gpus_per_node),
-            "--rdzv-id",
-            job_id,
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            endpoint,
-        ]
-    return [*head, "-m", "puzzle", "run", config]
+        rendezvous = ["--rdzv-id", job_id, "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint]
+    return [*head, *rendezvous, "-m", "puzzle", "run", config]
 
 
 def sbatch_script(nodes: int, gpus_per_node: int, cpus_per_task: int = 64) -> str:

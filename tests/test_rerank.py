@@ -161,14 +161,7 @@ def test_the_choice_equals_brute_force_short_gkd_of_every_candidate(scored, tmp_
     for candidate in record["candidates"]:
         assert readable_number(candidate["short_gkd_kl"]) in report
     # A rerun reuses the stage: no GKD step runs.
-    steps = []
-    original = puzzle.gkd._train_step
-    try:
-        puzzle.gkd._train_step = lambda *a, **k: steps.append(1) or original(*a, **k)
-        assert main(["run", str(config), "--quiet", "--until", "solutions"]) == 0
-    finally:
-        puzzle.gkd._train_step = original
-    assert steps == []
+    assert _gkd_steps_of_solutions_run(config) == 0
 
 
 KILLER = """
@@ -208,14 +201,8 @@ def test_a_run_killed_in_a_short_gkd_resumes_to_the_uninterrupted_record(scored,
     }
     process = subprocess.run([sys.executable, "-c", KILLER, str(killed), "8"], env=env, timeout=300)
     assert process.returncode == -9
-    steps = []
-    original = puzzle.gkd._train_step
-    try:
-        puzzle.gkd._train_step = lambda *a, **k: steps.append(1) or original(*a, **k)
-        assert main(["run", str(killed), "--quiet", "--until", "solutions"]) == 0
-    finally:
-        puzzle.gkd._train_step = original
-    assert len(steps) == 5 * len(oracle["candidates"]) - 7  # 5 of the first, 2 of the second were kept
+    kept = 7  # 5 steps of the first candidate's short GKD, 2 of the second's
+    assert _gkd_steps_of_solutions_run(killed) == 5 * len(oracle["candidates"]) - kept
     assert _rerank_record(tmp_path / "killed")["rerank"] == oracle
     log = (tmp_path / "killed" / "logs" / "rank0.log").read_text()
     assert "candidate 2 from step 2" in log
@@ -265,3 +252,16 @@ def test_two_gloo_processes_choose_as_one(scored, tmp_path):
     assert [c["choices"] for c in two["candidates"]] == [c["choices"] for c in one["candidates"]]
     for want, got in zip(one["candidates"], two["candidates"]):
         assert got["short_gkd_kl"] == pytest.approx(want["short_gkd_kl"], rel=1e-3)
+
+
+def _gkd_steps_of_solutions_run(config: Path) -> int:
+    """`puzzle run CONFIG --until solutions` in this process; the GKD training steps it took (counted at
+    puzzle.gkd's step function, which every short GKD calls)."""
+    steps = []
+    original = puzzle.gkd._train_step
+    try:
+        puzzle.gkd._train_step = lambda *a, **k: steps.append(1) or original(*a, **k)
+        assert main(["run", str(config), "--quiet", "--until", "solutions"]) == 0
+    finally:
+        puzzle.gkd._train_step = original
+    return len(steps)

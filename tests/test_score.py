@@ -356,6 +356,14 @@ def test_sigkilled_run_resumes_inside_its_wave(tmp_path):
 # Two ranks on gloo.
 
 
+def _score_records(parent, library, directory: Path, mode: str) -> dict[str, dict]:
+    """Each variant's scores (by "block:id") on this rank's share of `_batches()`, sharded as `mode` says."""
+    scores = score_variants(
+        parent, library, library, _batches(), directory, ScoreSettings(vocab_chunk=16, shard=mode)
+    )
+    return {f"{v.block_index}:{v.id}": s.to_dict() for v, s in scores.variants.items()}
+
+
 def _worker(rank: int, world: int, port: int, directory: str) -> None:
     with gloo_rank(rank, world, port):
         for mode in ("fsdp", "none"):
@@ -366,15 +374,7 @@ def _worker(rank: int, world: int, port: int, directory: str) -> None:
                 2, MoESpec(num_experts=3, top_k=1, expert_width=(8, 6, 8), shared_width=8, latent_size=12)
             )
             variant_full = sum(p.numel() for p in library[variant].parameters())
-            scores = score_variants(
-                parent,
-                library,
-                library,
-                _batches(),
-                Path(directory, mode),
-                ScoreSettings(vocab_chunk=16, shard=mode),
-            )
-            records = {f"{v.block_index}:{v.id}": s.to_dict() for v, s in scores.variants.items()}
+            records = _score_records(parent, library, Path(directory, mode), mode)
             held = {
                 "parent": [local_numel(parent), full],
                 "variant": [local_numel(library[variant]), variant_full],
@@ -422,15 +422,7 @@ def _bf16_worker(rank: int, world: int, port: int, directory: str) -> None:
                 for v, m in _library(parent).items()
                 if v.block_index == 2
             }
-            scores = score_variants(
-                parent,
-                library,
-                library,
-                _batches(),
-                Path(directory, mode),
-                ScoreSettings(vocab_chunk=16, shard=mode),
-            )
-            records = {f"{v.block_index}:{v.id}": s.to_dict() for v, s in scores.variants.items()}
+            records = _score_records(parent, library, Path(directory, mode), mode)
             Path(directory, f"{mode}-rank{rank}.json").write_text(json.dumps(records))
 
 
