@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import puzzle
 from puzzle.export import ExportError, export
 from puzzle.model import HybridLM
-from puzzle.nemotron_h import modelopt, trtllm_quant_replay
+from puzzle.nemotron_h import CheckpointError, modelopt, trtllm_quant_replay
 from puzzle.nemotron_h.engines import engine_problems
 from puzzle.nemotron_h.trtllm_quant_replay import TrtllmQuantError, layer_table, read, resolve
 from puzzle.nemotron_h.weights import hub_state
@@ -109,6 +110,10 @@ def test_the_checkpoint_is_modelopts_and_the_record_says_who_reads_it(exported):
     assert any("ModelOpt's layout" in reason for reason in record["engines"]["vllm"])
     card = (path / "README.md").read_text()
     assert "trtllm-serve ./CHILD" in card
+    with pytest.raises(
+        CheckpointError, match="quant_method 'modelopt'"
+    ):  # puzzle.load reads compressed-tensors
+        puzzle.load(path)
 
 
 def test_what_trtllm_would_refuse_or_misread_is_caught(exported, tmp_path):
@@ -209,3 +214,21 @@ def test_trtllm_reads_a_75b_shaped_mixed_child_module_by_module():
         f"\n75B-shaped child ({child.spec.num_blocks} blocks: {dict(by_kind)}): TensorRT-LLM resolves "
         f"{dict(counts)} modules, {len(stored)} tensors checked"
     )
+
+
+def test_trtllm_cannot_read_our_compressed_tensors_nvfp4_which_is_why_the_second_layout():
+    """TensorRT-LLM's compressed-tensors reader, replayed on the config groups our compressed-tensors export
+    writes: the fp8 group resolves to FP8_PER_CHANNEL_PER_TOKEN, the weight-only nvfp4 group (NVFP4A16,
+    input_activations null) fails, as the mixed NVFP4 + FP8 checkpoint was reported to."""
+    from puzzle.nemotron_h import quantized
+    from puzzle.nemotron_h.trtllm_quant_replay import compressed_tensors_algo
+
+    plan = quantized.plan(_model(), BLOCKS)
+    config = quantized.quantization_config(plan)
+    assert config["format"] == "mixed-precision"
+    groups = {group["format"]: group for group in config["config_groups"].values()}  # one group per format
+    assert compressed_tensors_algo(groups["float-quantized"]) == "FP8_PER_CHANNEL_PER_TOKEN"
+    with pytest.raises(TrtllmQuantError, match="input_activations null"):
+        compressed_tensors_algo(groups["nvfp4-pack-quantized"])
+    w4a4 = {**groups["nvfp4-pack-quantized"], "input_activations": {"strategy": "tensor_group"}}
+    assert compressed_tensors_algo(w4a4) == "NVFP4"  # the replay accepts what TensorRT-LLM accepts

@@ -271,4 +271,55 @@ def read(directory: str | Path) -> TrtllmRead:
     return TrtllmRead(algos, weights)
 
 
-__all__ = ["TrtllmQuantError", "TrtllmRead", "check_layout", "layer_table", "read", "resolve"]
+# ------------------------------------------------------- its compressed-tensors reader (why a second layout)
+
+
+def compressed_tensors_algo(group: Mapping[str, Any], top_format: str | None = None) -> str:
+    """The QuantAlgo TensorRT-LLM resolves one compressed-tensors config group to, as
+    `_quant_config_from_config_group` does (`tensorrt_llm/models/quant_config_utils.py`, commit
+    21156a7a57acd21e17feb5c2721c30f035e0f2af); TrtllmQuantError where it raises."""
+    weights = group["weights"]
+    strategy, bits = weights["strategy"], weights["num_bits"]
+    fmt = group.get("format", top_format)
+    inputs = group.get("input_activations")
+    if fmt == "mxfp4-pack-quantized" or (
+        bits == 4 and weights.get("type") == "float" and strategy == "group" and inputs is None
+    ):
+        if weights["group_size"] != 32:
+            raise TrtllmQuantError(
+                f"Unsupported group_size: {weights['group_size']}. Supported: 32 for MXFP4."
+            )
+        return "W4A16_MXFP4"
+    if inputs is None:  # it indexes group_config["input_activations"]["strategy"]: None is not subscriptable
+        raise TrtllmQuantError(
+            f"a {bits}-bit {strategy} weight-only group (input_activations null): TensorRT-LLM reads its "
+            "input_activations['strategy'] and fails (TypeError) on a weight-only group other than MXFP4"
+        )
+    if bits == 8 and strategy == "channel":
+        if inputs["strategy"] != "token":
+            raise TrtllmQuantError(f"Unsupported inputs_quant_strategy: {inputs['strategy']}.")
+        return "FP8_PER_CHANNEL_PER_TOKEN"
+    if bits == 8 and strategy == "block":
+        if inputs["strategy"] != "group" or inputs.get("group_size") != 128:
+            raise TrtllmQuantError("FP8 block scales: inputs per group of 128 only")
+        return "FP8_BLOCK_SCALES"
+    if bits == 4 and weights.get("type") == "float" and strategy == "tensor_group":
+        if inputs["strategy"] != "tensor_group":
+            raise TrtllmQuantError(f"Unsupported inputs_quant_strategy for NVFP4: {inputs['strategy']}.")
+        if weights["group_size"] != NVFP4_GROUP:
+            raise TrtllmQuantError(
+                f"Unsupported group_size: {weights['group_size']}. Supported: 16 for NVFP4."
+            )
+        return "NVFP4"
+    raise TrtllmQuantError(f"Unsupported quant_bits: {bits}. Supported: 8 (FP8) or 4 (NVFP4).")
+
+
+__all__ = [
+    "TrtllmQuantError",
+    "TrtllmRead",
+    "check_layout",
+    "compressed_tensors_algo",
+    "layer_table",
+    "read",
+    "resolve",
+]
