@@ -232,3 +232,16 @@ def test_trtllm_cannot_read_our_compressed_tensors_nvfp4_which_is_why_the_second
         compressed_tensors_algo(groups["nvfp4-pack-quantized"])
     w4a4 = {**groups["nvfp4-pack-quantized"], "input_activations": {"strategy": "tensor_group"}}
     assert compressed_tensors_algo(w4a4) == "NVFP4"  # the replay accepts what TensorRT-LLM accepts
+
+
+def test_a_compressed_tensors_export_over_a_trtllm_one_leaves_no_stale_hf_quant_config(tmp_path):
+    """Saved beside the user's files (overwrite=True), the new checkpoint must not keep the old
+    hf_quant_config.json: TensorRT-LLM would read the compressed-tensors weights as ModelOpt's."""
+    model = _model()
+    path = tmp_path / "child"
+    path.mkdir()
+    (path / "notes.txt").write_text("the user's")
+    export(model, path, weight_formats=FORMATS, format="engine", engines=["trtllm"], overwrite=True)
+    assert (path / modelopt.HF_QUANT_CONFIG).is_file()
+    export(model, path, weight_formats=FORMATS, overwrite=True)
+    assert not (path / modelopt.HF_QUANT_CONFIG).exists() and (path / "notes.txt").is_file()

@@ -583,11 +583,16 @@ def _write_beside(staging: Path, target: Path) -> None:
     """Move the checkpoint files of `staging` into the existing `target`, leaving its other files alone.
 
     Weight files of an earlier save that this one does not rewrite are removed first (a stale index or
-    model.safetensors would be read instead of the new weights); config.json comes last.
+    model.safetensors would be read instead of the new weights; a stale hf_quant_config.json would make
+    TensorRT-LLM read compressed-tensors weights as ModelOpt's); config.json comes last.
     """
     written = {file.name for file in staging.iterdir() if file.name != OWNER_MARKER}
     for entry in target.iterdir():
-        stale_weights = entry.name in (SINGLE_FILE, INDEX_FILE) or SHARD_FILE.fullmatch(entry.name)
+        stale_weights = entry.name in (
+            SINGLE_FILE,
+            INDEX_FILE,
+            modelopt.HF_QUANT_CONFIG,
+        ) or SHARD_FILE.fullmatch(entry.name)
         if stale_weights and entry.name not in written and entry.is_file():
             entry.unlink()
     for name in sorted(written, key=lambda name: name == CONFIG_NAME):
