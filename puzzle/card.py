@@ -199,8 +199,9 @@ def _serving(spec: ModelSpec, model_type: str, record: Mapping[str, Any]) -> lis
     ]
     for engine, reasons in support.items():
         title = ENGINE_TITLES.get(engine, engine)
-        if engine == "transformers" and model_type == "nemotron_h_puzzle":
-            reasons = []  # the checkpoint's own modelling code reads every block puzzle writes
+        modelopt = (record.get("quant_layout") or {}).get("layout") == "modelopt"
+        if engine == "transformers" and model_type == "nemotron_h_puzzle" and not modelopt:
+            reasons = []  # the checkpoint's own modelling code reads every block puzzle writes (not ModelOpt's)
         if reasons:
             lines += [f"- **{title}**: does not serve this child:", *(f"  - {reason}" for reason in reasons)]
             continue

@@ -110,6 +110,7 @@ def test_the_checkpoint_is_modelopts_and_the_record_says_who_reads_it(exported):
     assert any("ModelOpt's layout" in reason for reason in record["engines"]["vllm"])
     card = (path / "README.md").read_text()
     assert "trtllm-serve ./CHILD" in card
+    assert "vllm serve" not in card and "AutoModelForCausalLM" not in card  # neither reads ModelOpt's layout
     with pytest.raises(
         CheckpointError, match="quant_method 'modelopt'"
     ):  # puzzle.load reads compressed-tensors
