@@ -184,10 +184,11 @@ def engine_commands(model_type: str) -> dict[str, list[str]]:
     }
 
 
-def _serving(spec: ModelSpec, model_type: str) -> list[str]:
+def _serving(spec: ModelSpec, model_type: str, record: Mapping[str, Any]) -> list[str]:
     from puzzle.nemotron_h.engines import engine_support
 
-    support = engine_support(spec)
+    # the record's verdicts when it has them: they know the stored layout and the KV cache, the spec does not
+    support = record.get("engines") or engine_support(spec)
     commands = engine_commands(model_type)
     lines = [
         "## Serving",
@@ -198,8 +199,9 @@ def _serving(spec: ModelSpec, model_type: str) -> list[str]:
     ]
     for engine, reasons in support.items():
         title = ENGINE_TITLES.get(engine, engine)
-        if engine == "transformers" and model_type == "nemotron_h_puzzle":
-            reasons = []  # the checkpoint's own modelling code reads every block puzzle writes
+        modelopt = (record.get("quant_layout") or {}).get("layout") == "modelopt"
+        if engine == "transformers" and model_type == "nemotron_h_puzzle" and not modelopt:
+            reasons = []  # the checkpoint's own modelling code reads every block puzzle writes (not ModelOpt's)
         if reasons:
             lines += [f"- **{title}**: does not serve this child:", *(f"  - {reason}" for reason in reasons)]
             continue
@@ -256,7 +258,7 @@ def model_card(
         _architecture(spec, _parent_spec(parent_config), record),
         _search(record, run),
         _quality(record, run),
-        _serving(spec, record["model_type"]),
+        _serving(spec, record["model_type"], record),
         _provenance(record, run),
     ]
     body = [f"# {title}", "", CARD_MARKER, "", intro]

@@ -5,7 +5,10 @@ model card, README.md (`puzzle.card`; never over a README.md the user placed the
 Formats: "auto" (plain `nemotron_h` when transformers' NemotronHForCausalLM can hold the child, else
 `nemotron_h_puzzle`), "nemotron_h" and "nemotron_h_puzzle" (forced; an impossible nemotron_h is an error),
 and "engine": as "auto", after checking that vLLM and llama.cpp can load the child
-(`puzzle.nemotron_h.engines`), refusing with every reason (engine, block, why) otherwise.
+(`puzzle.nemotron_h.engines`), refusing with every reason (engine, block, why) otherwise. An engine export
+for TensorRT-LLM (engines=["trtllm"]) writes quantized blocks in ModelOpt's layout, the one it loads
+(hf_quant_config.json, `puzzle.nemotron_h.modelopt`); every other export writes compressed-tensors'.
+`puzzle.json` records the layout and who reads it (`quant_layout`).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from puzzle.nemotron_h.engines import SERVING_ENGINES, engine_problems, engine_s
 from puzzle.nemotron_h.kv_export import kv_engine_problems, kv_model_type
 from puzzle.nemotron_h.weights import DEFAULT_MAX_SHARD_BYTES
 from puzzle.search.types import Solution
-from puzzle.spec import with_weight_formats
+from puzzle.spec import ModelSpec, with_weight_formats
 
 FORMATS = ("auto", "nemotron_h", "nemotron_h_puzzle", "engine")
 RECORD_FORMAT = 1
@@ -36,12 +39,15 @@ class ExportError(CheckpointError):
     """A child that cannot be exported in the format asked for (e.g. one an engine could not load)."""
 
 
-def _model_type(child: HybridLM, format: str, engines: Iterable[str]) -> str:
+def _model_type(child: HybridLM, format: str, engines: Iterable[str], stored: ModelSpec | None = None) -> str:
+    """The model_type `format` asks for, after an engine export's checks of the child as stored (`stored`:
+    its spec in the formats written, None: its own)."""
     if format not in FORMATS:
         raise ExportError(f"unknown export format {format!r}; choose one of {list(FORMATS)}")
     if format == "engine":
         engines = tuple(engines)
-        problems = [str(problem) for problem in engine_problems(child.spec, engines)]
+        spec = child.spec if stored is None else stored
+        problems = [str(problem) for problem in engine_problems(spec, engines)]
         problems += [  # an fp8 KV cache an engine would not serve with its scales
             f"{engine}: {reason}"
             for engine, reasons in kv_engine_problems(child).items()
@@ -66,8 +72,8 @@ def export_config(
 ) -> dict[str, Any]:
     """The config.json `export` writes for `child` (no weights read: works for a model on the meta device);
     `formats` {block index: format}: the blocks' stored formats (None: their specs')."""
-    model_type = kv_model_type(child, _model_type(child, format, engines))
     stored = child.spec if formats is None else with_weight_formats(child.spec, formats)
+    model_type = kv_model_type(child, _model_type(child, format, engines, stored))
     return config_from_spec(
         stored, child.source_config, dtype=child.embeddings.weight.dtype, model_type=model_type
     )
@@ -80,8 +86,10 @@ def export_record(
     solution: Solution | Mapping[str, Any] | None,
     measured: Mapping[str, Any] | None,
     formats: Mapping[int, str] | None = None,
+    layout: str = "compressed-tensors",
 ) -> dict[str, Any]:
-    """The content of `puzzle.json`: what the child is, where it came from, how it scores and who can serve it."""
+    """The content of `puzzle.json`: what the child is, where it came from, how it scores and who can serve it
+    (`layout`: the one its quantized blocks are stored in, which only some engines read)."""
     assembly = getattr(child, "assembly", None)
     record: dict[str, Any] = {"format": RECORD_FORMAT, "model_type": config["model_type"]}
     if assembly is not None:
@@ -104,6 +112,9 @@ def export_record(
     )
     for engine, reasons in kv_engine_problems(child).items():
         record["engines"][engine] = [*record["engines"][engine], *reasons]
+    if formats is not None and _quantizes(formats):
+        for engine, reason in _layout_reasons(layout).items():
+            record["engines"][engine] = [*record["engines"][engine], reason]
     if "mtp" not in record:
         record["mtp"] = {
             "handling": "not assembled by puzzle: extra tensors carried as loaded",
@@ -158,15 +169,18 @@ def export(
     # an assembled child's blocks' own formats
     formats = exported_formats(child.spec, weight_formats)
     config = export_config(child, format, engines, formats)
+    layout = quant_layout(format, engines, formats)
     if measured is None and getattr(child, "assembly", None) is not None and child.assembly.measured:
         measured = child.assembly.measured
-    record = export_record(child, config, parent or child.source_path, solution, measured, formats)
+    record = export_record(child, config, parent or child.source_path, solution, measured, formats, layout)
     if format == "engine":  # what was checked, beside `engines` (every engine's verdict)
         record["checked_engines"] = list(engines)
     if run_info is not None:
         record["run"] = dict(run_info)
     if weight_formats is not None or formats:
         record["weight_formats"] = {f"backbone.layers.{i}.mixer": fmt for i, fmt in sorted(formats.items())}
+    if _quantizes(formats):  # which engines read the stored layout (puzzle.nemotron_h.modelopt / quantized)
+        record["quant_layout"] = LAYOUT_RECORDS[layout]
     files = {}
     if card_owner(path) == "user":
         record["model_card"] = f"not written: {CARD_FILE} at the export path is the user's"
@@ -182,7 +196,59 @@ def export(
         aux_source=parent,
         extra_files=files,
         block_weight_formats=formats,
+        quant_layout=layout,
     )
+
+
+# puzzle.json's `quant_layout`: how the quantized blocks are stored and who reads that layout.
+LAYOUT_RECORDS = {
+    "compressed-tensors": {
+        "layout": "compressed-tensors",
+        "config": "config.json quantization_config",
+        "read_by": ["vllm", "sglang", "puzzle.load", "transformers (trust_remote_code)"],
+    },
+    "modelopt": {
+        "layout": "modelopt",
+        "config": "hf_quant_config.json (MIXED_PRECISION quantized_layers)",
+        "read_by": ["trtllm"],
+    },
+}
+
+
+def _layout_reasons(layout: str) -> dict[str, str]:
+    """{engine: why it does not read quantized blocks stored in `layout`}."""
+    if layout == "modelopt":
+        why = (
+            "quantized blocks stored in ModelOpt's layout for TensorRT-LLM (hf_quant_config.json), which it does "
+            "not read; export without engines=['trtllm'] for compressed-tensors"
+        )
+        return dict.fromkeys(("vllm", "sglang", "transformers"), why)
+    return {
+        "trtllm": "quantized blocks stored in compressed-tensors' layout, and TensorRT-LLM refuses its weight-only "
+        "nvfp4 groups (input_activations null); export with format='engine', engines=['trtllm'] for ModelOpt's"
+    }
+
+
+def _quantizes(formats: Mapping[int, str]) -> bool:
+    return any(fmt != "bf16" for fmt in formats.values())
+
+
+def quant_layout(format: str, engines: Iterable[str], formats: Mapping[int, str]) -> str:
+    """The layout quantized blocks are written in: ModelOpt's for an engine export to TensorRT-LLM (it reads
+    hf_quant_config.json; its compressed-tensors reader refuses our weight-only nvfp4), else compressed-tensors.
+    One checkpoint holds one layout (the two name and shape their scales differently): an engine export of
+    a quantized child for TensorRT-LLM and for vLLM or SGLang at once is refused."""
+    engines = tuple(engines)
+    if format != "engine" or "trtllm" not in engines or not _quantizes(formats):
+        return "compressed-tensors"
+    others = [engine for engine in engines if engine in ("vllm", "sglang")]
+    if others:
+        raise ExportError(
+            f"refusing an engine export for trtllm and {others} at once: TensorRT-LLM reads quantized blocks "
+            "in ModelOpt's layout (hf_quant_config.json), vLLM and SGLang in compressed-tensors', and one "
+            "checkpoint holds one; export twice, engines=['trtllm'] and engines=" + repr(others)
+        )
+    return "modelopt"
 
 
 def _card(

@@ -109,9 +109,15 @@ def test_what_neither_serves(engine):
     assert _blocks(_spec(MLPSpec(width=8), LinearSpec()), engine) == {1}
 
 
-def test_trtllm_refuses_a_quantized_child_and_engine_support_names_both():
+def test_trtllm_refuses_fp8_routed_experts_only_and_engine_support_names_both():
+    """The ModelOpt layout holds fp8 and nvfp4 blocks for TensorRT-LLM, but its fused MoE has no per-channel fp8."""
     fp8 = _spec(MAMBA, dataclasses.replace(MoESpec(4, 2, 8, 8), weight_format="fp8"))
     assert _blocks(fp8, "trtllm") == {1}
+    nvfp4 = _spec(
+        dataclasses.replace(MAMBA, weight_format="fp8"),
+        dataclasses.replace(MoESpec(4, 2, 16, 16), weight_format="nvfp4"),
+    )
+    assert _blocks(nvfp4, "trtllm") == set()
     assert "sglang" in ENGINES and "trtllm" in ENGINES
     support = engine_support(SERVED["75b"])
     assert support["sglang"] == [] and support["trtllm"] == []

@@ -34,7 +34,7 @@ from puzzle.files import (
 )
 from puzzle.kv_cache import KVCacheError, set_kv_scales
 from puzzle.model import HybridLM
-from puzzle.nemotron_h import kv_export, quantized
+from puzzle.nemotron_h import kv_export, modelopt, quantized
 from puzzle.nemotron_h.config import (
     CONFIG_NAME,
     CheckpointError,
@@ -270,7 +270,8 @@ EXPORT_RECORD = "puzzle.json"
 def is_checkpoint_file(name: str) -> bool:
     """Whether a file called `name` is one a checkpoint save writes (config, weights, index, aux files)."""
     return (
-        name in (CONFIG_NAME, SINGLE_FILE, INDEX_FILE, OWNER_MARKER, EXPORT_RECORD, *REMOTE_CODE_FILES)
+        name in (CONFIG_NAME, SINGLE_FILE, INDEX_FILE, OWNER_MARKER, EXPORT_RECORD, modelopt.HF_QUANT_CONFIG)
+        or name in REMOTE_CODE_FILES
         or SHARD_FILE.fullmatch(name) is not None
         or _is_aux_file(name)
     )
@@ -302,8 +303,12 @@ def save_pretrained(
     extra_files: Mapping[str, str] | None = None,
     weight_formats: Mapping[str, str] | None = None,
     block_weight_formats: Mapping[int, str] | None = None,
+    quant_layout: str = "compressed-tensors",
 ) -> Path:
     """Write `model` as a NemotronH checkpoint directory at `path`; returns the path.
+
+    `quant_layout`: how quantized blocks are stored: "compressed-tensors" (vLLM, SGLang, `puzzle.load`) or
+    "modelopt" (TensorRT-LLM: hf_quant_config.json and ModelOpt's tensors, `puzzle.nemotron_h.modelopt`).
 
     `weight_formats`: {module-name prefix, e.g. "backbone.layers.3.mixer": "bf16" | "fp8" | "nvfp4"}: the
     matmul weights of those blocks' mixers are stored quantized in the compressed-tensors format vLLM
@@ -363,7 +368,33 @@ def save_pretrained(
     options["formats"] = formats  # the config describes the blocks as stored (e.g. nvfp4 experts)
     # {} or only bf16 blocks: every block as it is (e.g. bf16 for llama.cpp), no quantization_config
     quant_plan = quantized.plan(model, formats) if formats else None  # refusals before writing
-    if quant_plan is not None and quant_plan.weights:
+    if quant_layout not in modelopt.LAYOUTS:
+        raise CheckpointError(
+            f"unknown quant_layout {quant_layout!r}; choose one of {list(modelopt.LAYOUTS)}"
+        )
+    if quant_plan is not None and quant_plan.weights and quant_layout == "modelopt":
+        problems = modelopt.layout_problems(model.spec, quant_plan.blocks)
+        if kv_export.scale_tensors(model):
+            problems.append(
+                (-1, "an fp8 KV cache: its scales are written for vLLM only (compressed-tensors)")
+            )
+        if problems:
+            listed = "; ".join(f"block {index}: {why}" if index >= 0 else why for index, why in problems)
+            raise CheckpointError(f"the ModelOpt layout (TensorRT-LLM) cannot hold this child: {listed}")
+        table = modelopt.hf_quant_config(quant_plan.weights)
+        options["quantization_config"] = modelopt.inline_config(table)
+        options["extra_files"] = {
+            **(extra_files or {}),
+            modelopt.HF_QUANT_CONFIG: json.dumps(table, indent=2) + "\n",
+        }
+        weights = functools.partial(
+            quantized.stream_quantized,
+            model,
+            max_shard_bytes=max_shard_bytes,
+            quant_plan=quant_plan,
+            layout="modelopt",
+        )
+    elif quant_plan is not None and quant_plan.weights:
         options["quantization_config"] = quantized.quantization_config(quant_plan)
         weights = functools.partial(
             quantized.stream_quantized, model, max_shard_bytes=max_shard_bytes, quant_plan=quant_plan
@@ -552,11 +583,16 @@ def _write_beside(staging: Path, target: Path) -> None:
     """Move the checkpoint files of `staging` into the existing `target`, leaving its other files alone.
 
     Weight files of an earlier save that this one does not rewrite are removed first (a stale index or
-    model.safetensors would be read instead of the new weights); config.json comes last.
+    model.safetensors would be read instead of the new weights; a stale hf_quant_config.json would make
+    TensorRT-LLM read compressed-tensors weights as ModelOpt's); config.json comes last.
     """
     written = {file.name for file in staging.iterdir() if file.name != OWNER_MARKER}
     for entry in target.iterdir():
-        stale_weights = entry.name in (SINGLE_FILE, INDEX_FILE) or SHARD_FILE.fullmatch(entry.name)
+        stale_weights = entry.name in (
+            SINGLE_FILE,
+            INDEX_FILE,
+            modelopt.HF_QUANT_CONFIG,
+        ) or SHARD_FILE.fullmatch(entry.name)
         if stale_weights and entry.name not in written and entry.is_file():
             entry.unlink()
     for name in sorted(written, key=lambda name: name == CONFIG_NAME):

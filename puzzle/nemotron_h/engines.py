@@ -25,8 +25,10 @@ What each engine reads:
   clamp and (conservatively) one attention shape for its KV pool.
 - TensorRT-LLM: replayed by `puzzle.nemotron_h.trtllm_replay` (its _torch/models/modeling_nemotron_h.py,
   commit named there): block_configs only for five MoE fields (width, latent size, expert count, top-k,
-  shared-expert width); Mamba, MLP, attention (KV heads included) from the globals. It reads ModelOpt's
-  hf_quant_config.json for quantized checkpoints, which we do not write: a quantized child is refused.
+  shared-expert width); Mamba, MLP, attention (KV heads included) from the globals. Its quantized
+  checkpoints are ModelOpt's (hf_quant_config.json, MIXED_PRECISION): the export writes that layout for it
+  (`puzzle.nemotron_h.modelopt`, replayed by `trtllm_quant_replay`); fp8 routed experts are refused (its
+  fused MoE has no per-channel fp8).
 - transformers without remote code (`NemotronHForCausalLM`): plain nemotron_h only, one shape per kind, no
   quantized MoE block (it misreads nvfp4 routed experts and runs fp8 ones without their activations)
   (`transformers_incompatibilities`). Our trust_remote_code file and `puzzle.load` read every child.
@@ -43,7 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from puzzle.formats import DEFAULT_WEIGHT_FORMAT
-from puzzle.nemotron_h import sglang_replay, trtllm_replay, vllm_replay
+from puzzle.nemotron_h import modelopt, sglang_replay, trtllm_replay, vllm_replay
 from puzzle.nemotron_h.config import config_from_spec, transformers_incompatibilities
 from puzzle.spec import (
     AttentionSpec,
@@ -263,11 +265,11 @@ LLAMA_CPP_RULES: dict[type, EngineRule] = {
 
 
 def _trtllm_quantized(block: BlockSpec, model: _Model) -> list[str]:
-    if getattr(block, "weight_format", DEFAULT_WEIGHT_FORMAT) != DEFAULT_WEIGHT_FORMAT:
-        return [
-            f"a {block.weight_format} block: TensorRT-LLM reads ModelOpt hf_quant_config.json for quantized "
-            "checkpoints, and our export writes compressed-tensors quantization_config"
-        ]
+    """A quantized block is exported for TensorRT-LLM in ModelOpt's layout (`puzzle.nemotron_h.modelopt`,
+    read back by `trtllm_quant_replay`); of our formats, only fp8 routed experts have no path in its fused MoE."""
+    fmt = getattr(block, "weight_format", DEFAULT_WEIGHT_FORMAT)
+    if fmt == "fp8" and isinstance(block, MoESpec):
+        return [modelopt.FP8_MOE]
     return []
 
 
@@ -282,7 +284,7 @@ def _trtllm_mlp(block: MLPSpec, model: _Model) -> list[str]:
 # What SGLang does that its replay cannot see: as vLLM (relu^2 MLP, no upper dt clamp, one KV-pool shape).
 SGLANG_RULES: dict[type, EngineRule] = dict(VLLM_RULES)
 # TensorRT-LLM: the replay sees attention shapes (global) and MoE fields; beyond it, relu^2, no dt clamp, and
-# no compressed-tensors quantized block.
+# no fp8 routed experts (the ModelOpt layout holds every other quantized block).
 TRTLLM_RULES: dict[type, EngineRule] = {
     MambaSpec: _trtllm_mamba,
     AttentionSpec: _trtllm_quantized,

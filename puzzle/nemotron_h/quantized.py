@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -202,12 +202,15 @@ def quantized_names(name: str, fmt: str, shape: tuple[int, ...]) -> list[Entry]:
     ]
 
 
-def quantized_entries(entries: Iterable[Entry], quant_plan: QuantPlan) -> list[Entry]:
-    """`entries` with each planned weight replaced by its stored tensors (names, dtypes, shapes only)."""
+def quantized_entries(
+    entries: Iterable[Entry], quant_plan: QuantPlan, names: Callable[..., list[Entry]] = quantized_names
+) -> list[Entry]:
+    """`entries` with each planned weight replaced by its stored tensors (names, dtypes, shapes only);
+    `names`: the layout's (`quantized_names`, or `puzzle.nemotron_h.modelopt.modelopt_names`)."""
     out: list[Entry] = []
     for entry in entries:
         fmt = quant_plan.weights.get(entry.name)
-        out.extend([entry] if fmt is None else quantized_names(entry.name, fmt, entry.shape))
+        out.extend([entry] if fmt is None else names(entry.name, fmt, entry.shape))
     return out
 
 
@@ -228,8 +231,13 @@ def quantize_weight(
     ]
 
 
-def quantized_units(units: Iterable[Unit], quant_plan: QuantPlan) -> Iterator[Unit]:
-    """`units` with every planned weight quantized; q/k/v are held until all three arrived (shared scale)."""
+def quantized_units(
+    units: Iterable[Unit],
+    quant_plan: QuantPlan,
+    quantize: Callable[..., list[tuple[str, torch.Tensor]]] = quantize_weight,
+) -> Iterator[Unit]:
+    """`units` with every planned weight quantized by `quantize` (the layout's: `quantize_weight`, or
+    `modelopt.modelopt_weight`); q/k/v are held until all three arrived (shared scale)."""
     waiting: dict[str, torch.Tensor] = {}
 
     def wrap(unit: Unit) -> Unit:
@@ -248,7 +256,7 @@ def quantized_units(units: Iterable[Unit], quant_plan: QuantPlan) -> Iterator[Un
                 held = [waiting.pop(member) for member in group]
                 scale = nvfp4_global_scale(*held) if fmt == "nvfp4" else None
                 for member, weight in zip(group, held):
-                    out.extend(quantize_weight(member, weight, fmt, scale))
+                    out.extend(quantize(member, weight, fmt, scale))
             return out, elements
 
         return run
@@ -260,15 +268,27 @@ def quantized_units(units: Iterable[Unit], quant_plan: QuantPlan) -> Iterator[Un
 
 
 def stream_quantized(
-    model: nn.Module, directory: Path | None, max_shard_bytes: int, quant_plan: QuantPlan
+    model: nn.Module,
+    directory: Path | None,
+    max_shard_bytes: int,
+    quant_plan: QuantPlan,
+    layout: str = QUANT_METHOD,
 ) -> list[str]:
     """`puzzle.nemotron_h.stream.stream_weights` with the planned weights stored quantized (same files layout,
-    same streaming: one tensor gathered at a time, a block's q/k/v at most held together)."""
+    same streaming: one tensor gathered at a time, a block's q/k/v at most held together); `layout`
+    "compressed-tensors" (vLLM, SGLang) or "modelopt" (TensorRT-LLM, `puzzle.nemotron_h.modelopt`)."""
+    from puzzle.nemotron_h import modelopt
+
+    names, quantize = (
+        (modelopt.modelopt_names, modelopt.modelopt_weight)
+        if layout == "modelopt"
+        else (quantized_names, quantize_weight)
+    )
     extras = saved_extras(model)
-    entries = quantized_entries(model_entries(model, extras), quant_plan)
+    entries = quantized_entries(model_entries(model, extras), quant_plan, names)
     units = model_units(model, extras, directory is not None)
     if directory is not None:  # other ranks of a sharded save only gather
-        units = quantized_units(units, quant_plan)
+        units = quantized_units(units, quant_plan, quantize)
     return write_streamed(entries, units, directory, max_shard_bytes)
 
 

@@ -35,16 +35,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from puzzle.nemotron_h.vllm_replay import (
-    VLLM_LAYER_TYPES,
     LayerReplay,
-    attention_shapes,
-    built,
+    build_layer,
     compare,
     config_object,
-    mamba_shapes,
-    mlp_shapes,
     mlp_width,
-    moe_shapes,
+    start_layer,
 )
 from puzzle.spec import ModelSpec
 
@@ -54,29 +50,13 @@ PER_LAYER = ("*", "E")  # the layer kinds SGLang builds from get_nemotron_h_conf
 
 
 def _layer(config: Any, index: int, char: str, pattern: str) -> LayerReplay:
-    prefix = f"backbone.layers.{index}"
-    layer = LayerReplay(index, prefix, char)
-    if char not in VLLM_LAYER_TYPES:
-        layer.unsupported = f"SGLang has no NemotronH layer type {char!r} (its layers are {VLLM_LAYER_TYPES})"
+    layer = start_layer(index, char, "SGLang")
+    if layer.unsupported is not None:
         return layer
     get_layer_config = getattr(config, "get_nemotron_h_config_for_layer", None)
     per_layer = char in PER_LAYER and get_layer_config is not None
     built_from = get_layer_config(index) if per_layer else config
-    try:
-        if char == "M":
-            mixer = mamba_shapes(config, config.hidden_size)
-        elif char == "-":
-            mixer = mlp_shapes(config, mlp_width(config, pattern, index))
-        elif char == "*":
-            mixer = attention_shapes(built_from)
-        else:
-            mixer, problem = moe_shapes(built_from)
-            layer.unsupported = problem and problem.replace("vLLM", "SGLang")
-            layer.top_k = built_from.num_experts_per_tok
-    except AttributeError as error:
-        layer.unsupported = f"SGLang reads a config field the config lacks: {error}"
-        return layer
-    return built(layer, config, built_from, mixer)
+    return build_layer(layer, config, built_from, lambda: mlp_width(config, pattern, index), "SGLang")
 
 
 def replay(config: Mapping[str, Any]) -> list[LayerReplay]:

@@ -25,8 +25,8 @@ MLP shapes) global. A per-expert width is read as its first entry. The MTP modul
 
 Quantization: TensorRT-LLM reads ModelOpt's `hf_quant_config.json` (quant_algo, MIXED_PRECISION with a
 per-layer `quantized_layers` table: `model_config.quant_config_dict`, looked up per MoE layer and per layer
-for NVFP4); our quantized exports write compressed-tensors `quantization_config` only, which this replay does
-not check (`engines.TRTLLM_RULES` refuses a quantized child for TensorRT-LLM).
+for NVFP4); an engine export for it writes that layout (`puzzle.nemotron_h.modelopt`), whose reading
+`puzzle.nemotron_h.trtllm_quant_replay` replays (module algos, tensors, dequantized values).
 """
 
 from __future__ import annotations
@@ -35,17 +35,7 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-from puzzle.nemotron_h.vllm_replay import (
-    VLLM_LAYER_TYPES,
-    LayerReplay,
-    attention_shapes,
-    built,
-    compare,
-    config_object,
-    mamba_shapes,
-    mlp_shapes,
-    moe_shapes,
-)
+from puzzle.nemotron_h.vllm_replay import LayerReplay, build_layer, compare, config_object, start_layer
 from puzzle.spec import ModelSpec
 
 TRTLLM_COMMIT = "00620eb025e7c24895986e1042380bd1be4426d9"  # _torch/models/modeling_nemotron_h.py as read
@@ -86,26 +76,11 @@ def _mlp_width(config: Any, index: int) -> int:
 
 
 def _layer(config: Any, index: int, char: str) -> LayerReplay:
-    prefix = f"backbone.layers.{index}"
-    layer = LayerReplay(index, prefix, char)
-    if char not in VLLM_LAYER_TYPES:
-        layer.unsupported = f"TensorRT-LLM raises on layer type {char!r} (its layers are {VLLM_LAYER_TYPES})"
+    layer = start_layer(index, char, "TensorRT-LLM")
+    if layer.unsupported is not None:
         return layer
     built_from = _moe_config(config, index) if char == "E" else config
-    try:
-        if char == "M":
-            mixer = mamba_shapes(config, config.hidden_size)
-        elif char == "-":
-            mixer = mlp_shapes(config, _mlp_width(config, index))
-        elif char == "*":
-            mixer = attention_shapes(config)
-        else:
-            mixer, _ = moe_shapes(built_from)
-            layer.top_k = built_from.num_experts_per_tok
-    except (AttributeError, IndexError) as error:
-        layer.unsupported = f"TensorRT-LLM reads a config field the config lacks: {error}"
-        return layer
-    return built(layer, config, built_from, mixer)
+    return build_layer(layer, config, built_from, lambda: _mlp_width(config, index), "TensorRT-LLM")
 
 
 def replay(config: Mapping[str, Any]) -> list[LayerReplay]:

@@ -27,7 +27,7 @@ per kind in `puzzle.nemotron_h.engines.VLLM_RULES`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from dataclasses import fields as dataclass_fields
 from types import SimpleNamespace
@@ -151,30 +151,49 @@ def moe_shapes(config: Any) -> tuple[Shapes, str | None]:
     return shapes, problem
 
 
-def _layer(config: Any, index: int, char: str, prefix: str, pattern: str) -> LayerReplay:
-    """One decoder layer as vLLM's get_layer builds it (the MTP layers add their fusion tensors, not compared)."""
-    layer = LayerReplay(index, prefix, char)
+def start_layer(index: int, char: str, engine: str, prefix: str | None = None) -> LayerReplay:
+    """The replay of layer `index` (pattern character `char`), marked unsupported when `char` is no NemotronH
+    layer type of `engine` (vLLM, SGLang and TensorRT-LLM all raise on it). `prefix`: default backbone.layers.i."""
+    layer = LayerReplay(index, f"backbone.layers.{index}" if prefix is None else prefix, char)
     if char not in VLLM_LAYER_TYPES:
         layer.unsupported = (
-            f"vLLM raises on layer type {char!r} (its NemotronH layers are {VLLM_LAYER_TYPES})"
+            f"{engine} raises on layer type {char!r} (its NemotronH layers are {VLLM_LAYER_TYPES})"
         )
-        return layer
-    get_layer_config = getattr(config, "get_nemotron_h_config_for_layer", None)
-    layer_config = config if char == "M" or get_layer_config is None else get_layer_config(index)
+    return layer
+
+
+def build_layer(
+    layer: LayerReplay, config: Any, built_from: Any, width: Callable[[], int], engine: str
+) -> LayerReplay:
+    """`layer`'s mixer as an engine builds it: Mamba from the global `config` always, the MLP (`width()` wide),
+    attention and MoE from `built_from` (the global config or the engine's per-layer one). A field the
+    config lacks is the layer's unsupported reason, naming `engine`."""
+    char = layer.char
     try:
         if char == "M":
             mixer = mamba_shapes(config, config.hidden_size)
         elif char == "-":
-            mixer = mlp_shapes(layer_config, mlp_width(layer_config, pattern, index))
+            mixer = mlp_shapes(built_from, width())
         elif char == "*":
-            mixer = attention_shapes(layer_config)
+            mixer = attention_shapes(built_from)
         else:
-            mixer, layer.unsupported = moe_shapes(layer_config)
-            layer.top_k = layer_config.num_experts_per_tok
-    except AttributeError as error:  # a field vLLM reads that the config does not have
-        layer.unsupported = f"vLLM reads a config field the config lacks: {error}"
+            mixer, problem = moe_shapes(built_from)
+            layer.unsupported = problem and problem.replace("vLLM", engine)
+            layer.top_k = built_from.num_experts_per_tok
+    except (AttributeError, IndexError) as error:  # a field the engine reads that the config does not have
+        layer.unsupported = f"{engine} reads a config field the config lacks: {error}"
         return layer
-    return built(layer, config, config if char == "M" else layer_config, mixer)
+    return built(layer, config, config if char == "M" else built_from, mixer)
+
+
+def _layer(config: Any, index: int, char: str, prefix: str, pattern: str) -> LayerReplay:
+    """One decoder layer as vLLM's get_layer builds it (the MTP layers add their fusion tensors, not compared)."""
+    layer = start_layer(index, char, "vLLM", prefix)
+    if layer.unsupported is not None:
+        return layer
+    get_layer_config = getattr(config, "get_nemotron_h_config_for_layer", None)
+    layer_config = config if char == "M" or get_layer_config is None else get_layer_config(index)
+    return build_layer(layer, config, layer_config, lambda: mlp_width(layer_config, pattern, index), "vLLM")
 
 
 def built(layer: LayerReplay, config: Any, built_from: Any, mixer: Shapes) -> LayerReplay:
@@ -217,10 +236,12 @@ def _read_differences(layer: LayerReplay, block: BlockSpec, engine: str = "vLLM"
         read = block_spec_from_fields(block.kind, {**DEFAULTS, **layer.fields})
     except (SpecError, KeyError, TypeError) as error:
         return f"{engine}'s config fields for it do not describe a {block.kind} block: {error}"
+    # The weight format is no config field an engine builds the layer from: it reads each module's scheme
+    # from the quantization config (quantization_config, or TensorRT-LLM's hf_quant_config.json), replayed apart.
     differs = [
         f"{name} {getattr(read, name)!r} (the child: {getattr(block, name)!r})"
         for name in (f.name for f in dataclass_fields(block))
-        if getattr(read, name) != getattr(block, name)
+        if name != "weight_format" and getattr(read, name) != getattr(block, name)
     ]
     if not differs:
         return None
