@@ -69,10 +69,7 @@ def run_once(data: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     """`puzzle run` of `data` in `run_dir` (fresh); each stage's measured and planned seconds."""
     import torch
 
-    from puzzle.config import load_config
-    from puzzle.cost.hardware import calibrate_this_machine, profile_to_json, stored_calibration
-    from puzzle.layout import RunLayout
-    from puzzle.plan import plan_hardware, plan_run
+    from puzzle.cost.hardware import calibrate_this_machine
 
     config_path = run_dir.parent / f"{run_dir.name}.yaml"
     config_path.write_text(yaml.safe_dump(data))
@@ -85,6 +82,21 @@ def run_once(data: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         cwd=ROOT,
     )
     wall = time.perf_counter() - started
+    # The same machine calibrated in CPU time (this process, one thread, after the run): the plan of one
+    # thread alone, which other jobs on the CPU do not stretch, against the run's CPU seconds.
+    torch.set_num_threads(1)
+    profile = calibrate_this_machine.__wrapped__(time.process_time)
+    return {"run_dir": str(run_dir), "wall_s": wall, **planned_against(run_dir, profile)}
+
+
+def planned_against(run_dir: Path, profile: Any) -> dict[str, Any]:
+    """The finished run in `run_dir`: each stage's measured wall and CPU seconds, and its plan on `profile`
+    (this machine calibrated in CPU time) and on the run's own stored calibration."""
+    from puzzle.config import load_config
+    from puzzle.cost.hardware import profile_to_json, stored_calibration
+    from puzzle.layout import RunLayout
+    from puzzle.plan import plan_hardware, plan_run
+
     layout = RunLayout(run_dir)
     records = json.loads(layout.manifest.read_text())["stages"]
     measured: dict[str, float] = {}
@@ -99,13 +111,8 @@ def run_once(data: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     parent = layout.read_parent()
     _, stored = plan_hardware(stored_calibration(layout.calibration))
     on_wall = {s.name: s.seconds for s in plan_run(config, parent, 1, stored).stages}
-    # The same machine calibrated in CPU time (this process, one thread, after the run): the plan of one
-    # thread alone, which other jobs on the CPU do not stretch, against the run's CPU seconds.
-    torch.set_num_threads(1)
-    profile = calibrate_this_machine.__wrapped__(time.process_time)
     planned = {s.name: s.seconds for s in plan_run(config, parent, 1, profile).stages}
     return {
-        "wall_s": wall,
         "measured_s": measured,
         "cpu_s": cpu,
         "planned_s": planned,
@@ -174,6 +181,24 @@ def table(name: str, rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def replan(output: Path, work: Path) -> int:
+    """`--replan`: the recorded runs of `output` planned again by today's code, on the calibrations they
+    were planned on; the tables printed and `output` rewritten."""
+    from puzzle.cost.hardware import profile_from_json
+
+    results = json.loads(output.read_text())
+    for name, parent in results["parents"].items():
+        runs = []
+        for repeat, run in enumerate(parent["runs"]):
+            profile = profile_from_json(run["calibration_cpu_time"], f"{output}: {name}")
+            run_dir = Path(run.get("run_dir", work / name / f"run{repeat}"))  # as main() names them
+            runs.append({**run, "run_dir": str(run_dir), **planned_against(run_dir, profile)})
+        parent["runs"], parent["stages"] = runs, summarise(runs)
+        print(table(name, parent["stages"]), flush=True)
+    output.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parents", nargs="+", choices=("demo", "scale"), default=["demo", "scale"])
@@ -183,7 +208,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--blocks", type=int, default=10)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--replan",
+        action="store_true",
+        help="run nothing: plan the runs recorded in --output again (their run directories and CPU-time "
+        "calibrations) with the current code, and rewrite it",
+    )
     args = parser.parse_args(argv)
+    if args.replan:
+        return replan(args.output, args.work)
     results: dict[str, Any] = {"load_average_start": os.getloadavg()[0], "parents": {}}
     for name in args.parents:
         root = args.work / name

@@ -592,6 +592,8 @@ def _importance(ctx: _Context) -> StagePlan:
     }
     work = ctx.work()
     work.forward(ctx.spec.blocks, settings.batch_size, math.ceil(batches / ctx.world))
+    fit_every = settings.linear_fit_every if settings.linear_fit else 0
+    work.importance_hooks(ctx.spec.blocks, settings.batch_size, math.ceil(batches / ctx.world), fit_every)
     return StagePlan(
         "importance",
         f"{batches} calibration batches of {settings.batch_size} x {ctx.seq_len} (forward only)",
