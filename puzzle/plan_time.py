@@ -16,8 +16,10 @@ the calibrated `HardwareProfile.transcendental_s` per element beyond their traff
 - a forward of blocks over a batch: each block's `prefill_work` at that batch's tokens; a training pass is
   forward + backward, 3 forwards' worth (the backward runs two matmuls per forward matmul and about twice
   its elementwise ops), 4 with activation checkpointing (the forward runs again);
-- an lm_head pass: 2 H V FLOPs per token plus `buffers` fp32 [tokens, V] tensors written and read back
-  (the chunked softmax / KL of `puzzle.logits`);
+- an lm_head pass: 2 H V FLOPs per token and product plus `buffers` fp32 [tokens, V] tensors written and
+  read back, and the softmax's exp over the logits (the chunked softmax / KL of `puzzle.logits`: GKD's
+  `head_pass` makes both models' logits twice, 4 products, and with gradients 2 more, g W and g^T h; its exps
+  are 2 for the log-normalisers, p's, and with gradients q's);
 - an AdamW step: `ADAMW_OPS` ops per parameter tensor and `ADAMW_PASSES` passes over its elements
   (torch's single-tensor AdamW with weight decay, the one it runs on the CPU, and gradient clipping);
 - importance's statistics (`importance_hook_work`: the collectors' hooks of `puzzle.prune.importance`, their
@@ -116,8 +118,9 @@ class StageWork:
     dtype: str = "float32"
     # (block, sequences per call, calls, forward-equivalents per call, whose: "parent", "variant" or "child")
     blocks: list[tuple[BlockSpec, int, float, float, str]] = field(default_factory=list)
-    # (vocabulary, tokens per call, calls, forward-equivalents, fp32 [tokens, V] buffers per pass)
-    heads: list[tuple[int, int, float, float, int]] = field(default_factory=list)
+    # (vocabulary, tokens per call, calls, passes, fp32 [tokens, V] buffers per pass, [tokens, H] x [H, V]
+    # products per call, [tokens, V] exp passes per call)
+    heads: list[tuple[int, int, float, float, int, float, float]] = field(default_factory=list)
     # (parameter elements, parameter tensors, steps)
     steps: list[tuple[float, float, float]] = field(default_factory=list)
     # (block, sequences per call, calls, linear fit's token stride): importance's collectors on its forwards
@@ -142,9 +145,21 @@ class StageWork:
         linear fit's token stride, 0 without one)."""
         self.hooks += [(block, rows, calls, fit_every) for block in blocks]
 
-    def head(self, vocab: int, rows: int, calls: float, passes: float = 1.0, buffers: int = 4) -> None:
-        """`calls` lm_head passes over `rows` sequences with `buffers` fp32 [tokens, V] tensors each."""
-        self.heads.append((vocab, rows * self.seq_len, calls, passes, buffers))
+    def head(
+        self,
+        vocab: int,
+        rows: int,
+        calls: float,
+        passes: float = 1.0,
+        buffers: int = 4,
+        matmuls: float | None = None,
+        exps: float = 1.0,
+    ) -> None:
+        """`calls` lm_head calls over `rows` sequences, each `passes` passes with `buffers` fp32 [tokens, V]
+        tensors, `matmuls` logit-sized products (default: one a pass) and `exps` exp passes over the
+        [tokens, V] logits (the softmax's, a transcendental function each)."""
+        matmuls = passes if matmuls is None else matmuls
+        self.heads.append((vocab, rows * self.seq_len, calls, passes, buffers, matmuls, exps))
 
     def optimizer(self, params: float, tensors: float, steps: float) -> None:
         """`steps` AdamW steps of `params` elements in `tensors` tensors."""
@@ -196,10 +211,12 @@ class StageWork:
             rate = hardware.matmul_flops_per_s(compute, rows * self.seq_len)
             seconds = flops / rate + elements * 4 / stream + transcendental * hardware.transcendental_s
             total += calls * (seconds + ops * hardware.op_overhead_s)
-        for vocab, tokens, calls, passes, buffers in self.heads:
+        for vocab, tokens, calls, passes, buffers, matmuls, exps in self.heads:
             matmul = 2.0 * tokens * self.hidden_size * vocab / hardware.matmul_flops_per_s(compute, tokens)
             traffic = 2.0 * buffers * tokens * vocab * 4 / stream  # written, read back
-            total += calls * passes * (matmul + traffic + 3 * buffers * hardware.op_overhead_s)
+            softmax = exps * tokens * vocab * hardware.transcendental_s
+            total += calls * (matmuls * matmul + softmax)
+            total += calls * passes * (traffic + 3 * buffers * hardware.op_overhead_s)
         for params, tensors, steps in self.steps:
             traffic = ADAMW_PASSES * params * size / stream
             total += steps * (traffic + ADAMW_OPS * tensors * hardware.op_overhead_s)

@@ -153,3 +153,31 @@ def test_importance_hook_work_is_what_the_collectors_add():
     assert transcendental <= made <= 1.03 * transcendental, (
         f"importance hooks: planned {transcendental:g} transcendental elements, made {made:g}"
     )
+
+
+def test_the_gkd_head_counts_the_products_and_exps_head_pass_makes(tmp_path):
+    from puzzle.logits import head_pass
+
+    config = load_config(write_config(tmp_path / "config.yaml", make_inputs(tmp_path)))
+    plan = {stage.name: stage for stage in plan_run(config, SPEC, 1, get_hardware("h100")).stages}
+    train, evaluation = plan["distill"].work.heads  # (vocab, tokens, calls, passes, buffers, matmuls, exps)
+    torch.manual_seed(0)
+    n, hidden, vocab, chunk = 24, SPEC.hidden_size, 50, 16  # chunks of 16, 16, 16 and 2 rows
+    args = (
+        torch.randn(n, hidden),
+        torch.randn(vocab, hidden),
+        torch.randn(n, hidden),
+        torch.randn(vocab, hidden),
+    )
+    targets = torch.randint(0, vocab, (n,))
+    for gradients, planned in ((True, train), (False, evaluation)):
+        counter = _Count()
+        with counter:
+            head_pass(*args, targets, chunk, kl_scale=1.0, nll_scale=0.5, gradients=gradients)
+        products = counter.flops / (2.0 * n * hidden * vocab)
+        # Beyond the [N, V] passes: the online logsumexp's rescale, one exp of [N] a chunk.
+        exps = (counter.transcendental["exp"] - 2 * n * 4) / (n * vocab)
+        assert products == planned[5] and exps == planned[6], (
+            f"head_pass (gradients={gradients}): {products:g} logit products and {exps:g} exps over [N, V], "
+            f"the plan counts {planned[5]:g} and {planned[6]:g}"
+        )

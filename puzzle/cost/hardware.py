@@ -1,7 +1,8 @@
 """Accelerator profiles for the roofline model: peak dense FLOP/s per dtype, memory bandwidth and capacity.
 
 Published datacenter GPUs, plus "this-machine": the current CPU, calibrated once per process by a
-short measurement (fp32 matmul rate, copy bandwidth, per-op dispatch overhead, a cycle collection; about 2 s). A run
+short measurement (fp32 matmul rate, copy bandwidth, per-op dispatch overhead, a cycle collection, the
+sequence mixing of attention and Mamba, SiLU beyond a copy; about 2 s). A run
 directory keeps its own calibration (`stored_calibration`, RUN_DIR/hardware.json), measured once and read
 back by every later stage and command, so that its figures do not change with the machine's load.
 """
@@ -198,8 +199,10 @@ def calibrate_this_machine(clock: Callable[[], float] = time.perf_counter) -> Ha
     that of a [4, 512] x [512, 2048] product (decode-sized); the bandwidth is a 4 MiB tensor copied
     into another (8 MiB moved, cache-resident like a small block's weights; DRAM streaming is
     slower); the per-op overhead is the time per op of a chain of tiny nn.Linear / ReLU modules
-    (Python, module call and dispatch costs included). One rate serves every dtype: the CPU
-    reference path runs fp32. Uses the process's torch thread count.
+    (Python, module call and dispatch costs included); the mixing rates are those of torch's SDPA and of
+    `ssd_chunk_scan` on a training micro-batch of small blocks (`_mixing_rates`); `transcendental_s` is a
+    SiLU's time per element beyond a copy's. One rate serves every dtype: the CPU reference path runs fp32.
+    Uses the process's torch thread count.
     """
     import torch
     from torch import nn
