@@ -592,6 +592,8 @@ def _importance(ctx: _Context) -> StagePlan:
     }
     work = ctx.work()
     work.forward(ctx.spec.blocks, settings.batch_size, math.ceil(batches / ctx.world))
+    fit_every = settings.linear_fit_every if settings.linear_fit else 0
+    work.importance_hooks(ctx.spec.blocks, settings.batch_size, math.ceil(batches / ctx.world), fit_every)
     return StagePlan(
         "importance",
         f"{batches} calibration batches of {settings.batch_size} x {ctx.seq_len} (forward only)",
@@ -802,7 +804,8 @@ def _scores(ctx: _Context) -> StagePlan:
     calls = held if world > 1 else math.ceil(held / ctx.world)
     for wave in waves:  # the parent's pass over the held-out batches, its logits the reference
         work.forward(spec.blocks, batch, calls)
-        work.head(spec.vocab_size, batch, calls, buffers=SCORE_LOGIT_BUFFERS)
+        # Its logits twice (`puzzle.score`: the log-normaliser, then each chunk's p beside the children's).
+        work.head(spec.vocab_size, batch, calls, buffers=SCORE_LOGIT_BUFFERS, matmuls=2, exps=2)
         own = [v for v in wave if v.spec == spec.blocks[v.block_index]]
         if own and calls:  # the wave's check: its first parent variant through the suffix, on the first batch
             first = min(own, key=lambda v: (v.block_index, v.id))
@@ -1021,7 +1024,10 @@ def _gkd_work(ctx: _Context, solutions: int, tokens: int, micro: int, student_pa
     child = ctx.child_fraction
     work.forward(spec.blocks, micro, solutions * micros)  # the teacher
     work.forward(spec.blocks, micro, solutions * micros * child, passes=student_passes, whose="child")
-    work.head(spec.vocab_size, micro, solutions * micros, passes=3, buffers=GKD_LOGIT_BUFFERS)
+    # puzzle.logits.head_pass with gradients: both models' logits twice, g W and g^T h; 4 exps.
+    work.head(
+        spec.vocab_size, micro, solutions * micros, passes=3, buffers=GKD_LOGIT_BUFFERS, matmuls=6, exps=4
+    )
     params = model_params(spec) * child
     tensors = sum(len(_mixer_shapes(b, spec.hidden_size)[0]) + 1 for b in spec.blocks) + 3
     work.optimizer(params, tensors * child, solutions * steps)
@@ -1034,7 +1040,8 @@ def _gkd_work(ctx: _Context, solutions: int, tokens: int, micro: int, student_pa
     calls = calls if ctx.world_of(settings.shard) > 1 else math.ceil(calls / ctx.world)
     work.forward(spec.blocks, eval_rows, calls)
     work.forward(spec.blocks, eval_rows, calls * child, whose="child")
-    work.head(spec.vocab_size, eval_rows, calls, passes=2, buffers=GKD_LOGIT_BUFFERS)
+    # head_pass without gradients: both models' logits twice; the log-normalisers' exps and p's.
+    work.head(spec.vocab_size, eval_rows, calls, passes=2, buffers=GKD_LOGIT_BUFFERS, matmuls=4, exps=3)
     return work
 
 

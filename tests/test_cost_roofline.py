@@ -16,7 +16,14 @@ from puzzle.cost.analytic import (
     model_weight_bytes,
     state_bytes_per_request,
 )
-from puzzle.cost.hardware import PROFILES, HardwareProfile, calibrate_this_machine, get_hardware
+from puzzle.cost.hardware import (
+    PROFILES,
+    HardwareProfile,
+    calibrate_this_machine,
+    get_hardware,
+    profile_from_json,
+    profile_to_json,
+)
 from puzzle.cost.roofline import (
     BlockLatency,
     Scenario,
@@ -171,6 +178,16 @@ def test_this_machine_is_calibrated_once_per_process():
     assert isinstance(profile, HardwareProfile) and profile.eager
     assert profile.flops_per_s("bf16") > 1e8 and profile.few_rows_flops > 1e7
     assert profile.memory_bandwidth > 1e8 and 0 < profile.op_overhead_s < 1e-3
+    # The kinds' sequence mixing runs below the square-matmul rate on a CPU thread; SiLU costs beyond a copy.
+    rates = dict(profile.mixing_flops)
+    assert sorted(rates) == ["attention", "mamba"] and all(
+        0 < r < 10 * profile.flops_per_s() for r in rates.values()
+    )
+    assert 0 < profile.transcendental_s < 1e-7
+    assert (
+        profile_from_json(profile_to_json(profile), "here") == profile
+    )  # the new fields survive hardware.json
+    assert get_hardware("h100").mixing_flops == () and get_hardware("h100").transcendental_s == 0.0
 
 
 class _CountOps(TorchDispatchMode):

@@ -15,14 +15,19 @@ from collections import Counter
 
 import torch
 from run_helpers import SPEC, make_inputs, write_config
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from puzzle.blocks import build_block
 from puzzle.config import load_config
 from puzzle.cost.hardware import get_hardware
 from puzzle.cost.kinds import block_cost
 from puzzle.layout import STAGES
+from puzzle.model import Block, HybridLM
 from puzzle.plan import plan_run
+from puzzle.plan_time import importance_hook_work
+from puzzle.prune.importance import collect_importance
 from puzzle.run import Run
+from puzzle.spec import MLPSpec, ModelSpec, MoESpec
 
 PLANNED = ("importance", "library", "scores", "assemble", "distill")
 
@@ -72,3 +77,107 @@ def test_the_plan_counts_the_block_calls_each_stage_makes(tmp_path):
             )
         if not child:
             assert made == known, stage.name
+
+
+# The eager plan's new counts, checked op by op on the code they count (`puzzle.plan_time`): transcendental
+# elementwise functions, and the matmul FLOPs and elementwise work importance's collectors add.
+TRANSCENDENTAL = {"silu", "softplus", "sigmoid", "gelu", "exp"}
+MATMULS = {"mm", "bmm", "addmm"}
+
+
+class _Count(TorchDispatchMode):
+    """Elements through transcendental ops and FLOPs of matmuls, by aten op name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transcendental: Counter = Counter()
+        self.flops = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func._overloadpacket.__name__.rstrip("_")
+        if name in TRANSCENDENTAL:
+            self.transcendental[name] += args[0].numel()
+        elif name in MATMULS:
+            a, b = args[-2], args[-1]
+            self.flops += 2.0 * a.numel() * b.shape[-1]
+        return out
+
+
+LATENT = ModelSpec(
+    vocab_size=40,
+    hidden_size=16,
+    blocks=(
+        *SPEC.blocks,
+        MoESpec(num_experts=4, top_k=2, expert_width=8, latent_size=8),
+        MLPSpec(width=12, activation="silu"),
+    ),
+)
+
+
+def test_transcendental_elements_are_those_each_block_computes():
+    torch.manual_seed(0)
+    rows, seq = 3, 20
+    for block in LATENT.blocks:
+        module = Block(block, LATENT.hidden_size, LATENT.norm_eps)
+        x = torch.randn(rows, seq, LATENT.hidden_size)
+        counter = _Count()
+        with torch.no_grad(), counter:
+            module(x)
+        # Mamba's exp of A_log (one per head and call, not per token) and its scan's decays are its mixing's.
+        made = sum(n for name, n in counter.transcendental.items() if name != "exp")
+        expected = rows * seq * block_cost(block).transcendental_elements_per_token(block)
+        assert made == expected, (
+            f"{block}: the plan counts {expected} transcendental elements, the block {made}"
+        )
+
+
+def test_importance_hook_work_is_what_the_collectors_add():
+    torch.manual_seed(0)
+    model = HybridLM(LATENT).eval().requires_grad_(False)
+    rows, seq, batches, every = 4, 32, 3, 8
+    inputs = [torch.randint(0, LATENT.vocab_size, (rows, seq)) for _ in range(batches)]
+    plain, hooked = _Count(), _Count()
+    with torch.no_grad(), plain:
+        for ids in inputs:
+            model.backbone(ids, len(model.layers))
+    with hooked:
+        collect_importance(model, inputs, linear_fit=True, linear_fit_every=every, parent_fp="test")
+    planned = [importance_hook_work(block, LATENT.hidden_size, rows, seq, every) for block in LATENT.blocks]
+    flops = batches * sum(p[0] for p in planned)
+    transcendental = batches * sum(p[2] for p in planned)
+    # Scoring at the end (finalize: column norms, a few [P, P] products per block) adds a little: 3%.
+    made = hooked.flops - plain.flops
+    assert flops <= made <= 1.03 * flops, f"importance hooks: planned {flops:g} matmul FLOPs, made {made:g}"
+    made = sum(hooked.transcendental.values()) - sum(plain.transcendental.values())
+    assert transcendental <= made <= 1.03 * transcendental, (
+        f"importance hooks: planned {transcendental:g} transcendental elements, made {made:g}"
+    )
+
+
+def test_the_gkd_head_counts_the_products_and_exps_head_pass_makes(tmp_path):
+    from puzzle.logits import head_pass
+
+    config = load_config(write_config(tmp_path / "config.yaml", make_inputs(tmp_path)))
+    plan = {stage.name: stage for stage in plan_run(config, SPEC, 1, get_hardware("h100")).stages}
+    train, evaluation = plan["distill"].work.heads  # (vocab, tokens, calls, passes, buffers, matmuls, exps)
+    torch.manual_seed(0)
+    n, hidden, vocab, chunk = 24, SPEC.hidden_size, 50, 16  # chunks of 16, 16, 16 and 2 rows
+    args = (
+        torch.randn(n, hidden),
+        torch.randn(vocab, hidden),
+        torch.randn(n, hidden),
+        torch.randn(vocab, hidden),
+    )
+    targets = torch.randint(0, vocab, (n,))
+    for gradients, planned in ((True, train), (False, evaluation)):
+        counter = _Count()
+        with counter:
+            head_pass(*args, targets, chunk, kl_scale=1.0, nll_scale=0.5, gradients=gradients)
+        products = counter.flops / (2.0 * n * hidden * vocab)
+        # Beyond the [N, V] passes: the online logsumexp's rescale, one exp of [N] a chunk.
+        exps = (counter.transcendental["exp"] - 2 * n * 4) / (n * vocab)
+        assert products == planned[5] and exps == planned[6], (
+            f"head_pass (gradients={gradients}): {products:g} logit products and {exps:g} exps over [N, V], "
+            f"the plan counts {planned[5]:g} and {planned[6]:g}"
+        )

@@ -104,6 +104,12 @@ def run(args: argparse.Namespace) -> int:
     if checked.problems:
         return EXIT_BAD_INPUT
     pipeline = checked.run
+    # The first model built on the meta device imports torch._dynamo (behind torch's reference normal_, which
+    # nn.init runs there): about a second of CPU, once per process. Paid here, before any stage's clock, so
+    # that a stage's measured time is its own work whichever stage happens to build a model first (the plan,
+    # `puzzle.plan_time`, prices work, not imports).
+    import torch._dynamo  # noqa: F401
+
     started = dist.init_from_env()
     try:
         with logging_to(pipeline.layout.logs, dist.rank(), args.quiet) as log_file:

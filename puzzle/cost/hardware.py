@@ -1,7 +1,8 @@
 """Accelerator profiles for the roofline model: peak dense FLOP/s per dtype, memory bandwidth and capacity.
 
 Published datacenter GPUs, plus "this-machine": the current CPU, calibrated once per process by a
-short measurement (fp32 matmul rate, copy bandwidth, per-op dispatch overhead, a cycle collection; about 2 s). A run
+short measurement (fp32 matmul rate, copy bandwidth, per-op dispatch overhead, a cycle collection, the
+sequence mixing of attention and Mamba, SiLU beyond a copy; about 2 s). A run
 directory keeps its own calibration (`stored_calibration`, RUN_DIR/hardware.json), measured once and read
 back by every later stage and command, so that its figures do not change with the machine's load.
 """
@@ -60,6 +61,16 @@ class HardwareProfile:
     leaves it out, negligible next to its stages). `stream_bandwidth`: bytes/s of a copy far larger than
     the caches (`memory_bandwidth` is a cache-resident one's; 0: not measured, the same), at which a training
     step's activations move: the backward reads what the forward wrote long before.
+
+    `mixing_flops`: ((block kind, FLOP/s), ...), the rate of a kind's sequence mixing as its eager code runs it
+    (measured on "this-machine": torch's causal SDPA for attention, `puzzle.blocks.ssd.ssd_chunk_scan` for
+    Mamba). On a CPU these are many small chunk-sized products with exp, cumsum and masks between them, which
+    run at a fraction of the square-matmul peak; `puzzle.plan_time` prices a kind's
+    `prefill_mixing_flops_per_token` at this rate. A kind not listed (every GPU profile: fused kernels) runs
+    its mixing at the matmul peak. `transcendental_s`: seconds per element of an elementwise transcendental
+    function (SiLU, measured) beyond a copy of the same tensor: on one CPU thread such functions are
+    compute-bound (about 1 ns per element against about 0.2 ns for the copy's traffic, which the activation
+    traffic already prices); 0 on GPU profiles, whose fused kernels hide it under their memory traffic.
     """
 
     name: str
@@ -74,6 +85,12 @@ class HardwareProfile:
     interconnect_bandwidth: float = 0.0
     collect_s: float = 0.0
     stream_bandwidth: float = 0.0
+    mixing_flops: tuple[tuple[str, float], ...] = ()
+    transcendental_s: float = 0.0
+
+    def mixing_flops_per_s(self, kind: str, dtype: str = "bf16") -> float:
+        """FLOP/s of `kind`'s sequence mixing (its calibrated rate, else the matmul peak in `dtype`)."""
+        return dict(self.mixing_flops).get(kind) or self.flops_per_s(dtype)
 
     def matmul_flops_per_s(self, dtype: str = "bf16", rows: int | None = None) -> float:
         """FLOP/s of a matmul with `rows` rows (tokens); the few-rows rate where the profile has one."""
@@ -182,8 +199,10 @@ def calibrate_this_machine(clock: Callable[[], float] = time.perf_counter) -> Ha
     that of a [4, 512] x [512, 2048] product (decode-sized); the bandwidth is a 4 MiB tensor copied
     into another (8 MiB moved, cache-resident like a small block's weights; DRAM streaming is
     slower); the per-op overhead is the time per op of a chain of tiny nn.Linear / ReLU modules
-    (Python, module call and dispatch costs included). One rate serves every dtype: the CPU
-    reference path runs fp32. Uses the process's torch thread count.
+    (Python, module call and dispatch costs included); the mixing rates are those of torch's SDPA and of
+    `ssd_chunk_scan` on a training micro-batch of small blocks (`_mixing_rates`); `transcendental_s` is a
+    SiLU's time per element beyond a copy's. One rate serves every dtype: the CPU reference path runs fp32.
+    Uses the process's torch thread count.
     """
     import torch
     from torch import nn
@@ -221,6 +240,13 @@ def calibrate_this_machine(clock: Callable[[], float] = time.perf_counter) -> Ha
         chain = nn.Sequential(*[module for _ in range(layers) for module in (nn.Linear(16, 16), nn.ReLU())])
         tiny = torch.randn(2, 16)
         overhead_s = median_seconds(lambda: chain(tiny), 15, clock=clock) / (2 * layers)
+        mixing_flops = _mixing_rates(clock, overhead_s)
+        # SiLU against a copy of the same 1 MiB tensor (a small block's activations at a training batch).
+        values = torch.randn(MIB // 4)
+        copied = torch.empty_like(values)
+        silu_s = median_seconds(lambda: torch.nn.functional.silu(values, inplace=False), 9, clock=clock)
+        plain_s = median_seconds(lambda: copied.copy_(values), 9, clock=clock)
+        transcendental_s = max(silu_s - plain_s, 0.0) / values.numel()
     # The cycle collector's cost grows with the objects the process holds: measured here, it is that of the
     # process calibrating (the run's own when the run stores its calibration, RUN_DIR/hardware.json).
     collect_s = median_seconds(gc.collect, 3, warmup=1, clock=clock)
@@ -237,7 +263,49 @@ def calibrate_this_machine(clock: Callable[[], float] = time.perf_counter) -> Ha
         + (", CPU time)" if clock is time.process_time else ")"),
         collect_s=collect_s,
         stream_bandwidth=stream_bandwidth,
+        mixing_flops=mixing_flops,
+        transcendental_s=transcendental_s,
     )
+
+
+def _mixing_rates(clock: Callable[[], float], overhead_s: float) -> tuple[tuple[str, float], ...]:
+    """The sequence mixing of attention and Mamba as `puzzle.blocks` runs it on the CPU, in FLOP/s of each
+    kind's `prefill_mixing_flops_per_token` (`puzzle.cost.kinds`), at a training micro-batch of small blocks:
+    4 sequences of 128 tokens, 4 heads of 32 channels (attention: 2 KV heads; Mamba: 2 groups of state 16,
+    chunks of 64). Timed on the code itself: its products are chunk-sized (64 x 64 tiles, far below the
+    512^3 matmul rate's efficiency) with exp, cumsum and masks between them."""
+    import torch
+    import torch.nn.functional as F
+
+    from puzzle.blocks import ssd
+    from puzzle.cost.kinds import block_cost
+    from puzzle.spec import AttentionSpec, MambaSpec
+
+    b, t, h, d = 4, 128, 4, 32
+    attention = AttentionSpec(num_heads=h, num_kv_heads=2, head_dim=d)
+    q = torch.randn(b, h, t, d)
+    kv = torch.randn(b, 2, t, d)
+    attention_s = median_seconds(
+        lambda: F.scaled_dot_product_attention(q, kv, kv, is_causal=True, enable_gqa=True), 5, clock=clock
+    )
+    mamba = MambaSpec(num_heads=h, head_dim=d, state_size=16, n_groups=2, chunk_size=64)
+    x = torch.randn(b, t, h, d)
+    dt = torch.full((b, t, h), 0.05)
+    a = -torch.linspace(0.5, 2.0, h)
+    groups = torch.randn(b, t, 2, mamba.state_size)
+    scan_s = median_seconds(
+        lambda: ssd.ssd_chunk_scan(x, dt, a, groups, groups, mamba.chunk_size), 5, clock=clock
+    )
+    # The scan's ops are dispatched one by one: `MambaCost.eager_ops` counts them per chunk (those beyond a
+    # chunk-less call), and they are priced at the dispatch overhead, so the rate is that of the time beyond.
+    cost = block_cost(mamba)
+    scan_ops = cost.eager_ops(mamba, b, t, decode=False) - cost.eager_ops(mamba, b, 0, decode=False)
+    rates = []
+    for spec, seconds, ops in ((attention, attention_s, 1), (mamba, scan_s, scan_ops)):
+        flops = b * t * block_cost(spec).prefill_mixing_flops_per_token(spec, t)
+        # A tenth of the timing at least: a load spike during the overhead's measurement could leave none.
+        rates.append((spec.kind, flops / max(seconds - ops * overhead_s, 0.1 * seconds)))
+    return tuple(rates)
 
 
 def hardware_names() -> list[str]:
@@ -329,6 +397,7 @@ def profile_to_json(profile: HardwareProfile) -> dict[str, Any]:
     """A profile as plain JSON data (`profile_from_json` reads it back, float for float)."""
     data = dataclasses.asdict(profile)
     data["peak_flops"] = [list(pair) for pair in profile.peak_flops]
+    data["mixing_flops"] = [list(pair) for pair in profile.mixing_flops]
     return {"format": CALIBRATION_FORMAT, "profile": data}
 
 
@@ -340,6 +409,8 @@ def profile_from_json(data: Any, where: str) -> HardwareProfile:
     try:
         fields = dict(fields)
         fields["peak_flops"] = tuple((str(dtype), float(rate)) for dtype, rate in fields["peak_flops"])
+        # Absent from calibrations stored before it was measured: the kinds then mix at the matmul peak.
+        fields["mixing_flops"] = tuple((str(k), float(rate)) for k, rate in fields.get("mixing_flops", ()))
         return HardwareProfile(**fields)
     except (TypeError, ValueError, KeyError) as error:
         raise SpecError(f"{where}: not a hardware profile ({error})") from None

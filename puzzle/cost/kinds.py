@@ -95,6 +95,13 @@ class BlockCost(ABC, Generic[S]):
         """Bytes of intermediate (fp32) tensors per token of a prefill beyond the activations."""
         return 0.0
 
+    def transcendental_elements_per_token(self, spec: S) -> float:
+        """Elements one token passes through elementwise transcendental functions (SiLU, softplus, sigmoid,
+        GELU) outside the sequence mixing, in the eager code: on a CPU thread each costs about a nanosecond of
+        compute beyond its memory traffic (`HardwareProfile.transcendental_s`). ReLU, squares and products are
+        cheaper than their traffic and are not counted."""
+        return 0.0
+
     @abstractmethod
     def eager_ops(self, spec: S, batch_size: int, tokens: int, decode: bool) -> float:
         """Ops the mixer dispatches in one call on the plain-torch path (norm and residual excluded)."""
@@ -148,6 +155,10 @@ class MambaCost(BlockCost[MambaSpec]):
         # fp32 traffic of the chunked scan: decay matrix passes per head, C.B per group, outputs.
         chunk = min(spec.chunk_size, prompt_tokens)
         return 4.0 * (4 * spec.num_heads * chunk + 2 * spec.n_groups * chunk + 6 * spec.d_inner)
+
+    def transcendental_elements_per_token(self, spec: MambaSpec) -> float:
+        # SiLU after the conv (x | B | C) and of the gate z, softplus of dt; the scan's exp is its mixing's.
+        return spec.conv_dim + spec.d_inner + spec.num_heads
 
     def eager_ops(self, spec: MambaSpec, batch_size: int, tokens: int, decode: bool) -> float:
         # The prefill scan loops over chunks.
@@ -278,6 +289,9 @@ class MoECost(BlockCost[MoESpec]):
             elements += 2 * H + 4 * spec.shared_width + H  # shared expert and the sum
         return elements
 
+    def transcendental_elements_per_token(self, spec: MoESpec) -> float:
+        return spec.num_experts  # the router's sigmoid (the experts' relu^2 is not transcendental)
+
     def eager_ops(self, spec: MoESpec, batch_size: int, tokens: int, decode: bool) -> float:
         # The CPU paths of puzzle.blocks.moe.ExpertBank (+2 ops with a latent projection, +5 with a shared
         # expert), counted by tests/test_cost_roofline.py: fewer (token, slot) pairs than experts run one by
@@ -312,6 +326,9 @@ class MLPCost(BlockCost[MLPSpec]):
         elements = _norm_and_residual_elements(hidden_size)
         elements += 2 * hidden_size + 4 * spec.width
         return elements
+
+    def transcendental_elements_per_token(self, spec: MLPSpec) -> float:
+        return spec.width if spec.activation in ("silu", "gelu") else 0.0
 
     def eager_ops(self, spec: MLPSpec, batch_size: int, tokens: int, decode: bool) -> float:
         return 4.0
