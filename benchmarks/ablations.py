@@ -33,6 +33,10 @@ At each budget (a fraction of the parent's active parameters) every method picks
 from that library:
 
 - puzzle: the MIP (`puzzle.search`) over the BLD library with KL scores, as the `solutions` stage runs it;
+- puzzle_rerank: the `solutions` stage itself with `search.rerank: {by: short_gkd}` (RERANK; `rerank_choice`):
+  the MIP's k best, refilled greedy's and the best uniform pruning's children each distilled for a short GKD,
+  the least KL after it kept; its record names the source that won and the cost in multiples of one full GKD
+  (`rerank_cost`). It needs the run's config data (`ablate(config=)`);
 - homogeneous: one shape per block kind in every block of that kind (Minitron-style uniform pruning; a
   no-op for every block of a kind counts as a shape), the combination with the least predicted KL that
   meets the budget (all combinations enumerated), BLD weights;
@@ -115,6 +119,7 @@ __all__ = ["fine_space", "interpolate", "paired_ratio", "spearman", "uniform_fra
 LEVELS = (0.85, 0.70, 0.55, 0.40)
 METHODS = (
     "puzzle",
+    "puzzle_rerank",
     "homogeneous",
     "homogeneous_width",
     "greedy",
@@ -126,6 +131,8 @@ METHODS = (
     "no_width_axis",
 )
 GKD_METHODS = tuple(m for m in METHODS if m != "greedy-norefill")  # the weaker greedy: assembled only
+# puzzle_rerank's `search.rerank` (`rerank_choice`): the settings a run's config would give it.
+RERANK = {"by": "short_gkd", "tokens": 0.25, "candidates": 5}
 # Every axis the ablations take away exists in this space (Mamba state, MoE expert width), besides heads,
 # top-k, expert count and no-op blocks.
 SPACE = {
@@ -161,6 +168,7 @@ class Choice:
     weights: str = "bld"  # "bld": the library's trained mixers; "init": pruning's, untrained
     seed: int | None = None
     note: str = ""
+    rerank: dict[str, Any] | None = None  # puzzle_rerank: the solutions stage's record of its re-ranking
 
 
 class Problem(Baselines):
@@ -250,13 +258,21 @@ def measure_batches(
 class Bench:
     """The run (up to its scores), the parent, the held-out batches, and the measurements made so far."""
 
-    def __init__(self, run: Run, init_scores: bool = True, test_tokens: int = 0) -> None:
+    def __init__(
+        self,
+        run: Run,
+        init_scores: bool = True,
+        test_tokens: int = 0,
+        config: dict[str, Any] | None = None,
+    ) -> None:
         """`test_tokens`: the size of the test split (`test_split`) the reported numbers are measured on;
-        0: none, they are measured on the scoring held-out (as before the split existed)."""
+        0: none, they are measured on the scoring held-out (as before the split existed). `config`: the run's
+        config data (`prepare_config`), which puzzle_rerank runs the solutions stage with."""
         from puzzle.prune.importance import load_importance
         from puzzle.score import load_scores
 
         self.run = run
+        self.config = config
         self.parent = run.load_parent()
         self.spec: ModelSpec = self.parent.spec
         self.held_out = run.held_out_batches()
@@ -272,6 +288,7 @@ class Bench:
         self.init_kl = self._init_candidates() if init_scores else None
         self.init_kl_of = self._lookup(self.init_kl) if self.init_kl is not None else {}
         self.measured: dict[tuple[Arch, str], dict[str, Any]] = {}
+        self.gkd_seconds: list[float] = []  # the wall time of each full GKD trained here (not reused)
         self.parent_lm_loss: float | None = None
         self._decode: tuple[Any, Any, float] | None = None  # scenario, hardware, parent's step (s)
 
@@ -353,7 +370,7 @@ class Bench:
     def distil(self, arch: Arch, weights: str, name: str, seeds: Sequence[int] = (0,)) -> dict[str, Any]:
         """GKD of the child by the run's settings once per GKD seed (`gkd.seed`), each measured as before
         (cached on disk by `distill`): "after" the first seed's, "after_seeds" [one per seed]."""
-        from puzzle.gkd import distill
+        from puzzle.gkd import WEIGHTS_FILE, distill
 
         record = self.measure(arch, weights)
         done = record.setdefault("after_by_seed", {})
@@ -365,7 +382,12 @@ class Bench:
             directory = (
                 self.run.layout.root / "ablations" / "gkd" / (name if seed == 0 else f"{name}-g{seed}")
             )
+            reused = (directory / WEIGHTS_FILE).is_file()  # a finished GKD's output: loaded, not trained
+            started = time.perf_counter()
             result = distill(child, self.parent, self.run.data.train, self.held_out, settings, directory)
+            seconds = None if reused else time.perf_counter() - started
+            if seconds is not None:
+                self.gkd_seconds.append(seconds)
             done[seed] = {
                 **self._measured(child.eval()),
                 "gkd": {
@@ -373,6 +395,7 @@ class Bench:
                     "steps": result.steps,
                     "tokens": result.tokens,
                     "kept_step": getattr(result, "kept_step", None),
+                    "seconds": seconds,  # None: a finished GKD of an earlier run reused
                 },
             }
             self.parent_lm_loss = result.last_eval.get("parent_lm_loss", self.parent_lm_loss)
@@ -436,6 +459,13 @@ def choose(
     for method in methods:
         if method == "puzzle":
             out.append(Choice(method, level, kl.mip()))
+        elif method == "puzzle_rerank":
+            if speedup is not None or budget != "active_params":
+                raise ValueError(
+                    f"puzzle_rerank at {level:g}: it runs the solutions stage at active_params<={level:g}x "
+                    f"alone, not with budget {budget} and speed-up {speedup}"
+                )
+            out.append(rerank_choice(bench, level))
         elif method == "homogeneous":
             arch, count = kl.homogeneous()
             out.append(Choice(method, level, arch, note=f"best of {count} feasible one-shape-per-kind"))
@@ -461,6 +491,69 @@ def choose(
         else:
             raise ValueError(f"unknown method {method!r}; methods: {', '.join(METHODS)}")
     return out
+
+
+def rerank_choice(bench: Bench, level: float, rerank: dict[str, Any] | None = None) -> Choice:
+    """puzzle_rerank at `level`: the child a real run keeps with `search.rerank` (`rerank`, default RERANK),
+    by the pipeline's own solutions stage over the bench's run (`puzzle.run.rerank.short_gkd_rerank`: the
+    MIP's k best, refilled greedy's and the best uniform pruning's children at the budget, each distilled
+    for the short GKD and the least KL after it kept; the earlier stages reused, each candidate's short GKD
+    cached under solutions/rerank/). The choice's `rerank`: the stage's record (the candidates, their
+    sources, predictions and short-GKD KL, the winner's sources) with the stage's wall `seconds` and the
+    short GKDs' `short_tokens` in all. Raises ValueError without the run's config data (`Bench(config=)`)."""
+    if bench.config is None:
+        raise ValueError(
+            "puzzle_rerank needs the run's config data to run its solutions stage: give Bench / ablate "
+            "`config` (prepare_config's second value)"
+        )
+    settings = {**RERANK, **(rerank or {})}
+    staged = Run(
+        bench.run.layout.root, load_config_data(_option_config(bench.config, level, {"rerank": settings}))
+    )
+    started = time.perf_counter()
+    outputs = staged.record("solutions")
+    seconds = time.perf_counter() - started
+    label, entry = next(iter(outputs.items()))
+    record = entry.get("rerank")
+    if not record or record.get("by") != "short_gkd":
+        raise ValueError(
+            f"the solutions stage at {level:g} kept no short-GKD re-ranking: its record is {record!r}"
+        )
+    winner = record["candidates"][record["chosen"] - 1]
+    record = {
+        **record,
+        "settings": settings,
+        "seconds": seconds,
+        "short_tokens": sum(c["tokens"] for c in record["candidates"]),
+    }
+    note = (
+        f"short-GKD pick {record['chosen']} of {len(record['candidates'])} ({', '.join(winner['sources'])})"
+    )
+    return Choice("puzzle_rerank", level, _solution_arch(staged, label, entry), note=note, rerank=record)
+
+
+def rerank_cost(
+    rerank: dict[str, Any], gkd: dict[str, Any] | None, gkd_seconds: Sequence[float]
+) -> dict[str, Any]:
+    """The re-ranking's cost in multiples of one full GKD: the short GKDs' tokens over the full GKD's of its
+    pick (`gkd`: that GKD's record, first seed), and their seconds (each candidate's as the run timed it;
+    where a record has none, the solutions stage's, which also holds its MIP solves and frontier sweep) over
+    the median of `gkd_seconds` (the full GKDs trained here at the same level; None without one)."""
+    tokens = gkd.get("tokens") if gkd else None
+    timed = [c.get("seconds") for c in rerank["candidates"]]
+    each = all(t is not None for t in timed)
+    seconds = sum(timed) if each else rerank["seconds"]
+    full = statistics.median(gkd_seconds) if gkd_seconds else None
+    return {
+        "short_tokens": rerank["short_tokens"],
+        "full_tokens": tokens,
+        "tokens_multiple": rerank["short_tokens"] / tokens if tokens else None,
+        "seconds": seconds,
+        "seconds_of": "short GKDs" if each else "solutions stage",
+        "full_seconds": full,
+        "full_gkds_timed": len(gkd_seconds),
+        "seconds_multiple": seconds / full if full else None,
+    }
 
 
 def row(
@@ -509,6 +602,7 @@ def row(
         "after": record.get("after"),
         "after_seeds": record.get("after_seeds"),
         "gkd": record.get("gkd"),
+        **({} if choice.rerank is None else {"rerank": choice.rerank}),
     }
 
 
@@ -730,6 +824,9 @@ def markdown(
         "Methods (all but mip_no_bld assemble the same BLD-trained library):",
         "",
         "- **puzzle**: the MIP over the BLD library with replace-one-block KL scores (the pipeline's search);",
+        "- **puzzle_rerank**: the pipeline's search with `search.rerank: {by: short_gkd}`: the MIP's k best, "
+        "refilled greedy's and the best uniform pruning's children each distilled by a short GKD, the least "
+        'KL after it kept (section "Re-ranking by short GKD");',
         "- **homogeneous**: one shape per block kind in every block of that kind (Minitron-style uniform "
         "pruning; removing every block of a kind counts as a shape), the combination with the least predicted "
         "KL (the same scores) of all that meet the budget; **homogeneous_width**: the same without removing a "
@@ -761,6 +858,7 @@ def markdown(
         "",
     ]
     lines += data.get("findings", [])
+    lines += rerank_text(data)
     lines += evidence_sections(data)
     lines += caveats(meta)
     lines += [
@@ -813,6 +911,48 @@ def markdown(
             )
         lines.append("")
     return "\n".join(lines) + "\n"
+
+
+def rerank_text(data: dict[str, Any]) -> list[str]:
+    """puzzle_rerank's choice at each level as Markdown lines: every candidate with its sources, prediction,
+    KL before and after the short GKD, the winner's source and the cost in multiples of one full GKD."""
+    rows = [r for r in data["rows"] if r.get("rerank")]
+    if not rows:
+        return []
+    settings = rows[0]["rerank"].get("settings", RERANK)
+    lines = [
+        "## Re-ranking by short GKD",
+        "",
+        f"puzzle_rerank is the solutions stage with `search.rerank: {json.dumps(settings)}`: each candidate "
+        "distilled for that fraction of the GKD's tokens (first GKD seed), its KL measured on the scoring "
+        "held-out (not the test split), the least kept and then distilled in full like every method. Cost: the "
+        "short GKDs' tokens (and seconds) over one full GKD's (its pick's tokens; the median seconds of the full "
+        "GKDs trained at the same level).",
+        "",
+        "| level | candidate | sources | KL pred. | KL before | KL after short GKD | kept |",
+        "|---|---:|---|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        record = r["rerank"]
+        for c in record["candidates"]:
+            kept = "**kept**" if c["candidate"] == record["chosen"] else ""
+            lines.append(
+                f"| {r['level']:.0%} | {c['candidate']} | {', '.join(c['sources'])} | {c['predicted']:.4f} | "
+                f"{c['kl_before']:.4f} | {c['short_gkd_kl']:.4f} | {kept} |"
+            )
+    lines += [
+        "",
+        "| level | won by | short-GKD tokens | x one full GKD (tokens) | seconds | x one full GKD (s) |",
+    ]
+    lines.append("|---|---|---:|---:|---:|---:|")
+    for r in rows:
+        cost = r.get("rerank_cost") or {}
+        lines.append(
+            f"| {r['level']:.0%} | {', '.join(r['rerank']['won_by'])} | {cost.get('short_tokens', 0):,} | "
+            f"{_fmt(cost.get('tokens_multiple'), 2)} | {_fmt(cost.get('seconds'), 0)} ({cost.get('seconds_of', '-')}) | "
+            f"{_fmt(cost.get('seconds_multiple'), 2)} |"
+        )
+    return [*lines, ""]
 
 
 def _within_text(summary: dict[str, Any]) -> list[str]:
@@ -1221,26 +1361,34 @@ def ablate(
     gkd_seeds: int = 1,
     test_tokens: int = 0,
     params_methods: Sequence[str] = (),
+    config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Every method at every level on the run's library (see the module docstring); the JSON's data.
     `speedups`: one minimum predicted decode speed-up per level (a second budget), or None. `gkd_seeds`: GKD
     runs per distilled child (gkd.seed, +1, ...); `test_tokens`: the test split's size (0: report on the
     scoring held-out); `params_methods`: these methods also at each level of total parameters (assembled and
-    measured, not distilled)."""
-    bench = Bench(run, init_scores="mip_no_bld" in methods, test_tokens=test_tokens)
+    measured, not distilled); `config`: the run's config data (`prepare_config`), which puzzle_rerank needs."""
+    bench = Bench(run, init_scores="mip_no_bld" in methods, test_tokens=test_tokens, config=config)
     if speedups is not None and len(speedups) != len(levels):
         raise ValueError(f"{len(speedups)} speed-ups for {len(levels)} levels: give one per level")
     rows = []
     plan = [("active_params", index, level) for index, level in enumerate(levels)]
     plan += [("params", index, level) for index, level in enumerate(levels) if params_methods]
     for budget, index, level in plan:
+        timed = len(bench.gkd_seconds)  # the full GKDs trained before this level
         speedup = None if speedups is None else speedups[index]
         tag = ("" if speedup is None else f"-s{speedup}") + ("" if budget == "active_params" else "-total")
         wanted = methods if budget == "active_params" else params_methods
-        for choice in choose(bench, level, wanted, seeds, speedup, budget):
+        # puzzle_rerank last: its pick is often another method's child, whose GKDs it then reuses.
+        choices = choose(bench, level, wanted, seeds, speedup, budget)
+        for choice in sorted(choices, key=lambda c: c.method == "puzzle_rerank"):
             started = time.perf_counter()
             gkd = budget == "active_params" and choice.method in gkd_methods
             record = row(bench, choice, gkd, tag, tuple(range(gkd_seeds)), budget)
+            if "rerank" in record:  # last of the level: every other full GKD of the level is timed by now
+                record["rerank_cost"] = rerank_cost(
+                    record["rerank"], record["gkd"], bench.gkd_seconds[timed:]
+                )
             rows.append(record)
             if record["feasible"]:
                 after = record.get("after") or {}
@@ -1717,7 +1865,7 @@ def run_setup(setup: Setup, cache: Path | None, command: str, threads: int) -> d
     parent = load_parent(setup.parent, setup.parent_seed, cache)
     print(f"parent {setup.tag}: {parent.path}", flush=True)
     size = run_size(setup.size, parent.model.spec, setup.grid)
-    run = prepare(parent, size, setup.run_dir)
+    run, config = prepare_config(parent, size, setup.run_dir)
     print(f"run (up to the scores): {setup.run_dir} ({time.perf_counter() - started:.0f} s)", flush=True)
     test_tokens = size.held_out_tokens if setup.test_tokens is None else setup.test_tokens
     data = ablate(
@@ -1730,6 +1878,7 @@ def run_setup(setup: Setup, cache: Path | None, command: str, threads: int) -> d
         gkd_seeds=setup.gkd_seeds,
         test_tokens=test_tokens,
         params_methods=setup.params_methods,
+        config=config,
     )
     data["parent"]["lm_loss"] = data["parent"]["lm_loss"] or parent.record.get("held_out_loss")
     data["meta"] = {

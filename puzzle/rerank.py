@@ -104,11 +104,12 @@ def rerank_by_short_gkd(
     distil: Callable[[int, dict[str, Any]], Mapping[str, Any]],
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """`candidates` (`candidate_list`) ordered by the KL each one measures after its short GKD
-    (`distil(index, solution JSON)` -> {"kl": after it, "kl_before", "tokens", "steps"}; ties keep the
+    (`distil(index, solution JSON)` -> {"kl": after it, "kl_before", "tokens", "steps", optionally "seconds"};
+    ties keep the
     candidates' order) as solution JSONs, and the record of the choice: {"by": "short_gkd", "chosen": the
     winner's number (1 = the first candidate), "won_by": the kinds of its sources (`source_kind`),
     "candidates": [{"candidate", "sources", "predicted", "kl_before", "short_gkd_kl", "tokens", "steps",
-    "choices"}, ...] in candidate order}."""
+    "seconds" (None where `distil` gave none), "choices"}, ...] in candidate order}."""
     records = []
     for index, entry in enumerate(candidates):
         payload = entry["payload"]
@@ -122,6 +123,7 @@ def rerank_by_short_gkd(
                 "short_gkd_kl": measured["kl"],
                 "tokens": measured["tokens"],
                 "steps": measured["steps"],
+                "seconds": measured.get("seconds"),
                 "choices": payload["choices"],
             }
         )

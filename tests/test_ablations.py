@@ -13,6 +13,7 @@ import pytest
 from ablation_helpers import benchmark_module, tiny_parent, tiny_size
 
 from puzzle.data import held_out_documents
+from puzzle.rerank import source_kind
 from puzzle.spec import MambaSpec, MoESpec
 
 ablations = benchmark_module("ablations")
@@ -21,8 +22,15 @@ ablations = benchmark_module("ablations")
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     root = tmp_path_factory.mktemp("ablations")
-    run = ablations.prepare(tiny_parent(root), tiny_size(ablations), root / "run")
-    data = ablations.ablate(run, levels=(0.6,), gkd_methods=("puzzle",), seeds=2, log=lambda _: None)
+    run, config = ablations.prepare_config(tiny_parent(root), tiny_size(ablations), root / "run")
+    data = ablations.ablate(
+        run,
+        levels=(0.6,),
+        gkd_methods=("puzzle", "puzzle_rerank"),
+        seeds=2,
+        log=lambda _: None,
+        config=config,
+    )
     return data, run, root
 
 
@@ -32,6 +40,7 @@ def test_every_method_meets_the_budget_and_the_mip_predicts_least(result):
     methods = {r["method"] for r in rows}
     assert {
         "puzzle",
+        "puzzle_rerank",
         "homogeneous",
         "greedy",
         "greedy-norefill",
@@ -150,6 +159,8 @@ def test_the_report_and_plot_are_written(result, tmp_path):
     text = ablations.markdown(data)
     assert "### 60% of the parent's active parameters" in text and "| puzzle |" in text
     assert "random (n=2)" in text and "Spearman" in text
+    rerank = next(r for r in data["rows"] if r["method"] == "puzzle_rerank")
+    assert "## Re-ranking by short GKD" in text and "| 60% | " + ", ".join(rerank["rerank"]["won_by"]) in text
     assert "](results_kl.png)" in text and "benchmarks/results/ablations.json" in text  # the default run's
     other = ablations.markdown(
         data, tmp_path / "a.json", tmp_path / "docs" / "kl.png", tmp_path / "docs" / "R.md"
@@ -451,6 +462,71 @@ def test_the_search_options_against_the_mip_and_refilled_greedy(fine):
         assert f[name]["goals"]["beats_greedy_over_the_seeds"] == (pooled["low"] > 1)
     text = ablations.additivity_markdown(result, {"parent": "tiny", "command": "x", "seconds": 1.0})
     assert "| rerank |" in text and "| greedy |" in text
+
+
+def test_puzzle_rerank_keeps_the_candidate_of_least_short_gkd_kl(result):
+    """puzzle_rerank is the run's own `search.rerank: {by: short_gkd}`: its candidates are the MIP's best,
+    refilled greedy's and the best uniform pruning's children at the budget (the benchmark's own baselines),
+    and its pick is the candidate that a short GKD of each one, distilled again here by the bench, leaves
+    with the least KL on the scoring held-out; its cost is the short GKDs' tokens over one full GKD's."""
+    data, run, _ = result
+    level = 0.6
+    r = next(r for r in data["rows"] if r["method"] == "puzzle_rerank")
+    assert r["feasible"] and r["active_fraction"] <= level + 1e-9, r
+    record = r["rerank"]
+    candidates = record["candidates"]
+    bench = ablations.Bench(run, init_scores=False)
+    problem = ablations.Problem(run, bench.kl, level)
+    archs = [tuple(run.child_of({"choices": c["choices"]}).spec.blocks) for c in candidates]
+    by_source = {source: arch for c, arch in zip(candidates, archs, strict=True) for source in c["sources"]}
+    assert by_source["mip-1"] == problem.mip()
+    assert by_source["greedy"] == problem.greedy()
+    assert by_source["uniform"] == problem.homogeneous()[0]
+    assert len(set(archs)) == len(archs)  # identical children are one candidate
+    # Brute force: every candidate distilled for the same short GKD by the bench's own path.
+    fraction = ablations.RERANK["tokens"]
+    shorts = [bench.short_gkd(arch, f"oracle-{i}", fraction)["kl"] for i, arch in enumerate(archs)]
+    assert shorts == pytest.approx([c["short_gkd_kl"] for c in candidates], rel=1e-4)
+    best = min(range(len(archs)), key=shorts.__getitem__)
+    assert record["chosen"] == best + 1 and r["blocks"] == [b.short_name() for b in archs[best]]
+    assert set(record["won_by"]) == {source_kind(s) for s in candidates[best]["sources"]}
+    cost = r["rerank_cost"]
+    assert cost["short_tokens"] == sum(c["tokens"] for c in candidates)
+    assert cost["tokens_multiple"] == pytest.approx(cost["short_tokens"] / r["gkd"]["tokens"])
+    assert cost["seconds"] > 0 and r["after"]["kl"] > 0
+
+
+def test_puzzle_rerank_needs_the_config_and_the_active_parameter_budget(fine):
+    _, run, config = fine
+    rerank = {"short_tokens": 96, "seconds": 9.0, "candidates": [{"seconds": 1.0}, {"seconds": 2.0}]}
+    assert ablations.rerank_cost(rerank, {"tokens": 64}, [2.0, 6.0, 4.0]) == {
+        "short_tokens": 96,
+        "full_tokens": 64,
+        "tokens_multiple": 1.5,
+        "seconds": 3.0,
+        "seconds_of": "short GKDs",
+        "full_seconds": 4.0,
+        "full_gkds_timed": 3,
+        "seconds_multiple": 0.75,
+    }
+    untimed = ablations.rerank_cost({**rerank, "candidates": [{"seconds": None}]}, None, [])
+    assert (
+        untimed["seconds"] == 9.0
+        and untimed["seconds_multiple"] is None
+        and untimed["tokens_multiple"] is None
+    )
+    with pytest.raises(ValueError, match="config data"):
+        ablations.ablate(run, levels=(0.6,), methods=("puzzle_rerank",), gkd_methods=(), log=lambda _: None)
+    with pytest.raises(ValueError, match="budget params"):
+        ablations.ablate(
+            run,
+            levels=(0.6,),
+            methods=(),
+            gkd_methods=(),
+            log=lambda _: None,
+            params_methods=("puzzle_rerank",),
+            config=config,
+        )
 
 
 def test_random_walks_end_at_the_budget_with_no_upgrade_left_that_fits(fine):

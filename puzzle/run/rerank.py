@@ -14,6 +14,7 @@ in, from its checkpoint, and chooses as an uninterrupted run does.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +103,8 @@ def _finished(directory: Path, key: str) -> dict[str, Any] | None:
         return None
     if not isinstance(record, dict) or record.get("key") != key:
         return None
-    return {name: record[name] for name in ("kl", "kl_before", "tokens", "steps")}
+    figures = {name: record[name] for name in ("kl", "kl_before", "tokens", "steps")}
+    return {**figures, "seconds": record.get("seconds")}  # None: a record written before it was timed
 
 
 def short_gkd_rerank(
@@ -132,6 +134,7 @@ def short_gkd_rerank(
         done = on_main(lambda: {"record": _finished(directory, key)})["record"]
         if done is not None:
             return done
+        started = time.perf_counter()
         teacher = run.parent(settings.shard)  # first: the child is then sharded as the teacher is
         result = distill(
             run.child_of(payload),
@@ -151,6 +154,8 @@ def short_gkd_rerank(
             "kl_before": result.first_eval["kl"],
             "tokens": result.tokens,
             "steps": result.steps,
+            # Its cost beside a full GKD's (the choice's record keeps it, a rerun reads it back).
+            "seconds": time.perf_counter() - started,
         }
         if dist.is_main():
             # The figures are all the choice needs: the weights go (a candidate's copy of the child each),
