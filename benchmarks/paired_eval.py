@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metrics", default="puzzle_next_line:acc_norm,puzzle_identifiers:acc")
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="JSON of the figures; reused on a rerun")
+    parser.add_argument("--only", default=None, help="evaluate only these models (comma-separated)")
     args = parser.parse_args(argv)
     targets = run_targets(args.run_dir)
     if targets is None:
@@ -86,7 +87,20 @@ def main(argv: list[str] | None = None) -> int:
     kl = kl_after_gkd(args.run_dir)
     scores: dict[str, dict[str, list[float]]] = {}
     summary: dict[str, Any] = {"limit": args.limit, "models": {}, "pairs": {}}
+    # --out of an earlier call with the same tasks and limit: its models' per-item scores are reused
+    earlier = json.loads(args.out.read_text()) if args.out is not None and args.out.is_file() else {}
+    if (earlier.get("limit"), earlier.get("tasks")) != (args.limit, tasks):
+        earlier = {}
+    summary["tasks"] = tasks
+    summary["scores"] = scores
     for name, path in targets.items():
+        if name in earlier.get("scores", {}):
+            scores[name] = earlier["scores"][name]
+            summary["models"][name] = row = earlier["models"][name]
+            print(f"{name}: reused from {args.out}: {row}", flush=True)
+            continue
+        if args.only is not None and name not in args.only.split(","):
+            continue
         started = time.perf_counter()
         model, tokenizer = load_target(path)
         results = evaluate(
@@ -116,6 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         kl_text = "-" if row["kl"] is None else f"{row['kl']:.4f}"
         print(f"{name}: KL {kl_text}; {cells} (n={row[tasks[0]]['n']}; {seconds:.0f} s)", flush=True)
+        if args.out is not None:
+            args.out.write_text(json.dumps(summary, indent=2) + "\n")
+    targets = {name: path for name, path in targets.items() if name in scores}
     for a, b in combinations(targets, 2):
         for task in tasks:
             comparison = paired(scores[a][task], scores[b][task])
