@@ -20,7 +20,7 @@ import subprocess
 from pathlib import Path
 
 SOURCE_COMMIT = "b068519"  # the commit the items are drawn from
-ITEMS = 300
+ITEMS = 3000
 CHOICES = 4
 CONTEXT_LINES = 6
 MAX_CONTEXT_CHARS = 300  # byte-level tokens: keeps a request short for the demo's small models
@@ -29,7 +29,7 @@ MAX_LINE_CHARS = 100
 SEED = 37
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUT = ROOT / "puzzle" / "eval_tasks" / "next_line.jsonl"
-IDENTIFIER_ITEMS = 300
+IDENTIFIER_ITEMS = 3000
 IDENTIFIER_SEED = 38
 PREFIX_CHARS = (
     4  # of the identifier, given: the model completes the rest by finding it earlier in the context

@@ -10,13 +10,19 @@ registered, so `evaluate(..., tasks=["puzzle_next_line"])` works offline.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
+import logging
+import os
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from puzzle import dist
 from puzzle.model import HybridLM
@@ -24,6 +30,11 @@ from puzzle.model import HybridLM
 LOCAL_TASKS = Path(__file__).parent / "eval_tasks"
 # HFLM's own fallback when a config names no context length; a HybridLM has no positional limit.
 DEFAULT_MAX_LENGTH = 2048
+
+
+# `puzzle demo --quiet` and `puzzle run --quiet` set it to "0" (puzzle.progress): lm-eval's bars and info
+# lines go too (`quiet_lm_eval`).
+PROGRESS_ENV = "PUZZLE_PROGRESS"
 
 
 class EvalError(ValueError):
@@ -173,6 +184,7 @@ def evaluate(
     include_path: str | Path | list[str | Path] | None = None,
     device: str | torch.device | None = None,
     manager: Any = None,
+    log_samples: bool = False,
 ) -> dict[str, Any]:
     """Run lm-eval's `simple_evaluate` on `model` for `tasks`; returns lm-eval's results dict.
 
@@ -181,6 +193,8 @@ def evaluate(
     (`puzzle/eval_tasks`) or the YAMLs under `include_path`. `limit`: at most that many documents per task
     (a float < 1: that share). `device`: where to move the model first (default: where it is).
     `manager`: a `task_manager(include_path)` already built (indexing lm-eval's tasks takes seconds).
+    `log_samples`: keep lm-eval's per-document outputs (results["samples"][task]: each its doc_id and
+    metrics), for comparisons item by item (benchmarks/paired_eval.py).
     Raises UnknownTaskError (naming the task and close matches) before any model work, HubDataError when
     a task's data must come from a hub that cannot be reached.
     """
@@ -196,17 +210,18 @@ def evaluate(
     if device is not None:
         model = model.to(device)
     wrapped = EvalAdapter(model) if isinstance(model, HybridLM) else model
-    lm = HFLM(pretrained=wrapped, tokenizer=tokenizer, batch_size=batch_size, backend="causal")
     try:
-        results = lm_eval.simple_evaluate(
-            model=lm,
-            tasks=names,
-            limit=limit,
-            task_manager=manager,
-            log_samples=False,
-            # Offline and quick: the bootstrap only serves metrics without a closed-form stderr.
-            bootstrap_iters=1000,
-        )
+        with quiet_lm_eval(_quiet()):
+            lm = HFLM(pretrained=wrapped, tokenizer=tokenizer, batch_size=batch_size, backend="causal")
+            results = lm_eval.simple_evaluate(
+                model=lm,
+                tasks=names,
+                limit=limit,
+                task_manager=manager,
+                log_samples=log_samples,
+                # Offline and quick: the bootstrap only serves metrics without a closed-form stderr.
+                bootstrap_iters=1000,
+            )
     except Exception as error:
         if _hub_error(error):
             raise HubDataError(hub_datasets(names, manager), error) from error
@@ -216,6 +231,52 @@ def evaluate(
     # to all. As plain JSON data (what the run writes): the task configs' callables do not pickle.
     plain = None if results is None else json.loads(json.dumps(results, default=str))
     return dist.broadcast_object(plain) if dist.world_size() > 1 else plain
+
+
+class _SilentTqdm(tqdm):
+    """tqdm with every bar disabled, whatever `disable` its caller passes (lm-eval passes False on rank 0)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["disable"] = True
+        super().__init__(*args, **kwargs)
+
+
+def _quiet() -> bool:
+    """Whether this process was asked for no progress bars (PROGRESS_ENV is "0")."""
+    return os.environ.get(PROGRESS_ENV, "").strip() == "0"
+
+
+@contextlib.contextmanager
+def quiet_lm_eval(quiet: bool = True) -> Iterator[None]:
+    """Within it (when `quiet`), lm-eval shows no progress bar and logs errors only; as it was afterwards.
+
+    lm-eval draws its bars (building requests, running them) with tqdm whatever stderr is, and its
+    loggers ("lm_eval.*") say INFO lines for every task and the same warnings for every model (a local
+    task's custom loader, a model passed as an instance): under --quiet those are noise, repeated five
+    times a demo. Its modules import tqdm's class by name, so each lm_eval module's `tqdm` becomes a
+    subclass whose bars are disabled; `tqdm.tqdm` itself is swapped too for the imports made inside
+    functions (its bootstrap). Errors still reach stderr.
+    """
+    if not quiet:
+        yield
+        return
+    import tqdm as tqdm_module
+
+    swapped = [(tqdm_module, tqdm_module.tqdm)]
+    for name, module in list(sys.modules.items()):
+        if name.partition(".")[0] == "lm_eval" and getattr(module, "tqdm", None) is tqdm_module.tqdm:
+            swapped.append((module, module.tqdm))
+    logger = logging.getLogger("lm_eval")
+    level = logger.level
+    for module, _ in swapped:
+        module.tqdm = _SilentTqdm
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        for module, original in swapped:
+            module.tqdm = original
 
 
 def metric_value(results: dict[str, Any], task: str, metric: str) -> tuple[float, bool]:
@@ -342,6 +403,18 @@ def request_tokens(
     a multiple-choice document is one request per choice), or {task: why they cannot be counted here}
     (its data needs the hub). A loglikelihood request is one forward of context + continuation; a
     generation, of the context and its max_gen_toks (default 256); each cut to `max_length` as HFLM cuts."""
+    with quiet_lm_eval(_quiet()):
+        return _request_tokens(tasks, tokenizer, limit, include_path, max_length)
+
+
+def _request_tokens(
+    tasks: list[str],
+    tokenizer: Any,
+    limit: int | None,
+    include_path: str | Path | list[str | Path] | None,
+    max_length: int,
+) -> dict[str, list[int] | str]:
+    """request_tokens' work, under its quiet setting."""
     manager = task_manager(include_path)
     check_tasks(tasks, manager)
     counts: dict[str, list[int] | str] = {}

@@ -159,6 +159,9 @@ def test_puzzle_demo_quick_from_the_command_line(tmp_path):
     done = _cli("--quick", "--quiet", "--out", str(out), "--cache", str(cache), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "| parent |" in done.stdout and "active_params<=0.7x" in done.stdout
+    # --quiet: none of lm-eval's bars or log lines (its five evaluations and the plan's request counts).
+    for noise in ("%|", "Running loglikelihood", "Building contexts", "Custom kwargs", "lm_eval"):
+        assert noise not in done.stderr, done.stderr
     # Its last line is its own wall time, the figure README's Quickstart quotes.
     assert re.fullmatch(
         r"puzzle demo: done in \d+ s wall time on \d+ CPU core\(s\)", done.stdout.splitlines()[-1]
