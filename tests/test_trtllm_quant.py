@@ -20,19 +20,12 @@ from puzzle.nemotron_h.trtllm_quant_replay import TrtllmQuantError, layer_table,
 from puzzle.nemotron_h.weights import hub_state
 from puzzle.quant_blocks import fake_quantize_mixer_, quantized_weights
 from puzzle.spec import with_weight_formats
+from tests.test_quant_export import FORMATS as QUANT_EXPORT_FORMATS
 from tests.test_quant_export import SPEC, _model
 
-# Each kind in fp8 and nvfp4 but MoE, which TensorRT-LLM's fused MoE serves in nvfp4 only; one block bf16.
-FORMATS = {
-    "backbone.layers.0.mixer": "nvfp4",
-    "backbone.layers.1.mixer": "fp8",
-    "backbone.layers.2.mixer": "nvfp4",
-    "backbone.layers.3.mixer": "fp8",
-    "backbone.layers.4.mixer": "fp8",
-    "backbone.layers.5.mixer": "nvfp4",
-    "backbone.layers.6.mixer": "nvfp4",
-    "backbone.layers.7.mixer": "bf16",
-}
+# test_quant_export's formats (each kind in fp8 and nvfp4, one block bf16) but its fp8 MoE (block 6) in nvfp4:
+# TensorRT-LLM's fused MoE serves nvfp4 only.
+FORMATS = {**QUANT_EXPORT_FORMATS, "backbone.layers.6.mixer": "nvfp4"}
 BLOCKS = {int(key.split(".")[2]): fmt for key, fmt in FORMATS.items()}
 ALGO = {"fp8": "FP8_PER_CHANNEL_PER_TOKEN", "nvfp4": "W4A16_NVFP4", "bf16": None}
 
