@@ -105,8 +105,7 @@ def rerank_by_short_gkd(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """`candidates` (`candidate_list`) ordered by the KL each one measures after its short GKD
     (`distil(index, solution JSON)` -> {"kl": after it, "kl_before", "tokens", "steps", optionally "seconds"};
-    ties keep the
-    candidates' order) as solution JSONs, and the record of the choice: {"by": "short_gkd", "chosen": the
+    ties keep the candidates' order) as solution JSONs, and the record of the choice: {"by": "short_gkd", "chosen": the
     winner's number (1 = the first candidate), "won_by": the kinds of its sources (`source_kind`),
     "candidates": [{"candidate", "sources", "predicted", "kl_before", "short_gkd_kl", "tokens", "steps",
     "seconds" (None where `distil` gave none), "choices"}, ...] in candidate order}."""
