@@ -184,11 +184,11 @@ class StageWork:
                 compute_dtype=compute,
             )
             work = prefill_work(block, self.hidden_size, scenario, eager=hardware.eager)
+            cost = block_cost(block)
             mixing = 0.0
             if block.kind in dict(hardware.mixing_flops):
                 # The mixing at its kind's measured rate, apart from the matmuls; its timing includes the
                 # scratch tensors it writes and reads back (`prefill_scratch_bytes_per_token`).
-                cost = block_cost(block)
                 tokens = rows * self.seq_len
                 flops = tokens * cost.prefill_mixing_flops_per_token(block, self.seq_len)
                 scratch = tokens * cost.prefill_scratch_bytes_per_token(block, self.seq_len)
@@ -200,7 +200,7 @@ class StageWork:
             # more than the caches (the saved activations of a whole step, a wave's kept inputs).
             seconds = roofline_seconds(work, hardware, compute) + mixing
             # Elementwise transcendental functions: compute beyond the traffic the activations price.
-            elementwise = block_cost(block).transcendental_elements_per_token(block)
+            elementwise = cost.transcendental_elements_per_token(block)
             seconds += rows * self.seq_len * elementwise * hardware.transcendental_s
             seconds += work.activation_bytes * (1 / stream - 1 / hardware.memory_bandwidth)
             total += calls * passes * seconds
