@@ -18,6 +18,7 @@ from puzzle.logits import (
     POSITIONS,
     TEACHER_NLL_SUM,
     TOP1_SUM,
+    ChunkBuffers,
     LogitStream,
     chunk_logits,
     vocab_chunks,
@@ -89,19 +90,25 @@ def compare_models(
 
             parent_hidden, child_hidden = (_final_hidden(model, ids) for model in (parent, child))
             chunks = vocab_chunks(parent_weight.shape[0], vocab_chunk)
+            # The same 4 buffers every chunk (`ChunkBuffers`: a fresh tensor of that size costs its page faults).
+            buffers = ChunkBuffers(n, chunks[0][1], 4, device)
             parent_stream = LogitStream(n, targets)
             for start, stop in chunks:
-                parent_stream.update(chunk_logits(parent_hidden, parent_weight, start, stop), start, stop)
+                z = chunk_logits(parent_hidden, parent_weight, start, stop, out=buffers.view(0, start, stop))
+                parent_stream.update(z, start, stop, scratch=buffers.view(1, start, stop))
             top1 = parent_stream.top_ids[:, 0]
             shift = (parent_hidden * parent_weight[top1]).float().sum(-1) - (
                 child_hidden * child_weight[top1]
             ).float().sum(-1)
             child_stream = LogitStream(n, targets, shift.double())
             for start, stop in chunks:
-                parent_z = chunk_logits(parent_hidden, parent_weight, start, stop)
-                parent_p = torch.exp(parent_z - parent_stream.log_normaliser.float()[:, None])
-                child_z = chunk_logits(child_hidden, child_weight, start, stop)
-                child_stream.update(child_z, start, stop, (parent_z, parent_p))
+                view = [buffers.view(index, start, stop) for index in range(4)]
+                parent_z = chunk_logits(parent_hidden, parent_weight, start, stop, out=view[0])
+                parent_p = torch.sub(
+                    parent_z, parent_stream.log_normaliser.float()[:, None], out=view[1]
+                ).exp_()
+                child_z = chunk_logits(child_hidden, child_weight, start, stop, out=view[2])
+                child_stream.update(child_z, start, stop, (parent_z, parent_p), scratch=view[3])
             kl = child_stream.kl(parent_stream)
             if not bool(torch.isfinite(kl).all()):
                 raise ValueError("the child gives non-finite logits on the held-out batches")

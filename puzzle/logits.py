@@ -39,9 +39,41 @@ def vocab_chunks(vocab: int, chunk: int) -> list[tuple[int, int]]:
     return [(start, min(start + chunk, vocab)) for start in range(0, vocab, chunk)]
 
 
-def chunk_logits(hidden: torch.Tensor, weight: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    """hidden [N, H] -> fp32 logits [N, stop - start] of vocabulary rows start..stop (as HybridLM.forward)."""
-    return torch.nn.functional.linear(hidden, weight[start:stop]).float()
+def plain_fp32(*tensors: torch.Tensor) -> bool:
+    """Whether products of `tensors` may write into a caller's fp32 buffer (`out=`) and give what the
+    out-of-place op gives: every one fp32 and no autocast on their device (autocast does not apply to out=
+    ops, so under it the ops stay out of place, cast as autocast casts them)."""
+    device = tensors[0].device.type
+    return all(t.dtype == torch.float32 for t in tensors) and not torch.is_autocast_enabled(device)
+
+
+def chunk_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, start: int, stop: int, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """hidden [N, H] -> fp32 logits [N, stop - start] of vocabulary rows start..stop (as HybridLM.forward).
+
+    `out`: an fp32 [N, stop - start] buffer to write them into (the same product, bit for bit) where the
+    operands are fp32 and no autocast is on; elsewhere they are made afresh and `out` is left alone. On the
+    CPU a fresh tensor above glibc's mmap threshold (1 MiB once `puzzle.hostmem` has fixed it) is mapped and
+    zero-filled page by page, which costs as much as the product at lm_head sizes, so reuse pays.
+    """
+    rows = weight[start:stop]
+    if out is not None and plain_fp32(hidden, rows):
+        return torch.mm(hidden, rows.t(), out=out)
+    return torch.nn.functional.linear(hidden, rows).float()
+
+
+class ChunkBuffers:
+    """`count` fp32 buffers of [N, chunk] elements, handed out as contiguous [N, width] views chunk after
+    chunk (`view`), so a chunked pass writes its per-chunk tensors into the same memory every chunk."""
+
+    def __init__(self, n: int, chunk: int, count: int, device: torch.device) -> None:
+        self.n = n
+        self.storage = [torch.empty(n * chunk, dtype=torch.float32, device=device) for _ in range(count)]
+
+    def view(self, index: int, start: int, stop: int) -> torch.Tensor:
+        """Buffer `index` as an [N, stop - start] tensor (its contents are whatever was written last)."""
+        return self.storage[index][: self.n * (stop - start)].view(self.n, stop - start)
 
 
 class LogitStream:
@@ -68,14 +100,21 @@ class LogitStream:
         self.cross = torch.zeros(n, dtype=torch.float64, device=device)
 
     def update(
-        self, z: torch.Tensor, start: int, stop: int, parent: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        z: torch.Tensor,
+        start: int,
+        stop: int,
+        parent: tuple[torch.Tensor, torch.Tensor] | None = None,
+        scratch: torch.Tensor | None = None,
     ) -> None:
-        """Add chunk logits z [N, stop - start] (fp32); `parent`: its (chunk logits, probabilities) [N, C]."""
+        """Add chunk logits z [N, stop - start] (fp32); `parent`: its (chunk logits, probabilities) [N, C];
+        `scratch`: an fp32 [N, C] buffer the chunk's exps (and the KL's cross term) are written into instead
+        of fresh tensors (`ChunkBuffers`)."""
         chunk_max, chunk_argmax = z.max(-1)
         new_max = torch.maximum(self.running_max, chunk_max.double())
         # -inf - -inf is nan: rows with no finite logit yet keep a zero sum (they are non-finite anyway).
         scale = torch.exp(torch.nan_to_num(self.running_max - new_max, nan=0.0))
-        chunk_sum = torch.exp(z - new_max.float()[:, None]).sum(-1).double()
+        chunk_sum = torch.sub(z, new_max.float()[:, None], out=scratch).exp_().sum(-1).double()
         self.running_sum = self.running_sum * scale + chunk_sum
         self.running_max = new_max
         inside = (self.targets >= start) & (self.targets < stop)
@@ -92,13 +131,20 @@ class LogitStream:
         elif self.top_k > 1:
             self.top_values, self.top_ids = merge_top(self.top_values, self.top_ids, z, start, self.top_k)
         if parent is not None:
-            self.add_cross(z, *parent)
+            self.add_cross(z, *parent, scratch=scratch)
 
-    def add_cross(self, z: torch.Tensor, parent_z: torch.Tensor, parent_p: torch.Tensor) -> None:
-        """Add sum_v p_v (zp_v - z_v - shift) of one chunk [N, C] to the KL's cross term (needs `shift`)."""
-        difference = parent_z - z
+    def add_cross(
+        self,
+        z: torch.Tensor,
+        parent_z: torch.Tensor,
+        parent_p: torch.Tensor,
+        scratch: torch.Tensor | None = None,
+    ) -> None:
+        """Add sum_v p_v (zp_v - z_v - shift) of one chunk [N, C] to the KL's cross term (needs `shift`);
+        `scratch`: an fp32 [N, C] buffer to compute it in (it may be `parent_z` itself, then overwritten)."""
+        difference = torch.sub(parent_z, z, out=scratch)
         difference -= self.shift.float()[:, None]
-        self.cross += (parent_p * difference).sum(-1).double()
+        self.cross += difference.mul_(parent_p).sum(-1).double()
 
     @property
     def log_normaliser(self) -> torch.Tensor:
@@ -140,17 +186,25 @@ def head_pass(
     recomputes each chunk and, with p = softmax(teacher), q = softmax(student), adds the KL's cross term
     (`LogitStream.kl`) and the gradient of the chunk's logits, kl_scale (q - p) + nll_scale (q - onehot),
     pushed at once through the chunk's rows: grad_hidden += g W_chunk, grad_weight[chunk] = g^T hidden.
-    Peak beyond the inputs: about 6 fp32 [N, chunk] tensors (24 N chunk bytes), grad_weight [V, H] in the
-    weight's dtype (the size of the gradient the backward produces anyway) and grad_hidden [N, H] fp32.
+    Every chunk writes into the same 3 fp32 [N, chunk] buffers (`ChunkBuffers`: on the CPU a fresh tensor of
+    that size is mapped and zero-filled anew, as dear as its product), and with fp32 operands and no autocast
+    the logits and g^T h go there too (`chunk_logits(out=)`); otherwise those are made afresh each chunk, the
+    products in the dtype the inputs and autocast give. Peak beyond the inputs: about 5 fp32 [N, chunk]
+    tensors (20 N chunk bytes), grad_weight [V, H] in the weight's dtype (the size of the gradient the
+    backward produces anyway) and grad_hidden [N, H] fp32.
     """
     with torch.no_grad():
         n = targets.numel()
         chunks = vocab_chunks(weight.shape[0], chunk)
+        buffers = ChunkBuffers(n, min(chunk, weight.shape[0]), 3, targets.device)
         teacher = LogitStream(n, targets, top_k=1)
         student = LogitStream(n, targets, top_k=1)
         for start, stop in chunks:
-            teacher.update(chunk_logits(teacher_hidden, teacher_weight, start, stop), start, stop)
-            student.update(chunk_logits(hidden, weight, start, stop), start, stop)
+            logits, scratch = buffers.view(0, start, stop), buffers.view(1, start, stop)
+            z = chunk_logits(teacher_hidden, teacher_weight, start, stop, out=logits)
+            teacher.update(z, start, stop, scratch=scratch)
+            z = chunk_logits(hidden, weight, start, stop, out=logits)
+            student.update(z, start, stop, scratch=scratch)
         top1 = teacher.top_ids[:, 0]
         # The teacher-minus-student logit at the teacher's top-1 token (see LogitStream.kl).
         teacher_top1 = (teacher_hidden * teacher_weight.index_select(0, top1)).float().sum(-1)
@@ -162,11 +216,16 @@ def head_pass(
             grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
             grad_weight = torch.zeros_like(weight)
         rows = torch.arange(n, device=targets.device)
+        hidden_w = hidden.to(weight.dtype) if gradients else hidden
+        # g^T h straight into grad_weight's rows: out= ops do not autocast, so only without it.
+        into_grad = not torch.is_autocast_enabled(hidden.device.type)
         for start, stop in chunks:
-            teacher_z = chunk_logits(teacher_hidden, teacher_weight, start, stop)
-            p = torch.sub(teacher_z, teacher_lse).exp_()
-            z = chunk_logits(hidden, weight, start, stop)
-            student.add_cross(z, teacher_z, p)
+            teacher_z = chunk_logits(
+                teacher_hidden, teacher_weight, start, stop, out=buffers.view(0, start, stop)
+            )
+            p = torch.sub(teacher_z, teacher_lse, out=buffers.view(1, start, stop)).exp_()
+            z = chunk_logits(hidden, weight, start, stop, out=buffers.view(2, start, stop))
+            student.add_cross(z, teacher_z, p, scratch=teacher_z)  # teacher_z is not needed any more
             del teacher_z
             if not gradients:
                 continue
@@ -177,7 +236,10 @@ def head_pass(
                 g[rows[inside], targets[inside] - start] -= nll_scale
             g = g.to(weight.dtype)
             grad_hidden += (g @ weight[start:stop]).float()
-            grad_weight[start:stop] = (g.t() @ hidden.to(weight.dtype)).to(weight.dtype)
+            if into_grad:
+                torch.mm(g.t(), hidden_w, out=grad_weight[start:stop])
+            else:
+                grad_weight[start:stop] = (g.t() @ hidden_w).to(weight.dtype)
             del p, z, q, g
         kl = student.kl(teacher)
         sums = torch.zeros(NUM_HEAD_SUMS, dtype=torch.float64, device=targets.device)

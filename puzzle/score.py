@@ -66,7 +66,7 @@ from puzzle.artifacts import (
 from puzzle.files import atomic_write
 
 # Private aliases: the chunked next-token machinery moved to puzzle.logits (shared with puzzle.gkd).
-from puzzle.logits import TOP_K
+from puzzle.logits import TOP_K, ChunkBuffers
 from puzzle.logits import chunk_logits as _logits
 from puzzle.logits import vocab_chunks as _chunks
 from puzzle.model import Block, HybridLM, RMSNorm
@@ -158,10 +158,11 @@ class _Parent:
         best = torch.full((n,), -math.inf, device=hidden.device)
         top1 = torch.zeros(n, dtype=torch.long, device=hidden.device)
         target_logit = torch.zeros(n, device=hidden.device)
+        buffers = ChunkBuffers(n, chunks[0][1] - chunks[0][0], 2, hidden.device)
         for start, stop in chunks:
-            z = _logits(hidden, weight, start, stop)
+            z = _logits(hidden, weight, start, stop, out=buffers.view(0, start, stop))
             chunk_max, chunk_ids = z.max(-1)
-            lse.update(z, chunk_max, torch.empty_like(z))
+            lse.update(z, chunk_max, buffers.view(1, start, stop))
             better = chunk_max > best  # strict: the first of equal maxima wins, as argmax over the whole row
             top1 = torch.where(better, chunk_ids + start, top1)
             best = torch.where(better, chunk_max, best)
@@ -387,13 +388,17 @@ def _score_batch(
         children.append((rows[variant], _Child(reference, final(y), targets)))
         if not any(v.block_index == index for v in rows if _order(v) > _order(variant)):
             del inputs[index]  # the last variant of the block: free its input
-    scratch = torch.empty(n * chunk, device=weight.device)
+    # The same 4 buffers every chunk (`ChunkBuffers`: a fresh tensor of that size costs its page faults).
+    buffers = ChunkBuffers(n, min(chunk, weight.shape[0]), 4, weight.device)
     for start, stop in chunks:
-        parent_z = _logits(reference.hidden, weight, start, stop)
-        parent_p = torch.exp(parent_z - reference.log_normaliser.float()[:, None])
-        view = scratch[: n * (stop - start)].view(n, stop - start)
+        parent_z = _logits(reference.hidden, weight, start, stop, out=buffers.view(0, start, stop))
+        parent_p = torch.sub(
+            parent_z, reference.log_normaliser.float()[:, None], out=buffers.view(1, start, stop)
+        ).exp_()
+        view = buffers.view(3, start, stop)
         for _, child in children:
-            child.update(_logits(child.hidden, weight, start, stop), start, stop, parent_z, parent_p, view)
+            z = _logits(child.hidden, weight, start, stop, out=buffers.view(2, start, stop))
+            child.update(z, start, stop, parent_z, parent_p, view)
     for row, child in children:
         kl = child.kl(reference)
         hidden = child.hidden
