@@ -91,7 +91,7 @@ def compare_models(
             parent_hidden, child_hidden = (_final_hidden(model, ids) for model in (parent, child))
             chunks = vocab_chunks(parent_weight.shape[0], vocab_chunk)
             # The same 4 buffers every chunk (`ChunkBuffers`: a fresh tensor of that size costs its page faults).
-            buffers = ChunkBuffers(n, chunks[0][1], 4, device)
+            buffers = ChunkBuffers(n, chunks, 4, device)
             parent_stream = LogitStream(n, targets)
             for start, stop in chunks:
                 z = chunk_logits(parent_hidden, parent_weight, start, stop, out=buffers.view(0, start, stop))

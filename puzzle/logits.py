@@ -64,12 +64,14 @@ def chunk_logits(
 
 
 class ChunkBuffers:
-    """`count` fp32 buffers of [N, chunk] elements, handed out as contiguous [N, width] views chunk after
-    chunk (`view`), so a chunked pass writes its per-chunk tensors into the same memory every chunk."""
+    """`count` fp32 buffers of [N, widest chunk] elements for a pass over `chunks` (`vocab_chunks`), handed
+    out as contiguous [N, width] views chunk after chunk (`view`), so a chunked pass writes its per-chunk
+    tensors into the same memory every chunk."""
 
-    def __init__(self, n: int, chunk: int, count: int, device: torch.device) -> None:
+    def __init__(self, n: int, chunks: list[tuple[int, int]], count: int, device: torch.device) -> None:
         self.n = n
-        self.storage = [torch.empty(n * chunk, dtype=torch.float32, device=device) for _ in range(count)]
+        widest = max(stop - start for start, stop in chunks)
+        self.storage = [torch.empty(n * widest, dtype=torch.float32, device=device) for _ in range(count)]
 
     def view(self, index: int, start: int, stop: int) -> torch.Tensor:
         """Buffer `index` as an [N, stop - start] tensor (its contents are whatever was written last)."""
@@ -196,7 +198,7 @@ def head_pass(
     with torch.no_grad():
         n = targets.numel()
         chunks = vocab_chunks(weight.shape[0], chunk)
-        buffers = ChunkBuffers(n, min(chunk, weight.shape[0]), 3, targets.device)
+        buffers = ChunkBuffers(n, chunks, 3, targets.device)
         teacher = LogitStream(n, targets, top_k=1)
         student = LogitStream(n, targets, top_k=1)
         for start, stop in chunks:

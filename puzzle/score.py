@@ -158,7 +158,7 @@ class _Parent:
         best = torch.full((n,), -math.inf, device=hidden.device)
         top1 = torch.zeros(n, dtype=torch.long, device=hidden.device)
         target_logit = torch.zeros(n, device=hidden.device)
-        buffers = ChunkBuffers(n, chunks[0][1] - chunks[0][0], 2, hidden.device)
+        buffers = ChunkBuffers(n, chunks, 2, hidden.device)
         for start, stop in chunks:
             z = _logits(hidden, weight, start, stop, out=buffers.view(0, start, stop))
             chunk_max, chunk_ids = z.max(-1)
@@ -389,7 +389,7 @@ def _score_batch(
         if not any(v.block_index == index for v in rows if _order(v) > _order(variant)):
             del inputs[index]  # the last variant of the block: free its input
     # The same 4 buffers every chunk (`ChunkBuffers`: a fresh tensor of that size costs its page faults).
-    buffers = ChunkBuffers(n, min(chunk, weight.shape[0]), 4, weight.device)
+    buffers = ChunkBuffers(n, chunks, 4, weight.device)
     for start, stop in chunks:
         parent_z = _logits(reference.hidden, weight, start, stop, out=buffers.view(0, start, stop))
         parent_p = torch.sub(
