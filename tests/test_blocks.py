@@ -16,6 +16,7 @@ from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHAttentio
 from puzzle.blocks import BLOCK_TYPES, build_block
 from puzzle.blocks import moe as moe_module
 from puzzle.blocks.attention import AttentionMixer, KVCache, apply_rope
+from puzzle.blocks.mamba import MambaMixer
 from puzzle.blocks.mlp import LinearMixer, MLPMixer, NoOpMixer
 from puzzle.blocks.moe import ExpertBank, MoEMixer, allocate_banks, module_hub_state
 from puzzle.spec import (
@@ -206,6 +207,28 @@ def test_moe_top1_normalised_router_gets_no_gradient_and_routes_as_transformers(
     mixer = MoEMixer(two, hidden)
     mixer(x).pow(2).sum().backward()
     assert mixer.gate.weight.grad.abs().max() > 1e-3  # with two experts the router does learn
+
+
+def test_training_backward_makes_each_bank_and_projection_gradient_once():
+    """The training loop takes each expert's rows by one split of the bank, Mamba its z | xBC | dt by one
+    split of in_proj's output: the backward makes one gradient of each (a slice per part made a zero tensor
+    of the whole per part, E of each bank, and summed them)."""
+    from fresh_helpers import FreshTensors
+
+    hidden = 16
+    moe = MoEMixer(MoESpec(num_experts=8, top_k=2, expert_width=12, latent_size=8), hidden)
+    x = torch.randn(2, 16, hidden, generator=torch.Generator().manual_seed(3))
+    loss = moe(x).square().sum()
+    bank = tuple(moe.experts.up.shape)
+    with FreshTensors(moe.experts.up.untyped_storage().nbytes()) as fresh:
+        loss.backward()
+    assert fresh.shapes(bank) == 2, fresh.found  # one gradient of up, one of down
+    mamba = MambaMixer(MambaSpec(num_heads=4, head_dim=4, state_size=8, n_groups=2, chunk_size=8), hidden)
+    loss = mamba(x).square().sum()
+    projected = (2, 16, mamba.spec.in_proj_dim)
+    with FreshTensors(1) as fresh:
+        loss.backward()
+    assert fresh.shapes(projected) == 1, fresh.found
 
 
 def test_moe_moves_from_meta_with_to_empty():

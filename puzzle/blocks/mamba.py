@@ -58,11 +58,6 @@ def _kernels_for(tensor: torch.Tensor) -> SimpleNamespace | None:
     return _cuda_kernels() if tensor.is_cuda else None
 
 
-def _xbc_sections(spec: MambaSpec) -> tuple[slice, slice, slice]:
-    sections = spec.in_proj_sections()
-    return sections["x"], sections["B"], sections["C"]
-
-
 class GatedGroupRMSNorm(nn.Module):
     """RMSNorm of `y * silu(z)` over groups of d / n_groups channels, then the scale `weight` [d]."""
 
@@ -171,15 +166,18 @@ class MambaMixer(nn.Module):
 
     def split_projection(self, projected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """in_proj output [..., in_proj_dim] -> z [..., d], xBC [..., conv_dim], dt [..., num_heads] (views)."""
-        sections = self.spec.in_proj_sections()
-        xbc = slice(sections["x"].start, sections["C"].stop)
-        return projected[..., sections["z"]], projected[..., xbc], projected[..., sections["dt"]]
+        spec = self.spec
+        # One split, not three slices: a slice's backward makes a zero tensor of the whole projection and
+        # autograd adds them up (3 allocations and 2 sums of [..., in_proj_dim] a call); split's is one cat.
+        z, xbc, dt = projected.split((spec.d_inner, spec.conv_dim, spec.num_heads), dim=-1)
+        return z, xbc, dt
 
     def split_conv_output(self, xbc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """conv output [..., conv_dim] -> x [..., nh, p], B [..., g, n], C [..., g, n] (views)."""
         spec = self.spec
-        offset = spec.d_inner  # the conv's channels are in_proj's rows from x on
-        x, B, C = (xbc[..., slice(s.start - offset, s.stop - offset)] for s in _xbc_sections(spec))
+        groups = spec.n_groups * spec.state_size
+        # One split, as in split_projection: one cat in the backward.
+        x, B, C = xbc.split((spec.d_inner, groups, groups), dim=-1)
         return (
             x.unflatten(-1, (spec.num_heads, spec.head_dim)),
             B.unflatten(-1, (spec.n_groups, spec.state_size)),

@@ -308,14 +308,18 @@ class ExpertBank(nn.Module):
         if not tracked and quantize is None:
             self._chunked(h, hit, counts, tokens, pair_weights, out)
             return out.to(h.dtype)
+        # Each expert's rows by one split of each bank, not a slice per expert: a slice's backward makes a
+        # zero gradient of the whole bank and autograd sums them (E bank-sized allocations and E - 1 sums a
+        # backward); split's backward is one cat.
+        ups, downs = self.up.split(self.widths), self.down.split(self.widths)
         start = 0
         for j, count in zip(hit, counts):
             token, weight = tokens[start : start + count], pair_weights[start : start + count]
             x = h.index_select(0, token)
-            a = relu2(torch.mm(x, self.up_weight(j).T))
+            a = relu2(torch.mm(x, ups[j].T))
             if quantize is not None:
                 a = quantize(a)
-            y = torch.mm(a, self.down[self.offsets[j] : self.offsets[j + 1]])
+            y = torch.mm(a, downs[j])
             for observer in self._observers.values():
                 observer(j, x, a, y, weight[:, 0])
             out.index_add_(0, token, y.to(weight.dtype) * weight)
