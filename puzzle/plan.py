@@ -56,6 +56,8 @@ FP32 = 4
 # distillation head (puzzle.logits.distillation_head_loss) keeps the same plus the chunk's gradient.
 SCORE_LOGIT_BUFFERS = 4
 GKD_LOGIT_BUFFERS = 5
+# The [tokens, vocab_chunk] buffers `puzzle.logits.head_pass` makes a call (`ChunkBuffers`).
+HEAD_PASS_BUFFERS = 3
 STAGES = ("importance", "library", "scores", "solutions", "assemble", "distill", "export")
 # Saved activations per token of a BLD variant's training step, in units of (input widths of its matrices x
 # dtype bytes); the backward keeps each matrix's input plus a few elementwise temporaries.
@@ -713,6 +715,7 @@ def _library_work(ctx: _Context, trained: list[Variant], waves: list[list[Varian
             work.forward([variant.spec], rows, steps, passes=3, whose="variant")
             work.forward([variant.spec], eval_rows, 2 * held_calls, whose="variant")
             work.optimizer(sum(math.prod(shape) for shape in shapes), len(shapes), steps)
+            work.gradients([math.prod(shape) for shape in shapes], steps)
     untrained = [v for listed in (ctx.variants or {}).values() for v in listed if v not in set(trained)]
     if untrained:
         work.forward(ctx.spec.blocks, eval_rows, held_calls)
@@ -802,20 +805,25 @@ def _scores(ctx: _Context) -> StagePlan:
     work = ctx.work()
     held = ctx.held_out_batches() or 0
     calls = held if world > 1 else math.ceil(held / ctx.world)
+    # `puzzle.score`'s chunk buffers: 2 for the parent's pass (`_Parent.of`), 4 for a variant's KL.
+    parent_buffers = {"chunk": settings.vocab_chunk, "fresh": 2}
+    variant_buffers = {"chunk": settings.vocab_chunk, "fresh": SCORE_LOGIT_BUFFERS}
     for wave in waves:  # the parent's pass over the held-out batches, its logits the reference
         work.forward(spec.blocks, batch, calls)
         # Its logits twice (`puzzle.score`: the log-normaliser, then each chunk's p beside the children's).
-        work.head(spec.vocab_size, batch, calls, buffers=SCORE_LOGIT_BUFFERS, matmuls=2, exps=2)
+        work.head(
+            spec.vocab_size, batch, calls, buffers=SCORE_LOGIT_BUFFERS, matmuls=2, exps=2, **parent_buffers
+        )
         own = [v for v in wave if v.spec == spec.blocks[v.block_index]]
         if own and calls:  # the wave's check: its first parent variant through the suffix, on the first batch
             first = min(own, key=lambda v: (v.block_index, v.id))
             work.forward(spec.blocks[first.block_index :], batch, 1)
-            work.head(spec.vocab_size, batch, 1, buffers=SCORE_LOGIT_BUFFERS)
+            work.head(spec.vocab_size, batch, 1, buffers=SCORE_LOGIT_BUFFERS, **variant_buffers)
     for v in variants:
         if v.spec != spec.blocks[v.block_index]:
             work.forward([v.spec], batch, calls, whose="variant")
             work.forward(spec.blocks[v.block_index + 1 :], batch, calls)
-            work.head(spec.vocab_size, batch, calls, buffers=SCORE_LOGIT_BUFFERS)
+            work.head(spec.vocab_size, batch, calls, buffers=SCORE_LOGIT_BUFFERS, **variant_buffers)
     return StagePlan(
         "scores",
         f"{len(variants)} variants in {len(waves)} waves of up to {size} (scoring.variants_per_wave), "
@@ -914,7 +922,15 @@ def _assemble(ctx: _Context) -> StagePlan:
     calls, rows = solutions * math.ceil(held / ctx.world), ctx.config.data.eval_batch_size
     work.forward(spec.blocks, rows, calls)
     work.forward(spec.blocks, rows, calls * child, whose="child")
-    work.head(spec.vocab_size, rows, 2 * calls, buffers=SCORE_LOGIT_BUFFERS)
+    # compare_models makes 4 chunk buffers a batch: 2 for each of its 2 head passes.
+    work.head(
+        spec.vocab_size,
+        rows,
+        2 * calls,
+        buffers=SCORE_LOGIT_BUFFERS,
+        chunk=ctx.config.scoring.vocab_chunk,
+        fresh=2,
+    )
     return StagePlan(
         "assemble",
         f"{solutions} child(ren) built from the library, measured KL on the held-out tokens",
@@ -1025,12 +1041,22 @@ def _gkd_work(ctx: _Context, solutions: int, tokens: int, micro: int, student_pa
     work.forward(spec.blocks, micro, solutions * micros)  # the teacher
     work.forward(spec.blocks, micro, solutions * micros * child, passes=student_passes, whose="child")
     # puzzle.logits.head_pass with gradients: both models' logits twice, g W and g^T h; 4 exps.
+    # Its chunk buffers, made once a call (the lm_head's gradient it makes is counted with the parameters').
+    buffers = {"chunk": settings.vocab_chunk, "fresh": HEAD_PASS_BUFFERS}
     work.head(
-        spec.vocab_size, micro, solutions * micros, passes=3, buffers=GKD_LOGIT_BUFFERS, matmuls=6, exps=4
+        spec.vocab_size,
+        micro,
+        solutions * micros,
+        passes=3,
+        buffers=GKD_LOGIT_BUFFERS,
+        matmuls=6,
+        exps=4,
+        **buffers,
     )
     params = model_params(spec) * child
     tensors = sum(len(_mixer_shapes(b, spec.hidden_size)[0]) + 1 for b in spec.blocks) + 3
     work.optimizer(params, tensors * child, solutions * steps)
+    work.gradients(_parameter_elements(spec), solutions * steps, micros / max(steps, 1), share=child)
     evaluations = 1 + (steps // settings.eval_every if settings.eval_every else 0)
     if not settings.eval_every or steps % settings.eval_every:
         evaluations += 1  # the last step's
@@ -1041,8 +1067,20 @@ def _gkd_work(ctx: _Context, solutions: int, tokens: int, micro: int, student_pa
     work.forward(spec.blocks, eval_rows, calls)
     work.forward(spec.blocks, eval_rows, calls * child, whose="child")
     # head_pass without gradients: both models' logits twice; the log-normalisers' exps and p's.
-    work.head(spec.vocab_size, eval_rows, calls, passes=2, buffers=GKD_LOGIT_BUFFERS, matmuls=4, exps=3)
+    work.head(
+        spec.vocab_size, eval_rows, calls, passes=2, buffers=GKD_LOGIT_BUFFERS, matmuls=4, exps=3, **buffers
+    )
     return work
+
+
+def _parameter_elements(spec: ModelSpec) -> list[int]:
+    """The element count of each parameter tensor of a model of `spec`: every mixer's, its norm, the
+    embeddings, the final norm and the lm_head (unless tied)."""
+    H, table = spec.hidden_size, spec.vocab_size * spec.hidden_size
+    elements = [table, H] + ([] if spec.tie_embeddings else [table])
+    for block in spec.blocks:
+        elements += [math.prod(shape) for shape in _mixer_shapes(block, H)[0]] + [H]
+    return elements
 
 
 def _gkd_head(

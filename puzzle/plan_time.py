@@ -25,7 +25,14 @@ the calibrated `HardwareProfile.transcendental_s` per element beyond their traff
 - importance's statistics (`importance_hook_work`: the collectors' hooks of `puzzle.prune.importance`, their
   products, elementwise passes and ops, counted from that code) on top of its forwards;
 - a cycle collection (`puzzle.shard.free_dropped_units`: before and after every stage record, after every
-  BLD wave) at the calibrated `HardwareProfile.collect_s`.
+  BLD wave) at the calibrated `HardwareProfile.collect_s`;
+- fresh tensors of at least `puzzle.hostmem`'s mmap threshold (a run maps each on its own and unmaps it
+  when freed, so each is page-faulted again when first written), at the calibrated
+  `HardwareProfile.fresh_page_s` per byte beyond their traffic: each such parameter's gradient per
+  backward and AdamW's two temporaries of it per step (`gradients`), a head pass's chunk buffers
+  (`head(..., fresh=)`). Activations of a block that reach the
+  threshold are not counted (on the bench_scale parent, Mamba's in_proj output: 15% of a GKD step's
+  fresh bytes).
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from dataclasses import dataclass, field, replace
 from puzzle.cost.hardware import HardwareProfile
 from puzzle.cost.kinds import block_cost
 from puzzle.cost.roofline import Scenario, prefill_work, roofline_seconds
+from puzzle.hostmem import DEFAULT_THRESHOLD
 from puzzle.spec import AttentionSpec, BlockSpec, MambaSpec, MLPSpec, MoESpec
 
 # torch.optim.AdamW's single-tensor step with weight decay: param.mul_, exp_avg.lerp_, exp_avg_sq.mul_ and
@@ -44,6 +52,8 @@ from puzzle.spec import AttentionSpec, BlockSpec, MambaSpec, MLPSpec, MoESpec
 # the parameter's size.
 ADAMW_OPS = 12
 ADAMW_PASSES = 22
+# Fresh tensors of a parameter's size per AdamW step: the out-of-place sqrt and div of its denominator.
+ADAMW_FRESH = 2
 COMPUTE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 # puzzle.prune.importance samples one token in _COV_EVERY for a latent MoE's covariances.
 IMPORTANCE_COV_EVERY = 4
@@ -126,6 +136,8 @@ class StageWork:
     # (block, sequences per call, calls, linear fit's token stride): importance's collectors on its forwards
     hooks: list[tuple[BlockSpec, int, float, int]] = field(default_factory=list)
     collects: float = 0.0
+    # (bytes, calls): a tensor of at least the mmap threshold made fresh `calls` times
+    fresh: list[tuple[float, float]] = field(default_factory=list)
 
     def forward(
         self,
@@ -154,16 +166,39 @@ class StageWork:
         buffers: int = 4,
         matmuls: float | None = None,
         exps: float = 1.0,
+        chunk: int = 0,
+        fresh: int = 0,
     ) -> None:
         """`calls` lm_head calls over `rows` sequences, each `passes` passes with `buffers` fp32 [tokens, V]
         tensors, `matmuls` logit-sized products (default: one a pass) and `exps` exp passes over the
-        [tokens, V] logits (the softmax's, a transcendental function each)."""
+        [tokens, V] logits (the softmax's, a transcendental function each). `fresh`: the fp32
+        [tokens, chunk] buffers each call makes (`puzzle.logits.ChunkBuffers`, reused chunk after chunk;
+        `chunk`: the vocabulary chunk)."""
         matmuls = passes if matmuls is None else matmuls
-        self.heads.append((vocab, rows * self.seq_len, calls, passes, buffers, matmuls, exps))
+        tokens = rows * self.seq_len
+        self.heads.append((vocab, tokens, calls, passes, buffers, matmuls, exps))
+        self.fresh_tensors([tokens * min(chunk, vocab) * 4] * fresh, calls)
 
     def optimizer(self, params: float, tensors: float, steps: float) -> None:
         """`steps` AdamW steps of `params` elements in `tensors` tensors."""
         self.steps.append((params, tensors, steps))
+
+    def fresh_tensors(self, sizes: Iterable[float], calls: float) -> None:
+        """`calls` times, one fresh tensor of each of `sizes` bytes; those below the mmap threshold come from
+        the heap, already mapped, and cost nothing here."""
+        self.fresh += [(size, calls) for size in sizes if size >= DEFAULT_THRESHOLD]
+
+    def gradients(
+        self, elements: Iterable[int], steps: float, micros: float = 1.0, share: float = 1.0
+    ) -> None:
+        """`steps` training steps of `micros` micro-batches each, of parameter tensors of `elements` elements
+        in the work's dtype: each backward makes each one's gradient fresh (the first becomes `.grad`, which
+        zero_grad(set_to_none=True) frees after the step; later ones are added into it), each step AdamW's
+        `ADAMW_FRESH` temporaries. `share`: the fraction of them a child keeps (its tensors unknown before
+        the search: the parent's, scaled)."""
+        size = 2 if COMPUTE.get(self.dtype, "fp32") in ("bf16", "fp16") else 4
+        large = [count * size for count in elements if count * size >= DEFAULT_THRESHOLD]
+        self.fresh += [((micros + ADAMW_FRESH) * share * nbytes, steps) for nbytes in large]
 
     def seconds(self, hardware: HardwareProfile) -> float:
         """The work's time on `hardware` (an eager profile's calibration)."""
@@ -220,4 +255,5 @@ class StageWork:
         for params, tensors, steps in self.steps:
             traffic = ADAMW_PASSES * params * size / stream
             total += steps * (traffic + ADAMW_OPS * tensors * hardware.op_overhead_s)
+        total += sum(size * calls for size, calls in self.fresh) * hardware.fresh_page_s
         return total

@@ -184,10 +184,13 @@ def test_this_machine_is_calibrated_once_per_process():
         0 < r < 10 * profile.flops_per_s() for r in rates.values()
     )
     assert 0 < profile.transcendental_s < 1e-7
+    # A fresh mapping's page faults cost beyond a write to memory already mapped (ns per byte, not ms).
+    assert 0 < profile.fresh_page_s < 1e-7
     assert (
         profile_from_json(profile_to_json(profile), "here") == profile
     )  # the new fields survive hardware.json
     assert get_hardware("h100").mixing_flops == () and get_hardware("h100").transcendental_s == 0.0
+    assert get_hardware("h100").fresh_page_s == 0.0
 
 
 class _CountOps(TorchDispatchMode):

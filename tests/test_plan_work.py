@@ -11,8 +11,10 @@ between the parent's and the parent's plus the child's as planned. Times are not
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
+import pytest
 import torch
 from run_helpers import SPEC, make_inputs, write_config
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -23,8 +25,8 @@ from puzzle.cost.hardware import get_hardware
 from puzzle.cost.kinds import block_cost
 from puzzle.layout import STAGES
 from puzzle.model import Block, HybridLM
-from puzzle.plan import plan_run
-from puzzle.plan_time import importance_hook_work
+from puzzle.plan import HEAD_PASS_BUFFERS, plan_run
+from puzzle.plan_time import ADAMW_FRESH, DEFAULT_THRESHOLD, StageWork, importance_hook_work
 from puzzle.prune.importance import collect_importance
 from puzzle.run import Run
 from puzzle.spec import MLPSpec, ModelSpec, MoESpec
@@ -181,3 +183,49 @@ def test_the_gkd_head_counts_the_products_and_exps_head_pass_makes(tmp_path):
             f"head_pass (gradients={gradients}): {products:g} logit products and {exps:g} exps over [N, V], "
             f"the plan counts {planned[5]:g} and {planned[6]:g}"
         )
+
+
+def test_the_fresh_tensors_priced_are_those_head_pass_and_a_training_step_make():
+    """`puzzle.plan_time` charges page faults for tensors of at least the mmap threshold made fresh: per
+    head_pass call its `HEAD_PASS_BUFFERS` chunk buffers (however many chunks) and, with gradients, the
+    lm_head's [V, H] gradient, which the plan counts with every parameter's: one per backward, and AdamW's
+    `ADAMW_FRESH` temporaries per step. Counted here on the real code at sizes past the threshold."""
+    from fresh_helpers import FreshTensors
+
+    from puzzle.logits import head_pass
+
+    torch.manual_seed(0)
+    n, hidden, chunk = 64, 32, 4096
+    buffer = n * chunk * 4
+    assert buffer >= DEFAULT_THRESHOLD
+    for vocab in (2 * chunk + 2, 4 * chunk):  # 3 and 4 chunks: the buffers are made once a call
+        assert vocab * hidden * 4 >= DEFAULT_THRESHOLD
+        weight = torch.randn(vocab, hidden)
+        args = (torch.randn(n, hidden), weight, torch.randn(n, hidden), torch.randn(vocab, hidden))
+        targets = torch.randint(0, vocab, (n,))
+        for gradients in (True, False):
+            with FreshTensors(DEFAULT_THRESHOLD) as fresh:
+                head_pass(*args, targets, chunk, kl_scale=1.0, gradients=gradients)
+            made = sorted(shape for _, shape in fresh.found)
+            expected = [(n * chunk,)] * HEAD_PASS_BUFFERS + ([(vocab, hidden)] if gradients else [])
+            assert made == sorted(expected), (vocab, gradients, fresh.found)
+
+    layer = torch.nn.Linear(1024, 320)  # a 1.25 MiB weight, a 1.25 KiB bias
+    optimizer = torch.optim.AdamW(layer.parameters(), lr=1e-3, weight_decay=0.1)  # as puzzle.gkd makes it
+    x = torch.randn(8, 1024)
+    micros = 2
+    for step in range(3):  # the first step also makes AdamW's moments
+        with FreshTensors(DEFAULT_THRESHOLD) as fresh:
+            for _ in range(micros):
+                layer(x).square().sum().backward()
+            torch.nn.utils.clip_grad_norm_(list(layer.parameters()), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        made = micros + ADAMW_FRESH + (2 if step == 0 else 0)
+        assert fresh.shapes((320, 1024)) == made, fresh.found
+    # What the plan charges for it: the weight's 4 fresh tensors a step, nothing for the bias.
+    work = StageWork(hidden_size=1024, seq_len=8)
+    work.gradients([320 * 1024, 320], steps=5, micros=micros)
+    assert work.fresh == [((micros + ADAMW_FRESH) * 320 * 1024 * 4, 5)]
+    priced = dataclasses.replace(get_hardware("h100"), eager=True, fresh_page_s=1e-9)
+    assert work.seconds(priced) == pytest.approx(5 * (micros + ADAMW_FRESH) * 320 * 1024 * 4 * 1e-9)

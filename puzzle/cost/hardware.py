@@ -71,6 +71,11 @@ class HardwareProfile:
     function (SiLU, measured) beyond a copy of the same tensor: on one CPU thread such functions are
     compute-bound (about 1 ns per element against about 0.2 ns for the copy's traffic, which the activation
     traffic already prices); 0 on GPU profiles, whose fused kernels hide it under their memory traffic.
+    `fresh_page_s`: seconds per byte of first writing freshly mapped memory beyond writing memory already
+    mapped (the page faults and the kernel's zeroing of each page). A run on the CPU maps every allocation of
+    at least `puzzle.hostmem`'s threshold on its own and unmaps it when freed, so each such tensor (a
+    gradient, AdamW's temporaries, a head's chunk buffers) pays it again: measured here about 0.3-0.5 ns per
+    byte, twice a streaming write's. 0 on GPU profiles, whose caching allocator reuses device memory.
     """
 
     name: str
@@ -87,6 +92,7 @@ class HardwareProfile:
     stream_bandwidth: float = 0.0
     mixing_flops: tuple[tuple[str, float], ...] = ()
     transcendental_s: float = 0.0
+    fresh_page_s: float = 0.0
 
     def mixing_flops_per_s(self, kind: str, dtype: str = "bf16") -> float:
         """FLOP/s of `kind`'s sequence mixing (its calibrated rate, else the matmul peak in `dtype`)."""
@@ -247,6 +253,7 @@ def calibrate_this_machine(clock: Callable[[], float] = time.perf_counter) -> Ha
         silu_s = median_seconds(lambda: torch.nn.functional.silu(values, inplace=False), 9, clock=clock)
         plain_s = median_seconds(lambda: copied.copy_(values), 9, clock=clock)
         transcendental_s = max(silu_s - plain_s, 0.0) / values.numel()
+        fresh_page_s = _fresh_page_seconds(clock)
     # The cycle collector's cost grows with the objects the process holds: measured here, it is that of the
     # process calibrating (the run's own when the run stores its calibration, RUN_DIR/hardware.json).
     collect_s = median_seconds(gc.collect, 3, warmup=1, clock=clock)
@@ -265,7 +272,31 @@ def calibrate_this_machine(clock: Callable[[], float] = time.perf_counter) -> Ha
         stream_bandwidth=stream_bandwidth,
         mixing_flops=mixing_flops,
         transcendental_s=transcendental_s,
+        fresh_page_s=fresh_page_s,
     )
+
+
+def _fresh_page_seconds(clock: Callable[[], float]) -> float:
+    """Seconds per byte of filling a freshly mapped 8 MiB (an anonymous `mmap`, what glibc gives an
+    allocation above its mmap threshold) beyond filling one already written. Timed on mappings of its own,
+    so the process's allocator settings are neither needed nor changed."""
+    import mmap
+
+    import torch
+
+    size = 8 * MIB
+    warm = torch.empty(size // 4)
+    warm.fill_(1.0)
+    warm_s = median_seconds(lambda: warm.fill_(1.0), 9, clock=clock)
+
+    def fresh() -> None:
+        with mmap.mmap(-1, size) as mapped:
+            tensor = torch.frombuffer(mapped, dtype=torch.float32)
+            tensor.fill_(1.0)
+            del tensor  # the buffer's export must end before the mapping closes
+
+    fresh_s = median_seconds(fresh, 9, clock=clock)
+    return max(fresh_s - warm_s, 0.0) / size
 
 
 def _mixing_rates(clock: Callable[[], float], overhead_s: float) -> tuple[tuple[str, float], ...]:
