@@ -71,6 +71,7 @@ import logging
 import math
 import os
 import platform
+import re
 import shlex
 import statistics
 import sys
@@ -1424,6 +1425,49 @@ def ablate(
     }
 
 
+# What runs of one parent share, whatever their levels: the same run directory's library and splits.
+SHARED_BY_LEVELS = ("bld", "held_out_tokens", "test_tokens", "parent", "variants")
+
+
+def merge_levels(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One page's data from runs of the same parent and methods at different levels (one process per level,
+    `--levels LV`, each its own JSON): their rows in order of level, highest first, the summary, findings and
+    analysis computed again over all of them. ValueError when the parts differ in what they must share
+    (`SHARED_BY_LEVELS`: another library, split or parent) or repeat a level."""
+    if not parts:
+        raise ValueError("nothing to merge: give the JSONs of the runs, one per level")
+    ordered = sorted(parts, key=lambda part: -max(part["meta"]["levels"]))
+    levels = [level for part in ordered for level in part["meta"]["levels"]]
+    if len(set(levels)) != len(levels):
+        raise ValueError(f"the runs repeat a level: {levels}")
+    first = ordered[0]
+    for part in ordered[1:]:
+        for key in SHARED_BY_LEVELS:
+            if part[key] != first[key]:
+                raise ValueError(
+                    f"the runs at {first['meta']['levels']} and {part['meta']['levels']} differ in {key!r}: "
+                    "not the same parent and library"
+                )
+    rows = [row for part in ordered for row in part["rows"]]
+    commands = [part["meta"]["command"] for part in ordered]
+    shown = " ".join(f"{level:g}" for level in levels)
+    meta = {
+        **first["meta"],
+        "command": re.sub(r"--levels( [0-9.]+)+", f"--levels {shown}", commands[0]),
+        "levels": levels,
+        "seconds": sum(part["meta"]["seconds"] for part in ordered),
+        "commands": commands,
+    }
+    data = {
+        **{key: first[key] for key in SHARED_BY_LEVELS},
+        "rows": rows,
+        "summary": summarize(rows),
+        "meta": meta,
+    }
+    data["findings"], data["analysis"] = findings(data), analysis(data)
+    return data
+
+
 def write_outputs(data: dict[str, Any], output: Path, png: Path | None, doc: Path | None) -> None:
     """The plot and the document of `data` (the JSON written to `output`), where asked for."""
     if png is not None:
@@ -2138,6 +2182,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="also bound the predicted decode throughput: one minimum speed-up over the parent per level",
     )
     parser.add_argument(
+        "--merge",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="only merge the JSONs of runs of one parent at different levels into one page (--output, --doc, "
+        "--plot)",
+    )
+    parser.add_argument(
         "--render",
         action="store_true",
         help="only write the document and the plot again from the JSON (--output) of an earlier run",
@@ -2184,6 +2236,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup.doc = args.doc or (ROOT / "docs" / "RESULTS-quick.md" if default_run else None)
     setup.png = args.plot or (ROOT / "docs" / "results_kl.png" if default_run else None)
 
+    if args.merge:
+        if args.output is None:
+            parser.error("--merge writes the page's JSON to --output: give it")
+        data = merge_levels([json.loads(path.read_text()) for path in args.merge])
+        atomic_write_bytes(args.output, (json.dumps(data, indent=2, default=str) + "\n").encode())
+        print(f"wrote {args.output}")
+        write_outputs(data, args.output, args.plot, args.doc)
+        return 0
     if args.render:
         if not setup.output.is_file():
             parser.error(f"--render reads the JSON of an earlier run: {setup.output} does not exist")

@@ -606,3 +606,34 @@ def test_the_replication_verdicts_rest_on_the_interval_over_the_gkd_seeds():
     table = "\n".join(ablations.verdict_table({"quick-s0": data}))
     assert "| greedy | quick-s0 | 0.92 ~ |" in table
     assert "| homogeneous | quick-s0 | 1.49 + |" in table  # 1.5x times the per-cell noise
+
+
+def test_runs_one_level_each_merge_into_the_page_of_one_run():
+    """`--merge`: quick-s0-rerank's page, split back into its per-level runs (in another order), merges into
+    the same rows, and the summary and analysis of them all; parts of another library or a repeated level
+    are refused."""
+    import json
+    from pathlib import Path
+
+    ablations = benchmark_module("ablations")
+    page = Path(__file__).parents[1] / "benchmarks/results/replicate-seeds/quick-s0-rerank.json"
+    whole = json.loads(page.read_text())
+    parts = []
+    for level, command in zip(whole["meta"]["levels"], whole["meta"]["commands"]):
+        part = {key: whole[key] for key in ablations.SHARED_BY_LEVELS}
+        part["rows"] = [row for row in whole["rows"] if row["level"] == level]
+        part["meta"] = {**whole["meta"], "levels": [level], "command": command, "seconds": 1.0}
+        part["summary"] = ablations.summarize(part["rows"])
+        del part["meta"]["commands"]
+        parts.append(part)
+    merged = ablations.merge_levels(parts[::-1])
+    assert merged["rows"] == whole["rows"] and merged["meta"]["levels"] == whole["meta"]["levels"]
+    assert merged["meta"]["command"] == whole["meta"]["command"]
+    assert merged["meta"]["commands"] == whole["meta"]["commands"] and merged["meta"]["seconds"] == 4.0
+    assert merged["summary"] == ablations.summarize(whole["rows"])
+    assert merged["analysis"] == ablations.analysis(whole) and merged["findings"] == ablations.findings(whole)
+    other = {**parts[1], "variants": parts[1]["variants"] + 1}
+    with pytest.raises(ValueError, match="differ in 'variants'"):
+        ablations.merge_levels([parts[0], other])
+    with pytest.raises(ValueError, match="repeat a level"):
+        ablations.merge_levels([parts[0], parts[0]])
