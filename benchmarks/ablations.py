@@ -1485,8 +1485,11 @@ def write_outputs(data: dict[str, Any], output: Path, png: Path | None, doc: Pat
 QUICK_PARENT = dataclasses.replace(QUICK_SETTINGS, steps=80)
 DEEP_PATTERN = "MEM*EMEM*EMEM*EMEM*E"  # 20 blocks: 8 Mamba, 8 MoE, 4 attention
 DEEP_PARENT = TrainSettings(seq_len=256, batch_size=8, steps=120, lr=5e-3, warmup_steps=8)  # ~246k tokens
-PARENTS = ("quick", "deep", "full")
-REPLICATE = (("quick", 0), ("quick", 1), ("quick", 2), ("deep", 0))
+# A parent unlike `deep` in pattern and proportions (issue 36 §4): 12 blocks, 3 Mamba, 6 MoE of 16 experts (top
+# 4), 3 attention, hidden 96; half its blocks are MoE and a quarter attention (deep: 40% and 20%).
+WIDE_PATTERN = "MEE*MEE*MEE*"
+PARENTS = ("quick", "deep", "full", "wide")
+REPLICATE = (("quick", 0), ("quick", 1), ("quick", 2), ("deep", 0), ("wide", 0))
 # The replication distils the methods the claims rest on (Puzzle, uniform pruning, refilled greedy, random,
 # LM-loss scores) with two GKD seeds each, at the default four levels, with two random architectures per
 # level; the other methods are assembled and measured before GKD. Sized to run in about an hour on 2 cores
@@ -1503,13 +1506,16 @@ REPLICATE_HOURS = (
 
 
 def parent_spec(name: str) -> ModelSpec:
-    """The spec of a named parent: quick (the quick demo's), deep (20 blocks, hidden 64), full (the demo's)."""
+    """The spec of a named parent: quick (the quick demo's), deep (20 blocks, hidden 64), full (the demo's),
+    wide (12 blocks, MoE-heavy, hidden 96)."""
     if name == "quick":
         return demo_quick_parent_spec()
     if name == "deep":
         return demo_spec(DEEP_PATTERN, 64, num_experts=8, top_k=2, num_heads=4)
     if name == "full":
         return demo_parent_spec()
+    if name == "wide":
+        return demo_spec(WIDE_PATTERN, 96, num_experts=16, top_k=4, num_heads=6)
     raise ValueError(f"unknown parent {name!r}; parents: {', '.join(PARENTS)}")
 
 
@@ -1517,7 +1523,7 @@ def load_parent(name: str, seed: int, cache: Path | None) -> Any:
     """The named parent trained with `seed` (`puzzle.demo.parent.demo_parent`: cached as the demo's is)."""
     from puzzle.demo.parent import demo_parent
 
-    settings = {"quick": QUICK_PARENT, "deep": DEEP_PARENT, "full": FULL_SETTINGS}[name]
+    settings = {"quick": QUICK_PARENT, "deep": DEEP_PARENT, "full": FULL_SETTINGS, "wide": DEEP_PARENT}[name]
     return demo_parent(cache, seed=seed, progress=False, spec=parent_spec(name), settings=settings)
 
 
@@ -1887,6 +1893,7 @@ class Setup:
             "quick": "the quick demo parent",
             "deep": "the 20-block parent",
             "full": "the full demo parent",
+            "wide": "the 12-block MoE-heavy parent",
         }
         return f"{names[self.parent]} (seed {self.parent_seed}), {self.grid} grid"
 

@@ -279,6 +279,11 @@ def test_the_crossover_is_the_interpolated_zero_and_its_interval_holds_it():
 def test_the_named_parents():
     deep = ablations.parent_spec("deep")
     assert deep.num_blocks >= 19 and {b.kind for b in deep.blocks} == {"mamba", "moe", "attention"}
+    # The new parent differs from deep in pattern and in proportions of every kind.
+    wide = ablations.parent_spec("wide")
+    share = lambda spec, kind: sum(b.kind == kind for b in spec.blocks) / spec.num_blocks  # noqa: E731
+    assert [b.kind for b in wide.blocks] != [b.kind for b in deep.blocks][: wide.num_blocks]
+    assert all(share(wide, kind) != share(deep, kind) for kind in ("mamba", "moe", "attention"))
     tokens = lambda s: s.steps * s.batch_size * s.seq_len  # noqa: E731
     assert tokens(ablations.QUICK_PARENT) > 2 * tokens(ablations.QUICK_SETTINGS)  # trained longer than ~41k
 
