@@ -1523,6 +1523,7 @@ def load_parent(name: str, seed: int, cache: Path | None) -> Any:
     """The named parent trained with `seed` (`puzzle.demo.parent.demo_parent`: cached as the demo's is)."""
     from puzzle.demo.parent import demo_parent
 
+    # wide is trained as deep is: the same tokens, so the two differ in shape only.
     settings = {"quick": QUICK_PARENT, "deep": DEEP_PARENT, "full": FULL_SETTINGS, "wide": DEEP_PARENT}[name]
     return demo_parent(cache, seed=seed, progress=False, spec=parent_spec(name), settings=settings)
 

@@ -1053,10 +1053,9 @@ def _gkd_work(ctx: _Context, solutions: int, tokens: int, micro: int, student_pa
         exps=4,
         **buffers,
     )
-    params = model_params(spec) * child
-    tensors = sum(len(_mixer_shapes(b, spec.hidden_size)[0]) + 1 for b in spec.blocks) + 3
-    work.optimizer(params, tensors * child, solutions * steps)
-    work.gradients(_parameter_elements(spec), solutions * steps, micros / max(steps, 1), share=child)
+    elements = _parameter_elements(spec)
+    work.optimizer(model_params(spec) * child, len(elements) * child, solutions * steps)
+    work.gradients(elements, solutions * steps, micros / max(steps, 1), share=child)
     evaluations = 1 + (steps // settings.eval_every if settings.eval_every else 0)
     if not settings.eval_every or steps % settings.eval_every:
         evaluations += 1  # the last step's

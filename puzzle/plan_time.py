@@ -30,9 +30,8 @@ the calibrated `HardwareProfile.transcendental_s` per element beyond their traff
   when freed, so each is page-faulted again when first written), at the calibrated
   `HardwareProfile.fresh_page_s` per byte beyond their traffic: each such parameter's gradient per
   backward and AdamW's two temporaries of it per step (`gradients`), a head pass's chunk buffers
-  (`head(..., fresh=)`). Activations of a block that reach the
-  threshold are not counted (on the bench_scale parent, Mamba's in_proj output: 15% of a GKD step's
-  fresh bytes).
+  (`head(..., fresh=)`). A block's activations that reach the threshold are not counted (on the
+  bench_scale parent, Mamba's in_proj output: 15% of a GKD step's fresh bytes).
 """
 
 from __future__ import annotations
