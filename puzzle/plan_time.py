@@ -195,14 +195,19 @@ class StageWork:
         zero_grad(set_to_none=True) frees after the step; later ones are added into it), each step AdamW's
         `ADAMW_FRESH` temporaries. `share`: the fraction of them a child keeps (its tensors unknown before
         the search: the parent's, scaled)."""
-        size = 2 if COMPUTE.get(self.dtype, "fp32") in ("bf16", "fp16") else 4
+        size = self.element_bytes
         large = [count * size for count in elements if count * size >= DEFAULT_THRESHOLD]
         self.fresh += [((micros + ADAMW_FRESH) * share * nbytes, steps) for nbytes in large]
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one element in the work's compute dtype."""
+        return 2 if COMPUTE.get(self.dtype, "fp32") in ("bf16", "fp16") else 4
 
     def seconds(self, hardware: HardwareProfile) -> float:
         """The work's time on `hardware` (an eager profile's calibration)."""
         compute = COMPUTE.get(self.dtype, "fp32")
-        size = 2 if compute in ("bf16", "fp16") else 4
+        size = self.element_bytes
         total = self.collects * hardware.collect_s
         stream = hardware.stream_bandwidth or hardware.memory_bandwidth
         for block, rows, calls, passes, _ in self.blocks:

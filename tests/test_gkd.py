@@ -597,28 +597,7 @@ def test_the_accumulation_is_chosen_for_any_batch_the_ranks_can_share(batch, wor
 def test_head_backward_makes_no_second_vocabulary_sized_tensor():
     """The head's [V, H] gradient, made in the forward, is scaled in place in the backward: no op of the
     backward allocates another [V, H] tensor (a whole one per rank under FSDP), and it runs once only."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class NewStorage(TorchDispatchMode):
-        def __init__(self, threshold: int) -> None:
-            super().__init__()
-            self.threshold, self.found = threshold, []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            inputs = {
-                a.untyped_storage().data_ptr()
-                for a in torch.utils._pytree.tree_leaves(args)
-                if torch.is_tensor(a)
-            }
-            for t in torch.utils._pytree.tree_leaves(out):
-                if (
-                    torch.is_tensor(t)
-                    and t.numel() >= self.threshold
-                    and t.untyped_storage().data_ptr() not in inputs
-                ):
-                    self.found.append(str(func))
-            return out
+    from fresh_helpers import FreshTensors
 
     generator = torch.Generator().manual_seed(0)
     n, hidden_size, vocab = 6, 8, 40
@@ -628,7 +607,7 @@ def test_head_backward_makes_no_second_vocabulary_sized_tensor():
     teacher_weight = torch.randn(vocab, hidden_size, generator=generator)
     targets = torch.randint(0, vocab, (n,), generator=generator)
     loss, _ = distillation_head_loss(hidden, weight, teacher_hidden, teacher_weight, targets, 16, 0.7)
-    with NewStorage(vocab * hidden_size) as mode:
+    with FreshTensors(vocab * hidden_size * weight.element_size()) as mode:
         (2 * loss).backward(retain_graph=True)
     assert mode.found == []
     with pytest.raises(RuntimeError, match="runs once"):

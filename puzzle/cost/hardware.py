@@ -74,8 +74,9 @@ class HardwareProfile:
     `fresh_page_s`: seconds per byte of first writing freshly mapped memory beyond writing memory already
     mapped (the page faults and the kernel's zeroing of each page). A run on the CPU maps every allocation of
     at least `puzzle.hostmem`'s threshold on its own and unmaps it when freed, so each such tensor (a
-    gradient, AdamW's temporaries, a head's chunk buffers) pays it again: measured here about 0.3-0.5 ns per
-    byte, twice a streaming write's. 0 on GPU profiles, whose caching allocator reuses device memory.
+    gradient, AdamW's temporaries, a head's chunk buffers) pays it again: measured here 0.45-0.96 ns per byte
+    of CPU time, about 10x a streaming copy's. 0 on GPU profiles, whose caching allocator reuses device
+    memory.
     """
 
     name: str
